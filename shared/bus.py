@@ -1,0 +1,142 @@
+"""NATS helpers: connect with reconnect, typed request/reply, and the handler wrapper.
+
+`serve()` is the one wrapper every service uses: it decodes the request model, calls the handler,
+encodes the reply, turns a `StrataError` into an error reply and anything else into ``internal``,
+and counts requests, errors and latency per subject.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import nats
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg as NatsMsg
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+from pydantic import BaseModel, ValidationError
+
+from shared import metrics
+from shared.protocol.codec import decode, encode, encode_error
+from shared.protocol.errors import StrataError
+
+log = logging.getLogger(__name__)
+
+Req = TypeVar("Req", bound=BaseModel)
+Rep = TypeVar("Rep", bound=BaseModel)
+
+
+async def connect(url: str, name: str) -> NATS:
+    """Connect, retrying forever on disconnects; logs state changes."""
+
+    async def on_disconnected() -> None:
+        log.warning("nats disconnected")
+
+    async def on_reconnected() -> None:
+        log.info("nats reconnected")
+
+    async def on_error(exc: Exception) -> None:
+        log.debug("nats error: %s", exc)
+
+    return await nats.connect(
+        url,
+        name=name,
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=0.5,
+        connect_timeout=5,
+        allow_reconnect=True,
+        disconnected_cb=on_disconnected,
+        reconnected_cb=on_reconnected,
+        error_cb=on_error,
+    )
+
+
+async def request(
+    nc: NATS, subject: str, msg: BaseModel, reply_type: type[Rep], timeout: float = 10.0
+) -> Rep:
+    """Request/reply with typed errors: no responder -> ``unavailable``, timeout -> ``timeout``."""
+    try:
+        reply = await nc.request(subject, encode(msg), timeout=timeout)
+    except NoRespondersError as exc:
+        raise StrataError("unavailable", f"no service is listening on {subject}") from exc
+    except (NatsTimeoutError, asyncio.TimeoutError) as exc:
+        raise StrataError("timeout", f"no reply on {subject} within {timeout:.1f}s") from exc
+    return decode(reply.data, reply_type)
+
+
+async def publish(nc: NATS, subject: str, msg: BaseModel) -> None:
+    await nc.publish(subject, encode(msg))
+
+
+Handler = Callable[[Req], Awaitable[BaseModel | None]]
+
+
+async def serve(
+    nc: NATS,
+    subject: str,
+    req_type: type[Req],
+    handler: Callable[[Req], Awaitable[BaseModel | None]],
+    queue: str = "",
+):
+    """Subscribe ``handler``; each message is handled in its own task so one slow or bad request
+    never blocks or kills the others."""
+    tasks: set[asyncio.Task] = set()
+
+    async def handle(m: NatsMsg) -> None:
+        start = time.perf_counter()
+        status = "ok"
+        try:
+            req = decode(m.data, req_type)
+            rep = await handler(req)
+            if m.reply and rep is not None:
+                await m.respond(encode(rep))
+        except ValidationError as exc:
+            status = "error"
+            await _reply_error(m, StrataError("bad_request", _validation_message(exc)))
+        except StrataError as exc:
+            status = "error"
+            await _reply_error(m, exc)
+        except Exception as exc:  # noqa: BLE001 - the wrapper is the last line of defence
+            status = "error"
+            log.exception("handler for %s failed", subject)
+            await _reply_error(m, StrataError("internal", f"{type(exc).__name__}: {exc}"))
+        finally:
+            metrics.HANDLER_REQUESTS.labels(subject=_family(subject), status=status).inc()
+            metrics.HANDLER_LATENCY.labels(subject=_family(subject)).observe(
+                time.perf_counter() - start
+            )
+
+    async def cb(m: NatsMsg) -> None:
+        t = asyncio.create_task(handle(m))
+        tasks.add(t)
+        t.add_done_callback(tasks.discard)
+
+    return await nc.subscribe(subject, queue=queue, cb=cb)
+
+
+async def _reply_error(m: NatsMsg, err: StrataError) -> None:
+    if m.reply:
+        try:
+            await m.respond(encode_error(err))
+        except Exception:  # noqa: BLE001 - connection gone; nothing more to do
+            log.debug("could not send error reply", exc_info=True)
+
+
+def _validation_message(exc: ValidationError) -> str:
+    parts = []
+    for e in exc.errors()[:5]:
+        loc = ".".join(str(p) for p in e["loc"]) or "body"
+        parts.append(f"{loc}: {e['msg']}")
+    return "; ".join(parts)
+
+
+def _family(subject: str) -> str:
+    # strata.prefill.<id>.submit -> strata.prefill.*.submit keeps label cardinality bounded
+    parts = subject.split(".")
+    if len(parts) == 4 and parts[1] in ("prefill", "decode", "admin"):
+        parts[2] = "*"
+    return ".".join(parts)

@@ -1,0 +1,22 @@
+"""`strata.load.<role>.<instance>`: periodic load report; doubles as the heartbeat."""
+
+from __future__ import annotations
+
+from shared.protocol.base import Msg
+
+
+class LoadReport(Msg):
+    instance_id: str
+    role: str  # "prefill" | "decode" | "kvstore" | "vision" | "tokenizer"
+    incarnation: str  # new on every process start
+    grpc_addr: str = ""
+    model: str = ""
+    ts: float
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_free: int = 0
+    prefill_tokens_per_s: float = 0.0
+    decode_tokens_per_s: float = 0.0
+    max_model_len: int = 0
+    block_size: int = 16

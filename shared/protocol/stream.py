@@ -1,0 +1,35 @@
+"""`strata.req.<id>.out` (token stream to the gateway) and `strata.req.<id>.cancel`."""
+
+from __future__ import annotations
+
+from shared.protocol.base import Msg
+from shared.protocol.errors import ErrorInfo
+
+
+class Usage(Msg):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class TokenChunk(Msg):
+    """Tokens ``index .. index+len(token_ids)-1`` of one request's output.
+
+    Index-numbered so a gateway that resumes a stream on another instance drops duplicates.
+    """
+
+    request_id: str
+    index: int
+    token_ids: list[int] = []
+    text: str = ""
+    # Per token: {token_id: logprob} with the chosen token first, then the top-n alternatives.
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    usage: Usage | None = None
+    error: ErrorInfo | None = None
+    instance_id: str = ""
+
+
+class Cancel(Msg):
+    request_id: str
+    reason: str = "client disconnected"

@@ -1,0 +1,57 @@
+"""The one place that names every NATS subject. Everything is prefixed ``strata.``."""
+
+from __future__ import annotations
+
+PREFIX = "strata"
+
+# Public, versioned entry point of the gateway (same semantics as REST).
+API_GENERATE = f"{PREFIX}.api.v1.generate"
+API_MODELS = f"{PREFIX}.api.v1.models"
+
+TOK_ENCODE = f"{PREFIX}.tok.encode"  # queue group "tokenizer"
+VISION_ENCODE = f"{PREFIX}.vision.encode"  # queue group "vision"
+SCHED_ROUTE = f"{PREFIX}.sched.route"  # queue group "scheduler"
+SCHED_STATE = f"{PREFIX}.sched.state"  # scheduler -> everyone: degradation level, down instances
+SCHED_INSTANCES = f"{PREFIX}.sched.instances"  # request: the scheduler's view of the registry
+
+LOAD_ALL = f"{PREFIX}.load.>"
+KV_EVENTS_ALL = f"{PREFIX}.kv.events.>"
+KV_EVENTS_STREAM = "STRATA_KV_EVENTS"
+REGISTRY_BUCKET = "strata_registry"
+
+QUEUE_TOKENIZER = "tokenizer"
+QUEUE_VISION = "vision"
+QUEUE_SCHEDULER = "scheduler"
+
+
+def prefill_submit(instance: str) -> str:
+    return f"{PREFIX}.prefill.{instance}.submit"
+
+
+def decode_submit(instance: str) -> str:
+    return f"{PREFIX}.decode.{instance}.submit"
+
+
+def req_out(request_id: str) -> str:
+    """Token stream of one request, back to the gateway (index-numbered chunks)."""
+    return f"{PREFIX}.req.{request_id}.out"
+
+
+def req_cancel(request_id: str) -> str:
+    return f"{PREFIX}.req.{request_id}.cancel"
+
+
+REQ_CANCEL_ALL = f"{PREFIX}.req.*.cancel"
+
+
+def load_report(role: str, instance: str) -> str:
+    return f"{PREFIX}.load.{role}.{instance}"
+
+
+def kv_events(instance: str) -> str:
+    return f"{PREFIX}.kv.events.{instance}"
+
+
+def admin(role: str, instance: str) -> str:
+    """Per-instance admin/introspection requests (stats, leak checks)."""
+    return f"{PREFIX}.admin.{role}.{instance}"

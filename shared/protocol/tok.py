@@ -1,0 +1,30 @@
+"""`strata.tok.encode`: text or chat messages -> token ids with image placeholders expanded."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shared.protocol.base import Msg
+
+
+class TokenizeRequest(Msg):
+    request_id: str
+    # Exactly one of `messages` (chat; rendered with the model's chat template) or `prompt`.
+    messages: list[dict[str, Any]] | None = None
+    prompt: str | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+
+
+class ImageSpan(Msg):
+    """Where one image's embeddings replace placeholder tokens in the prompt."""
+
+    offset: int
+    length: int
+
+
+class TokenizeReply(Msg):
+    token_ids: list[int]
+    image_spans: list[ImageSpan] = []
+    # The rendered prompt text (chat template output); useful for debugging and echo.
+    text: str = ""

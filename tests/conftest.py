@@ -1,0 +1,45 @@
+"""Session fixtures: one real nats-server and one real MinIO per test session, on free ports.
+
+Unit tests of pure cores use neither; they are started lazily by the tests that ask for them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from services.infra.minio_server import MinioServer, start_minio
+from services.infra.nats_server import NatsServer, start_nats
+
+torch.set_num_threads(int(os.environ.get("STRATA_TEST_THREADS", "1")))
+
+
+@pytest.fixture(scope="session")
+def nats_server(tmp_path_factory) -> NatsServer:
+    server = start_nats(data_dir=str(tmp_path_factory.mktemp("nats")))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def nats_url(nats_server) -> str:
+    return nats_server.url
+
+
+@pytest.fixture(scope="session")
+def minio_server(tmp_path_factory) -> MinioServer:
+    server = start_minio(data_dir=str(tmp_path_factory.mktemp("minio")))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+async def nc(nats_url):
+    """A fresh NATS connection per test."""
+    from shared.bus import connect
+
+    conn = await connect(nats_url, name="pytest")
+    yield conn
+    await conn.drain()
