@@ -1,0 +1,133 @@
+"""Token selection: penalties, masks, greedy or filtered random sampling, logprobs.
+
+Randomness for a seeded request is keyed by ``(seed, position)`` only: each row draws Gumbel-style
+exponential noise from its own generator seeded with a stable mix of the two, so the same request
+picks the same tokens alone, in any batch, and when resumed from already-emitted tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from shared.engine.params import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+def mix_seed(seed: int, position: int) -> int:
+    """splitmix64 of (seed, position); stable across processes and platforms."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 0x632BE59BD9B4E019) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+@dataclass
+class SampleRow:
+    """What the sampler needs to know about one row of logits."""
+
+    params: SamplingParams
+    token_ids: Sequence[int]  # prompt + outputs so far (the context of this row)
+    num_prompt_tokens: int
+
+    @property
+    def position(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None]  # chosen token first, then the top-n
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: Sequence[int] = (), generator: torch.Generator | None = None):
+        self.eos_token_ids = list(eos_token_ids)
+        self.generator = generator
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleResult:
+        logits = logits.float()
+        raw = logits
+        out = [0] * len(rows)
+        plain = [i for i, r in enumerate(rows) if self._is_plain_greedy(r)]
+        if plain:
+            ids = logits[plain].argmax(dim=-1).tolist()
+            for i, t in zip(plain, ids, strict=True):
+                out[i] = t
+        for i, r in enumerate(rows):
+            if i not in plain:
+                out[i] = self._sample_row(logits[i].clone(), r)
+        lps: list[dict[int, float] | None] = [None] * len(rows)
+        want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        if want:
+            logp = torch.log_softmax(raw[want], dim=-1)
+            for j, i in enumerate(want):
+                n = rows[i].params.logprobs or 0
+                d = {out[i]: float(logp[j, out[i]])}
+                if n:
+                    vals, idx = logp[j].topk(n)
+                    for v, t in zip(vals.tolist(), idx.tolist(), strict=True):
+                        d.setdefault(t, v)
+                lps[i] = d
+        return SampleResult(out, lps)
+
+    @staticmethod
+    def _is_plain_greedy(r: SampleRow) -> bool:
+        p = r.params
+        return (
+            p.greedy
+            and p.repetition_penalty == 1.0
+            and p.presence_penalty == 0.0
+            and p.frequency_penalty == 0.0
+            and r.num_outputs >= p.min_tokens
+        )
+
+    def _sample_row(self, logits: torch.Tensor, r: SampleRow) -> int:
+        p = r.params
+        self._apply_penalties(logits, r)
+        if r.num_outputs < p.min_tokens:
+            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
+            if banned:
+                logits[banned] = float("-inf")
+        if p.greedy:
+            return int(logits.argmax())
+        logits = logits / p.temperature
+        if p.top_k > 0 and p.top_k < logits.numel():
+            kth = logits.topk(p.top_k).values[-1]
+            logits[logits < kth] = float("-inf")
+        probs = torch.softmax(logits, dim=-1)
+        if p.top_p < 1.0:
+            sp, si = probs.sort(descending=True)
+            drop = sp.cumsum(-1) - sp > p.top_p  # keep the smallest prefix reaching top_p
+            probs[si[drop]] = 0.0
+        if p.min_p > 0.0:
+            probs[probs < p.min_p * probs.max()] = 0.0
+        probs = probs.cpu()
+        if p.seed is not None:
+            g = torch.Generator().manual_seed(mix_seed(p.seed, r.position))
+        else:
+            g = self.generator
+        noise = torch.empty_like(probs).exponential_(generator=g)
+        return int((probs / noise).argmax())
+
+    @staticmethod
+    def _apply_penalties(logits: torch.Tensor, r: SampleRow) -> None:
+        p = r.params
+        if p.repetition_penalty != 1.0 and r.token_ids:
+            ids = torch.tensor(sorted(set(r.token_ids)), device=logits.device)
+            sel = logits[ids]
+            logits[ids] = torch.where(
+                sel > 0, sel / p.repetition_penalty, sel * p.repetition_penalty
+            )
+        if (p.presence_penalty or p.frequency_penalty) and r.num_outputs > 0:
+            outs = torch.tensor(list(r.token_ids[r.num_prompt_tokens :]), device=logits.device)
+            counts = torch.bincount(outs, minlength=logits.numel())[: logits.numel()].float()
+            logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()

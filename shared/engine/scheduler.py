@@ -1,0 +1,268 @@
+"""Continuous batching under a per-step token budget (plain Python, no torch).
+
+Scheduler contract
+------------------
+``schedule()`` decides one step: which sequences run and how many new tokens each computes.
+Every token has one place: the first ``seq.num_computed_tokens`` of ``seq.token_ids`` have K/V
+in the cache; a step computes the next ``num_new_tokens`` (plus ``num_draft_tokens``
+speculative tokens taken from ``seq.draft_token_ids``). Decodes and prefill chunks share one
+budget of ``max_num_batched_tokens``; running sequences go first (so a long prompt never stalls
+them), then waiting ones in (priority, arrival) order, chunked to the budget that is left.
+
+Priorities: a lower number is more important. Running sequences are served best-first; when KV
+runs out the worst running sequence (highest number, latest arrival) is preempted. A waiting
+sequence of a strictly better class may preempt worse running ones for KV or a batch slot.
+Preemption is "recompute" (free the blocks, re-prefill later: prefix caching usually makes that
+cheap) or "swap" (the output lists the blocks to copy out before they are reused, and on resume
+the fresh blocks to copy back into).
+
+``postprocess(output, sampled)`` takes the tokens chosen for each scheduled sequence (empty for a
+prefill chunk that has not reached the end of its prompt; accepted drafts + one bonus token for a
+speculative step), advances ``num_computed_tokens``, applies max_tokens / EOS / stop ids,
+registers newly full blocks for prefix caching and frees finished sequences (unless
+``hold_kv``). It returns the sequences that got tokens or finished.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+from shared.engine.block_manager import BlockManager
+from shared.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # includes num_draft_tokens
+    num_draft_tokens: int = 0
+
+    @property
+    def start(self) -> int:
+        return self.seq.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the end of the known tokens (a token gets sampled)."""
+        real = self.num_new_tokens - self.num_draft_tokens
+        return self.seq.num_computed_tokens + real >= self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    swap_out: list[tuple[Sequence, list[int]]] = field(default_factory=list)
+    swap_in: list[tuple[Sequence, list[int]]] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+def _rank(seq: Sequence) -> tuple[int, int]:
+    return (seq.priority, seq.arrival)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        salt: bytes,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_chunked_prefill: bool = True,
+        preemption_mode: str = "recompute",
+        eos_token_ids: Seq[int] = (),
+    ):
+        self.bm = block_manager
+        self.salt = salt
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.chunked = enable_chunked_prefill
+        self.preemption_mode = preemption_mode
+        self.eos_token_ids = set(eos_token_ids)
+        self.waiting: list[Sequence] = []  # WAITING and SWAPPED
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
+        self._budget = 0
+
+    # ----- intake ----------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """Admit a sequence whose blocks are already allocated and filled (prefilled elsewhere)."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Mark finished and release its blocks (kept when ``hold_kv``; see :meth:`release`)."""
+        if seq.status == SequenceStatus.FINISHED:
+            return
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.draft_token_ids = []
+        if not seq.hold_kv or reason == "abort":
+            self.release(seq)
+
+    def release(self, seq: Sequence) -> None:
+        self.bm.free(seq.block_table)
+        seq.block_table = []
+
+    # ----- schedule --------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        self._budget = self.max_num_batched_tokens
+        self.running.sort(key=_rank)
+        i = 0
+        while i < len(self.running) and self._budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, self._budget)
+            k = min(len(seq.draft_token_ids), self._budget - n) if n == 1 else 0
+            total = seq.num_computed_tokens + n + k
+            while not self.bm.allocate_slots(seq.block_table, total):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            if seq.status != SequenceStatus.RUNNING:
+                break  # preempted itself: everything after it is gone too
+            out.scheduled.append(ScheduledSeq(seq, n + k, k))
+            self._budget -= n + k
+            i += 1
+
+        blocked = {id(s) for s in out.preempted}
+        for seq in sorted(self.waiting, key=_rank):
+            if self._budget <= 0 or id(seq) in blocked:
+                break
+            if len(self.running) >= self.max_num_seqs and not self._evict_worse(seq, out):
+                break
+            if not self._admit(seq, out):
+                break  # head of line blocks the rest (FIFO within a priority class)
+        return out
+
+    def _admit(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """Try to start a waiting or swapped sequence within the remaining budget."""
+        swapped = seq.status == SequenceStatus.SWAPPED
+        cached: list[int] = []
+        if not swapped:
+            hashes = seq.update_block_hashes(self.salt, self.bm.block_size)
+            usable = (seq.num_tokens - 1) // self.bm.block_size  # always compute the last token
+            cached = self.bm.find_cached_prefix(hashes[:usable])
+        start = seq.num_computed_tokens if swapped else len(cached) * self.bm.block_size
+        n = seq.num_tokens - start
+        if n > self._budget:
+            if self.chunked:
+                n = self._budget
+            elif n <= self.max_num_batched_tokens:
+                return False  # fits a later step whole
+            # else: unchunked prompt larger than any budget runs whole, exceeding it
+        while not self.bm.allocate_slots(seq.block_table, start + n, cached):
+            if not self._evict_worse(seq, out):
+                return False
+        if swapped:
+            out.swap_in.append((seq, seq.block_table[: self.bm.blocks_for(start)]))
+        else:
+            seq.num_computed_tokens = start
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = start
+                self.prefix_query_tokens += seq.num_tokens
+                self.prefix_hit_tokens += start
+            seq.num_committed_blocks = len(cached)
+        self.waiting.remove(seq)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        out.scheduled.append(ScheduledSeq(seq, n, 0))
+        self._budget -= n
+        return True
+
+    def _evict_worse(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """Preempt the worst running sequence if its class is strictly worse than ``seq``'s."""
+        if not self.running:
+            return False
+        victim = max(self.running, key=_rank)
+        if victim.priority <= seq.priority:
+            return False
+        self._preempt(victim, out)
+        return True
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Take ``seq`` off the running list, refunding any budget it got this step."""
+        for j, s in enumerate(out.scheduled):
+            if s.seq is seq:
+                self._budget += s.num_new_tokens
+                del out.scheduled[j]
+                break
+        self.running.remove(seq)
+        self.num_preemptions += 1
+        seq.num_preemptions += 1
+        seq.draft_token_ids = []
+        out.preempted.append(seq)
+        if self.preemption_mode == "swap" and seq.num_computed_tokens > 0:
+            keep = self.bm.blocks_for(seq.num_computed_tokens)
+            out.swap_out.append((seq, list(seq.block_table[:keep])))
+            seq.status = SequenceStatus.SWAPPED
+        else:
+            seq.status = SequenceStatus.WAITING
+            seq.num_computed_tokens = 0
+        self.release(seq)
+        self.waiting.append(seq)
+
+    # ----- postprocess -----------------------------------------------------------------------
+    def postprocess(self, out: SchedulerOutput, sampled: Seq[Seq[int]]) -> list[Sequence]:
+        touched: list[Sequence] = []
+        for sch, tokens in zip(out.scheduled, sampled, strict=True):
+            seq = sch.seq
+            if seq.status != SequenceStatus.RUNNING:
+                continue  # aborted while the step ran
+            real = sch.num_new_tokens - sch.num_draft_tokens
+            seq.num_computed_tokens += real + (max(len(tokens) - 1, 0) if tokens else 0)
+            seq.draft_token_ids = []
+            for t in tokens:
+                seq.token_ids.append(t)
+                reason = self._stop_reason(seq, t)
+                if reason:
+                    self.finish(seq, reason)
+                    break
+            seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
+            if seq.block_table:
+                self._commit_blocks(seq)
+            if tokens or seq.is_finished:
+                touched.append(seq)
+        return touched
+
+    def _commit_blocks(self, seq: Sequence) -> None:
+        full = seq.num_computed_tokens // self.bm.block_size
+        if full > seq.num_committed_blocks:
+            hashes = seq.update_block_hashes(self.salt, self.bm.block_size)
+            seq.num_committed_blocks = self.bm.cache_full_blocks(
+                seq.block_table, hashes, seq.num_committed_blocks, full
+            )
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if seq.num_output_tokens >= p.max_tokens:
+            return "length"
+        if seq.num_output_tokens < p.min_tokens:
+            return None
+        if not p.ignore_eos and token in self.eos_token_ids:
+            return "stop"
+        if token in p.stop_token_ids:
+            return "stop"
+        return None
