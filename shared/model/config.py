@@ -1,0 +1,290 @@
+"""``ModelConfig``: one normalised view of a Hugging Face ``config.json``.
+
+Handles what transformers 4.x and 5.x write: ``torch_dtype`` vs ``dtype``, ``rope_theta`` +
+``rope_scaling`` vs a nested ``rope_parameters`` dict, ``image_token_index`` vs
+``image_token_id``. Missing keys fall back to the transformers defaults of the model type.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shared.model.errors import CheckpointError
+
+# model_type -> (causal LM architecture, defaults that differ between families)
+_TEXT_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaForCausalLM", {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048}),
+    "mistral": ("MistralForCausalLM", {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768}),
+    "qwen2": ("Qwen2ForCausalLM", {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768}),
+    "qwen3": ("Qwen3ForCausalLM", {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768}),
+}
+TEXT_ARCHITECTURES = {arch: mt for mt, (arch, _) in _TEXT_FAMILIES.items()}
+LLAVA_ARCHITECTURE = "LlavaForConditionalGeneration"
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """Vision tower + projector settings of a LLaVA-style checkpoint."""
+
+    model_type: str  # "clip_vision_model" or "siglip_vision_model"
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    image_size: int  # square input resolution in pixels
+    patch_size: int
+    num_channels: int
+    layer_norm_eps: float
+    hidden_act: str  # activation inside the tower's MLP
+    feature_layer: (
+        int | tuple[int, ...]
+    )  # hidden-state index (or indices, concatenated) fed to the projector
+    select_strategy: str  # "default" drops the CLS token, "full" keeps every token
+    projector_act: str  # activation between the projector's two linears
+    projector_bias: bool
+
+    @property
+    def has_cls_token(self) -> bool:
+        """CLIP prepends a class token; SigLIP does not."""
+        return self.model_type.startswith("clip")
+
+    @property
+    def num_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+    @property
+    def num_image_tokens(self) -> int:
+        """Projected tokens per image (what one image placeholder expands to)."""
+        n = self.num_patches + int(self.has_cls_token)
+        return n - 1 if self.select_strategy == "default" else n
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Decoder (and optional vision) hyper-parameters, independent of the transformers version."""
+
+    architecture: str  # HF architecture name, e.g. "Qwen3ForCausalLM"
+    model_type: str  # HF model_type of the checkpoint ("llava" for VLMs)
+    text_model_type: str  # model_type of the decoder ("llama", "qwen2", "qwen3")
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None  # rope parameters besides theta when rope_type != "default"
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # bias on q/k/v projections (always on for Qwen2)
+    o_proj_bias: bool  # bias on the output projection (Llama: attention_bias; Qwen2: never)
+    mlp_bias: bool
+    qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    hidden_act: str
+    dtype: torch.dtype  # checkpoint dtype (the loader may override)
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    vision: VisionConfig | None = None
+    image_token_id: int | None = None
+    num_image_tokens: int = 0  # tokens per image after placeholder expansion; 0 for text-only
+    image_size: int = 0  # vision input resolution; 0 for text-only
+
+    @property
+    def is_multimodal(self) -> bool:
+        return self.vision is not None
+
+
+def parse_dtype(value: Any, default: torch.dtype = torch.float32) -> torch.dtype:
+    """Map a config dtype string (or torch dtype) to ``torch.dtype``."""
+    if value is None:
+        return default
+    if isinstance(value, torch.dtype):
+        return value
+    name = str(value).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported dtype {value!r}")
+    return _DTYPES[name]
+
+
+def _eos_tuple(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def _rope(cfg: dict) -> tuple[float, dict | None]:
+    """Return (theta, scaling) from either the 4.x or the 5.x layout."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict):
+        theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    else:
+        theta = float(cfg.get("rope_theta", 10000.0))
+        scaling = dict(cfg.get("rope_scaling") or {})
+    if "type" in scaling and "rope_type" not in scaling:
+        scaling["rope_type"] = scaling.pop("type")
+    if scaling.get("rope_type", "default") == "default":
+        return theta, None
+    return theta, scaling
+
+
+def _text_fields(cfg: dict, source: str) -> dict[str, Any]:
+    model_type = cfg.get("model_type", "llama")
+    if model_type not in _TEXT_FAMILIES:
+        raise CheckpointError(f"{source}: unsupported text model_type {model_type!r}")
+    _, defaults = _TEXT_FAMILIES[model_type]
+    hidden = int(cfg.get("hidden_size", 4096))
+    heads = int(cfg.get("num_attention_heads", 32))
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    head_dim = cfg.get("head_dim") or hidden // heads
+    theta, scaling = _rope(cfg)
+    if scaling and scaling["rope_type"] not in ("llama3", "linear"):
+        raise CheckpointError(f"{source}: unsupported rope_type {scaling['rope_type']!r}")
+    bias = bool(cfg.get("attention_bias", False))
+    return dict(
+        text_model_type=model_type,
+        vocab_size=int(cfg.get("vocab_size", 32000)),
+        hidden_size=hidden,
+        intermediate_size=int(cfg.get("intermediate_size", 11008)),
+        num_layers=int(cfg.get("num_hidden_layers", 32)),
+        num_heads=heads,
+        num_kv_heads=int(kv_heads),
+        head_dim=int(head_dim),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", defaults["rms_norm_eps"])),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=int(
+            cfg.get("max_position_embeddings", defaults["max_position_embeddings"])
+        ),
+        attention_bias=True if model_type == "qwen2" else bias,
+        o_proj_bias=bias if model_type in ("llama", "qwen3") else False,
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        qk_norm=model_type == "qwen3",
+        hidden_act=str(cfg.get("hidden_act", "silu")),
+    )
+
+
+def _vision_config(cfg: dict) -> VisionConfig:
+    vc = cfg.get("vision_config") or {}
+    model_type = vc.get("model_type", "clip_vision_model")
+    if model_type not in ("clip_vision_model", "siglip_vision_model"):
+        raise CheckpointError(f"config.json: unsupported vision model_type {model_type!r}")
+    clip = model_type == "clip_vision_model"
+    # LLaVA's default vision tower is CLIP ViT-L/14-336; SigLIP defaults follow SiglipVisionConfig.
+    d = (
+        dict(
+            hidden_size=1024,
+            intermediate_size=4096,
+            num_hidden_layers=24,
+            num_attention_heads=16,
+            image_size=336,
+            patch_size=14,
+            hidden_act="quick_gelu",
+            layer_norm_eps=1e-5,
+        )
+        if clip
+        else dict(
+            hidden_size=768,
+            intermediate_size=3072,
+            num_hidden_layers=12,
+            num_attention_heads=12,
+            image_size=224,
+            patch_size=16,
+            hidden_act="gelu_pytorch_tanh",
+            layer_norm_eps=1e-6,
+        )
+    )
+    d.update({k: v for k, v in vc.items() if k in d})
+    layer = cfg.get("vision_feature_layer", -2)
+    return VisionConfig(
+        model_type=model_type,
+        hidden_size=int(d["hidden_size"]),
+        intermediate_size=int(d["intermediate_size"]),
+        num_layers=int(d["num_hidden_layers"]),
+        num_heads=int(d["num_attention_heads"]),
+        image_size=int(d["image_size"]),
+        patch_size=int(d["patch_size"]),
+        num_channels=int(vc.get("num_channels", 3)),
+        layer_norm_eps=float(d["layer_norm_eps"]),
+        hidden_act=str(d["hidden_act"]),
+        feature_layer=layer if isinstance(layer, int) else tuple(int(x) for x in layer),
+        select_strategy=str(cfg.get("vision_feature_select_strategy", "default")),
+        projector_act=str(cfg.get("projector_hidden_act", "gelu")),
+        projector_bias=bool(cfg.get("multimodal_projector_bias", True)),
+    )
+
+
+def config_from_dict(cfg: dict, source: str = "config.json") -> ModelConfig:
+    """Normalise a parsed ``config.json``; ``source`` names the file in error messages."""
+    archs = cfg.get("architectures") or []
+    arch = archs[0] if archs else None
+    if arch is None:
+        mt = cfg.get("model_type")
+        arch = LLAVA_ARCHITECTURE if mt == "llava" else _TEXT_FAMILIES.get(mt, (None,))[0]
+    if arch != LLAVA_ARCHITECTURE and arch not in TEXT_ARCHITECTURES:
+        raise CheckpointError(f"{source}: unknown architecture {arch!r}")
+    if arch == LLAVA_ARCHITECTURE:
+        text = dict(cfg.get("text_config") or {"model_type": "llama"})
+        fields = _text_fields(text, source)
+        vision = _vision_config(cfg)
+        image_token_id = cfg.get("image_token_index", cfg.get("image_token_id", 32000))
+        tie = bool(cfg.get("tie_word_embeddings", False) or text.get("tie_word_embeddings", False))
+        dtype_src = (
+            cfg.get("dtype")
+            or cfg.get("torch_dtype")
+            or text.get("dtype")
+            or text.get("torch_dtype")
+        )
+        return ModelConfig(
+            architecture=arch,
+            model_type="llava",
+            **fields,
+            tie_word_embeddings=tie,
+            dtype=parse_dtype(dtype_src),
+            bos_token_id=text.get("bos_token_id", cfg.get("bos_token_id")),
+            eos_token_ids=_eos_tuple(text.get("eos_token_id", cfg.get("eos_token_id"))),
+            vision=vision,
+            image_token_id=int(image_token_id),
+            num_image_tokens=vision.num_image_tokens,
+            image_size=vision.image_size,
+        )
+    fields = _text_fields(cfg, source)
+    return ModelConfig(
+        architecture=arch,
+        model_type=cfg.get("model_type", fields["text_model_type"]),
+        **fields,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        dtype=parse_dtype(cfg.get("dtype") or cfg.get("torch_dtype")),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=_eos_tuple(cfg.get("eos_token_id")),
+    )
+
+
+def load_config(path: str | Path) -> ModelConfig:
+    """Read ``<path>/config.json`` (or a config.json path) into a ``ModelConfig``."""
+    p = Path(path)
+    file = p / "config.json" if p.is_dir() else p
+    try:
+        raw = json.loads(file.read_text())
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{file}: config.json not found") from e
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{file}: invalid JSON ({e})") from e
+    return config_from_dict(raw, source=str(file))

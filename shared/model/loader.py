@@ -1,0 +1,167 @@
+"""Load a Hugging Face checkpoint directory into a Strata model.
+
+Reads ``config.json`` and single or sharded safetensors (``model.safetensors.index.json``).
+Every expected tensor must be present with the expected shape, otherwise ``CheckpointError``
+names the file and the tensor.
+
+Fingerprint: ``sha256(architecture, weights digest, dtype)``. The weights digest hashes, per
+safetensors file in name order, the file name and size plus either the whole file (files up to
+``FULL_HASH_LIMIT`` bytes) or the safetensors header and ``SAMPLE_CHUNKS`` evenly spaced 1 MiB
+chunks (larger files). It depends only on file bytes, so it is stable across processes and
+machines, and it costs at most ~``SAMPLE_CHUNKS`` MiB of reads per big shard.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from shared.model.config import LLAVA_ARCHITECTURE, ModelConfig, load_config
+from shared.model.errors import CheckpointError
+from shared.model.models import model_class
+
+__all__ = ["CheckpointError", "LoadedModel", "load_model", "weights_digest", "checkpoint_files"]
+
+FULL_HASH_LIMIT = 256 << 20
+SAMPLE_CHUNKS = 32
+_CHUNK = 1 << 20
+_INDEX = "model.safetensors.index.json"
+
+# Newer on-disk LLaVA layout (transformers 4.52-4.x) -> the layout 5.x writes, which we use.
+_LLAVA_RENAMES = (
+    ("model.language_model.", "language_model.model."),
+    ("model.vision_tower.", "vision_tower."),
+    ("model.multi_modal_projector.", "multi_modal_projector."),
+    ("lm_head.", "language_model.lm_head."),
+)
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for ``forward`` plus what identifies it."""
+
+    model: nn.Module
+    config: ModelConfig
+    fingerprint: str  # hex sha256 over architecture, weights digest and dtype
+    path: Path
+
+
+def checkpoint_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
+    """The safetensors files of a checkpoint and, when sharded, the tensor -> file map."""
+    index = path / _INDEX
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index}: malformed index ({e})") from e
+        return [path / f for f in sorted(set(weight_map.values()))], weight_map
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: no model.safetensors or {_INDEX}")
+    return files, None
+
+
+def _file_digest(file: Path, h) -> None:
+    size = file.stat().st_size
+    h.update(f"{file.name}\0{size}\0".encode())
+    with open(file, "rb") as f:
+        if size <= FULL_HASH_LIMIT:
+            while chunk := f.read(16 * _CHUNK):
+                h.update(chunk)
+            return
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        h.update(f.read(header_len))
+        for i in range(SAMPLE_CHUNKS):
+            f.seek((size - _CHUNK) * i // (SAMPLE_CHUNKS - 1))
+            h.update(f.read(_CHUNK))
+
+
+def weights_digest(files: list[Path]) -> str:
+    """Hex digest of the weight files (see module docstring for the sampling rule)."""
+    h = hashlib.sha256()
+    for file in sorted(files, key=lambda p: p.name):
+        _file_digest(file, h)
+    return h.hexdigest()
+
+
+def _our_name(name: str, config: ModelConfig) -> str:
+    if config.architecture == LLAVA_ARCHITECTURE:
+        for old, new in _LLAVA_RENAMES:
+            if name.startswith(old):
+                return new + name[len(old) :]
+    return name
+
+
+def _tied_names(model: nn.Module) -> set[str]:
+    """Parameter names that alias an earlier parameter (tied LM head)."""
+    seen: dict[int, str] = {}
+    tied = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            tied.add(name)
+        seen.setdefault(id(p), name)
+    return tied
+
+
+def _load_weights(model: nn.Module, config: ModelConfig, path: Path) -> list[Path]:
+    files, weight_map = checkpoint_files(path)
+    tied = _tied_names(model)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    expected = {n for n in params if n not in tied}
+    found: dict[str, Path] = {}
+    for file in files:
+        if not file.exists():
+            raise CheckpointError(f"{file}: shard listed in {_INDEX} is missing")
+        try:
+            handle = safe_open(str(file), framework="pt", device="cpu")
+        except Exception as e:  # safetensors raises its own error types
+            raise CheckpointError(f"{file}: unreadable safetensors file ({e})") from e
+        with handle as f:
+            for key in f.keys():
+                name = _our_name(key, config)
+                if name not in expected:
+                    continue  # e.g. a SigLIP pooling head or an untied duplicate we do not use
+                param = params[name]
+                shape = tuple(f.get_slice(key).get_shape())
+                if shape != tuple(param.shape):
+                    raise CheckpointError(
+                        f"{file}: tensor {key!r} has shape {shape}, expected {tuple(param.shape)}"
+                    )
+                with torch.no_grad():
+                    param.copy_(f.get_tensor(key))
+                found[name] = file
+    missing = sorted(expected - found.keys())
+    if missing:
+        where = path / _INDEX if weight_map is not None else files[0]
+        raise CheckpointError(
+            f"{where}: missing tensor {missing[0]!r}"
+            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+        )
+    return files
+
+
+def load_model(
+    path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
+) -> LoadedModel:
+    """Build the model for ``path/config.json`` and load its safetensors weights."""
+    path = Path(path)
+    config = load_config(path)
+    dtype = dtype or config.dtype
+    cls = model_class(config)
+    with torch.device("meta"):
+        model = cls(config)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.tie_weights()
+    files = _load_weights(model, config, path)
+    model.eval().requires_grad_(False)
+    fp = hashlib.sha256(
+        f"{config.architecture}\0{weights_digest(files)}\0{dtype}".encode()
+    ).hexdigest()
+    return LoadedModel(model=model, config=config, fingerprint=fp, path=path)

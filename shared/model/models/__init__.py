@@ -1,0 +1,18 @@
+"""Model classes by Hugging Face architecture name (lazy imports keep start-up light)."""
+
+from __future__ import annotations
+
+from importlib import import_module
+
+from torch import nn
+
+from shared.model.config import LLAVA_ARCHITECTURE, TEXT_ARCHITECTURES, ModelConfig
+
+_REGISTRY = {arch: "shared.model.models.llama:LlamaForCausalLM" for arch in TEXT_ARCHITECTURES}
+_REGISTRY[LLAVA_ARCHITECTURE] = "shared.model.models.llava:LlavaForConditionalGeneration"
+
+
+def model_class(config: ModelConfig) -> type[nn.Module]:
+    """The Strata module class implementing ``config.architecture``."""
+    module, name = _REGISTRY[config.architecture].split(":")
+    return getattr(import_module(module), name)
