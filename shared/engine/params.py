@@ -73,8 +73,8 @@ class EngineConfig:
     """Torch device of the model and KV cache."""
     dtype: str | None = None
     """KV cache dtype name (e.g. "float32"); None follows the model dtype."""
-    swap_space_bytes: int = 1 << 30
-    """Host memory for swapped-out blocks (preemption_mode="swap")."""
+    collect_evicted_kv: bool = False
+    """Copy evicted cached blocks out for the KV pool (``LLMEngine.drain_evicted_kv``)."""
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> None:

@@ -247,6 +247,14 @@ class Scheduler:
                 touched.append(seq)
         return touched
 
+    def postprocess_prefilled(self, seq: Sequence, first_token_id: int) -> None:
+        """Append the first token of a sequence prefilled elsewhere (KV already written)."""
+        seq.token_ids.append(first_token_id)
+        self._commit_blocks(seq)
+        reason = self._stop_reason(seq, first_token_id)
+        if reason:
+            self.finish(seq, reason)
+
     def _commit_blocks(self, seq: Sequence) -> None:
         full = seq.num_computed_tokens // self.bm.block_size
         if full > seq.num_committed_blocks:

@@ -1,0 +1,42 @@
+"""Incremental text with stop strings: emits text deltas, holding back a possible stop prefix."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class TextTracker:
+    """Feeds tokens to an ``IncrementalDetokenizer`` and finds stop strings in the text.
+
+    Up to ``len(longest stop) - 1`` trailing characters are held back while they could still
+    start a stop string; :meth:`flush` releases them when the request ends for another reason.
+    """
+
+    def __init__(self, detokenizer, stop: Sequence[str] = ()):
+        self.detok = detokenizer
+        self.stop = list(stop)
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.text = ""
+        self.emitted = 0
+
+    def add(self, token_id: int) -> tuple[str, bool]:
+        """Returns (text delta, hit a stop string)."""
+        self.text += self.detok.add(token_id)
+        if self.stop:
+            lo = max(0, self.emitted - self.hold)
+            hits = [i for i in (self.text.find(s, lo) for s in self.stop) if i >= 0]
+            if hits:
+                end = min(hits)
+                delta = self.text[self.emitted : end] if end > self.emitted else ""
+                self.text = self.text[:end]
+                self.emitted = len(self.text)
+                return delta, True
+        end = max(self.emitted, len(self.text) - self.hold)
+        delta = self.text[self.emitted : end]
+        self.emitted = end
+        return delta, False
+
+    def flush(self) -> str:
+        delta = self.text[self.emitted :]
+        self.emitted = len(self.text)
+        return delta

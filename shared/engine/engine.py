@@ -1,0 +1,284 @@
+"""``LLMEngine``: the synchronous step loop shared by the prefill and decode services.
+
+One ``step()`` = schedule -> move KV that must move (swap out/in, evicted cached blocks) ->
+prepare inputs -> forward -> sample (or verify drafts) -> postprocess -> detokenize. The
+disaggregation and KV-pool hooks live in :class:`~shared.engine.kv_io.KVTransferMixin`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence as Seq
+
+import torch
+
+from shared.engine.block_manager import BlockManager
+from shared.engine.detok import TextTracker
+from shared.engine.hashing import model_salt
+from shared.engine.kv_io import KVTransferMixin
+from shared.engine.model_runner import ModelRunner, dtype_of
+from shared.engine.outputs import EngineStats, RequestOutput
+from shared.engine.params import EngineConfig, SamplingParams
+from shared.engine.sampler import Sampler, SampleRow
+from shared.engine.scheduler import Scheduler, SchedulerOutput
+from shared.engine.sequence import MMInput, Sequence, SequenceStatus
+from shared.engine.spec_decode import NgramProposer, Proposer, eligible, verify_greedy
+
+
+class LLMEngine(KVTransferMixin):
+    def __init__(
+        self,
+        loaded_model,
+        config: EngineConfig | None = None,
+        tokenizer=None,
+        proposer: Proposer | None = None,
+    ):
+        self.config = config = config or EngineConfig()
+        self.loaded = loaded_model
+        model = loaded_model.model
+        if config.quantization == "int8":
+            from shared.engine.quant import quantize_model_
+
+            quantize_model_(model)
+        kv_dtype = dtype_of(config.dtype, model.dtype)
+        per_block = ModelRunner.bytes_per_block(model, config.block_size, kv_dtype)
+        num_blocks = config.kv_cache_bytes // per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"EngineConfig.kv_cache_bytes: {config.kv_cache_bytes} B holds no block "
+                f"({per_block} B each)"
+            )
+        self.runner = ModelRunner(model, num_blocks, config.block_size, kv_dtype)
+        self.salt = model_salt(
+            loaded_model.fingerprint, str(kv_dtype).removeprefix("torch."), config.block_size
+        )
+        self.eos_token_ids = list(loaded_model.config.eos_token_ids or [])
+        self.bm = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.bm,
+            self.salt,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.enable_chunked_prefill,
+            config.preemption_mode,
+            self.eos_token_ids,
+        )
+        self.sampler = Sampler(self.eos_token_ids, torch.Generator().manual_seed(0))
+        if proposer is None and config.num_speculative_tokens > 0:
+            proposer = NgramProposer(
+                config.num_speculative_tokens, config.ngram_min, config.ngram_max
+            )
+        self.proposer = proposer
+        self.tokenizer = tokenizer
+        self.seqs: dict[str, Sequence] = {}
+        self.trackers: dict[str, TextTracker] = {}
+        self.pending: list[RequestOutput] = []  # outputs produced outside step()
+        self._init_kv_io()
+        self._t = {"forward": 0.0, "step": 0.0, "idle": 0.0, "last_fwd": 0.0, "last_step": 0.0}
+        self._steps = 0
+        self._last_end: float | None = None
+        self._spec = [0, 0]  # drafted, accepted
+
+    # ----- intake ----------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Seq[int],
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        mm_inputs: Seq[MMInput] = (),
+        output_token_ids: Seq[int] = (),
+        hold_kv: bool = False,
+    ) -> None:
+        """Queue a request. ``output_token_ids`` resumes one whose tokens were already emitted
+        elsewhere: they become context and are not emitted again."""
+        seq = self._new_seq(request_id, prompt_token_ids, params, priority, mm_inputs, hold_kv)
+        seq.token_ids += list(output_token_ids)
+        seq.num_resumed_outputs = len(output_token_ids)
+        self._track(seq)
+        self.scheduler.add(seq)
+
+    def _new_seq(self, request_id, prompt, params, priority, mm_inputs, hold_kv) -> Sequence:
+        if request_id in self.seqs:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        if not prompt:
+            raise ValueError("empty prompt")
+        seq = Sequence(
+            request_id,
+            list(prompt),
+            len(prompt),
+            params or SamplingParams(),
+            priority=priority,
+            mm_inputs=list(mm_inputs),
+            hold_kv=hold_kv,
+        )
+        self.seqs[request_id] = seq
+        return seq
+
+    def _track(self, seq: Sequence) -> None:
+        if self.tokenizer is None:
+            return
+        from shared.model.tokenizer import IncrementalDetokenizer
+
+        detok = IncrementalDetokenizer(
+            self.tokenizer, list(seq.token_ids), skip_special_tokens=seq.params.skip_special_tokens
+        )
+        self.trackers[seq.request_id] = TextTracker(detok, seq.params.stop)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now and free its blocks; an "abort" output follows in the next step."""
+        seq = self.seqs.pop(request_id, None)
+        self.trackers.pop(request_id, None)
+        if seq is None:
+            return
+        if seq.status == SequenceStatus.FINISHED:
+            self.scheduler.release(seq)  # held KV
+            return
+        self.scheduler.finish(seq, "abort")
+        self.pending.append(self._output(seq, [], None, "", True))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self.pending)
+
+    # ----- step ------------------------------------------------------------------------------
+    def step(self, layer_callback=None) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        if self._last_end is not None:
+            self._t["idle"] += t0 - self._last_end
+        outputs, self.pending = self.pending, []
+        sched = self.scheduler.schedule()
+        self._move_kv(sched)
+        if not sched.is_empty:
+            batch = self.runner.prepare(sched)
+            tf = time.perf_counter()
+            logits = self.runner.execute(batch, layer_callback)
+            self._t["last_fwd"] = time.perf_counter() - tf
+            self._t["forward"] += self._t["last_fwd"]
+            outputs += self._finish_step(sched, batch.logit_rows, logits)
+            self._steps += 1
+        end = time.perf_counter()
+        self._t["last_step"] = end - t0
+        self._t["step"] += end - t0
+        self._last_end = end
+        return outputs
+
+    def _finish_step(self, sched: SchedulerOutput, logit_rows, logits) -> list[RequestOutput]:
+        rows: list[SampleRow] = []
+        where: list[int] = []
+        verify: dict[int, list[int]] = {}
+        r = 0
+        for i, (sch, k) in enumerate(zip(sched.scheduled, logit_rows, strict=True)):
+            if k == 1:
+                s = sch.seq
+                rows.append(SampleRow(s.params, s.token_ids, s.num_prompt_tokens))
+                where.append(r)
+            elif k > 1:
+                verify[i] = logits[r : r + k].argmax(dim=-1).tolist()
+            r += k
+        res = self.sampler(logits[where], rows) if rows else None
+        sampled: list[list[int]] = []
+        lps: list[list | None] = []
+        j = 0
+        for i, (sch, k) in enumerate(zip(sched.scheduled, logit_rows, strict=True)):
+            if k == 1:
+                sampled.append([res.token_ids[j]])
+                lps.append(None if res.logprobs[j] is None else [res.logprobs[j]])
+                j += 1
+            elif k > 1:
+                drafts = sch.seq.draft_token_ids[: sch.num_draft_tokens]
+                toks = verify_greedy(drafts, verify[i])
+                self._spec[0] += len(drafts)
+                self._spec[1] += len(toks) - 1
+                sampled.append(toks)
+                lps.append(None)
+            else:
+                sampled.append([])
+                lps.append(None)
+        before = {id(s.seq): s.seq.num_tokens for s in sched.scheduled}
+        touched = self.scheduler.postprocess(sched, sampled)
+        lp_of = {id(s.seq): lp for s, lp in zip(sched.scheduled, lps, strict=True)}
+        outs = [self._emit(seq, before[id(seq)], lp_of[id(seq)]) for seq in touched]
+        if self.proposer is not None:
+            for seq in self.scheduler.running:
+                if seq.num_computed_tokens == seq.num_tokens - 1 and eligible(seq):
+                    seq.draft_token_ids = self.proposer.propose(seq)[
+                        : self.config.num_speculative_tokens
+                    ]
+        return outs
+
+    def _emit(self, seq: Sequence, before: int, lps) -> RequestOutput:
+        new = seq.token_ids[before:]
+        text = ""
+        tracker = self.trackers.get(seq.request_id)
+        if tracker is not None:
+            for n, t in enumerate(new):
+                delta, hit = tracker.add(t)
+                text += delta
+                if hit:
+                    del seq.token_ids[before + n + 1 :]
+                    new = new[: n + 1]
+                    self.scheduler.finish(seq, "stop")
+                    break
+            if seq.is_finished:
+                text += tracker.flush()
+        if lps is not None:
+            lps = lps[: len(new)]
+        out = self._output(seq, new, lps, text, seq.is_finished)
+        if seq.is_finished:
+            self.trackers.pop(seq.request_id, None)
+            if not seq.hold_kv:
+                self.seqs.pop(seq.request_id, None)
+        return out
+
+    @staticmethod
+    def _output(seq: Sequence, new, lps, text: str, finished: bool) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=list(new),
+            new_logprobs=lps,
+            text_delta=text,
+            finished=finished,
+            finish_reason=seq.finish_reason if finished else None,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+        )
+
+    # ----- convenience -----------------------------------------------------------------------
+    def generate(
+        self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None
+    ) -> list[list[int]]:
+        """Run prompts to completion; returns the generated token ids of each."""
+        plist = params if isinstance(params, list | tuple) else [params] * len(prompts)
+        base = f"gen-{id(prompts)}-{time.monotonic_ns()}"
+        ids = [f"{base}-{i}" for i in range(len(prompts))]
+        for rid, p, sp in zip(ids, prompts, plist, strict=True):
+            self.add_request(rid, p, sp)
+        got: dict[str, list[int]] = {rid: [] for rid in ids}
+        while any(rid in self.seqs for rid in ids) or self.pending:
+            for o in self.step():
+                if o.request_id in got:
+                    got[o.request_id] += o.new_token_ids
+        return [got[rid] for rid in ids]
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            running=len(s.running),
+            waiting=sum(1 for q in s.waiting if q.status == SequenceStatus.WAITING),
+            swapped=sum(1 for q in s.waiting if q.status == SequenceStatus.SWAPPED),
+            kv_blocks_total=self.bm.num_blocks,
+            kv_blocks_free=self.bm.num_free_blocks,
+            kv_usage=self.bm.usage,
+            kv_pool_bytes=self.runner.kv_bytes,
+            prefix_query_tokens=s.prefix_query_tokens,
+            prefix_hit_tokens=s.prefix_hit_tokens,
+            preemptions=s.num_preemptions,
+            steps=self._steps,
+            forward_time_s=self._t["forward"],
+            step_time_s=self._t["step"],
+            idle_gap_s=self._t["idle"],
+            last_forward_s=self._t["last_fwd"],
+            last_step_s=self._t["last_step"],
+            spec_draft_tokens=self._spec[0],
+            spec_accepted_tokens=self._spec[1],
+        )

@@ -1,0 +1,163 @@
+"""Turns a scheduled step into model inputs, runs the model and owns the paged KV tensors."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from shared.engine.scheduler import SchedulerOutput
+from shared.model.api import AttentionMetadata, KVCache, LayerCallback
+
+
+def dtype_of(name: str | None, default: torch.dtype) -> torch.dtype:
+    if name is None:
+        return default
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"EngineConfig.dtype: unknown torch dtype {name!r}")
+    return dt
+
+
+@dataclass
+class PreparedBatch:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    inputs_embeds: torch.Tensor | None
+    logits_indices: torch.Tensor  # flat-batch rows whose logits are needed
+    logit_rows: list[int]  # per scheduled seq: how many of those rows are its (0 = none)
+
+
+class ModelRunner:
+    """Holds the model and the KV cache; everything here is torch."""
+
+    def __init__(self, model, num_blocks: int, block_size: int, kv_dtype: torch.dtype):
+        self.model = model
+        self.device = torch.device(model.device)
+        self.block_size = block_size
+        self.kv = KVCache.allocate(
+            model.num_layers,
+            num_blocks,
+            block_size,
+            model.num_kv_heads,
+            model.head_dim,
+            kv_dtype,
+            self.device,
+        )
+
+    @staticmethod
+    def bytes_per_block(model, block_size: int, kv_dtype: torch.dtype) -> int:
+        return KVCache.bytes_per_block(
+            model.num_layers, block_size, model.num_kv_heads, model.head_dim, kv_dtype
+        )
+
+    @property
+    def kv_bytes(self) -> int:
+        return 2 * self.kv.k.numel() * self.kv.k.element_size()
+
+    # ----- inputs --------------------------------------------------------------------------
+    def prepare(self, out: SchedulerOutput) -> PreparedBatch:
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[torch.Tensor] = []
+        slots: list[torch.Tensor] = []
+        qsl = [0]
+        ctx: list[int] = []
+        qlens: list[int] = []
+        logits_idx: list[int] = []
+        logit_rows: list[int] = []
+        splices: list[tuple[int, torch.Tensor]] = []
+        for sch in out.scheduled:
+            seq, start, n = sch.seq, sch.start, sch.num_new_tokens
+            toks = seq.token_ids[start:] + seq.draft_token_ids[: sch.num_draft_tokens]
+            toks = toks[:n]
+            base = len(ids)
+            ids += toks
+            p = torch.arange(start, start + n)
+            table = torch.tensor(seq.block_table, dtype=torch.long)
+            pos.append(p)
+            slots.append(table[p // bs] * bs + p % bs)
+            qsl.append(qsl[-1] + n)
+            ctx.append(start + n)
+            qlens.append(n)
+            k = sch.num_draft_tokens + 1 if sch.samples else 0
+            logits_idx += range(base + n - k, base + n)
+            logit_rows.append(k)
+            for m in seq.mm_inputs:
+                lo, hi = max(start, m.offset), min(start + n, m.offset + m.length)
+                if lo < hi:
+                    splices.append((base + lo - start, m.embeds[lo - m.offset : hi - m.offset]))
+        max_blocks = max(len(s.seq.block_table) for s in out.scheduled)
+        tables = torch.zeros(len(out.scheduled), max_blocks, dtype=torch.long)
+        for i, s in enumerate(out.scheduled):
+            tables[i, : len(s.seq.block_table)] = torch.tensor(s.seq.block_table)
+        dev = self.device
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor(qsl, dtype=torch.long, device=dev),
+            context_lens=torch.tensor(ctx, dtype=torch.long, device=dev),
+            block_tables=tables.to(dev),
+            slot_mapping=torch.cat(slots).to(dev),
+            query_lens=qlens,
+            context_lens_list=ctx,
+        )
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        embeds = None
+        if splices:
+            embeds = self.model.embed_tokens(input_ids).clone()
+            for at, e in splices:
+                embeds[at : at + e.shape[0]] = e.to(embeds.device, embeds.dtype)
+        return PreparedBatch(
+            input_ids,
+            torch.cat(pos).to(dev),
+            meta,
+            embeds,
+            torch.tensor(logits_idx, dtype=torch.long, device=dev),
+            logit_rows,
+        )
+
+    @torch.inference_mode()
+    def execute(
+        self, batch: PreparedBatch, layer_callback: LayerCallback | None = None
+    ) -> torch.Tensor:
+        """Forward the flat batch; float32 logits for ``batch.logits_indices`` rows."""
+        hidden = self.model.forward(
+            batch.input_ids,
+            batch.positions,
+            batch.meta,
+            self.kv,
+            inputs_embeds=batch.inputs_embeds,
+            layer_callback=layer_callback,
+        )
+        if batch.logits_indices.numel() == 0:
+            return hidden.new_empty((0, 0), dtype=torch.float32)
+        return self.model.compute_logits(hidden[batch.logits_indices])
+
+    # ----- raw KV access (swap, eviction, disaggregation) ----------------------------------
+    def read_blocks(self, block_ids: Seq[int], layers: range | None = None) -> torch.Tensor:
+        """``[L', 2, n, block_size, kvh, hd]`` copy of the given blocks."""
+        idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+        lay = slice(None) if layers is None else slice(layers.start, layers.stop)
+        return torch.stack([self.kv.k[lay, idx], self.kv.v[lay, idx]], dim=1)
+
+    def write_blocks(self, block_ids: Seq[int], data: torch.Tensor) -> None:
+        """Inverse of :meth:`read_blocks` over all layers."""
+        idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+        data = data.to(self.device, self.kv.k.dtype)
+        self.kv.k[:, idx] = data[:, 0]
+        self.kv.v[:, idx] = data[:, 1]
+
+    def slots_for(self, block_table: Seq[int], start: int, end: int) -> torch.Tensor:
+        p = torch.arange(start, end)
+        table = torch.tensor(list(block_table), dtype=torch.long)
+        return table[p // self.block_size] * self.block_size + p % self.block_size
+
+    def write_tokens(
+        self, slots: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """Write per-token K/V ``[n, kvh, hd]`` of one layer into ``slots``."""
+        L, nb, bs, h, d = self.kv.k.shape
+        slots = slots.to(self.device)
+        self.kv.k.view(L, nb * bs, h, d)[layer, slots] = k.to(self.device, self.kv.k.dtype)
+        self.kv.v.view(L, nb * bs, h, d)[layer, slots] = v.to(self.device, self.kv.v.dtype)

@@ -1,0 +1,54 @@
+"""Narrow result types the engine hands to services."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request (a delta, not the running total)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[dict[int, float]] | None = None  # per new token: chosen first, then top-n
+    text_delta: str = ""  # only with a tokenizer; stop strings applied and trimmed
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class EngineStats:
+    """Load and efficiency counters; times are seconds (cumulative unless marked last_)."""
+
+    running: int
+    waiting: int
+    swapped: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    kv_usage: float
+    kv_pool_bytes: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    preemptions: int
+    steps: int
+    forward_time_s: float
+    step_time_s: float
+    idle_gap_s: float  # time between the end of one step and the start of the next
+    last_forward_s: float = 0.0
+    last_step_s: float = 0.0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return (
+            self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+        )
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0

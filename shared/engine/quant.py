@@ -1,0 +1,58 @@
+"""int8 weight-only quantization of ``nn.Linear`` (per-output-channel symmetric scales)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class Int8Linear(nn.Module):
+    """``y = x @ (w_int8 * scale).T + b``; weights stored as int8, activations untouched."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        w = linear.weight.detach().float()
+        scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0
+        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("weight_int8", q.contiguous())
+        self.register_buffer("scale", scale.to(linear.weight.dtype))
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), False)
+        self._fast = _has_int8_kernel(q.device, linear.weight.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if self._fast:
+            y = torch.ops.aten._weight_int8pack_mm(x2, self.weight_int8, self.scale.to(x.dtype))
+        else:
+            y = (x2 @ self.weight_int8.to(x.dtype).T) * self.scale.to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+
+def _has_int8_kernel(device: torch.device, dtype: torch.dtype) -> bool:
+    try:
+        x = torch.zeros(1, 32, device=device, dtype=dtype)
+        w = torch.zeros(8, 32, device=device, dtype=torch.int8)
+        torch.ops.aten._weight_int8pack_mm(x, w, torch.ones(8, device=device, dtype=dtype))
+        return True
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return False
+
+
+def quantize_model_(model: nn.Module, skip: tuple[str, ...] = ("lm_head",)) -> int:
+    """Replace every ``nn.Linear`` (except names containing ``skip``) in place; returns the count.
+
+    The LM head stays in full precision by default: it decides the argmax and, when tied, shares
+    its weight with the embedding.
+    """
+    n = 0
+    for name, mod in list(model.named_modules()):
+        for child_name, child in list(mod.named_children()):
+            full = f"{name}.{child_name}" if name else child_name
+            if isinstance(child, nn.Linear) and not any(s in full for s in skip):
+                setattr(mod, child_name, Int8Linear(child))
+                n += 1
+    return n
