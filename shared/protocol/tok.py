@@ -28,3 +28,12 @@ class TokenizeReply(Msg):
     image_spans: list[ImageSpan] = []
     # The rendered prompt text (chat template output); useful for debugging and echo.
     text: str = ""
+    # What the gateway needs to compute KV block hashes (`shared.engine.hashing.model_salt`):
+    model_fingerprint: str = ""  # `shared.model.loader` fingerprint of the checkpoint
+    kv_dtype: str = ""  # "float32" | "bfloat16" | "float16"
+    block_size: int = 16
+    max_model_len: int = 0  # context length (prompt + output tokens)
+    eos_token_ids: list[int] = []
+    # Wall-clock (time.time()) bounds of the tokenize work, so callers can check EPD overlap.
+    started_at: float = 0.0
+    finished_at: float = 0.0

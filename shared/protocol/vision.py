@@ -26,3 +26,6 @@ class VisionEncodeReply(Msg):
     instance_id: str
     source_addr: str  # gRPC address to pull embeddings from (KVTransfer.Pull by image hash)
     cache_hits: int = 0
+    # Wall-clock (time.time()) bounds of the encode work, so callers can check EPD overlap.
+    started_at: float = 0.0
+    finished_at: float = 0.0

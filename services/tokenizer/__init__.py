@@ -1,0 +1,1 @@
+"""Tokenizer service: chat template + HF tokenizers on `strata.tok.encode` (queue group)."""

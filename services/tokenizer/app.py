@@ -1,0 +1,55 @@
+"""`strata serve tokenizer --model DIR`: `TokenizerCore` on `strata.tok.encode` (queue group)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from pydantic import Field
+
+from services.tokenizer.core import TokenizerCore
+from shared import bus, metrics
+from shared.config import ServiceConfig
+from shared.logs import setup_logging
+from shared.protocol import subjects
+from shared.protocol.tok import TokenizeReply, TokenizeRequest
+from shared.service import announce_ready, run
+
+log = logging.getLogger(__name__)
+
+
+class TokenizerConfig(ServiceConfig):
+    """Tokenizer service settings."""
+
+    model: str = Field(..., min_length=1, description="Checkpoint directory (tokenizer + config)")
+    dtype: str = Field("", description="KV dtype the engines run (default: checkpoint dtype)")
+    block_size: int = Field(16, ge=1, description="KV block size the engines use (for hashes)")
+
+
+async def serve_tokenizer(nc, core: TokenizerCore):
+    """Subscribe the core on `strata.tok.encode` in queue group "tokenizer"; returns the sub."""
+
+    async def handle(req: TokenizeRequest) -> TokenizeReply:
+        # Tokenizing is CPU work; a thread keeps the loop free for other requests.
+        return await asyncio.to_thread(core.encode, req)
+
+    return await bus.serve(nc, subjects.TOK_ENCODE, TokenizeRequest, handle,
+                           queue=subjects.QUEUE_TOKENIZER)  # fmt: skip
+
+
+def main(argv: list[str]) -> None:
+    cfg = TokenizerConfig.load(argv, role="tokenizer")
+    setup_logging("tokenizer", cfg.instance_id, cfg.log_level)
+
+    async def amain(stop: asyncio.Event) -> None:
+        core = TokenizerCore(cfg.model, cfg.dtype, cfg.block_size)
+        metrics.serve_metrics(cfg.metrics_port)
+        metrics.SERVICE_INFO.labels("tokenizer", cfg.instance_id).set(1)
+        nc = await bus.connect(cfg.nats_url, f"tokenizer-{cfg.instance_id}")
+        await serve_tokenizer(nc, core)
+        await nc.flush()
+        announce_ready("tokenizer", cfg.instance_id)
+        await stop.wait()
+        await nc.drain()
+
+    run(amain)

@@ -1,0 +1,121 @@
+"""Pure tokenizer core: chat messages / prompts -> token ids with image placeholders expanded.
+
+No NATS here; `TokenizerCore.encode` takes and returns the bus messages so the handler is a
+one-liner and tests call it directly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shared.model.config import load_config, parse_dtype
+from shared.model.image import expand_image_placeholders
+from shared.model.loader import checkpoint_files, weights_digest
+from shared.model.tokenizer import Tokenizer
+from shared.protocol.errors import StrataError
+from shared.protocol.tok import ImageSpan, TokenizeReply, TokenizeRequest
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_IMAGE_PART_TYPES = ("image", "image_url", "input_image")
+_TEXT_PART_TYPES = ("text", "input_text")
+
+
+def checkpoint_fingerprint(path: Path, arch: str, dtype: torch.dtype) -> str:
+    """The same fingerprint `shared.model.loader.load_model` computes, without loading weights.
+
+    (Kept equal by a test; ideally the loader exposes this function itself.)
+    """
+    files, _ = checkpoint_files(path)
+    return hashlib.sha256(f"{arch}\0{weights_digest(files)}\0{dtype}".encode()).hexdigest()
+
+
+class TokenizerCore:
+    """Tokenizes for one checkpoint and says what the gateway needs for block hashing."""
+
+    def __init__(self, model_dir: str | Path, dtype: str = "", block_size: int = 16):
+        path = Path(model_dir)
+        self.tokenizer = Tokenizer.from_dir(path)
+        self.config = load_config(path)
+        torch_dtype = parse_dtype(dtype, self.config.dtype) if dtype else self.config.dtype
+        self.kv_dtype = _DTYPE_NAMES.get(torch_dtype, str(torch_dtype).removeprefix("torch."))
+        self.fingerprint = checkpoint_fingerprint(path, self.config.architecture, torch_dtype)
+        self.block_size = block_size
+        self.max_model_len = self.config.max_position_embeddings
+        self.image_token_id = self.config.image_token_id
+        if self.image_token_id is None:
+            self.image_token_id = self.tokenizer.image_token_id
+        self.image_text = self.tokenizer.image_token
+        eos = set(self.config.eos_token_ids) | set(self.tokenizer.eos_token_ids)
+        self.eos_token_ids = sorted(eos)
+
+    def encode(self, req: TokenizeRequest) -> TokenizeReply:
+        started = time.time()
+        if (req.messages is None) == (req.prompt is None):
+            raise StrataError("bad_request", "give exactly one of 'messages' or 'prompt'")
+        if req.messages is not None:
+            if not req.messages:
+                raise StrataError("bad_request", "messages must not be empty")
+            messages, n_images = self._flatten(req.messages)
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=req.add_generation_prompt
+                )
+            except Exception as exc:  # jinja raises many types; a template error is the client's
+                raise StrataError("bad_request", f"chat template failed: {exc}") from None
+            ids = self.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+        else:
+            text, n_images = req.prompt or "", 0
+            ids = self.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+        spans: list[tuple[int, int]] = []
+        if self.image_token_id is not None and self.config.num_image_tokens:
+            found = sum(1 for t in ids if t == self.image_token_id)
+            if found != n_images:
+                raise StrataError("bad_request", f"prompt has {found} image placeholders but "
+                                  f"{n_images} images")  # fmt: skip
+            if n_images:
+                ids, spans = expand_image_placeholders(
+                    ids, self.image_token_id, self.config.num_image_tokens
+                )
+        elif n_images:
+            raise StrataError("bad_request", "this model does not accept images")
+        return TokenizeReply(
+            token_ids=ids,
+            image_spans=[ImageSpan(offset=o, length=n) for o, n in spans],
+            text=text,
+            model_fingerprint=self.fingerprint,
+            kv_dtype=self.kv_dtype,
+            block_size=self.block_size,
+            max_model_len=self.max_model_len,
+            eos_token_ids=self.eos_token_ids,
+            started_at=started,
+            finished_at=time.time(),
+        )
+
+    def _flatten(self, messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
+        """OpenAI content parts -> one string per message; image parts -> the image token."""
+        out, n_images = [], 0
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or "role" not in m:
+                raise StrataError("bad_request", f"messages[{i}] must be an object with a role")
+            content = m.get("content")
+            if isinstance(content, list):
+                pieces = []
+                for part in content:
+                    kind = part.get("type") if isinstance(part, dict) else None
+                    if kind in _TEXT_PART_TYPES:
+                        pieces.append(str(part.get("text") or ""))
+                    elif kind in _IMAGE_PART_TYPES:
+                        if self.image_text is None:
+                            raise StrataError("bad_request", "this model does not accept images")
+                        pieces.append(self.image_text)
+                        n_images += 1
+                    else:
+                        raise StrataError("bad_request", f"messages[{i}]: unknown part {kind!r}")
+                content = "".join(pieces)
+            out.append({**m, "content": "" if content is None else str(content)})
+        return out, n_images

@@ -1,0 +1,37 @@
+"""`strata.api.v1.generate`: the gateway's public NATS entry point (same semantics as REST).
+
+The caller sends a `GenerateRequest` whose ``body`` is exactly the JSON body it would POST to
+``/v1/chat/completions`` (``kind="chat"``) or ``/v1/completions`` (``kind="completion"``).
+
+- ``body.stream`` false: one `GenerateEvent` reply (``done=True``, ``data`` = the OpenAI response
+  object) on the request's reply inbox.
+- ``body.stream`` true: `GenerateEvent`s (``data`` = one OpenAI chunk object each) are published to
+  ``stream_subject`` when given, else to the request's reply inbox; the last one has ``done=True``.
+  Cancel with a `stream.Cancel` on ``strata.req.<request_id>.cancel`` (the id is in every event).
+- Errors arrive as an event with ``error`` set and ``done=True`` (codes as in `errors.HTTP_STATUS`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from shared.protocol.base import Msg
+from shared.protocol.errors import ErrorInfo
+
+
+class GenerateRequest(Msg):
+    kind: Literal["chat", "completion"] = "chat"
+    body: dict[str, Any]
+    api_key: str = ""  # checked like the REST Authorization header when auth is on
+    request_id: str = ""  # optional caller-chosen id (else the gateway makes one)
+    stream_subject: str = ""  # where streamed events go (default: the reply inbox)
+    priority: int | None = None  # same as the X-Strata-Priority header
+    slo_class: str | None = None  # same as the X-Strata-Slo-Class header
+
+
+class GenerateEvent(Msg):
+    request_id: str
+    data: dict[str, Any] | None = None  # OpenAI response object or stream chunk
+    done: bool = False
+    error: ErrorInfo | None = None
+    status: int = 200  # the HTTP status REST would have returned
