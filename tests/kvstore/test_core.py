@@ -1,0 +1,118 @@
+"""DRAM tier and kvstore core: LRU order, byte budget, leases, idempotent puts, event order."""
+
+from __future__ import annotations
+
+from services.kvstore.core import KVStoreCore
+from services.kvstore.dram import DramTier
+
+
+def k(h: str, fp: str = "m1") -> tuple[str, str]:
+    return (fp, h)
+
+
+def test_lru_order_and_byte_budget():
+    d = DramTier(100)
+    for h in "abc":
+        assert d.put(k(h), h, 30).stored
+    assert d.used_bytes == 90 and d.keys() == [k("a"), k("b"), k("c")]
+    assert d.get(k("a")) == "a"  # a becomes most recent
+    res = d.put(k("d"), "d", 30)  # needs 20 more bytes -> evicts b (LRU)
+    assert res.stored and [e.key for e in res.evicted] == [k("b")]
+    assert d.keys() == [k("c"), k("a"), k("d")] and d.used_bytes == 90
+    res = d.put(k("e"), "e", 70)  # evicts c, a (oldest first) -> 30 + 70 = 100
+    assert [e.key for e in res.evicted] == [k("c"), k("a")] and d.used_bytes == 100
+    assert d.put(k("huge"), "x", 101).refused and d.used_bytes == 100
+
+
+def test_idempotent_put_refreshes_recency_only():
+    d = DramTier(100)
+    d.put(k("a"), "a", 40)
+    d.put(k("b"), "b", 40)
+    res = d.put(k("a"), "other", 40)
+    assert not res.stored and not res.refused and res.evicted == []
+    assert d.used_bytes == 80 and d.peek(k("a")) == "a" and d.keys() == [k("b"), k("a")]
+
+
+def test_leased_blocks_are_not_evicted():
+    d = DramTier(100)
+    d.put(k("a"), "a", 50)
+    d.put(k("b"), "b", 50)
+    assert d.acquire(k("a")) == "a"  # a is leased (and most recent)
+    d.get(k("b"))  # b most recent now; a is LRU but leased
+    res = d.put(k("c"), "c", 50)
+    assert [e.key for e in res.evicted] == [k("b")] and k("a") in d
+    assert d.leased() == 1
+    assert d.acquire(k("c")) == "c"
+    assert d.put(k("x"), "x", 10).refused  # everything leased: refused, nothing evicted
+    assert len(d) == 2
+    d.release(k("a"))
+    assert [e.key for e in d.put(k("x"), "x", 10).evicted] == [k("a")]
+
+
+def test_fingerprints_never_mix():
+    d = DramTier(100)
+    d.put(("m1", "h"), "one", 10)
+    assert d.put(("m2", "h"), "two", 10).stored
+    assert d.get(("m1", "h")) == "one" and d.get(("m2", "h")) == "two"
+
+
+def events(core):
+    return [(e.seq, e.tier, e.kind, e.hashes) for e in core.drain_events()]
+
+
+def test_core_event_order_spill_and_restore():
+    c = KVStoreCore("kv0", "inc", dram_bytes=100, clock=lambda: 1.0)
+    assert c.put(k("a"), "A", 60)
+    assert not c.put(k("a"), "A", 60)  # duplicate: no event
+    assert c.put(k("b"), "B", 60)  # evicts a -> pending spill; no "removed" yet
+    assert events(c) == [(1, "dram", "stored", ["a"]), (2, "dram", "stored", ["b"])]
+    assert c.lookup(k("a")) == "dram" and c.acquire_local(k("a")) == ("A", False)
+    [entry] = c.next_spills(8)
+    assert entry.key == k("a") and c.next_spills(8) == []  # in flight, not handed out twice
+    c.spill_done(k("a"), ok=False)  # store down: stays pending
+    assert c.lookup(k("a")) == "dram" and c.stats.spill_failures == 1 and events(c) == []
+    [entry] = c.next_spills(8)
+    c.spill_done(k("a"), ok=True)
+    assert events(c) == [(3, "ssd", "stored", ["a"]), (4, "dram", "removed", ["a"])]
+    assert c.lookup(k("a")) == "ssd" and c.acquire_local(k("a")) is None
+    c.restored(k("a"), "A", 60)  # promote: evicts b (not in ssd -> pending)
+    assert events(c) == [(5, "dram", "stored", ["a"])]
+    assert c.lookup(k("a")) == "dram" and k("b") in c.pending
+    c.next_spills(8)
+    c.spill_done(k("b"), ok=True)
+    assert events(c) == [(6, "ssd", "stored", ["b"]), (7, "dram", "removed", ["b"])]
+    c.put(k("b"), "B", 60)  # b back to dram; a is in ssd -> removed right away
+    assert events(c) == [(8, "dram", "stored", ["b"]), (9, "dram", "removed", ["a"])]
+    assert c.tier_counts()["ssd_blocks"] == 2 and c.tier_counts()["dram_blocks"] == 1
+    c.missed(k("a"))
+    assert events(c) == [(10, "ssd", "removed", ["a"])] and c.stats.misses == 1
+
+
+def test_core_spill_buffer_bound_drops_oldest():
+    c = KVStoreCore("kv0", "inc", dram_bytes=50, spill_buffer_bytes=100)
+    for h in "abc":
+        c.put(k(h), h, 50)
+    assert list(c.pending) == [k("a"), k("b")] and c.pending_bytes == 100
+    c.drain_events()
+    c.put(k("d"), "d", 50)  # c evicted -> pending would be 150 > 100: oldest (a) dropped
+    assert list(c.pending) == [k("b"), k("c")] and c.pending_bytes == 100
+    assert c.stats.spill_dropped == 1
+    assert [(t, kd, h) for _, t, kd, h in events(c)] == [
+        ("dram", "stored", ["d"]),
+        ("dram", "removed", ["a"]),
+    ]
+    assert c.lookup(k("a")) is None
+
+
+def test_core_refused_put_goes_straight_to_spill_and_restart_listing():
+    c = KVStoreCore("kv0", "inc", dram_bytes=10, spill_buffer_bytes=100)
+    assert c.put(k("big"), "B", 20)  # larger than DRAM: queued for ssd only
+    assert events(c) == [] and c.lookup(k("big")) == "dram"
+    c.next_spills(1)
+    c.spill_done(k("big"), ok=True)
+    assert events(c) == [(1, "ssd", "stored", ["big"])]  # never announced in dram
+    fresh = KVStoreCore("kv0", "inc2", dram_bytes=10)
+    fresh.known_ssd([(k("x"), 5), (k("y", "m2"), 5), (k("z"), 5)])
+    got = sorted((e.tier, e.hashes) for e in fresh.drain_events())
+    assert got == [("ssd", ["x", "z"]), ("ssd", ["y"])]
+    assert fresh.lookup(k("y", "m2")) == "ssd" and fresh.lookup(k("y")) is None
