@@ -1,0 +1,205 @@
+"""The `strata` command.
+
+    strata serve <role> [flags...]     run one service in this process (flags: see --help)
+    strata up [--model DIR] [...]      the whole cluster on this machine, Ctrl-C stops it
+    strata model build-default [DIR]   write the built-in default model (default: the cache)
+    strata model build-benchmark [DIR] write the standard benchmark model
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import signal
+import sys
+import time
+import urllib.request
+
+from services.launcher import ROLES, ClusterConfig
+
+APP_PACKAGE_ENV = "STRATA_APP_PACKAGE"
+"""Package holding ``<role>/app.py`` (default ``services``); tests point it at dummy apps."""
+
+
+def say(msg: str) -> None:
+    print(f"[strata] {msg}", file=sys.stderr, flush=True)
+
+
+def serve(role: str, argv: list[str]) -> int:
+    """Import ``services.<role>.app`` lazily and run its ``main(argv)`` in this process."""
+    if role not in ROLES:
+        say(f"unknown role {role!r}; roles: {', '.join(ROLES)}")
+        return 2
+    package = os.environ.get(APP_PACKAGE_ENV) or "services"
+    module = f"{package}.{role}.app"
+    try:
+        app = importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name not in (package, f"{package}.{role}", module):
+            raise  # the app exists but one of its own imports is missing: show the traceback
+        say(f"the {role} service is not available: module {module} not found "
+            f"(is services/{role}/app.py written and the project installed?)")
+        return 1
+    main = getattr(app, "main", None)
+    if not callable(main):
+        say(f"{module} has no main(argv) function")
+        return 1
+    main(list(argv))
+    return 0
+
+
+def up_parser(prog: str = "strata up") -> argparse.ArgumentParser:
+    d = ClusterConfig()
+    p = argparse.ArgumentParser(prog=prog, description="Start the whole cluster on this machine.")
+    p.add_argument("--model", default="", help="checkpoint dir (default: the built-in model)")
+    p.add_argument("--host", default=d.host, help="address every service binds")
+    p.add_argument("--port", type=int, default=8000, help="gateway HTTP port (0 = free port)")
+    p.add_argument("--nats-port", type=int, default=0, help="nats-server port (0 = free port)")
+    p.add_argument("--minio-port", type=int, default=0, help="MinIO port (0 = free port)")
+    p.add_argument("--no-minio", action="store_true", help="no MinIO (KV pool stays in DRAM)")
+    p.add_argument("--data-dir", default=os.path.join(_root(), ".data"),
+                   help="NATS/MinIO data and service logs (default: .data/)")
+    for role in ("scheduler", "tokenizer", "vision", "kvstore", "prefill", "decode"):
+        p.add_argument(f"--{role}", type=int, default=getattr(d, role), metavar="N",
+                       help=f"{role} instances (default {getattr(d, role)})")
+    p.add_argument("--torch-threads", type=int, default=d.torch_threads,
+                   help="torch threads per model process (default 1)")
+    p.add_argument("--device", default=d.device, help="torch device: cpu or cuda[:N]")
+    p.add_argument("--log-level", default=d.log_level)
+    p.add_argument("--metrics-port-base", type=int, default=0,
+                   help="first Prometheus port, +1 per process (0 = free ports)")
+    p.add_argument("--ready-timeout", type=float, default=d.ready_timeout)
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra env for every service (repeatable)")
+    p.add_argument("--no-color", action="store_true", help="plain log prefixes")
+    return p
+
+
+def config_from_args(a: argparse.Namespace) -> ClusterConfig:
+    env = {}
+    for item in a.env:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"strata up: --env expects KEY=VALUE, got {item!r}")
+        env[key] = value
+    return ClusterConfig(
+        model=a.model, host=a.host, port=a.port, nats_port=a.nats_port, minio_port=a.minio_port,
+        minio=not a.no_minio, data_dir=os.path.abspath(a.data_dir), scheduler=a.scheduler,
+        tokenizer=a.tokenizer, vision=a.vision, kvstore=a.kvstore, prefill=a.prefill,
+        decode=a.decode, torch_threads=a.torch_threads, device=a.device, log_level=a.log_level,
+        metrics_port_base=a.metrics_port_base, ready_timeout=a.ready_timeout, env=env,
+        die_with_parent=True,
+    )
+
+
+def up(argv: list[str]) -> int:
+    """Start everything, print the URL, wait for Ctrl-C/SIGTERM, stop everything."""
+    from services.launcher import Cluster
+    from services.launcher_procs import ServiceFailed
+
+    args = up_parser().parse_args(argv)
+    cfg = config_from_args(args)
+    cluster = Cluster(config=cfg, log_stream=sys.stdout, color=False if args.no_color else None)
+    signal.signal(signal.SIGTERM, _interrupt)
+    rc = 0
+    try:
+        infra = "nats-server, MinIO" if cfg.minio else "nats-server"
+        say(f"starting {infra} and the services ({cfg.prefill} prefill, {cfg.decode} decode); "
+            f"logs in {cluster.log_dir}")
+        cluster.start()
+        _banner(cluster)
+        while True:
+            time.sleep(0.5)
+            for p in cluster.sup.exited():
+                say(f"{p.name} exited with code {p.returncode}; last lines:\n"
+                    + "\n".join(f"  | {line}" for line in p.tail))
+            if cluster.nats is None or cluster.nats.proc is None or cluster.nats.proc.poll() is not None:
+                say("nats-server exited; stopping")
+                rc = 1
+                break
+    except KeyboardInterrupt:
+        say("stopping...")
+    except ServiceFailed as exc:
+        say(f"start-up failed: {exc}")
+        rc = 1
+    except (RuntimeError, TimeoutError, OSError) as exc:
+        say(f"start-up failed: {exc}")
+        rc = 1
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        cluster.stop()
+        say("stopped")
+    return rc
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _banner(cluster) -> None:
+    url = cluster.gateway_url
+    name = os.path.basename(cluster.model_dir.rstrip("/"))
+    try:
+        with urllib.request.urlopen(url + "/v1/models", timeout=2) as r:
+            name = json.load(r)["data"][0]["id"]
+    except (OSError, ValueError, KeyError, IndexError):
+        pass
+    body = json.dumps({"model": name, "messages": [{"role": "user", "content": "Hello!"}],
+                       "max_tokens": 32})
+    say(f"Strata is up at {url}  (model {name!r}; NATS {cluster.nats_url})")
+    say(f"try:  curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'")
+    say("Ctrl-C stops everything.")
+
+
+def model_cmd(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="strata model")
+    p.add_argument("what", choices=["build-default", "build-benchmark"])
+    p.add_argument("dir", nargs="?", default="", help="output dir (default: .cache/models/...)")
+    a = p.parse_args(argv)
+    from services.launcher import ensure_model
+
+    try:
+        if a.dir:
+            from shared.model import default_model
+
+            build = (default_model.build_benchmark_model if a.what == "build-benchmark"
+                     else default_model.build_default_model)
+            out = str(build(a.dir))
+        else:
+            out = ensure_model("", benchmark=a.what == "build-benchmark")
+    except (ImportError, RuntimeError) as exc:
+        say(f"cannot build the model: {exc}")
+        return 1
+    print(out)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        print(f"\nroles: {', '.join(ROLES)}")
+        sys.exit(0 if argv else 2)
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "serve":
+        if not rest or rest[0].startswith("-"):
+            say(f"usage: strata serve <role> [flags...]; roles: {', '.join(ROLES)}")
+            sys.exit(2)
+        sys.exit(serve(rest[0], rest[1:]))
+    if cmd == "up":
+        sys.exit(up(rest))
+    if cmd == "model":
+        sys.exit(model_cmd(rest))
+    say(f"unknown command {cmd!r}; commands: serve, up, model")
+    sys.exit(2)
+
+
+def _root() -> str:
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+if __name__ == "__main__":
+    main()

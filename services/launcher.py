@@ -1,0 +1,277 @@
+"""The whole cluster on one machine: nats-server, MinIO and one OS process per service instance.
+
+`strata up` and the end-to-end tests start it through the same entry point::
+
+    with Cluster(model_dir, prefill=1, decode=2) as c:
+        httpx.get(c.gateway_url + "/health")
+        c.kill("decode-0"); c.restart("decode-0")
+
+Every service is started as ``python -m services.cli serve <role>`` with its settings in
+``STRATA_*`` env vars (services ignore settings they do not declare, so one set fits all).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import urllib.request
+from typing import IO, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from services.infra.minio_server import MinioServer
+from services.infra.nats_server import NatsServer
+from services.infra.procs import cache_dir, free_port, port_open, repo_root
+from services.launcher_procs import LogSink, ProcSpec, Supervisor, wait_for
+
+ROLES = ("scheduler", "tokenizer", "vision", "kvstore", "prefill", "decode", "gateway")
+"""Every role `strata serve` knows, in start-up order."""
+MODEL_ROLES = ("vision", "prefill", "decode")
+"""Roles that load model weights (they get ``STRATA_TORCH_THREADS``)."""
+
+
+class ClusterConfig(BaseModel):
+    """Settings of a local cluster (`strata up` flags mirror these)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: str = Field("", description="Checkpoint directory ('' = built-in default model)")
+    host: str = Field("127.0.0.1", description="Address every service binds")
+    port: int = Field(0, ge=0, le=65535, description="Gateway HTTP port (0 = a free port)")
+    nats_port: int = Field(0, ge=0, le=65535, description="nats-server port (0 = a free port)")
+    minio_port: int = Field(0, ge=0, le=65535, description="MinIO port (0 = a free port)")
+    minio: bool = Field(True, description="Start MinIO (the SSD tier of the KV pool)")
+    data_dir: str = Field("", description="NATS/MinIO data and logs ('' = temp dir, removed)")
+    scheduler: int = Field(1, ge=1, le=16, description="Scheduler replicas")
+    tokenizer: int = Field(1, ge=1, le=64, description="Tokenizer replicas (queue group)")
+    vision: int = Field(1, ge=0, le=64, description="Vision encoder replicas (0 = text only)")
+    kvstore: int = Field(1, ge=0, le=64, description="kvstore instances (0 = no KV pool)")
+    prefill: int = Field(1, ge=0, le=64, description="Prefill instances (0 = decode prefills)")
+    decode: int = Field(1, ge=1, le=64, description="Decode instances")
+    torch_threads: int = Field(1, ge=1, le=256, description="torch threads per model process")
+    device: str = Field("cpu", description="torch device of model processes")
+    log_level: str = Field("INFO", description="Log level of every service")
+    metrics_port_base: int = Field(0, ge=0, le=65000,
+                                   description="First Prometheus port, +1 per process (0 = free)")
+    env: dict[str, str] = Field(default_factory=dict, description="Extra env for every service")
+    role_args: dict[str, list[str]] = Field(default_factory=dict,
+                                            description="Extra `strata serve` flags per role")
+    ready_timeout: float = Field(300.0, gt=0, description="Seconds to wait for readiness")
+    stop_timeout: float = Field(10.0, gt=0, description="Seconds between SIGTERM and SIGKILL")
+    die_with_parent: bool = Field(False, description="Children die if the launcher is killed")
+
+
+def default_model_dir() -> str:
+    return os.path.join(cache_dir(), "models", "default")
+
+
+def ensure_model(path: str = "", benchmark: bool = False) -> str:
+    """The checkpoint to serve: ``path`` as given, else the default model (built once)."""
+    if path:
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise RuntimeError(f"--model {path!r}: no config.json there")
+        return os.path.abspath(path)
+    try:
+        from shared.model import default_model
+    except ImportError as exc:
+        raise RuntimeError(f"cannot build the default model ({exc}); pass --model DIR") from exc
+    out = os.path.join(cache_dir(), "models", "benchmark" if benchmark else "default")
+    build = default_model.build_benchmark_model if benchmark else default_model.build_default_model
+    return os.path.abspath(str(build(out)))
+
+
+class Cluster:
+    """A local cluster: `start()` / `stop()`, `gateway_url`, `kill()` / `restart()` a service."""
+
+    def __init__(self, model_dir: str = "", config: ClusterConfig | None = None, *,
+                 log_stream: IO[str] | None = None, color: bool | None = None, **overrides: Any):
+        base = (config or ClusterConfig()).model_dump()
+        base.update(overrides)
+        if model_dir:
+            base["model"] = model_dir
+        self.cfg = ClusterConfig.model_validate(base)
+        self._own_data = not self.cfg.data_dir
+        self.data_dir = self.cfg.data_dir or tempfile.mkdtemp(prefix="strata-cluster-")
+        self.log_dir = os.path.join(self.data_dir, "logs")
+        self.sup = Supervisor(LogSink(log_stream, color), self.log_dir)
+        self.nats: NatsServer | None = None
+        self.minio: MinioServer | None = None
+        self.port = self.cfg.port or free_port(self.cfg.host)
+        self.specs: dict[str, ProcSpec] = {}
+        self._next_metrics = self.cfg.metrics_port_base
+        self._kvstore_addrs: list[str] = []
+        self._infra_logs: list[IO[str]] = []
+
+    # ---- addresses ----
+    @property
+    def gateway_url(self) -> str:
+        return f"http://{self.cfg.host}:{self.port}"
+
+    @property
+    def nats_url(self) -> str:
+        assert self.nats is not None, "cluster not started"
+        return self.nats.url
+
+    def names(self, role: str | None = None) -> list[str]:
+        """Service names (``<role>-<i>``, also their instance ids), optionally of one role."""
+        return [n for n in self.specs if role is None or n.rsplit("-", 1)[0] == role]
+
+    # ---- lifecycle ----
+    def start(self) -> Cluster:
+        """Start infra and every service; wait for readiness and the gateway's /health.
+
+        On any failure everything started so far is stopped and the error re-raised
+        (`ServiceFailed` names the service and carries its last log lines)."""
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self) -> None:
+        if port_open(self.cfg.host, self.port):
+            raise RuntimeError(f"port {self.port} is already in use (pass --port)")
+        self.model_dir = ensure_model(self.cfg.model)
+        os.makedirs(self.log_dir, exist_ok=True)
+        self.nats = NatsServer(self.cfg.nats_port or free_port(), os.path.join(self.data_dir, "nats"))
+        self.nats.start(self._infra_log("nats"))
+        if self.cfg.minio:
+            self.minio = MinioServer(self.cfg.minio_port or free_port(),
+                                     os.path.join(self.data_dir, "minio"))
+            self.minio.start(self._infra_log("minio"))
+        counts = {r: getattr(self.cfg, r) for r in ROLES if r != "gateway"}
+        self._kvstore_addrs = [f"{self.cfg.host}:{free_port()}" for _ in range(counts["kvstore"])]
+        counts["gateway"] = 1
+        for role in ROLES:  # all at once: each needs only NATS to become ready
+            for i in range(counts[role]):
+                self.start_service(role, index=i, wait=False)
+        self.sup.wait_ready(list(self.specs), self.cfg.ready_timeout)
+        self.wait_healthy(self.cfg.ready_timeout)
+
+    def _infra_log(self, name: str) -> IO[str]:
+        f = open(os.path.join(self.log_dir, f"{name}.log"), "a")  # closed in stop()
+        self._infra_logs.append(f)
+        return f
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.gateway_url + "/health", timeout=1.0) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def wait_healthy(self, timeout: float = 60.0) -> None:
+        """Wait until the gateway's /health answers 200 (a decode instance is routable)."""
+        wait_for(self.healthy, timeout, f"gateway {self.gateway_url}/health", self.sup)
+
+    def stop(self) -> None:
+        """Stop every service (SIGTERM, then SIGKILL after stop_timeout), then NATS and MinIO."""
+        self.sup.stop_all(self.cfg.stop_timeout)
+        for server in (self.minio, self.nats):
+            if server is not None:
+                server.stop()
+        for f in self._infra_logs:
+            f.close()
+        self._infra_logs.clear()
+        if self._own_data:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def __enter__(self) -> Cluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ---- one service ----
+    def service_spec(self, role: str, index: int, args: list[str] | tuple[str, ...] = (),
+                     env: dict[str, str] | None = None) -> ProcSpec:
+        """The command and env of instance ``<role>-<index>`` (ports chosen here)."""
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r} (one of {', '.join(ROLES)})")
+        name = f"{role}-{index}"
+        assert self.nats is not None, "start() the cluster first"
+        e = {
+            "STRATA_NATS_URL": self.nats.url, "STRATA_INSTANCE_ID": name,
+            "STRATA_LOG_LEVEL": self.cfg.log_level, "STRATA_MODEL": self.model_dir,
+            "STRATA_METRICS_PORT": str(self._metrics_port()), "STRATA_DEVICE": self.cfg.device,
+            "STRATA_GRPC_HOST": self.cfg.host, "PYTHONPATH": _pythonpath(),
+        }
+        if role in MODEL_ROLES:
+            e["STRATA_TORCH_THREADS"] = str(self.cfg.torch_threads)
+        if role in ("prefill", "decode") and self._kvstore_addrs:
+            e["STRATA_KVSTORE_ADDRS"] = ",".join(self._kvstore_addrs)
+        if role == "kvstore":
+            e["STRATA_GRPC_PORT"] = self._kvstore_addrs[index].rsplit(":", 1)[1]
+            if self.minio is not None:
+                e.update(STRATA_MINIO_ENDPOINT=self.minio.endpoint,
+                         STRATA_MINIO_ACCESS_KEY=self.minio.access_key,
+                         STRATA_MINIO_SECRET_KEY=self.minio.secret_key)
+        if role == "gateway":
+            e.update(STRATA_HOST=self.cfg.host, STRATA_PORT=str(self.port))
+        e.update(self.cfg.env)
+        e.update(env or {})
+        argv = [sys.executable, "-m", "services.cli", "serve", role,
+                *self.cfg.role_args.get(role, []), *args]
+        return ProcSpec(name, argv, e, cwd=repo_root(), die_with_parent=self.cfg.die_with_parent)
+
+    def _metrics_port(self) -> int:
+        if not self.cfg.metrics_port_base:
+            return free_port()
+        self._next_metrics += 1
+        return self._next_metrics - 1
+
+    def start_service(self, role: str, index: int | None = None, args: list[str] | tuple = (),
+                      env: dict[str, str] | None = None, wait: bool = True) -> str:
+        """Start one more instance (``index`` default: the next free one); returns its name."""
+        if index is None:
+            index = len(self.names(role))
+            while f"{role}-{index}" in self.specs:
+                index += 1
+        if role == "kvstore" and index >= len(self._kvstore_addrs):
+            self._kvstore_addrs.append(f"{self.cfg.host}:{free_port()}")
+        spec = self.service_spec(role, index, args, env)
+        self.specs[spec.name] = spec
+        self.sup.start(spec)
+        if wait:
+            self.sup.wait_ready([spec.name], self.cfg.ready_timeout)
+        return spec.name
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Crash a service (default SIGKILL to its process group); the rest keeps running."""
+        self.sup.kill(name, sig)
+        with contextlib.suppress(Exception):
+            self.sup.procs[name].proc.wait(10)
+
+    def stop_service(self, name: str) -> None:
+        """Graceful stop of one service (SIGTERM, then SIGKILL)."""
+        self.sup.stop([name], self.cfg.stop_timeout)
+
+    def restart(self, name: str, wait: bool = True) -> None:
+        """Stop (if alive) and start the same instance again: same id, ports and settings."""
+        if self.sup.procs[name].alive():
+            self.stop_service(name)
+        self.sup.procs[name].finish()
+        self.sup.start(self.specs[name])
+        if wait:
+            self.sup.wait_ready([name], self.cfg.ready_timeout)
+
+    def alive(self, name: str) -> bool:
+        return self.sup.procs[name].alive()
+
+    def logs(self, name: str) -> list[str]:
+        """The last lines a service printed."""
+        return list(self.sup.procs[name].tail)
+
+    def check(self) -> None:
+        """Raise ServiceFailed if a service died without being asked to."""
+        self.sup.check()
+
+
+def _pythonpath() -> str:
+    parts = [repo_root(), os.environ.get("PYTHONPATH", "")]
+    return os.pathsep.join(p for p in parts if p)
