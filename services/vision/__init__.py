@@ -1,0 +1,1 @@
+"""Vision (encode) service: images -> embeddings kept by content hash, served over gRPC."""

@@ -1,0 +1,59 @@
+"""`strata serve vision --model DIR`: `VisionCore` on `strata.vision.encode` + gRPC embeddings."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import torch
+from pydantic import Field
+
+from services.vision.core import VisionCore
+from services.vision.grpc import EmbeddingHandler
+from shared import bus, metrics
+from shared.config import ModelServiceConfig
+from shared.kvtransfer.server import start_kv_server
+from shared.logs import setup_logging
+from shared.protocol import subjects
+from shared.protocol.vision import VisionEncodeReply, VisionEncodeRequest
+from shared.service import announce_ready, run
+
+log = logging.getLogger(__name__)
+
+
+class VisionConfig(ModelServiceConfig):
+    """Vision service settings (model, device, dtype, torch threads, gRPC address inherited)."""
+
+    cache_bytes: int = Field(256 << 20, ge=1, description="Embedding cache budget in bytes")
+    max_image_pixels: int = Field(4096 * 4096, ge=1, description="Largest image (pixels)")
+
+
+async def serve_vision(nc, core: VisionCore, instance_id: str, source_addr: str):
+    """Subscribe the core on `strata.vision.encode` (queue group "vision"); returns the sub."""
+
+    async def handle(req: VisionEncodeRequest) -> VisionEncodeReply:
+        return await asyncio.to_thread(core.encode, req, instance_id, source_addr)
+
+    return await bus.serve(nc, subjects.VISION_ENCODE, VisionEncodeRequest, handle,
+                           queue=subjects.QUEUE_VISION)  # fmt: skip
+
+
+def main(argv: list[str]) -> None:
+    cfg = VisionConfig.load(argv, role="vision")
+    setup_logging("vision", cfg.instance_id, cfg.log_level)
+    torch.set_num_threads(cfg.torch_threads)
+
+    async def amain(stop: asyncio.Event) -> None:
+        core = VisionCore(cfg.model, cfg.device, cfg.dtype, cfg.cache_bytes, cfg.max_image_pixels)
+        server, addr = await start_kv_server(EmbeddingHandler(core), cfg.grpc_host, cfg.grpc_port)
+        metrics.serve_metrics(cfg.metrics_port)
+        metrics.SERVICE_INFO.labels("vision", cfg.instance_id).set(1)
+        nc = await bus.connect(cfg.nats_url, f"vision-{cfg.instance_id}")
+        await serve_vision(nc, core, cfg.instance_id, addr)
+        await nc.flush()
+        announce_ready("vision", cfg.instance_id, f"grpc={addr}")
+        await stop.wait()
+        await nc.drain()
+        await server.stop(1.0)
+
+    run(amain)
