@@ -7,7 +7,7 @@ from shared.engine.params import EngineConfig, SamplingParams
 from shared.engine.sampler import Sampler, SampleRow
 from shared.engine.spec_decode import ngram_lookup, verify_greedy
 from shared.model.loader import load_model
-from tests.engine.conftest import EOS, prompts
+from tests.engine.conftest import prompts
 
 CFG = dict(kv_cache_bytes=1 << 20, block_size=4, max_num_batched_tokens=64, max_num_seqs=8)
 
@@ -57,8 +57,10 @@ def test_stop_ids_max_tokens_min_tokens_logprobs(qwen_ckpt):
         assert lp[t] == top[0]  # greedy picks the most likely token
     # min_tokens masks stop ids
     out = eng.generate(
-        [p], SamplingParams(temperature=0, max_tokens=12, min_tokens=first + 2,
-                            stop_token_ids=[stop_at])  # fmt: skip
+        [p],
+        SamplingParams(
+            temperature=0, max_tokens=12, min_tokens=first + 2, stop_token_ids=[stop_at]
+        ),  # fmt: skip
     )[0]
     assert stop_at not in out[: first + 2] and len(out) > first + 1
 
