@@ -90,8 +90,8 @@ async def test_service_grpc_pull_and_overlap(nc, core, model_dir):
             await serve_tokenizer(nc, TokenizerCore(model_dir))]  # fmt: skip
     client = KVClient(addr)
     try:
-        images = [png(10 + i, (256, 256)) for i in range(3)]
-        parts = [{"type": "text", "text": "describe " * 2000}]
+        images = [png(10 + i, (64, 64)) for i in range(3)]
+        parts = [{"type": "text", "text": "describe " * 20000}]
         parts += [{"type": "image_url", "image_url": {"url": "x"}} for _ in images]
         tok_req = TokenizeRequest(request_id="r", messages=[{"role": "user", "content": parts}])
         tok, vis = await asyncio.gather(
