@@ -95,9 +95,8 @@ class Cluster:
             base["model"] = model_dir
         self.cfg = ClusterConfig.model_validate(base)
         self._own_data = not self.cfg.data_dir
-        self.data_dir = self.cfg.data_dir or tempfile.mkdtemp(prefix="strata-cluster-")
-        self.log_dir = os.path.join(self.data_dir, "logs")
-        self.sup = Supervisor(LogSink(log_stream, color), self.log_dir)
+        self.data_dir = os.path.abspath(self.cfg.data_dir) if self.cfg.data_dir else ""
+        self.sup = Supervisor(LogSink(log_stream, color))
         self.nats: NatsServer | None = None
         self.minio: MinioServer | None = None
         self.port = self.cfg.port or free_port(self.cfg.host)
@@ -115,6 +114,11 @@ class Cluster:
     def nats_url(self) -> str:
         assert self.nats is not None, "cluster not started"
         return self.nats.url
+
+    @property
+    def log_dir(self) -> str:
+        """One ``<name>.log`` per process (also nats.log, minio.log) under the data dir."""
+        return os.path.join(self.data_dir, "logs") if self.data_dir else ""
 
     def names(self, role: str | None = None) -> list[str]:
         """Service names (``<role>-<i>``, also their instance ids), optionally of one role."""
@@ -137,12 +141,17 @@ class Cluster:
         if port_open(self.cfg.host, self.port):
             raise RuntimeError(f"port {self.port} is already in use (pass --port)")
         self.model_dir = ensure_model(self.cfg.model)
+        if not self.data_dir:
+            self.data_dir = tempfile.mkdtemp(prefix="strata-cluster-")
         os.makedirs(self.log_dir, exist_ok=True)
-        self.nats = NatsServer(self.cfg.nats_port or free_port(), os.path.join(self.data_dir, "nats"))
+        self.sup.log_dir = self.log_dir
+        self.nats = NatsServer(self.cfg.nats_port or free_port(), os.path.join(self.data_dir, "nats"),
+                               die_with_parent=self.cfg.die_with_parent)
         self.nats.start(self._infra_log("nats"))
         if self.cfg.minio:
             self.minio = MinioServer(self.cfg.minio_port or free_port(),
-                                     os.path.join(self.data_dir, "minio"))
+                                     os.path.join(self.data_dir, "minio"),
+                                     die_with_parent=self.cfg.die_with_parent)
             self.minio.start(self._infra_log("minio"))
         counts = {r: getattr(self.cfg, r) for r in ROLES if r != "gateway"}
         self._kvstore_addrs = [f"{self.cfg.host}:{free_port()}" for _ in range(counts["kvstore"])]
@@ -178,7 +187,7 @@ class Cluster:
         for f in self._infra_logs:
             f.close()
         self._infra_logs.clear()
-        if self._own_data:
+        if self._own_data and self.data_dir:
             shutil.rmtree(self.data_dir, ignore_errors=True)
 
     def __enter__(self) -> Cluster:

@@ -1,23 +1,23 @@
 """Process supervisor behind `strata up`: one OS process (own process group) per service,
 prefixed and colored log lines, readiness by the ``STRATA_READY`` line, and stop-everything.
 
-Pure stdlib and no Strata imports, so it is tested directly with tiny dummy children.
+Stdlib only (no NATS/model imports), so it is tested directly with tiny dummy children.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO
+
+from services.infra.procs import preexec
 
 READY_LINE = "STRATA_READY"  # same constant as shared.service.READY_LINE (kept import-free)
 COLORS = (36, 33, 32, 35, 34, 91, 92, 93, 94, 95, 96)  # ANSI foreground codes, cycled
@@ -49,11 +49,6 @@ class ProcSpec:
     """Working directory (default: the launcher's)."""
     die_with_parent: bool = False
     """Linux: SIGKILL the child if the launching thread dies (PR_SET_PDEATHSIG)."""
-
-
-def _pdeathsig() -> None:  # runs in the child between fork and exec
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 class LogSink:
@@ -109,7 +104,7 @@ class Supervised:
             spec.argv, env=env, cwd=spec.cwd, stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
             bufsize=1, start_new_session=True,
-            preexec_fn=_pdeathsig if spec.die_with_parent and sys.platform == "linux" else None,
+            preexec_fn=preexec(spec.die_with_parent),
         )
         if not spec.ready:
             self.ready.set()

@@ -10,7 +10,7 @@ import tempfile
 import urllib.request
 from dataclasses import dataclass
 
-from services.infra.procs import cache_dir, free_port, stop_process, wait_until
+from services.infra.procs import cache_dir, free_port, preexec, stop_process, wait_until
 
 ACCESS_KEY = "strata"
 SECRET_KEY = "strata-secret-key"
@@ -42,6 +42,7 @@ class MinioServer:
     data_dir: str
     proc: subprocess.Popen | None = None
     host: str = "127.0.0.1"
+    die_with_parent: bool = False
     access_key: str = ACCESS_KEY
     secret_key: str = SECRET_KEY
 
@@ -65,7 +66,7 @@ class MinioServer:
                "--console-address", f"{self.host}:{free_port()}"]
         self.proc = subprocess.Popen(
             cmd, env=env, stdout=log_file or subprocess.DEVNULL, stderr=subprocess.STDOUT,
-            start_new_session=True,
+            start_new_session=True, preexec_fn=preexec(self.die_with_parent),
         )
         wait_until(self.healthy, timeout, "minio", self.proc)
         return self

@@ -9,7 +9,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
-from services.infra.procs import free_port, port_open, stop_process, wait_until
+from services.infra.procs import free_port, port_open, preexec, stop_process, wait_until
 
 MAX_PAYLOAD = 8 * 1024 * 1024  # raw images ride the bus to the vision service; tensors never do
 
@@ -31,6 +31,7 @@ class NatsServer:
     data_dir: str
     proc: subprocess.Popen | None = None
     host: str = "127.0.0.1"
+    die_with_parent: bool = False
 
     @property
     def url(self) -> str:
@@ -45,7 +46,7 @@ class NatsServer:
                "-sd", self.data_dir, "-c", conf]
         self.proc = subprocess.Popen(
             cmd, stdout=log_file or subprocess.DEVNULL, stderr=subprocess.STDOUT,
-            start_new_session=True,
+            start_new_session=True, preexec_fn=preexec(self.die_with_parent),
         )
         wait_until(lambda: port_open(self.host, self.port), timeout, "nats-server", self.proc)
         return self

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 
@@ -47,6 +49,17 @@ def stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(5)
+
+
+def _pdeathsig() -> None:  # runs in the child between fork and exec
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def preexec(die_with_parent: bool) -> Callable[[], None] | None:
+    """`Popen(preexec_fn=...)` that makes Linux SIGKILL the child when the launching thread
+    dies (so a SIGKILLed `strata up` leaves nothing behind); None elsewhere or when off."""
+    return _pdeathsig if die_with_parent and sys.platform == "linux" else None
 
 
 def repo_root() -> str:

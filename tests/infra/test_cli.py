@@ -1,0 +1,137 @@
+"""The `strata` CLI: argument handling, role dispatch, and the env each service is given."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import pytest
+from pydantic import ValidationError
+
+from services import cli
+from services.infra.nats_server import NatsServer
+from services.launcher import ROLES, Cluster, ClusterConfig
+
+
+def test_up_flags_map_to_cluster_config():
+    args = cli.up_parser().parse_args([
+        "--model", "/m", "--port", "9000", "--prefill", "2", "--decode", "3", "--no-minio",
+        "--torch-threads", "2", "--env", "STRATA_DEVICE=cuda", "--env", "A=b=c",
+        "--data-dir", "/tmp/d", "--vision", "0", "--metrics-port-base", "9100",
+    ])
+    cfg = cli.config_from_args(args)
+    assert (cfg.model, cfg.port, cfg.prefill, cfg.decode, cfg.minio) == ("/m", 9000, 2, 3, False)
+    assert (cfg.torch_threads, cfg.vision, cfg.kvstore, cfg.metrics_port_base) == (2, 0, 1, 9100)
+    assert cfg.env == {"STRATA_DEVICE": "cuda", "A": "b=c"}
+    assert cfg.data_dir == "/tmp/d" and cfg.die_with_parent is True
+
+
+def test_up_defaults():
+    cfg = cli.config_from_args(cli.up_parser().parse_args([]))
+    assert (cfg.port, cfg.prefill, cfg.decode, cfg.torch_threads, cfg.minio) == (8000, 1, 1, 1, True)
+    assert cfg.data_dir.endswith("/.data") and cfg.model == ""
+
+
+def test_up_bad_arguments_exit_with_a_message(capsys):
+    with pytest.raises(SystemExit, match="--env expects KEY=VALUE"):
+        cli.config_from_args(cli.up_parser().parse_args(["--env", "NOVALUE"]))
+    with pytest.raises(SystemExit) as e:
+        cli.up_parser().parse_args(["--decode", "many"])
+    assert e.value.code == 2 and "invalid int value: 'many'" in capsys.readouterr().err
+    with pytest.raises(ValidationError, match="decode"):
+        cli.config_from_args(cli.up_parser().parse_args(["--decode", "0"]))
+
+
+def test_top_level_usage(capsys):
+    for argv, code in (([], 2), (["--help"], 0), (["bogus"], 2), (["serve"], 2)):
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
+        assert e.value.code == code, argv
+    err = capsys.readouterr()
+    assert "strata serve <role>" in err.out
+    assert "unknown command 'bogus'" in err.err
+    assert "roles: scheduler, tokenizer, vision, kvstore, prefill, decode, gateway" in err.err
+
+
+def test_serve_unknown_role(capsys):
+    assert cli.serve("nosuch", []) == 2
+    assert "unknown role 'nosuch'" in capsys.readouterr().err
+
+
+@pytest.fixture
+def app_pkg(tmp_path, monkeypatch):
+    """A throwaway app package: `recorder/decode/app.py` records its argv; no gateway app."""
+    pkg = tmp_path / "recorder"
+    (pkg / "decode").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "decode" / "app.py").write_text("CALLS = []\ndef main(argv):\n    CALLS.append(argv)\n")
+    (pkg / "tokenizer").mkdir()
+    (pkg / "tokenizer" / "app.py").write_text("import not_a_real_module_xyz\n")
+    (pkg / "vision").mkdir()
+    (pkg / "vision" / "app.py").write_text("main = 42\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv(cli.APP_PACKAGE_ENV, "recorder")
+    yield "recorder"
+    for name in [m for m in sys.modules if m.startswith("recorder")]:
+        del sys.modules[name]
+
+
+def test_serve_imports_the_role_app_lazily_and_passes_flags(app_pkg):
+    assert cli.serve("decode", ["--nats-url", "nats://x:1", "--block-size", "4"]) == 0
+    app = importlib.import_module("recorder.decode.app")
+    assert app.CALLS == [["--nats-url", "nats://x:1", "--block-size", "4"]]
+
+
+def test_serve_missing_app_is_a_clear_message(app_pkg, capsys):
+    assert cli.serve("gateway", []) == 1
+    err = capsys.readouterr().err
+    assert "the gateway service is not available: module recorder.gateway.app not found" in err
+    assert cli.serve("vision", []) == 1
+    assert "recorder.vision.app has no main(argv) function" in capsys.readouterr().err
+
+
+def test_serve_app_with_a_broken_import_shows_the_real_error(app_pkg):
+    with pytest.raises(ModuleNotFoundError, match="not_a_real_module_xyz"):
+        cli.serve("tokenizer", [])
+
+
+def test_service_env_gives_each_role_its_settings(tmp_path):
+    c = Cluster(str(tmp_path), decode=2, kvstore=2, port=8123, torch_threads=3,
+                env={"STRATA_BLOCK_SIZE": "4"}, role_args={"decode": ["--max-num-seqs", "8"]})
+    c.nats = NatsServer(4333, str(tmp_path))
+    c.model_dir = str(tmp_path)
+    c._kvstore_addrs = ["127.0.0.1:7001", "127.0.0.1:7002"]
+    specs = {r: c.service_spec(r, 1 if r in ("decode", "kvstore") else 0) for r in ROLES}
+    for role, spec in specs.items():
+        e = spec.env
+        assert e["STRATA_NATS_URL"] == "nats://127.0.0.1:4333"
+        assert e["STRATA_INSTANCE_ID"] == spec.name
+        assert e["STRATA_MODEL"] == str(tmp_path) and e["STRATA_BLOCK_SIZE"] == "4"
+        assert int(e["STRATA_METRICS_PORT"]) > 0
+        assert spec.argv[1:5] == ["-m", "services.cli", "serve", role]
+        assert ("STRATA_TORCH_THREADS" in e) == (role in ("vision", "prefill", "decode"))
+    assert specs["decode"].name == "decode-1"
+    assert specs["decode"].argv[5:] == ["--max-num-seqs", "8"]
+    assert specs["decode"].env["STRATA_TORCH_THREADS"] == "3"
+    assert specs["decode"].env["STRATA_KVSTORE_ADDRS"] == "127.0.0.1:7001,127.0.0.1:7002"
+    assert specs["kvstore"].env["STRATA_GRPC_PORT"] == "7002"
+    assert "STRATA_MINIO_ENDPOINT" not in specs["kvstore"].env  # not started: no MinIO
+    assert specs["gateway"].env["STRATA_PORT"] == "8123"
+    assert len({s.env["STRATA_METRICS_PORT"] for s in specs.values()}) == len(ROLES)
+    with pytest.raises(ValueError, match="unknown role 'router'"):
+        c.service_spec("router", 0)
+
+
+def test_metrics_ports_count_up_from_the_base(tmp_path):
+    c = Cluster(str(tmp_path), metrics_port_base=9100)
+    c.nats = NatsServer(4333, str(tmp_path))
+    c.model_dir = str(tmp_path)
+    ports = [c.service_spec("tokenizer", i).env["STRATA_METRICS_PORT"] for i in range(3)]
+    assert ports == ["9100", "9101", "9102"]
+
+
+def test_cluster_config_rejects_unknown_settings():
+    with pytest.raises(ValidationError, match="prefil"):
+        ClusterConfig(prefil=2)
+    with pytest.raises(ValidationError, match="torch_threads"):
+        Cluster("", torch_threads=0)

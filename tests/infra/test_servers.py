@@ -1,0 +1,45 @@
+"""nats-server and MinIO launchers: start on free ports, become healthy, stop leaving nothing."""
+
+from __future__ import annotations
+
+import io
+
+import nats
+from minio import Minio
+
+from services.infra.minio_server import start_minio
+from services.infra.nats_server import MAX_PAYLOAD, start_nats
+from services.infra.procs import port_open
+from tests.infra.fake_apps import pid_alive
+
+
+async def test_nats_starts_with_jetstream_and_stops(tmp_path):
+    server = start_nats(data_dir=str(tmp_path / "nats"))
+    pid = server.proc.pid
+    try:
+        nc = await nats.connect(server.url)
+        assert nc.max_payload == MAX_PAYLOAD
+        info = await nc.jetstream().account_info()  # fails unless JetStream is on
+        assert info.limits is not None
+        await nc.close()
+    finally:
+        server.stop()
+    assert server.proc is None
+    assert not pid_alive(pid)
+    assert not port_open("127.0.0.1", server.port)
+
+
+def test_minio_starts_healthy_serves_objects_and_stops(tmp_path):
+    server = start_minio(data_dir=str(tmp_path / "minio"))
+    pid = server.proc.pid
+    try:
+        assert server.healthy()
+        client = Minio(server.endpoint, server.access_key, server.secret_key, secure=False)
+        client.make_bucket("strata-test")
+        client.put_object("strata-test", "k", io.BytesIO(b"hello"), 5)
+        assert client.get_object("strata-test", "k").read() == b"hello"
+    finally:
+        server.stop()
+    assert not pid_alive(pid)
+    assert not server.healthy()
+    assert not port_open("127.0.0.1", server.port)
