@@ -79,7 +79,7 @@ def _file_digest(file: Path, h) -> None:
         (header_len,) = struct.unpack("<Q", f.read(8))
         h.update(f.read(header_len))
         for i in range(SAMPLE_CHUNKS):
-            f.seek((size - _CHUNK) * i // (SAMPLE_CHUNKS - 1))
+            f.seek(max(size - _CHUNK, 0) * i // (SAMPLE_CHUNKS - 1))
             h.update(f.read(_CHUNK))
 
 
@@ -95,7 +95,11 @@ def _our_name(name: str, config: ModelConfig) -> str:
     if config.architecture == LLAVA_ARCHITECTURE:
         for old, new in _LLAVA_RENAMES:
             if name.startswith(old):
-                return new + name[len(old) :]
+                name = new + name[len(old) :]
+                break
+        # transformers 5.x saves the tower without its ``vision_model.`` level
+        if name.startswith("vision_tower.") and not name.startswith("vision_tower.vision_model."):
+            name = "vision_tower.vision_model." + name[len("vision_tower.") :]
     return name
 
 
