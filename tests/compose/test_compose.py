@@ -1,0 +1,150 @@
+"""Static checks of compose/ (no Docker daemon here): every role is a service of the one image,
+commands are valid `strata serve` roles, env names are real settings, ports and depends_on hold."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+import yaml
+
+from services.infra.procs import repo_root
+from services.launcher import ROLES
+from shared.config import ModelServiceConfig
+
+COMPOSE = os.path.join(repo_root(), "compose")
+
+# Settings the services read beyond the shared ServiceConfig/ModelServiceConfig fields
+# (gateway host/port, kvstore MinIO, worker kvstore addresses); documented in OPERATIONS.md.
+SERVICE_SETTINGS = {"HOST", "PORT", "MINIO_ENDPOINT", "MINIO_ACCESS_KEY", "MINIO_SECRET_KEY",
+                    "KVSTORE_ADDRS"}
+KNOWN = {f.upper() for f in ModelServiceConfig.model_fields} | SERVICE_SETTINGS
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    with open(os.path.join(COMPOSE, "docker-compose.yml")) as f:
+        return yaml.safe_load(f)
+
+
+def role_of(svc: dict) -> str | None:
+    cmd = svc.get("command")
+    if cmd is None:
+        return None
+    argv = cmd.split() if isinstance(cmd, str) else list(cmd)
+    if argv[:2] != ["strata", "serve"]:
+        return None
+    return argv[2]
+
+
+def test_every_role_is_a_service_running_strata_serve(compose):
+    services = compose["services"]
+    roles = {name: role_of(svc) for name, svc in services.items() if role_of(svc)}
+    assert sorted(roles.values()) == sorted(ROLES)
+    for name, role in roles.items():
+        svc = services[name]
+        assert role in ROLES
+        assert name == role  # one service per role, named after it
+        assert svc["image"] == "strata:latest"
+        assert svc["build"]["dockerfile"] == "compose/Dockerfile"
+        assert os.path.isfile(os.path.join(COMPOSE, svc["build"]["context"],
+                                           svc["build"]["dockerfile"]))
+        assert svc["volumes"] == ["models:/models"]
+        assert "healthcheck" in svc and svc["healthcheck"]["test"][0] == "CMD"
+
+
+def test_every_service_has_an_image_or_build(compose):
+    for name, svc in compose["services"].items():
+        assert svc.get("image") or svc.get("build"), name
+
+
+def test_env_names_real_settings_and_unique_instances(compose):
+    ids = []
+    for name, svc in compose["services"].items():
+        if not role_of(svc):
+            continue
+        env = svc["environment"]
+        assert env["STRATA_NATS_URL"] == "nats://nats:4222"
+        assert env["STRATA_MODEL"] == "/models/default"
+        assert env["STRATA_METRICS_PORT"] == "9100"
+        for key, value in env.items():
+            assert key.startswith("STRATA_"), key
+            assert key[len("STRATA_"):] in KNOWN, f"{name}: unknown setting {key}"
+            assert isinstance(value, str), f"{name}: {key} must be a string in YAML"
+        ids.append(env["STRATA_INSTANCE_ID"])
+    assert len(ids) == len(set(ids)) == len(ROLES)
+
+
+def test_model_processes_get_threads_and_grpc(compose):
+    s = compose["services"]
+    for role in ("vision", "prefill", "decode"):
+        env = s[role]["environment"]
+        assert int(env["STRATA_TORCH_THREADS"]) >= 1
+        assert env["STRATA_GRPC_HOST"] == role and env["STRATA_GRPC_PORT"] == "50051"
+    for role in ("prefill", "decode"):
+        assert s[role]["environment"]["STRATA_KVSTORE_ADDRS"] == "kvstore:50051"
+    kv = s["kvstore"]["environment"]
+    assert kv["STRATA_MINIO_ENDPOINT"] == "minio:9000"
+    minio = s["minio"]["environment"]
+    assert (kv["STRATA_MINIO_ACCESS_KEY"], kv["STRATA_MINIO_SECRET_KEY"]) == (
+        minio["MINIO_ROOT_USER"], minio["MINIO_ROOT_PASSWORD"])
+
+
+def test_ports_are_well_formed_and_gateway_is_published(compose):
+    published = {}
+    for name, svc in compose["services"].items():
+        for p in svc.get("ports", []):
+            m = re.fullmatch(r"(\d+):(\d+)", p)
+            assert m, f"{name}: bad port mapping {p!r}"
+            assert m.group(1) not in published, f"host port {m.group(1)} published twice"
+            published[m.group(1)] = name
+    gw = compose["services"]["gateway"]
+    assert gw["ports"] == [f"{gw['environment']['STRATA_PORT']}:8000"]
+    assert gw["environment"]["STRATA_HOST"] == "0.0.0.0"
+    assert "/health" in " ".join(gw["healthcheck"]["test"])
+    assert published["4222"] == "nats" and published["9000"] == "minio"
+
+
+def test_depends_on_points_at_existing_services(compose):
+    services = compose["services"]
+    for name, svc in services.items():
+        deps = svc.get("depends_on", {})
+        for dep, cond in deps.items():
+            assert dep in services, f"{name} depends on missing {dep}"
+            assert dep != name
+            assert cond["condition"] in ("service_started", "service_healthy")
+            if cond["condition"] == "service_healthy":
+                assert "healthcheck" in services[dep], f"{dep} has no healthcheck"
+        if role_of(svc):
+            assert deps["nats"]["condition"] == "service_healthy"
+    assert services["kvstore"]["depends_on"]["minio"]["condition"] == "service_healthy"
+
+
+def test_infra_and_optional_monitoring(compose):
+    s = compose["services"]
+    assert "-js" in s["nats"]["command"]
+    assert s["prometheus"]["profiles"] == ["monitoring"]
+    assert s["grafana"]["profiles"] == ["monitoring"]
+    prom = yaml.safe_load(compose["configs"]["prometheus"]["content"])
+    targets = prom["scrape_configs"][0]["static_configs"][0]["targets"]
+    assert sorted(targets) == sorted(f"{r}:9100" for r in ROLES)
+    for name, svc in s.items():
+        for vol in svc.get("volumes", []):
+            src = vol.split(":")[0]
+            assert src.startswith("./") or src in compose["volumes"], f"{name}: {vol}"
+        for c in svc.get("configs", []):
+            assert c["source"] in compose["configs"]
+
+
+def test_dockerfile_installs_the_project_and_builds_nothing_at_runtime():
+    with open(os.path.join(COMPOSE, "Dockerfile")) as f:
+        lines = [ln.strip() for ln in f if ln.strip() and not ln.startswith("#")]
+    assert lines[0] == "FROM python:3.11-slim"
+    runs = " ".join(ln for ln in lines if ln.startswith("RUN") or ln.startswith("&&"))
+    assert "pip install ." in runs and "strata model build-default /models/default" in runs
+    cmd = [ln for ln in lines if ln.startswith(("CMD", "ENTRYPOINT"))]
+    assert cmd == ['CMD ["strata", "serve", "gateway"]']
+    copied = {ln.split()[1] for ln in lines if ln.startswith("COPY")}
+    assert {"pyproject.toml", "services", "shared", "protos"} <= copied
+    assert any(ln.startswith("USER ") and "root" not in ln for ln in lines)
