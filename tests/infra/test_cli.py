@@ -135,3 +135,34 @@ def test_cluster_config_rejects_unknown_settings():
         ClusterConfig(prefil=2)
     with pytest.raises(ValidationError, match="torch_threads"):
         Cluster("", torch_threads=0)
+
+
+def test_model_commands_build_into_the_given_dir_or_the_cache(tmp_path, monkeypatch, capsys):
+    from shared.model import default_model
+
+    calls = []
+    monkeypatch.setattr(default_model, "build_default_model",
+                        lambda out: calls.append(("default", str(out))) or out)
+    monkeypatch.setattr(default_model, "build_benchmark_model",
+                        lambda out: calls.append(("benchmark", str(out))) or out)
+    monkeypatch.setenv("STRATA_CACHE", str(tmp_path / "cache"))
+    assert cli.model_cmd(["build-default", str(tmp_path / "m")]) == 0
+    assert cli.model_cmd(["build-benchmark"]) == 0
+    assert cli.model_cmd(["build-default"]) == 0
+    assert calls == [("default", str(tmp_path / "m")),
+                     ("benchmark", str(tmp_path / "cache" / "models" / "benchmark")),
+                     ("default", str(tmp_path / "cache" / "models" / "default"))]
+    assert capsys.readouterr().out.splitlines() == [
+        str(tmp_path / "m"), str(tmp_path / "cache/models/benchmark"),
+        str(tmp_path / "cache/models/default")]
+    with pytest.raises(SystemExit):
+        cli.model_cmd(["build-everything"])
+
+
+def test_ensure_model_rejects_a_dir_without_config(tmp_path):
+    from services.launcher import ensure_model
+
+    with pytest.raises(RuntimeError, match="no config.json there"):
+        ensure_model(str(tmp_path))
+    (tmp_path / "config.json").write_text("{}")
+    assert ensure_model(str(tmp_path)) == str(tmp_path)
