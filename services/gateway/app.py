@@ -1,0 +1,69 @@
+"""`strata serve gateway --nats-url URL --port N --model DIR`: REST + NATS API."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from pathlib import Path
+
+import uvicorn
+
+from services.gateway.auth import Auth
+from services.gateway.config import GatewayConfig
+from services.gateway.http import build_app
+from services.gateway.nats_api import serve_api
+from services.gateway.pipeline import Pipeline
+from services.gateway.service import GatewayService
+from shared import bus, metrics
+from shared.logs import setup_logging
+from shared.service import announce_ready, run
+
+log = logging.getLogger(__name__)
+
+
+def served_name(cfg: GatewayConfig) -> str:
+    return cfg.model_name or (Path(cfg.model).name if cfg.model else "strata")
+
+
+def token_speller(model_dir: str):
+    """id -> token text for logprobs (the id itself when no tokenizer is available)."""
+    if not model_dir:
+        return str
+    from shared.model.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(model_dir)
+    return functools.lru_cache(maxsize=65536)(lambda i: tok.decode([i], skip_special_tokens=False))
+
+
+async def build_service(nc, cfg: GatewayConfig) -> GatewayService:
+    pipeline = Pipeline(nc, cfg)
+    await pipeline.start()
+    auth = Auth.from_config(cfg.api_keys, cfg.api_key_file)
+    return GatewayService(pipeline, cfg, served_name(cfg), auth, token_speller(cfg.model))
+
+
+def main(argv: list[str]) -> None:
+    cfg = GatewayConfig.load(argv, role="gateway")
+    setup_logging("gateway", cfg.instance_id, cfg.log_level)
+
+    async def amain(stop: asyncio.Event) -> None:
+        nc = await bus.connect(cfg.nats_url, f"gateway-{cfg.instance_id}")
+        service = await build_service(nc, cfg)
+        await serve_api(nc, service)
+        metrics.serve_metrics(cfg.metrics_port)
+        server = uvicorn.Server(uvicorn.Config(build_app(service), host=cfg.host, port=cfg.port,
+                                               log_level="warning", lifespan="off"))  # fmt: skip
+        task = asyncio.create_task(server.serve())
+        while not server.started and not task.done():
+            await asyncio.sleep(0.05)
+        if task.done():
+            task.result()
+        port = server.servers[0].sockets[0].getsockname()[1]
+        announce_ready("gateway", cfg.instance_id, f"http=http://{cfg.host}:{port}")
+        await stop.wait()
+        server.should_exit = True
+        await task
+        await nc.drain()
+
+    run(amain)

@@ -1,0 +1,43 @@
+"""`GatewayConfig`: every gateway setting, from ``STRATA_*`` env vars or ``--flags``."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from shared.config import ServiceConfig
+
+
+class GatewayConfig(ServiceConfig):
+    """Frozen gateway settings; limits apply per request and each has a clear 4xx."""
+
+    host: str = Field("127.0.0.1", description="HTTP bind address")
+    port: int = Field(8000, ge=0, le=65535, description="HTTP port (0 = pick a free port)")
+    model: str = Field("", description="Checkpoint directory (token strings for logprobs)")
+    model_name: str = Field("", description="Served model name (default: directory name)")
+    # auth
+    api_keys: str = Field("", description="Comma-separated API keys allowed for every model")
+    api_key_file: str = Field("", description="JSON/YAML file: key -> {models, rpm, tpm}")
+    # limits
+    max_body_bytes: int = Field(8 << 20, ge=1024, description="Largest accepted request body")
+    max_tokens_limit: int = Field(4096, ge=1, description="Largest max_tokens a request may ask")
+    default_max_tokens: int = Field(256, ge=1, description="max_tokens when the request has none")
+    max_n: int = Field(8, ge=1, le=128, description="Largest n (choices per request)")
+    max_images: int = Field(4, ge=0, description="Most images per request")
+    max_image_bytes: int = Field(4 << 20, ge=1, description="Largest encoded image")
+    max_image_pixels: int = Field(4096 * 4096, ge=1, description="Most pixels per image")
+    image_formats: str = Field("PNG,JPEG,WEBP,GIF,BMP", description="Accepted image formats")
+    image_dir: str = Field("", description="Folder local image paths must be under ('' = none)")
+    allow_remote_images: bool = Field(False, description="Fetch http(s) image URLs (SSRF risk)")
+    remote_image_hosts: str = Field("", description="Comma-separated hosts allowed for fetching")
+    # timeouts
+    bus_timeout: float = Field(10.0, gt=0, description="Seconds to wait for a bus reply")
+    first_token_timeout: float = Field(60.0, gt=0, description="Seconds to wait for token one")
+    stall_timeout: float = Field(15.0, gt=0, description="Seconds without tokens -> failover")
+    max_failovers: int = Field(2, ge=0, description="Re-routes of one stream before giving up")
+    health_timeout: float = Field(1.0, gt=0, description="Seconds /health waits for the scheduler")
+    # degradation
+    degrade_batch_max_tokens: int = Field(64, ge=1, description="Batch max_tokens cap at level 1")
+    degrade_top_priority: int = Field(
+        0, description="Level 3 admits only priority <= this (lower = more important)"
+    )
+    retry_after: float = Field(2.0, gt=0, description="Retry-After seconds on 429 from overload")

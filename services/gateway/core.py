@@ -1,0 +1,221 @@
+"""Pure gateway core: request validation, sampling parameters, admission, block hashes.
+
+No NATS, no HTTP: `build_spec` turns a decoded JSON body into a `GenerateSpec` or raises
+`ApiError` (a `StrataError` that also names the offending parameter); `sampling_for` applies the
+context length and degradation rules once the prompt length is known.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from services.gateway.config import GatewayConfig
+from services.gateway.schemas import ChatCompletionRequest, CompletionRequest, body_schema
+from shared.engine.hashing import hash_blocks, mm_extra_keys, model_salt, to_hex
+from shared.engine.params import SamplingParams
+from shared.protocol.errors import StrataError
+
+
+class ApiError(StrataError):
+    """A client-facing error: code (-> HTTP status), message and the parameter at fault."""
+
+    def __init__(self, code: str, message: str, param: str | None = None, **kw: Any):
+        super().__init__(code, message, **kw)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class GenerateSpec:
+    """One validated request, before tokenization."""
+
+    kind: str  # "chat" | "completion"
+    request: ChatCompletionRequest | CompletionRequest
+    prompts: list[Any]  # chat: [messages]; completion: one str per prompt
+    image_urls: list[str] = field(default_factory=list)
+    priority: int = 0
+    slo_class: str = "interactive"
+
+    @property
+    def n(self) -> int:
+        return self.request.n
+
+    @property
+    def include_usage(self) -> bool:
+        opts = self.request.stream_options
+        return bool(opts and opts.include_usage)
+
+    @property
+    def logprobs(self) -> int | None:
+        """None (off) or the number of alternatives per token."""
+        r = self.request
+        if isinstance(r, ChatCompletionRequest):
+            return (r.top_logprobs or 0) if r.logprobs else None
+        return r.logprobs
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    """Decode a request body; malformed JSON or a non-object names the problem."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError("bad_request", f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise ApiError("bad_request", "request body must be a JSON object")
+    return body
+
+
+def validation_error(exc: ValidationError) -> ApiError:
+    e = exc.errors()[0]
+    loc = ".".join(str(p) for p in e["loc"]) or "body"
+    more = f" (and {len(exc.errors()) - 1} more errors)" if len(exc.errors()) > 1 else ""
+    return ApiError("bad_request", f"invalid field '{loc}': {e['msg']}{more}", param=loc)
+
+
+def build_spec(
+    kind: str,
+    body: dict[str, Any],
+    cfg: GatewayConfig,
+    served_model: str,
+    headers: dict[str, str] | None = None,
+) -> GenerateSpec:
+    """Validate an OpenAI body (``kind`` "chat" or "completion") against the gateway limits."""
+    try:
+        req = body_schema(kind).model_validate(body)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+    if req.model != served_model:
+        raise ApiError("not_found", f"model '{req.model}' does not exist; this gateway serves "
+                       f"'{served_model}'", param="model")  # fmt: skip
+    if req.n > cfg.max_n:
+        raise ApiError("bad_request", f"n must be <= {cfg.max_n}", param="n")
+    mt = _max_tokens(req)
+    if mt is not None and mt > cfg.max_tokens_limit:
+        raise ApiError("bad_request", f"max_tokens must be <= {cfg.max_tokens_limit}",
+                       param="max_tokens")  # fmt: skip
+    stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    if any(s == "" for s in stops) or len(stops) > 16:
+        raise ApiError("bad_request", "stop must be 1..16 non-empty strings", param="stop")
+    headers = {k.lower(): v for k, v in (headers or {}).items()}
+    priority, slo = _scheduling(req, headers)
+    if isinstance(req, ChatCompletionRequest):
+        if not req.messages:
+            raise ApiError("bad_request", "messages must not be empty", param="messages")
+        urls = [_url(p.image_url) for m in req.messages if isinstance(m.content, list)
+                for p in m.content if p.type == "image_url"]  # fmt: skip
+        if len(urls) > cfg.max_images:
+            raise ApiError("bad_request", f"at most {cfg.max_images} images per request",
+                           param="messages")  # fmt: skip
+        prompts: list[Any] = [req.messages]
+    else:
+        urls = []
+        prompts = [req.prompt] if isinstance(req.prompt, str) else list(req.prompt)
+        if not prompts:
+            raise ApiError("bad_request", "prompt must not be empty", param="prompt")
+        if len(prompts) * req.n > cfg.max_n:
+            raise ApiError("bad_request", f"len(prompt) * n must be <= {cfg.max_n}", param="n")
+    return GenerateSpec(kind, req, prompts, urls, priority, slo)
+
+
+def _url(image_url: Any) -> str:
+    if image_url is None:
+        raise ApiError("bad_request", "image_url part without a url", param="messages")
+    return image_url if isinstance(image_url, str) else image_url.url
+
+
+def _max_tokens(req: ChatCompletionRequest | CompletionRequest) -> int | None:
+    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+        return req.max_completion_tokens
+    return req.max_tokens
+
+
+def _scheduling(req: Any, headers: dict[str, str]) -> tuple[int, str]:
+    priority = req.priority if req.priority is not None else 0
+    if "x-strata-priority" in headers:
+        try:
+            priority = int(headers["x-strata-priority"])
+        except ValueError:
+            raise ApiError("bad_request", "X-Strata-Priority must be an integer",
+                           param="priority") from None  # fmt: skip
+    slo = req.slo_class or headers.get("x-strata-slo-class", "interactive")
+    if slo not in ("interactive", "batch"):
+        raise ApiError("bad_request", "SLO class must be 'interactive' or 'batch'",
+                       param="slo_class")  # fmt: skip
+    return priority, slo
+
+
+def admit(spec: GenerateSpec, degrade_level: int, cfg: GatewayConfig) -> None:
+    """Enforce the scheduler's degradation level: 2 refuses batch, 3 keeps top priority only."""
+    if degrade_level >= 3 and spec.priority > cfg.degrade_top_priority:
+        raise ApiError("overloaded", "server overloaded: only top-priority requests are admitted",
+                       retry_after=cfg.retry_after)  # fmt: skip
+    if degrade_level >= 2 and spec.slo_class == "batch":
+        raise ApiError("overloaded", "server overloaded: batch requests are refused for now",
+                       retry_after=cfg.retry_after)  # fmt: skip
+
+
+def sampling_for(
+    spec: GenerateSpec, prompt_len: int, max_model_len: int, cfg: GatewayConfig,
+    degrade_level: int = 0, eos_ids: list[int] | None = None,
+) -> SamplingParams:  # fmt: skip
+    """SamplingParams for one prompt of ``prompt_len`` tokens (context length checked here)."""
+    r = spec.request
+    if max_model_len and prompt_len >= max_model_len:
+        raise ApiError("context_length_exceeded", f"prompt has {prompt_len} tokens; this model's "
+                       f"context length is {max_model_len}", param="messages"
+                       if spec.kind == "chat" else "prompt")  # fmt: skip
+    room = (max_model_len - prompt_len) if max_model_len else cfg.max_tokens_limit
+    asked = _max_tokens(r)
+    if asked is not None and asked > room:
+        raise ApiError("context_length_exceeded", f"prompt ({prompt_len} tokens) + max_tokens "
+                       f"({asked}) exceeds the context length {max_model_len}",
+                       param="max_tokens")  # fmt: skip
+    max_tokens = asked if asked is not None else min(cfg.default_max_tokens, room)
+    if degrade_level >= 1 and spec.slo_class == "batch":
+        max_tokens = min(max_tokens, cfg.degrade_batch_max_tokens)
+    stops = [r.stop] if isinstance(r.stop, str) else list(r.stop or [])
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            min_tokens=min(r.min_tokens, max_tokens),
+            temperature=1.0 if r.temperature is None else r.temperature,
+            top_p=1.0 if r.top_p is None else r.top_p,
+            top_k=max(0, r.top_k or 0),
+            min_p=r.min_p or 0.0,
+            presence_penalty=r.presence_penalty or 0.0,
+            frequency_penalty=r.frequency_penalty or 0.0,
+            repetition_penalty=r.repetition_penalty or 1.0,
+            seed=None if r.seed is None else r.seed % (2**63),
+            stop=stops,
+            stop_token_ids=list(r.stop_token_ids or []),
+            ignore_eos=r.ignore_eos,
+            logprobs=spec.logprobs,
+            skip_special_tokens=r.skip_special_tokens,
+        )
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+def block_hashes(
+    token_ids: list[int],
+    image_spans: list[tuple[int, int, str]],
+    fingerprint: str,
+    kv_dtype: str,
+    block_size: int,
+) -> list[str]:
+    """Chained hashes of the prompt's full blocks; image hashes are extra keys of the blocks
+    their spans overlap (same function the engine and kvstore use)."""
+    salt = model_salt(fingerprint, kv_dtype, block_size)
+    return to_hex(hash_blocks(token_ids, block_size, salt, mm_extra_keys(image_spans, block_size)))
+
+
+def error_body(err: StrataError) -> dict[str, Any]:
+    """OpenAI-style error object."""
+    kind = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+            404: "not_found_error", 429: "rate_limit_error"}.get(err.http_status,
+                                                                 "server_error")  # fmt: skip
+    return {"error": {"message": err.message, "type": kind,
+                      "param": getattr(err, "param", None), "code": err.code}}  # fmt: skip

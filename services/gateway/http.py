@@ -1,0 +1,205 @@
+"""FastAPI app: the OpenAI-compatible REST surface over a `GatewayService`.
+
+Bodies are read raw (so malformed JSON is a 400 naming the problem, not a framework 422) and
+validated by the pure core; the OpenAPI schema still documents them. Every error is an
+OpenAI-style body; a client that disconnects cancels its request on the bus.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from services.gateway import metrics as m
+from services.gateway.core import ApiError, error_body, parse_json
+from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from services.gateway.service import GatewayService
+from shared.protocol.errors import StrataError
+
+log = logging.getLogger(__name__)
+
+
+def _body_doc(model: type) -> dict[str, Any]:
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    schema.pop("$defs", None)  # added to components by `_openapi`
+    return {"requestBody": {"required": True,
+                            "content": {"application/json": {"schema": schema}}}}  # fmt: skip
+
+
+def _openapi(app: FastAPI):
+    def build() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = FastAPI.openapi(app)
+            comps = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in (ChatCompletionRequest, CompletionRequest):
+                js = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                comps.update(js.get("$defs", {}))
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    return build
+
+
+def error_response(err: StrataError) -> JSONResponse:
+    headers = {}
+    if err.retry_after is not None:
+        headers["Retry-After"] = str(max(1, int(err.retry_after + 0.999)))
+    return JSONResponse(error_body(err), status_code=err.http_status, headers=headers)
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+async def _race(coro, request: Request):
+    """Run ``coro`` unless the client disconnects first (then it is cancelled)."""
+    task = asyncio.ensure_future(coro)
+    disc = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, disc}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        raise ApiError("cancelled", "client disconnected")
+    finally:
+        for t in (task, disc):
+            t.cancel()  # no await: the task cleans up (bus cancel) on its own
+
+
+class _CountStatus:
+    """Pure ASGI middleware counting responses by route and status (no body buffering, so
+    streaming and disconnect detection are untouched)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = [500]
+
+        async def send_status(msg):
+            if msg["type"] == "http.response.start":
+                status[0] = msg["status"]
+            await send(msg)
+
+        path = scope.get("path", "")
+        route = path if path.startswith("/v1/") or path in ("/health", "/metrics") else "other"
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            m.HTTP.labels(route, str(status[0])).inc()
+
+
+def build_app(service: GatewayService) -> FastAPI:
+    app = FastAPI(title="Strata gateway", version="1", description=__doc__)
+    cfg = service.cfg
+
+    @app.exception_handler(StrataError)
+    async def on_strata_error(_: Request, exc: StrataError) -> JSONResponse:
+        return error_response(exc)
+
+    app.add_middleware(_CountStatus)
+
+    async def handle(kind: str, request: Request) -> Response:
+        length = request.headers.get("content-length")
+        if length and length.isdigit() and int(length) > cfg.max_body_bytes:
+            raise ApiError("bad_request", f"request body is larger than {cfg.max_body_bytes} bytes")
+        raw = b""
+        async for part in request.stream():
+            raw += part
+            if len(raw) > cfg.max_body_bytes:
+                raise ApiError("bad_request",
+                               f"request body is larger than {cfg.max_body_bytes} bytes")  # fmt: skip
+        body = parse_json(raw)
+        headers = dict(request.headers)
+        run = await _race(service.open(kind, body, headers, request.headers.get("authorization"),
+                                       request.headers.get("x-request-id", "")), request)  # fmt: skip
+        if not run.spec.request.stream:
+            return JSONResponse(await _race(run.complete(), request))
+        return StreamingResponse(_sse(run, request), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})  # fmt: skip
+
+    @app.post("/v1/chat/completions", openapi_extra=_body_doc(ChatCompletionRequest))
+    async def chat(request: Request) -> Response:
+        return await handle("chat", request)
+
+    @app.post("/v1/completions", openapi_extra=_body_doc(CompletionRequest))
+    async def completions(request: Request) -> Response:
+        return await handle("completion", request)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": service.served_model, "object": "model",
+                                            "created": int(time.time()),
+                                            "owned_by": "strata"}]}  # fmt: skip
+
+    @app.get("/health")
+    async def health() -> Response:
+        if await service.pipeline.healthy():
+            return JSONResponse({"status": "ok"})
+        return error_response(StrataError("unavailable", "no decode instance is routable"))
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    app.openapi = _openapi(app)
+    return app
+
+
+async def _sse(run, request: Request) -> AsyncIterator[bytes]:
+    """``data: <chunk>`` lines ending in ``data: [DONE]``; an error mid-stream is sent as an
+    error object. A disconnect cancels the run (which publishes the bus cancel).
+
+    The run is pumped by its own asyncio task: the server may cancel this generator's scope on
+    disconnect, and a plain ``cancel()`` of that task (no await) still lets it clean up.
+    """
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def produce() -> None:
+        try:
+            async for chunk in run.events():
+                q.put_nowait(("chunk", chunk))
+            q.put_nowait(("end", None))
+        except StrataError as exc:
+            q.put_nowait(("error", exc))
+        except Exception as exc:  # noqa: BLE001 - reported to the client as a 500 object
+            log.exception("stream %s failed", run.request_id)
+            q.put_nowait(("error", StrataError("internal", f"{type(exc).__name__}: {exc}")))
+
+    producer = asyncio.create_task(produce())
+    disc = asyncio.create_task(_wait_disconnect(request))
+    get: asyncio.Future | None = None
+    try:
+        while True:
+            get = asyncio.ensure_future(q.get())
+            done, _ = await asyncio.wait({get, disc}, return_when=asyncio.FIRST_COMPLETED)
+            if get not in done:
+                return  # client gone: the finally cancels the run
+            kind, val = get.result()
+            if kind == "chunk":
+                yield _line(val)
+                continue
+            if kind == "error":
+                yield _line(error_body(val))
+            break
+        yield b"data: [DONE]\n\n"
+    finally:
+        for t in (get, disc, producer):
+            if t is not None:
+                t.cancel()
+
+
+def _line(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"

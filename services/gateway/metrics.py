@@ -1,0 +1,29 @@
+"""Gateway metrics with vLLM-like names (``vllm:`` -> ``strata:``)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+_LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_ITL = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+TTFT = Histogram("strata:time_to_first_token_seconds", "Arrival to first token", buckets=_LAT)
+ITL = Histogram("strata:inter_token_latency_seconds", "Gap between streamed tokens", buckets=_ITL)
+TPOT = Histogram("strata:time_per_output_token_seconds", "Decode time / output tokens",
+                 buckets=_ITL)  # fmt: skip
+E2E = Histogram("strata:e2e_request_latency_seconds", "Arrival to last token", buckets=_LAT)
+QUEUE = Histogram("strata:request_queue_time_seconds", "Arrival to submit (tokenize, encode, "
+                  "route)", buckets=_LAT)  # fmt: skip
+TOKENIZE = Histogram("strata:tokenize_seconds", "Tokenizer round trip", buckets=_LAT)
+VISION = Histogram("strata:vision_encode_seconds", "Vision encode round trip", buckets=_LAT)
+EPD_OVERLAP = Histogram("strata:epd_overlap_seconds", "Time tokenize and encode ran together",
+                        buckets=_LAT)  # fmt: skip
+RUNNING = Gauge("strata:num_requests_running", "Streams past their first token")
+WAITING = Gauge("strata:num_requests_waiting", "Requests before their first token")
+PROMPT_TOKENS = Counter("strata:prompt_tokens", "Prompt tokens of finished requests")
+GENERATION_TOKENS = Counter("strata:generation_tokens", "Generated tokens")
+CACHED_TOKENS = Counter("strata:prompt_tokens_cached", "Prompt tokens served from cache")
+REQUESTS = Counter("strata:request_success", "Finished requests", ["finished_reason"])
+HTTP = Counter("strata:http_requests", "HTTP requests by route and status", ["route", "status"])
+FAILOVERS = Counter("strata:stream_failovers", "Streams re-routed to another instance", ["why"])
+CANCELS = Counter("strata:request_cancelled", "Requests cancelled (client gone)")

@@ -1,0 +1,271 @@
+"""The gateway's bus side: tokenize + encode concurrently, route, submit, stream with failover.
+
+`Pipeline.prepare` turns one validated prompt into a `Prepared` (token ids, image refs, block
+hashes, sampling); `Pipeline.stream` routes it, submits the `WorkItem` and yields the request's
+`TokenChunk`s in index order with duplicates dropped. When the decode instance is declared down
+(`SchedulerState.down`) or its stream stalls, the request is re-routed (``exclude``) and
+resubmitted with the tokens already sent, so the caller sees one uninterrupted stream. Closing
+the stream before it finished publishes `strata.req.<id>.cancel`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from nats.aio.client import Client as NATS
+
+from services.gateway import metrics as m
+from services.gateway.config import GatewayConfig
+from services.gateway.core import GenerateSpec, block_hashes, sampling_for
+from shared import bus
+from shared.engine.params import SamplingParams
+from shared.protocol import subjects
+from shared.protocol.codec import decode
+from shared.protocol.errors import StrataError
+from shared.protocol.sched import (
+    InstancesReply,
+    InstancesRequest,
+    RouteReply,
+    RouteRequest,
+    SchedulerState,  # fmt: skip
+)
+from shared.protocol.stream import Cancel, TokenChunk
+from shared.protocol.tok import TokenizeReply, TokenizeRequest
+from shared.protocol.vision import VisionEncodeReply, VisionEncodeRequest
+from shared.protocol.work import ImageRef, SubmitAck, WorkItem
+
+log = logging.getLogger(__name__)
+
+_DOWN = object()  # queue sentinel: the serving instance was declared down
+
+
+@dataclass
+class Prepared:
+    """One prompt ready to route: what the WorkItem and RouteRequest need."""
+
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    images: list[ImageRef] = field(default_factory=list)
+    block_hashes: list[str] = field(default_factory=list)
+    # perf_counter windows (start, end) of the two bus calls, for the EPD overlap check
+    tokenize_window: tuple[float, float] = (0.0, 0.0)
+    vision_window: tuple[float, float] | None = None
+
+
+class Pipeline:
+    """Bus client of one gateway; also tracks the scheduler's degradation level and down set."""
+
+    def __init__(self, nc: NATS, cfg: GatewayConfig):
+        self.nc = nc
+        self.cfg = cfg
+        self.degrade_level = 0
+        self.down: set[str] = set()
+        self._watchers: dict[str, set[asyncio.Queue]] = {}
+        self._sub = None
+
+    async def start(self) -> None:
+        async def on_state(msg) -> None:
+            try:
+                st = decode(msg.data, SchedulerState)
+            except StrataError:
+                return
+            self.degrade_level = st.degrade_level
+            self.down = set(st.down)
+            for inst in st.down:
+                for q in self._watchers.get(inst, ()):
+                    q.put_nowait(_DOWN)
+
+        self._sub = await self.nc.subscribe(subjects.SCHED_STATE, cb=on_state)
+
+    async def healthy(self) -> bool:
+        """True when the scheduler knows a live decode instance."""
+        try:
+            rep = await bus.request(self.nc, subjects.SCHED_INSTANCES,
+                                    InstancesRequest(role="decode"), InstancesReply,
+                                    timeout=self.cfg.health_timeout)  # fmt: skip
+        except StrataError:
+            return False
+        return any(i.alive and i.role == "decode" for i in rep.instances)
+
+    async def prepare(self, spec: GenerateSpec, prompt: object, images: list[bytes],
+                      rid: str) -> Prepared:  # fmt: skip
+        """Tokenize and vision-encode at the same time, then build sampling and block hashes."""
+        if spec.kind == "chat":
+            from services.gateway.schemas import dump_messages
+
+            tok_req = TokenizeRequest(request_id=rid, messages=dump_messages(spec.request),
+                                      add_generation_prompt=spec.request.add_generation_prompt)  # fmt: skip
+        else:
+            tok_req = TokenizeRequest(request_id=rid, prompt=str(prompt))
+
+        async def timed(coro):
+            t0 = time.perf_counter()
+            out = await coro
+            return out, (t0, time.perf_counter())
+
+        timeout = self.cfg.bus_timeout
+        calls = [timed(bus.request(self.nc, subjects.TOK_ENCODE, tok_req, TokenizeReply, timeout))]
+        if images:
+            vreq = VisionEncodeRequest(request_id=rid, images=images)
+            calls.append(timed(bus.request(self.nc, subjects.VISION_ENCODE, vreq,
+                                           VisionEncodeReply, timeout)))  # fmt: skip
+        results = await asyncio.gather(*calls)
+        tok, tok_win = results[0]
+        m.TOKENIZE.observe(tok_win[1] - tok_win[0])
+        refs: list[ImageRef] = []
+        vis_win = None
+        if images:
+            vis, vis_win = results[1]
+            m.VISION.observe(vis_win[1] - vis_win[0])
+            m.EPD_OVERLAP.observe(max(0.0, min(tok_win[1], vis_win[1]) - max(tok_win[0],
+                                                                              vis_win[0])))  # fmt: skip
+            if len(vis.images) != len(tok.image_spans):
+                raise StrataError("bad_request", f"{len(tok.image_spans)} image placeholders but "
+                                  f"{len(vis.images)} images")  # fmt: skip
+            refs = [ImageRef(offset=s.offset, length=s.length, hash=i.hash,
+                             source_addr=vis.source_addr)
+                    for s, i in zip(tok.image_spans, vis.images, strict=True)]  # fmt: skip
+        sampling = sampling_for(spec, len(tok.token_ids), tok.max_model_len, self.cfg,
+                                self.degrade_level)  # fmt: skip
+        hashes = block_hashes(tok.token_ids, [(r.offset, r.length, r.hash) for r in refs],
+                              tok.model_fingerprint, tok.kv_dtype or "float32", tok.block_size)  # fmt: skip
+        return Prepared(tok.token_ids, sampling, refs, hashes, tok_win, vis_win)
+
+    async def cancel(self, rid: str, reason: str = "client disconnected") -> None:
+        with contextlib.suppress(Exception):
+            await bus.publish(self.nc, subjects.req_cancel(rid), Cancel(request_id=rid,
+                                                                        reason=reason))  # fmt: skip
+            m.CANCELS.inc()
+
+    async def stream(self, rid: str, p: Prepared, spec: GenerateSpec) -> AsyncIterator[TokenChunk]:
+        """Index-ordered chunks of one request, surviving decode failures (see module doc)."""
+        q: asyncio.Queue = asyncio.Queue()
+
+        async def on_chunk(msg) -> None:
+            q.put_nowait(msg)
+
+        sub = await self.nc.subscribe(subjects.req_out(rid), cb=on_chunk)
+        sent: list[int] = []
+        exclude: list[str] = []
+        finished = False
+        watched: list[str] = []
+        try:
+            while True:
+                route = await self._route(rid, p, spec, exclude)
+                watched = [i for i in (route.decode_instance, route.prefill_instance) if i]
+                for inst in watched:
+                    self._watchers.setdefault(inst, set()).add(q)
+                why = await self._submit(rid, p, spec, route, sent)
+                if why is None:
+                    async for chunk in self._drain(q, sent, exclude):
+                        if isinstance(chunk, str):
+                            why = chunk
+                            break
+                        yield chunk
+                        if chunk.finish_reason is not None:
+                            finished = True
+                            return
+                self._unwatch(q, watched)
+                if len(exclude) >= self.cfg.max_failovers:
+                    raise StrataError("unavailable", f"request {rid} failed on {len(exclude) + 1} "
+                                      f"instances (last: {why})")  # fmt: skip
+                log.warning("rid=%s failover from %s: %s", rid, route.decode_instance, why)
+                m.FAILOVERS.labels(why.split(":")[0]).inc()
+                await self.cancel(rid, f"failover: {why}")
+                exclude.append(route.decode_instance)
+        finally:
+            self._unwatch(q, watched)
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+            if not finished:
+                await self.cancel(rid)
+
+    def _unwatch(self, q: asyncio.Queue, insts: list[str]) -> None:
+        for inst in insts:
+            self._watchers.get(inst, set()).discard(q)
+            if not self._watchers.get(inst):
+                self._watchers.pop(inst, None)
+
+    async def _route(self, rid: str, p: Prepared, spec: GenerateSpec,
+                     exclude: list[str]) -> RouteReply:  # fmt: skip
+        req = RouteRequest(request_id=rid, num_prompt_tokens=len(p.prompt_token_ids),
+                           block_hashes=p.block_hashes, priority=spec.priority,
+                           slo_class=spec.slo_class, max_tokens=p.sampling.max_tokens,
+                           exclude=list(exclude))  # fmt: skip
+        try:
+            route = await bus.request(self.nc, subjects.SCHED_ROUTE, req, RouteReply,
+                                      self.cfg.bus_timeout)  # fmt: skip
+        except StrataError as exc:
+            if exc.code == "timeout":
+                raise StrataError(
+                    "unavailable", f"scheduler did not answer: {exc.message}"
+                ) from None
+            raise
+        if not route.decode_instance:
+            raise StrataError("unavailable", "no decode instance is available")
+        return route
+
+    async def _submit(self, rid: str, p: Prepared, spec: GenerateSpec, route: RouteReply,
+                      sent: list[int]) -> str | None:  # fmt: skip
+        """Send the WorkItem; returns a failover reason when the instance cannot take it."""
+        sampling = p.sampling
+        if route.max_tokens_cap and sampling.max_tokens > route.max_tokens_cap:
+            sampling = sampling.model_copy(update={"max_tokens": route.max_tokens_cap,
+                                                   "min_tokens": min(sampling.min_tokens,
+                                                                     route.max_tokens_cap)})  # fmt: skip
+        item = WorkItem(request_id=rid, prompt_token_ids=p.prompt_token_ids, sampling=sampling,
+                        priority=spec.priority, slo_class=spec.slo_class, images=p.images,
+                        output_token_ids=list(sent), decode_instance=route.decode_instance,
+                        decode_addr=route.decode_addr,
+                        transfer_mode="pool" if route.transfer_mode == "pool" else "direct")  # fmt: skip
+        target = (subjects.prefill_submit(route.prefill_instance) if route.prefill_instance
+                  else subjects.decode_submit(route.decode_instance))  # fmt: skip
+        try:
+            ack = await bus.request(self.nc, target, item, SubmitAck, self.cfg.bus_timeout)
+        except StrataError as exc:
+            if exc.code in ("unavailable", "timeout"):
+                return f"submit: {exc.message}"
+            raise
+        if not ack.accepted:
+            return f"submit: {ack.instance_id or target} refused the request"
+        return None
+
+    async def _drain(self, q: asyncio.Queue, sent: list[int],
+                     exclude: list[str]) -> AsyncIterator[TokenChunk | str]:  # fmt: skip
+        """Chunks from the queue in order; a str item means "fail over, because ..."."""
+        while True:
+            timeout = self.cfg.first_token_timeout if not sent else self.cfg.stall_timeout
+            try:
+                msg = await asyncio.wait_for(q.get(), timeout)
+            except TimeoutError:
+                yield f"stall: no tokens for {timeout:.1f}s"
+                return
+            if msg is _DOWN:
+                yield "down: instance declared down"
+                return
+            try:
+                chunk = decode(msg.data, TokenChunk)
+            except Exception:  # noqa: BLE001 - a malformed chunk is a peer bug; skip it
+                log.warning("dropping malformed chunk", exc_info=True)
+                continue
+            if chunk.instance_id and chunk.instance_id in exclude:
+                continue  # a straggler from an instance we failed away from
+            if chunk.error is not None:
+                raise chunk.error.to_exception()
+            start = len(sent)
+            if chunk.index + len(chunk.token_ids) <= start and chunk.finish_reason is None:
+                continue  # duplicate
+            if chunk.index < start:  # partial overlap: keep only the new tokens
+                skip = start - chunk.index
+                lps = chunk.logprobs[skip:] if chunk.logprobs else chunk.logprobs
+                chunk = chunk.model_copy(update={"index": start, "logprobs": lps,
+                                                 "token_ids": chunk.token_ids[skip:]})  # fmt: skip
+            sent.extend(chunk.token_ids)
+            yield chunk
+            if chunk.finish_reason is not None:
+                return

@@ -1,0 +1,129 @@
+"""OpenAI response objects built from `TokenChunk`s (pure; no I/O).
+
+`Formatter` knows the request kind, id, model and how to spell a token; ``chunk()`` makes one
+streamed ``chat.completion.chunk`` / ``text_completion`` object, ``final()`` the non-streamed
+response from every choice's accumulated `ChoiceState`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared.protocol.stream import TokenChunk
+
+
+@dataclass
+class ChoiceState:
+    """Everything streamed so far for one choice."""
+
+    index: int
+    prompt_tokens: int
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+    cached_tokens: int = 0
+    completion_tokens: int | None = None
+
+    def add(self, c: TokenChunk) -> None:
+        self.text.append(c.text)
+        self.token_ids.extend(c.token_ids)
+        self.logprobs.extend(c.logprobs or [])
+        if c.finish_reason is not None:
+            self.finish_reason = c.finish_reason
+        if c.usage is not None:
+            self.cached_tokens = c.usage.cached_tokens
+            self.completion_tokens = c.usage.completion_tokens or len(self.token_ids)
+
+
+def usage(choices: list[ChoiceState], prompt_lens: list[int]) -> dict[str, Any]:
+    """Usage over all choices: each distinct prompt counted once, completions summed."""
+    completion = sum(
+        c.completion_tokens if c.completion_tokens is not None else len(c.token_ids)
+        for c in choices
+    )
+    prompt = sum(prompt_lens)
+    cached = max((c.cached_tokens for c in choices), default=0)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
+
+
+class Formatter:
+    """Builds the response objects of one request."""
+
+    def __init__(self, kind: str, request_id: str, model: str, token_str: Callable[[int], str],
+                 logprobs: int | None):  # fmt: skip
+        self.kind = kind
+        self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + request_id
+        self.model = model
+        self.created = int(time.time())
+        self.token_str = token_str
+        self.top_n = logprobs
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def role_chunk(self, index: int) -> dict[str, Any]:
+        """First chat chunk of a choice: the assistant role with empty content."""
+        choice = {"index": index, "delta": {"role": "assistant", "content": ""},
+                  "logprobs": None, "finish_reason": None}  # fmt: skip
+        return {**self._head("chat.completion.chunk"), "choices": [choice]}
+
+    def chunk(self, index: int, c: TokenChunk, text_offset: int = 0) -> dict[str, Any]:
+        lps = self._logprobs(c.token_ids, c.logprobs or [], text_offset)
+        if self.kind == "chat":
+            choice = {"index": index, "delta": {"content": c.text} if c.text else {},
+                      "logprobs": lps, "finish_reason": c.finish_reason}  # fmt: skip
+            return {**self._head("chat.completion.chunk"), "choices": [choice]}
+        choice = {"index": index, "text": c.text, "logprobs": lps,
+                  "finish_reason": c.finish_reason}  # fmt: skip
+        return {**self._head("text_completion"), "choices": [choice]}
+
+    def usage_chunk(self, use: dict[str, Any]) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return {**self._head(obj), "choices": [], "usage": use}
+
+    def final(self, choices: list[ChoiceState], prompt_lens: list[int],
+              echo: list[str] | None = None) -> dict[str, Any]:  # fmt: skip
+        out = []
+        for c in sorted(choices, key=lambda c: c.index):
+            text = "".join(c.text)
+            lps = self._logprobs(c.token_ids, c.logprobs, 0) if self.top_n is not None else None
+            if self.kind == "chat":
+                out.append({"index": c.index, "message": {"role": "assistant", "content": text},
+                            "logprobs": lps, "finish_reason": c.finish_reason})  # fmt: skip
+            else:
+                prefix = echo[c.index] if echo else ""
+                out.append({"index": c.index, "text": prefix + text, "logprobs": lps,
+                            "finish_reason": c.finish_reason})  # fmt: skip
+        obj = "chat.completion" if self.kind == "chat" else "text_completion"
+        return {**self._head(obj), "choices": out, "usage": usage(choices, prompt_lens)}
+
+    def _logprobs(self, ids: list[int], lps: list[dict[int, float]], text_offset: int) -> Any:
+        if self.top_n is None or not lps:
+            return None
+        rows = list(zip(ids, lps, strict=False))
+        if self.kind == "chat":
+            content = []
+            for tid, lp in rows:
+                tok = self.token_str(tid)
+                top = sorted(lp.items(), key=lambda kv: -kv[1])[: self.top_n]
+                content.append({"token": tok, "logprob": lp.get(tid, -9999.0),
+                                "bytes": list(tok.encode()),
+                                "top_logprobs": [{"token": self.token_str(t), "logprob": v,
+                                                  "bytes": list(self.token_str(t).encode())}
+                                                 for t, v in top]})  # fmt: skip
+            return {"content": content}
+        tokens, offsets, pos = [], [], text_offset
+        for tid, _ in rows:
+            tokens.append(self.token_str(tid))
+            offsets.append(pos)
+            pos += len(tokens[-1])
+        return {"tokens": tokens, "token_logprobs": [lp.get(t, -9999.0) for t, lp in rows],
+                "top_logprobs": [{self.token_str(t): v for t, v in sorted(
+                    lp.items(), key=lambda kv: -kv[1])[: max(self.top_n, 1)]} for _, lp in rows],
+                "text_offset": offsets}  # fmt: skip

@@ -1,0 +1,43 @@
+"""Start a real gateway (uvicorn + NATS API) in the test's event loop against fake peers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import uvicorn
+
+from services.gateway.app import build_service
+from services.gateway.config import GatewayConfig
+from services.gateway.http import build_app
+from services.gateway.nats_api import serve_api
+from shared import bus
+from tests.gateway.peers import Peers
+
+
+@contextlib.asynccontextmanager
+async def gateway(nats_url: str, decodes=("dec-0",), peers_kw=None, **cfg):
+    nc = await bus.connect(nats_url, "gw-test")
+    peers = await Peers(nc, **(peers_kw or {})).start()
+    for d in decodes:
+        await peers.add_decode(d)
+    defaults = dict(nats_url=nats_url, port=0, model_name="tiny", bus_timeout=2.0,
+                    health_timeout=0.5, first_token_timeout=5.0, stall_timeout=5.0)  # fmt: skip
+    conf = GatewayConfig.load([], role="gateway", **{**defaults, **cfg})
+    service = await build_service(nc, conf)
+    api_sub = await serve_api(nc, service)
+    server = uvicorn.Server(uvicorn.Config(build_app(service), host="127.0.0.1", port=0,
+                                           log_level="warning", lifespan="off"))  # fmt: skip
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", peers, service
+    finally:
+        server.should_exit = True
+        await task
+        await api_sub.unsubscribe()
+        await peers.stop()
+        await service.pipeline._sub.unsubscribe()
+        await nc.drain()

@@ -1,0 +1,132 @@
+"""Small fake bus peers for gateway tests: tokenizer, vision, scheduler, decode instances.
+
+They speak the real protocol over a real nats-server; the decode fake emits token ``100 + i``
+with text ``"t<i> "`` for output position ``i`` so streams are easy to check exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from shared import bus
+from shared.protocol import subjects
+from shared.protocol.codec import decode
+from shared.protocol.sched import (
+    InstanceInfo,
+    InstancesReply,
+    InstancesRequest,
+    RouteReply,
+    RouteRequest,  # fmt: skip
+)
+from shared.protocol.stream import Cancel, TokenChunk, Usage
+from shared.protocol.tok import ImageSpan, TokenizeReply, TokenizeRequest
+from shared.protocol.vision import ImageInfo, VisionEncodeReply, VisionEncodeRequest
+from shared.protocol.work import SubmitAck, WorkItem
+
+IMG_TOKENS = 4
+
+
+class Peers:
+    def __init__(self, nc, max_model_len: int = 64, delay: float = 0.0):
+        self.nc = nc
+        self.max_model_len = max_model_len
+        self.delay = delay  # seconds tokenizer and vision each take (EPD overlap test)
+        self.decodes: dict[str, dict] = {}  # instance -> behaviour
+        self.alive: list[str] = []
+        self.routes: list[RouteRequest] = []
+        self.items: list[WorkItem] = []
+        self.cancels: list[str] = []
+        self.windows: dict[str, tuple[float, float]] = {}
+        self.subs = []
+
+    async def start(self) -> Peers:
+        s = self.subs
+        s.append(await bus.serve(self.nc, subjects.TOK_ENCODE, TokenizeRequest, self.tok))
+        s.append(await bus.serve(self.nc, subjects.VISION_ENCODE, VisionEncodeRequest, self.vis))
+        s.append(await bus.serve(self.nc, subjects.SCHED_ROUTE, RouteRequest, self.route))
+        s.append(await bus.serve(self.nc, subjects.SCHED_INSTANCES, InstancesRequest, self.insts))
+
+        async def on_cancel(msg):
+            self.cancels.append(decode(msg.data, Cancel).request_id)
+
+        s.append(await self.nc.subscribe(subjects.REQ_CANCEL_ALL, cb=on_cancel))
+        return self
+
+    async def stop(self) -> None:
+        for sub in self.subs:
+            await sub.unsubscribe()
+
+    async def add_decode(self, inst: str, stall_after: int | None = None, resend: bool = False,
+                         gap: float = 0.0) -> None:  # fmt: skip
+        self.decodes[inst] = {"stall_after": stall_after, "resend": resend, "gap": gap}
+        self.alive.append(inst)
+
+        async def submit(item: WorkItem) -> SubmitAck:
+            self.items.append(item)
+            asyncio.get_running_loop().create_task(self.generate(inst, item))
+            return SubmitAck(instance_id=inst)
+
+        self.subs.append(await bus.serve(self.nc, subjects.decode_submit(inst), WorkItem, submit))
+
+    async def tok(self, req: TokenizeRequest) -> TokenizeReply:
+        t0 = time.time()
+        await asyncio.sleep(self.delay)
+        ids, spans = [], []
+        if req.prompt is not None:
+            ids = [ord(c) % 500 for c in req.prompt]
+        for msg in req.messages or []:
+            content = msg["content"]
+            parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
+            for p in parts:
+                if p["type"] == "image":
+                    spans.append(ImageSpan(offset=len(ids), length=IMG_TOKENS))
+                    ids += [999] * IMG_TOKENS
+                else:
+                    ids += [ord(c) % 500 for c in p["text"]]
+        self.windows["tok"] = (t0, time.time())
+        return TokenizeReply(token_ids=ids, image_spans=spans, model_fingerprint="fp",
+                             kv_dtype="float32", block_size=4,
+                             max_model_len=self.max_model_len)  # fmt: skip
+
+    async def vis(self, req: VisionEncodeRequest) -> VisionEncodeReply:
+        t0 = time.time()
+        await asyncio.sleep(self.delay)
+        self.windows["vis"] = (t0, time.time())
+        infos = [ImageInfo(hash=f"h{len(b)}", num_tokens=IMG_TOKENS, width=1, height=1)
+                 for b in req.images]  # fmt: skip
+        return VisionEncodeReply(images=infos, instance_id="vis", source_addr="127.0.0.1:1")
+
+    async def route(self, req: RouteRequest) -> RouteReply:
+        self.routes.append(req)
+        for inst in self.alive:
+            if inst not in req.exclude:
+                return RouteReply(decode_instance=inst, decode_addr="127.0.0.1:2")
+        return RouteReply(decode_instance="", decode_addr="")
+
+    async def insts(self, req: InstancesRequest) -> InstancesReply:
+        return InstancesReply(instances=[InstanceInfo(instance_id=i, role="decode",
+                                                      incarnation="x", grpc_addr="", alive=True)
+                                         for i in self.alive])  # fmt: skip
+
+    async def generate(self, inst: str, item: WorkItem) -> None:
+        b = self.decodes[inst]
+        start = len(item.output_token_ids)
+        if b["resend"] and start:  # a resumed instance that repeats what was already sent
+            start = max(0, start - 2)
+        n = item.sampling.max_tokens
+        for i in range(start, n):
+            if b["stall_after"] is not None and i >= b["stall_after"]:
+                return
+            if b["gap"]:
+                await asyncio.sleep(b["gap"])
+            last = i == n - 1
+            lp = [{100 + i: -0.5, 7: -1.5}] if item.sampling.logprobs is not None else None
+            chunk = TokenChunk(request_id=item.request_id, index=i, token_ids=[100 + i],
+                               text=f"t{i} ", logprobs=lp,
+                               finish_reason="length" if last else None,
+                               usage=Usage(prompt_tokens=len(item.prompt_token_ids),
+                                           completion_tokens=n, cached_tokens=4) if last else None,
+                               instance_id=inst)  # fmt: skip
+            await bus.publish(self.nc, subjects.req_out(item.request_id), chunk)
+            await asyncio.sleep(0)
