@@ -63,7 +63,7 @@ async def request(
         reply = await nc.request(subject, encode(msg), timeout=timeout)
     except NoRespondersError as exc:
         raise StrataError("unavailable", f"no service is listening on {subject}") from exc
-    except (NatsTimeoutError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, NatsTimeoutError) as exc:
         raise StrataError("timeout", f"no reply on {subject} within {timeout:.1f}s") from exc
     return decode(reply.data, reply_type)
 

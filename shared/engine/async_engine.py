@@ -37,9 +37,30 @@ class AsyncEngine:
         **kwargs,
     ) -> AsyncIterator[RequestOutput]:
         """Stream outputs of one request; leaving the iterator early aborts it."""
+        async for out in self._stream(request_id, ("add", request_id, list(prompt_ids), params,
+                                                   kwargs)):
+            yield out
+
+    async def generate_prefilled(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        first_token_id: int,
+        params: SamplingParams,
+        kv,
+        **kwargs,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream outputs of a request prefilled elsewhere (``kv``: ``[L, 2, n, kvh, hd]``);
+        outputs start after ``first_token_id``. See ``LLMEngine.add_prefilled_request``."""
+        item = ("prefilled", request_id, list(prompt_ids), params,
+                dict(kwargs, first_token_id=first_token_id, kv=kv))
+        async for out in self._stream(request_id, item):
+            yield out
+
+    async def _stream(self, request_id: str, item) -> AsyncIterator[RequestOutput]:
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), q)
-        self._submit(("add", request_id, list(prompt_ids), params, kwargs))
+        self._submit(item)
         finished = False
         try:
             while True:
@@ -88,6 +109,10 @@ class AsyncEngine:
                 if kind == "add":
                     _, rid, ids, params, kw = item
                     self.engine.add_request(rid, ids, params, **kw)
+                elif kind == "prefilled":
+                    _, rid, ids, params, kw = item
+                    first, kv = kw.pop("first_token_id"), kw.pop("kv")
+                    self.engine.add_prefilled_request(rid, ids, first, params, kv, **kw)
                 elif kind == "abort":
                     self.engine.abort_request(item[1])
                 else:
@@ -95,7 +120,7 @@ class AsyncEngine:
                     res = fn(self.engine, *args)
                     fut.get_loop().call_soon_threadsafe(_resolve, fut, res, None)
             except Exception as e:  # noqa: BLE001 - delivered to the caller, not swallowed
-                if kind == "add":
+                if kind in ("add", "prefilled"):
                     self._deliver(item[1], e)
                 elif kind == "call":
                     item[3].get_loop().call_soon_threadsafe(_resolve, item[3], None, e)

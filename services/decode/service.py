@@ -1,0 +1,112 @@
+"""Decode instance: continuous batching over requests whose KV was pushed here (or that it
+prefills itself), streaming index-numbered token chunks to the gateway.
+
+A transfer that fails, times out or does not check out is recovered by recomputing the prompt
+locally: the client never sees the difference, and the partial state is freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from nats.aio.client import Client as NATS
+
+from services.worker.images import fetch_mm_inputs
+from services.worker.kv_wire import KVReceiver
+from services.worker.runtime import (
+    KV_TRANSFER_FALLBACKS,
+    REQUESTS_FAILED,
+    ModelRuntime,
+    publish_error,
+)
+from shared import bus
+from shared.protocol import subjects
+from shared.protocol.errors import StrataError
+from shared.protocol.stream import TokenChunk, Usage
+from shared.protocol.work import SubmitAck, WorkItem
+
+log = logging.getLogger(__name__)
+
+
+class DecodeService:
+    def __init__(self, rt: ModelRuntime, nc: NATS):
+        self.rt = rt
+        self.nc = nc
+        self.tasks: dict[str, asyncio.Task] = {}
+        model = rt.loaded.model
+        self.receiver = KVReceiver(
+            rt.fingerprint,
+            lambda n: (model.num_layers, 2, n, model.num_kv_heads, model.head_dim),
+            rt.engine.runner.kv.k.dtype,
+        )
+
+    @property
+    def instance_id(self) -> str:
+        return self.rt.cfg.instance_id
+
+    async def submit(self, item: WorkItem) -> SubmitAck:
+        if item.request_id in self.tasks:
+            raise StrataError("bad_request", f"duplicate request id {item.request_id}")
+        task = asyncio.create_task(self._run(item))
+        self.tasks[item.request_id] = task
+        task.add_done_callback(lambda _: self.tasks.pop(item.request_id, None))
+        return SubmitAck(instance_id=self.instance_id)
+
+    async def cancel(self, request_id: str) -> None:
+        self.receiver.drop(request_id)
+        task = self.tasks.get(request_id)
+        if task is not None:
+            task.cancel()
+
+    async def _run(self, item: WorkItem) -> None:
+        rid = item.request_id
+        ae = self.rt.async_engine
+        emitted = list(item.output_token_ids)
+        if item.first_token_id is not None:
+            emitted.append(item.first_token_id)
+        index = len(emitted)
+        try:
+            mm = await fetch_mm_inputs(item.images, self.rt.loaded.model.dtype)
+            stream = await self._start(item, mm, emitted)
+            async for out in stream:
+                if not out.new_token_ids and not out.finished:
+                    continue
+                emitted.extend(out.new_token_ids)
+                usage = None
+                if out.finished:
+                    usage = Usage(prompt_tokens=len(item.prompt_token_ids),
+                                  completion_tokens=len(emitted),
+                                  cached_tokens=max(item.num_cached_tokens, out.num_cached_tokens))
+                chunk = TokenChunk(
+                    request_id=rid, index=index, token_ids=out.new_token_ids, text=out.text_delta,
+                    logprobs=out.new_logprobs, finish_reason=out.finish_reason if out.finished
+                    else None, usage=usage, instance_id=self.instance_id,
+                )
+                index += len(out.new_token_ids)
+                await bus.publish(self.nc, subjects.req_out(rid), chunk)
+        except asyncio.CancelledError:
+            log.info("decode of %s cancelled", rid)
+            ae.abort(rid)
+        except Exception as exc:  # noqa: BLE001 - the request fails; the service does not
+            REQUESTS_FAILED.labels("decode").inc()
+            log.warning("decode of %s failed: %s", rid, exc)
+            ae.abort(rid)
+            await publish_error(self.nc, rid, exc, self.instance_id)
+
+    async def _start(self, item: WorkItem, mm, emitted: list[int]):
+        """The engine output stream: from pushed KV when it checks out, else by recompute."""
+        ae = self.rt.async_engine
+        rid = item.request_id
+        if item.kv_pushed and item.first_token_id is not None:
+            try:
+                kv = await self.receiver.take(rid, item.kv_num_tokens, self.rt.cfg.transfer_timeout)
+                context = list(item.prompt_token_ids) + list(item.output_token_ids)
+                return ae.generate_prefilled(rid, context, item.first_token_id, item.sampling, kv,
+                                             priority=item.priority, mm_inputs=mm)
+            except StrataError as exc:
+                KV_TRANSFER_FALLBACKS.inc()
+                log.warning("KV transfer for %s failed (%s); recomputing locally", rid, exc)
+                self.receiver.drop(rid)
+        return ae.generate(rid, item.prompt_token_ids, item.sampling, priority=item.priority,
+                           mm_inputs=mm, output_token_ids=emitted)

@@ -1,0 +1,98 @@
+"""Wiring shared by `strata serve prefill` and `strata serve decode`: load, connect, serve, drain."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+
+from nats.aio.client import Client as NATS
+
+from services.worker.config import WorkerConfig
+from services.worker.runtime import ModelRuntime, heartbeat, subscribe_cancels
+from shared import bus, metrics
+from shared.kvtransfer.client import close_clients
+from shared.kvtransfer.server import KVTransferHandler, start_kv_server
+from shared.logs import setup_logging
+from shared.protocol import subjects
+from shared.protocol.sched import InstanceRecord
+from shared.protocol.work import WorkItem
+from shared.registry import deregister_instance, register_instance
+from shared.service import announce_ready, run
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Worker:
+    """A running instance: its runtime, service object, gRPC server and background tasks."""
+
+    rt: ModelRuntime
+    svc: object
+    nc: NATS
+    server: object
+    addr: str
+    tasks: list[asyncio.Task]
+
+    async def stop(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+        with contextlib.suppress(Exception):
+            await deregister_instance(self.nc.jetstream(), self.rt.cfg.instance_id)
+        for t in list(self.svc.tasks.values()):
+            t.cancel()
+        await self.server.stop(1.0)
+        self.rt.async_engine.shutdown()
+
+
+async def start_worker(
+    cfg: WorkerConfig, role: str, make_service, nc: NATS, rt: ModelRuntime | None = None,
+    stop: asyncio.Event | None = None,
+) -> Worker:
+    """Bring an instance up on an open NATS connection (used by the app and by tests).
+
+    ``make_service(runtime, nc)`` returns an object with ``submit(WorkItem)``,
+    ``cancel(request_id)``, ``tasks`` and optionally ``receiver`` (its KVTransfer handler).
+    """
+    if rt is None:
+        rt = ModelRuntime(cfg, role)
+        await asyncio.to_thread(rt.load)
+    svc = make_service(rt, nc)
+    handler = getattr(svc, "receiver", None) or KVTransferHandler()
+    server, addr = await start_kv_server(handler, cfg.grpc_host, cfg.grpc_port)
+    submit = subjects.prefill_submit if role == "prefill" else subjects.decode_submit
+    await bus.serve(nc, submit(cfg.instance_id), WorkItem, svc.submit)
+    await subscribe_cancels(nc, svc.cancel)
+    m = rt.loaded.config
+    await register_instance(nc.jetstream(), InstanceRecord(
+        instance_id=cfg.instance_id, role=role, incarnation=rt.incarnation, grpc_addr=addr,
+        model=rt.model_name, capacity={
+            "kv_blocks": rt.engine.stats().kv_blocks_total,
+            "max_num_seqs": cfg.max_num_seqs, "max_model_len": m.max_position_embeddings,
+        },
+    ))
+    beat = asyncio.create_task(heartbeat(nc, rt, addr, stop or asyncio.Event()))
+    return Worker(rt, svc, nc, server, addr, [beat])
+
+
+def run_worker(role: str, argv: list[str], make_service) -> None:
+    """`strata serve <role>` for a model instance whose logic is ``make_service``."""
+    cfg = WorkerConfig.load(argv, role=role)
+    if not cfg.model:
+        raise SystemExit(f"strata serve {role}: --model (STRATA_MODEL) is required")
+    setup_logging(role, cfg.instance_id, cfg.log_level)
+    metrics.serve_metrics(cfg.metrics_port)
+
+    async def main(stop: asyncio.Event) -> None:
+        nc = await bus.connect(cfg.nats_url, f"{role}:{cfg.instance_id}")
+        worker = await start_worker(cfg, role, make_service, nc, stop=stop)
+        metrics.SERVICE_INFO.labels(role, cfg.instance_id).set(1)
+        announce_ready(role, cfg.instance_id, f"grpc={worker.addr}")
+        await stop.wait()
+        log.info("stopping")
+        await worker.stop()
+        await nc.drain()
+        await close_clients()
+
+    run(main)

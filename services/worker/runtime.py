@@ -1,0 +1,129 @@
+"""What every model instance (prefill or decode) shares: load the model, host the engine off the
+event loop, serve KVTransfer over gRPC, heartbeat load reports, publish KV events, honour cancels.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+from nats.aio.client import Client as NATS
+
+from services.worker.config import WorkerConfig
+from shared import bus, metrics
+from shared.config import new_incarnation
+from shared.protocol import subjects
+from shared.protocol.errors import StrataError
+from shared.protocol.kv import KVEvent
+from shared.protocol.load import LoadReport
+from shared.protocol.stream import Cancel, TokenChunk
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelRuntime:
+    """The loaded model and its engine, shared by the prefill and decode cores."""
+
+    cfg: WorkerConfig
+    role: str
+    loaded: object = None
+    engine: object = None
+    async_engine: object = None
+    tokenizer: object = None
+    incarnation: str = field(default_factory=new_incarnation)
+    kv_seq: int = 0
+
+    def load(self) -> None:
+        from shared.engine.async_engine import AsyncEngine
+        from shared.engine.engine import LLMEngine
+        from shared.model.loader import load_model
+        from shared.model.tokenizer import Tokenizer
+
+        torch.set_num_threads(self.cfg.torch_threads)
+        dtype = getattr(torch, self.cfg.dtype) if self.cfg.dtype else None
+        t0 = time.perf_counter()
+        self.loaded = load_model(self.cfg.model, dtype=dtype, device=self.cfg.device)
+        self.tokenizer = Tokenizer.from_dir(self.cfg.model)
+        self.engine = LLMEngine(self.loaded, self.cfg.engine_config(), tokenizer=self.tokenizer)
+        self.async_engine = AsyncEngine(self.engine)
+        log.info("loaded %s (%s) in %.1fs", self.cfg.model, self.loaded.fingerprint[:12],
+                 time.perf_counter() - t0)
+
+    @property
+    def fingerprint(self) -> str:
+        return self.loaded.fingerprint
+
+    @property
+    def model_name(self) -> str:
+        import os
+
+        return self.cfg.model_name or os.path.basename(os.path.normpath(self.cfg.model))
+
+    def load_report(self, grpc_addr: str) -> LoadReport:
+        s = self.engine.stats()
+        return LoadReport(
+            instance_id=self.cfg.instance_id, role=self.role, incarnation=self.incarnation,
+            grpc_addr=grpc_addr, model=self.model_name, ts=time.time(),
+            num_running=s.running, num_waiting=s.waiting,
+            kv_blocks_total=s.kv_blocks_total, kv_blocks_free=s.kv_blocks_free,
+            prefill_tokens_per_s=getattr(s, "prefill_tokens_per_s", 0.0),
+            decode_tokens_per_s=getattr(s, "decode_tokens_per_s", 0.0),
+            max_model_len=self.loaded.config.max_position_embeddings,
+            block_size=self.cfg.block_size,
+        )
+
+    def kv_events(self) -> list[KVEvent]:
+        out = []
+        for ev in self.engine.drain_kv_events():
+            self.kv_seq += 1
+            hashes = [h.hex() if isinstance(h, bytes) else h for h in ev.hashes]
+            out.append(KVEvent(
+                instance_id=self.cfg.instance_id, incarnation=self.incarnation, seq=self.kv_seq,
+                tier="engine", kind=ev.kind, hashes=hashes, ts=time.time(),
+            ))
+        return out
+
+
+async def heartbeat(nc: NATS, rt: ModelRuntime, grpc_addr: str, stop: asyncio.Event) -> None:
+    """Load reports double as heartbeats; KV events ride along at the same cadence."""
+
+    async def beat() -> None:
+        await bus.publish(nc, subjects.load_report(rt.role, rt.cfg.instance_id),
+                          rt.load_report(grpc_addr))
+        for ev in rt.kv_events():
+            await bus.publish(nc, subjects.kv_events(rt.cfg.instance_id), ev)
+
+    from shared.service import periodic
+
+    await periodic(rt.cfg.load_interval, beat, stop)
+
+
+async def publish_error(nc: NATS, request_id: str, err: Exception, instance_id: str) -> None:
+    """Tell the gateway a request failed here, with a typed error it can map to a status."""
+    if not isinstance(err, StrataError):
+        err = StrataError("internal", f"{type(err).__name__}: {err}")
+    chunk = TokenChunk(request_id=request_id, index=0, finish_reason="abort",
+                       error=err.info(), instance_id=instance_id)
+    await bus.publish(nc, subjects.req_out(request_id), chunk)
+
+
+async def subscribe_cancels(nc: NATS, on_cancel) -> None:
+    """``strata.req.*.cancel``: abort the request if it runs here (a no-op otherwise)."""
+
+    async def handle(msg: Cancel):
+        await on_cancel(msg.request_id)
+        return None
+
+    await bus.serve(nc, subjects.REQ_CANCEL_ALL, Cancel, handle)
+
+
+REQUESTS_FAILED = metrics.Counter(
+    "strata_worker_requests_failed_total", "Requests that failed on this instance", ["role"]
+)
+KV_TRANSFER_FALLBACKS = metrics.Counter(
+    "strata_kv_transfer_fallback_total", "Decode recomputed a prompt because KV did not arrive"
+)

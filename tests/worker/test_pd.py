@@ -1,0 +1,142 @@
+"""Prefill -> decode over real NATS and real gRPC (services in-process, engines real).
+
+Greedy output through the disaggregated path equals a single in-process engine; a decode
+instance that prefills itself gives the same; a transfer that never arrives is recovered by
+recompute with the same output and no leaked blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.decode.service import DecodeService
+from services.prefill.service import PrefillService
+from services.worker.app import start_worker
+from services.worker.config import WorkerConfig
+from shared import bus
+from shared.engine.params import SamplingParams
+from shared.protocol import subjects
+from shared.protocol.codec import decode
+from shared.protocol.stream import TokenChunk
+from shared.protocol.work import SubmitAck, WorkItem
+
+MAX_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    from services.launcher import ensure_model
+
+    return ensure_model("")
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(model_dir) -> list[int]:
+    from shared.model.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(model_dir)
+    text = tok.apply_chat_template([{"role": "user", "content": "Name three colours, please."}])
+    return tok.encode(text)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir, prompt_ids) -> list[int]:
+    from shared.engine.engine import LLMEngine
+    from shared.engine.params import EngineConfig
+    from shared.model.loader import load_model
+
+    eng = LLMEngine(load_model(model_dir), EngineConfig(kv_cache_bytes=8 << 20))
+    return eng.generate([prompt_ids], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
+                                                     ignore_eos=True))[0]
+
+
+@pytest.fixture
+async def pd(nats_url, nc, model_dir):
+    common = dict(nats_url=nats_url, model=model_dir, kv_cache_bytes=8 << 20, load_interval=0.2,
+                  transfer_timeout=2.0)
+    pcfg = WorkerConfig.load([], role="prefill", instance_id="p-test", **common)
+    dcfg = WorkerConfig.load([], role="decode", instance_id="d-test", **common)
+    p = await start_worker(pcfg, "prefill", PrefillService, nc)
+    d = await start_worker(dcfg, "decode", DecodeService, nc)
+    yield p, d
+    await p.stop()
+    await d.stop()
+
+
+async def _run(nc, subject: str, item: WorkItem) -> list[TokenChunk]:
+    chunks: list[TokenChunk] = []
+    done = asyncio.Event()
+
+    async def on(msg):
+        c = decode(msg.data, TokenChunk)
+        chunks.append(c)
+        if c.finish_reason:
+            done.set()
+
+    sub = await nc.subscribe(subjects.req_out(item.request_id), cb=on)
+    await bus.request(nc, subject, item, SubmitAck)
+    await asyncio.wait_for(done.wait(), 60)
+    await sub.unsubscribe()
+    return chunks
+
+
+def _tokens(chunks: list[TokenChunk]) -> list[int]:
+    out: list[int] = []
+    for c in sorted(chunks, key=lambda c: c.index):
+        assert c.index == len(out), "chunks must be contiguous and index-numbered"
+        assert c.error is None, c.error
+        out += c.token_ids
+    return out
+
+
+def _item(rid, prompt_ids, **kw) -> WorkItem:
+    return WorkItem(request_id=rid, prompt_token_ids=prompt_ids,
+                    sampling=SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
+                                            ignore_eos=True), **kw)
+
+
+async def test_prefill_then_decode_equals_single_engine(pd, nc, prompt_ids, reference):
+    p, d = pd
+    item = _item("r-pd", prompt_ids, decode_instance="d-test", decode_addr=d.addr)
+    chunks = await _run(nc, subjects.prefill_submit("p-test"), item)
+    assert chunks[0].instance_id == "p-test" and chunks[0].index == 0  # TTFT comes from prefill
+    assert _tokens(chunks) == reference
+    last = max(chunks, key=lambda c: c.index)
+    assert last.finish_reason == "length"
+    assert last.usage.completion_tokens == MAX_TOKENS
+    assert last.usage.prompt_tokens == len(prompt_ids)
+    await asyncio.sleep(0.2)
+    for w in (p, d):  # no blocks held once the request is done (cached blocks stay reusable)
+        s = w.rt.engine.stats()
+        assert (s.running, s.kv_blocks_free) == (0, s.kv_blocks_total)
+    assert d.svc.receiver.num_pending == 0
+
+
+async def test_decode_prefills_itself(pd, nc, prompt_ids, reference):
+    _, d = pd
+    chunks = await _run(nc, subjects.decode_submit("d-test"), _item("r-self", prompt_ids))
+    assert _tokens(chunks) == reference
+
+
+async def test_missing_transfer_is_recomputed(pd, nc, prompt_ids, reference):
+    """Decode is told KV was pushed, but none arrives: it recomputes, the client sees no error."""
+    _, d = pd
+    first = reference[0]
+    item = _item("r-lost", prompt_ids, first_token_id=first, kv_pushed=True,
+                 kv_num_tokens=len(prompt_ids))
+    chunks = await _run(nc, subjects.decode_submit("d-test"), item)
+    assert chunks[0].index == 1  # the first token was already emitted by "prefill"
+    assert [first] + _tokens_from(chunks, 1) == reference
+    assert d.svc.receiver.num_pending == 0
+    s = d.rt.engine.stats()
+    assert (s.running, s.kv_blocks_free) == (0, s.kv_blocks_total)
+
+
+def _tokens_from(chunks: list[TokenChunk], start: int) -> list[int]:
+    out: list[int] = []
+    for c in sorted(chunks, key=lambda c: c.index):
+        assert c.index == start + len(out)
+        out += c.token_ids
+    return out
