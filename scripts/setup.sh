@@ -16,7 +16,7 @@ VENV="$ROOT/.venv"
 PY="$VENV/bin/python"
 mkdir -p "$CACHE/bin" "$PIP_CACHE_DIR"
 
-log() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
+log() { if [ -t 2 ]; then printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; else printf '[setup] %s\n' "$*" >&2; fi; }
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo "$@"; else return 1; fi; }
 apt_install() {
   command -v apt-get >/dev/null || return 1

@@ -8,7 +8,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$ROOT/scripts/setup.sh"
 cd "$ROOT"
 PY="$ROOT/.venv/bin/python"
-log() { printf '\033[1m[test]\033[0m %s\n' "$*" >&2; }
+log() { if [ -t 2 ]; then printf '\033[1m[test]\033[0m %s\n' "$*" >&2; else printf '[test] %s\n' "$*" >&2; fi; }
 
 log "ruff check"
 "$PY" -m ruff check .
