@@ -169,13 +169,13 @@ def sampling_for(
                        if spec.kind == "chat" else "prompt")  # fmt: skip
     room = (max_model_len - prompt_len) if max_model_len else cfg.max_tokens_limit
     asked = _max_tokens(r)
+    if degrade_level >= 1 and spec.slo_class == "batch":  # level 1 trims batch work first
+        asked = min(asked or cfg.default_max_tokens, cfg.degrade_batch_max_tokens)
     if asked is not None and asked > room:
         raise ApiError("context_length_exceeded", f"prompt ({prompt_len} tokens) + max_tokens "
                        f"({asked}) exceeds the context length {max_model_len}",
                        param="max_tokens")  # fmt: skip
     max_tokens = asked if asked is not None else min(cfg.default_max_tokens, room)
-    if degrade_level >= 1 and spec.slo_class == "batch":
-        max_tokens = min(max_tokens, cfg.degrade_batch_max_tokens)
     stops = [r.stop] if isinstance(r.stop, str) else list(r.stop or [])
     try:
         return SamplingParams(
