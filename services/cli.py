@@ -96,11 +96,19 @@ def config_from_args(a: argparse.Namespace) -> ClusterConfig:
 
 def up(argv: list[str]) -> int:
     """Start everything, print the URL, wait for Ctrl-C/SIGTERM, stop everything."""
-    from services.launcher import Cluster
+    from services.launcher import Cluster, default_model_dir, ensure_model
     from services.launcher_procs import ServiceFailed
 
     args = up_parser().parse_args(argv)
     cfg = config_from_args(args)
+    if not cfg.model:
+        say(f"no --model: serving the built-in default model ({default_model_dir()}, "
+            "generated on first use)")
+        try:
+            cfg = cfg.model_copy(update={"model": ensure_model("")})
+        except RuntimeError as exc:
+            say(str(exc))
+            return 1
     cluster = Cluster(config=cfg, log_stream=sys.stdout, color=False if args.no_color else None)
     signal.signal(signal.SIGTERM, _interrupt)
     rc = 0
