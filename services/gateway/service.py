@@ -22,7 +22,11 @@ from services.gateway.core import GenerateSpec, admit, build_spec
 from services.gateway.images import load_image
 from services.gateway.pipeline import Pipeline, Prepared
 from services.gateway.responses import ChoiceState, Formatter, usage
-from shared.protocol.stream import TokenChunk
+from shared.protocol import subjects
+from shared.protocol.codec import decode
+from shared.protocol.stream import Cancel, TokenChunk
+
+_CANCELLED = object()
 
 
 class GatewayService:
@@ -86,6 +90,14 @@ class Run:
             except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer
                 q.put_nowait((i, exc))
 
+        async def on_cancel(msg) -> None:
+            with contextlib.suppress(Exception):
+                if decode(msg.data, Cancel).reason.startswith("failover"):
+                    return  # our own failover notice to a dead instance, not a user cancel
+            q.put_nowait((-1, _CANCELLED))
+
+        cancel_sub = await self.pipeline.nc.subscribe(subjects.req_cancel(self.request_id),
+                                                      cb=on_cancel)  # fmt: skip
         m.QUEUE.observe(time.perf_counter() - self.arrival)
         m.WAITING.inc()
         waiting = True
@@ -95,6 +107,17 @@ class Run:
         try:
             while open_:
                 i, item = await q.get()
+                if item is _CANCELLED:  # cancelled on the bus: end every open choice cleanly
+                    for c in self.choices:
+                        if c.finish_reason is None:
+                            abort = TokenChunk(
+                                request_id=self._sub_id(c.index),
+                                index=len(c.token_ids),
+                                finish_reason="abort",
+                            )
+                            c.add(abort)
+                            yield c.index, abort
+                    return
                 if item is None:
                     open_ -= 1
                     continue
@@ -113,6 +136,8 @@ class Run:
                 self.choices[i].add(item)
                 yield i, item
         finally:
+            with contextlib.suppress(Exception):
+                await cancel_sub.unsubscribe()
             for t in tasks:
                 t.cancel()
             with contextlib.suppress(BaseException):
