@@ -103,6 +103,9 @@ class LLMEngine(KVTransferMixin):
             raise ValueError(f"duplicate request id {request_id!r}")
         if not prompt:
             raise ValueError("empty prompt")
+        vocab = self.loaded.config.vocab_size
+        if max(prompt) >= vocab or min(prompt) < 0:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
         seq = Sequence(
             request_id,
             list(prompt),

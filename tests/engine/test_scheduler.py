@@ -156,3 +156,12 @@ def test_spec_draft_tokens_scheduled_and_accepted():
     assert plan(out) == [("a", 4, 4)] and out.scheduled[0].num_draft_tokens == 3
     s.postprocess(out, [[5, 6, 9]])  # two drafts accepted + bonus token
     assert a.output_token_ids == [4, 5, 6, 9] and a.num_computed_tokens == 7
+
+
+def test_blocks_committed_when_finishing_in_the_same_step():
+    s = mk(budget=16)
+    a = seq("a", 9, params=SamplingParams(max_tokens=1))
+    s.add(a)
+    s.postprocess(s.schedule(), [[5]])
+    assert a.finish_reason == "length" and len(s.bm.cached) == 2
+    assert s.bm.num_free_blocks == 8
