@@ -174,6 +174,21 @@ class KVStoreCore:
         if p.announced_dram:
             self._event("dram", "removed", [key[1]])
 
+    def spill_abandoned(self, key: BlockKey) -> None:
+        """No SSD tier: the pending block is dropped for good."""
+        p = self.pending.pop(key, None)
+        if p is None:
+            return
+        self.pending_bytes -= p.entry.nbytes
+        self.stats.spill_dropped += 1
+        if p.announced_dram:
+            self._event("dram", "removed", [key[1]])
+
+    @property
+    def last_seq(self) -> int:
+        """Sequence number of the newest event queued so far."""
+        return self._seq
+
     # ------------------------------------------------------------------ reads
 
     def lookup(self, key: BlockKey) -> Tier | None:
@@ -206,10 +221,11 @@ class KVStoreCore:
             self._event("ssd", "stored", [key[1]])
         self.put(key, payload, nbytes)
 
-    def missed(self, key: BlockKey) -> None:
-        """Neither tier had ``key``; if the SSD index claimed it, forget it."""
+    def missed(self, key: BlockKey, *, forget: bool = True) -> None:
+        """Neither tier had ``key``; if the SSD index claimed it, forget it (unless the store
+        could not be asked: ``forget=False``)."""
         self.stats.misses += 1
-        if self.ssd.pop(key, None) is not None:
+        if forget and self.ssd.pop(key, None) is not None:
             self._event("ssd", "removed", [key[1]])
 
     def known_ssd(self, items: Iterable[tuple[BlockKey, int]]) -> None:

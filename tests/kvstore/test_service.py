@@ -86,8 +86,9 @@ async def test_eviction_spills_and_get_restores_and_promotes(kvstore, minio_serv
     assert torch.equal(got["b1"], blocks["b1"])
     assert (await client.query(["b1", "b3"], "fp-a")) == {"b1": "dram", "b3": "dram"}
     s = kvstore.store.core.stats
-    assert (s.hits_ssd, s.restores, s.spills) == (1, 1, 3)
+    assert (s.hits_ssd, s.restores) == (1, 1)
     await kvstore.store.flush()  # b3 (LRU) was evicted by the promotion and spilled
+    assert s.spills == 4
     assert (await client.query(["b3"], "fp-a")) == {"b3": "ssd"}
     await client.close()
 
@@ -147,15 +148,9 @@ async def test_events_in_order_on_jetstream_after_commit(kvstore, nc, minio_serv
     assert {e.incarnation for e in evs} == {kvstore.store.core.incarnation}
     dram_stored = [e.hashes[0] for e in evs if (e.tier, e.kind) == ("dram", "stored")]
     assert dram_stored == [f"e{i}" for i in range(6)]
-    spilled = [(e.tier, e.kind, e.hashes) for e in evs if e.hashes[0] in ("e0", "e1")]
-    assert spilled == [
-        ("dram", "stored", ["e0"]),
-        ("dram", "stored", ["e1"]),
-        ("ssd", "stored", ["e0"]),
-        ("dram", "removed", ["e0"]),
-        ("ssd", "stored", ["e1"]),
-        ("dram", "removed", ["e1"]),
-    ]
+    for h in ("e0", "e1"):  # spills run concurrently; per block the order is fixed
+        steps = [(e.tier, e.kind) for e in evs if e.hashes == [h]]
+        assert steps == [("dram", "stored"), ("ssd", "stored"), ("dram", "removed")]
     assert all(ok for e, ok in received if e.kind == "stored")
     await client.close()
 
@@ -182,7 +177,7 @@ async def test_minio_down_degrades_then_spill_resumes(nats_url, tmp_path):
         assert await client.query(["a", "b"], "fp-a") == {"a": "ssd", "b": "dram"}
 
         minio.start()  # same data dir and port
-        await kv.store.flush(timeout=20)
+        await kv.store.flush(timeout=60)  # MinIO restarts slowly on a loaded box
         assert kv.store.ssd_online and kv.store.core.stats.spills == 2
         assert await client.query(["a", "b"], "fp-a") == {"a": "ssd", "b": "ssd"}
         got = await client.pull_tensors(["a"], "fp-a")

@@ -1,0 +1,26 @@
+"""Prometheus metrics of the kvstore (hits/misses per tier, bytes, latency, spill/restore, errors)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge
+
+from shared.metrics import latency_histogram
+
+HITS = Counter("strata_kvstore_hits_total", "Block reads served, by tier", ["tier"])
+MISSES = Counter("strata_kvstore_misses_total", "Block reads found in no tier")
+PUTS = Counter("strata_kvstore_puts_total", "Blocks received, by outcome", ["outcome"])
+TIER_BLOCKS = Gauge("strata_kvstore_blocks", "Blocks held, by tier", ["tier"])
+TIER_BYTES = Gauge("strata_kvstore_bytes", "Bytes held, by tier", ["tier"])
+SPILLS = Counter("strata_kvstore_spills_total", "Blocks written to the SSD tier")
+SPILL_BYTES = Counter("strata_kvstore_spill_bytes_total", "Bytes written to the SSD tier")
+RESTORES = Counter("strata_kvstore_restores_total", "Blocks read back from the SSD tier")
+RESTORE_BYTES = Counter("strata_kvstore_restore_bytes_total", "Bytes read from the SSD tier")
+ERRORS = Counter("strata_kvstore_errors_total", "Failed operations, by op", ["op"])
+LATENCY = latency_histogram("strata_kvstore_op_latency_seconds", "kvstore op latency", ("op",))
+
+
+def update_gauges(counts: dict[str, int]) -> None:
+    TIER_BLOCKS.labels("dram").set(counts["dram_blocks"] + counts["pending_spill_blocks"])
+    TIER_BYTES.labels("dram").set(counts["dram_bytes"] + counts["pending_spill_bytes"])
+    TIER_BLOCKS.labels("ssd").set(counts["ssd_blocks"])
+    TIER_BYTES.labels("ssd").set(counts["ssd_bytes"])
