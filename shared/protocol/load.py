@@ -20,3 +20,5 @@ class LoadReport(Msg):
     decode_tokens_per_s: float = 0.0
     max_model_len: int = 0
     block_size: int = 16
+    # Prompt tokens queued and not yet prefilled (the scheduler's queue-time estimate).
+    waiting_tokens: int = 0

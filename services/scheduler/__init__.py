@@ -1,0 +1,1 @@
+"""Global scheduler: instance registry, prefix index, routing policies, admission, degradation."""

@@ -1,0 +1,201 @@
+"""`strata serve scheduler`: NATS wiring around `SchedulerCore`.
+
+Subscribes load reports (`strata.load.>`), replays then follows KV events from the JetStream
+stream `STRATA_KV_EVENTS` (so a restarted scheduler rebuilds its prefix index), watches the
+registry bucket, answers `strata.sched.route` and `strata.sched.instances` (queue group
+"scheduler": any number of active replicas), and publishes `SchedulerState` on
+`strata.sched.state` every ``state_interval``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from nats.aio.client import Client as NATS
+from nats.js.api import StreamConfig
+from nats.js.errors import NotFoundError
+
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.core import SchedulerCore
+from shared import bus, service
+from shared.logs import setup_logging
+from shared.metrics import SERVICE_INFO, serve_metrics
+from shared.protocol import subjects
+from shared.protocol.codec import decode
+from shared.protocol.errors import StrataError
+from shared.protocol.kv import KVEvent
+from shared.protocol.load import LoadReport
+from shared.protocol.sched import (
+    InstanceRecord,
+    InstancesReply,
+    InstancesRequest,
+    RouteReply,
+    RouteRequest,
+)
+from shared.registry import registry_bucket
+
+log = logging.getLogger(__name__)
+
+
+async def ensure_kv_stream(js) -> int:
+    """Create the KV-event stream if missing; returns its last sequence number."""
+    try:
+        info = await js.stream_info(subjects.KV_EVENTS_STREAM)
+    except NotFoundError:
+        info = await js.add_stream(
+            StreamConfig(name=subjects.KV_EVENTS_STREAM, subjects=[subjects.KV_EVENTS_ALL])
+        )
+    return info.state.last_seq
+
+
+async def follow_kv_events(js, core: SchedulerCore) -> tuple[object, asyncio.Event]:
+    """Replay the stream from the start, then keep following it (one ordered consumer, so replay
+    and live events never overlap). The event is set once the replay reached the stream's end."""
+    last = await ensure_kv_stream(js)
+    replayed = asyncio.Event()
+    if last == 0:
+        replayed.set()
+
+    async def on_event(m) -> None:
+        try:
+            core.on_kv_event(decode(m.data, KVEvent))
+        except Exception:  # noqa: BLE001 - one bad event must not stop the index
+            log.warning("bad kv event on %s", m.subject, exc_info=True)
+        if not replayed.is_set() and m.metadata.sequence.stream >= last:
+            replayed.set()
+
+    sub = await js.subscribe(
+        subjects.KV_EVENTS_ALL,
+        cb=on_event,
+        ordered_consumer=True,
+        pending_msgs_limit=-1,
+        pending_bytes_limit=-1,
+    )
+    return sub, replayed
+
+
+async def watch_registry(js, core: SchedulerCore, stop: asyncio.Event) -> None:
+    kv = await registry_bucket(js)
+    watcher = await kv.watchall()
+    try:
+        while not stop.is_set():
+            try:
+                entry = await watcher.updates(timeout=1.0)
+            except Exception:  # noqa: BLE001 - nats TimeoutError: nothing new
+                continue
+            if entry is None:
+                continue
+            if entry.operation in ("DEL", "PURGE") or not entry.value:
+                core.on_deregister(entry.key)
+            else:
+                core.on_record(decode(entry.value, InstanceRecord))
+    finally:
+        with contextlib.suppress(Exception):
+            await watcher.stop()
+
+
+async def run_scheduler(
+    cfg: SchedulerConfig,
+    stop: asyncio.Event,
+    nc: NATS | None = None,
+    ready: asyncio.Event | None = None,
+) -> SchedulerCore:
+    """Run until ``stop``; usable in-process by tests (pass ``nc``/``ready``)."""
+    own = nc is None
+    nc = nc or await bus.connect(cfg.nats_url, name=f"scheduler:{cfg.instance_id}")
+    js = nc.jetstream()
+    core = SchedulerCore(cfg)
+    subs = []
+
+    async def on_load(m) -> None:
+        try:
+            core.on_load(decode(m.data, LoadReport))
+        except Exception:  # noqa: BLE001
+            log.warning("bad load report on %s", m.subject, exc_info=True)
+
+    async def route(req: RouteRequest) -> RouteReply:
+        return core.route(req)
+
+    async def instances(req: InstancesRequest) -> InstancesReply:
+        return core.instances(req.role)
+
+    async def publish_state() -> None:
+        state, newly_down = core.tick()
+        for iid in newly_down:
+            log.warning(
+                "instance %s declared down (no load report for %.1fs)", iid, core.members.timeout_s
+            )
+        await bus.publish(nc, subjects.SCHED_STATE, state)
+
+    kv_sub, replayed = await follow_kv_events(js, core)
+    subs.append(kv_sub)
+    t0 = time.perf_counter()
+    await replayed.wait()
+    log.info(
+        "prefix index rebuilt from %s: %d events, %d blocks in %.2fs",
+        subjects.KV_EVENTS_STREAM,
+        core.index.events_applied,
+        len(core.index),
+        time.perf_counter() - t0,
+    )
+    reg_task = asyncio.create_task(watch_registry(js, core, stop))
+    subs.append(await nc.subscribe(subjects.LOAD_ALL, cb=on_load))
+    subs.append(
+        await bus.serve(
+            nc, subjects.SCHED_ROUTE, RouteRequest, route, queue=subjects.QUEUE_SCHEDULER
+        )
+    )
+    subs.append(
+        await bus.serve(
+            nc,
+            subjects.SCHED_INSTANCES,
+            InstancesRequest,
+            instances,
+            queue=subjects.QUEUE_SCHEDULER,
+        )
+    )
+    await _wait_routable(nc)
+    tick_task = asyncio.create_task(service.periodic(cfg.state_interval, publish_state, stop))
+    service.announce_ready("scheduler", cfg.instance_id, f"policy={cfg.policy}")
+    if ready is not None:
+        ready.set()
+    await stop.wait()
+    for s in subs:
+        with contextlib.suppress(Exception):
+            await s.unsubscribe()
+    await asyncio.gather(reg_task, tick_task, return_exceptions=True)
+    if own:
+        await nc.drain()
+    return core
+
+
+async def _wait_routable(nc: NATS, timeout: float = 5.0) -> None:
+    """Ready only once the server routes requests to us: a request to our own subject must get a
+    reply (right after SUB+flush the server has been seen answering "no responders" briefly)."""
+    await nc.flush()
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            await bus.request(
+                nc,
+                subjects.SCHED_INSTANCES,
+                InstancesRequest(role="-"),
+                InstancesReply,
+                timeout=1.0,
+            )
+            return
+        except StrataError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.02)
+
+
+def main(argv: list[str]) -> None:
+    cfg = SchedulerConfig.load(argv, role="scheduler")
+    setup_logging("scheduler", cfg.instance_id, cfg.log_level)
+    serve_metrics(cfg.metrics_port)
+    SERVICE_INFO.labels(role="scheduler", instance=cfg.instance_id).set(1)
+    service.run(lambda stop: run_scheduler(cfg, stop))

@@ -1,0 +1,111 @@
+"""Scheduler configuration (``STRATA_*`` env vars or mirroring ``--flags``)."""
+
+from __future__ import annotations
+
+from pydantic import Field, field_validator
+
+from services.scheduler.degrade import DegradeThresholds
+from services.scheduler.policies import POLICY_NAMES
+from services.scheduler.types import CostModel
+from shared.config import ServiceConfig
+
+
+def _floats(s: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in s.split(",") if x.strip())
+
+
+class SchedulerConfig(ServiceConfig):
+    policy: str = Field("least_loaded", description=f"Routing policy: {' | '.join(POLICY_NAMES)}")
+    load_interval: float = Field(0.5, gt=0, description="Expected seconds between load reports")
+    down_after: int = Field(3, ge=1, description="Missed load reports before an instance is down")
+    state_interval: float = Field(0.5, gt=0, description="Seconds between SchedulerState publishes")
+    block_size: int = Field(
+        16, ge=1, description="Tokens per KV block (until reports say otherwise)"
+    )
+    transfer_mode: str = Field(
+        "direct",
+        pattern="^(direct|pool)$",
+        description="KV transfer mode put in route replies: direct | pool",
+    )
+    long_instances: str = Field(
+        "",
+        description="Comma-separated prefill instances reserved for "
+        "very long prompts (prefix_aware)",
+    )
+    long_prompt_tokens: int = Field(32768, ge=1, description="Prompt length that counts as long")
+    short_prompt_tokens: int = Field(
+        512,
+        ge=0,
+        description="Uncached prompt shorter than this "
+        "prefills on the decode instance (prefix_aware)",
+    )
+    affinity_imbalance: float = Field(
+        0.25, ge=0, description="Decode load-score gap that breaks cache affinity (prefix_aware)"
+    )
+    slo_interactive_ms: float = Field(
+        0.0,
+        ge=0,
+        description="Default TTFT SLO of the interactive class in ms (0 = no early rejection)",
+    )
+    slo_batch_ms: float = Field(0.0, ge=0, description="Default TTFT SLO of the batch class in ms")
+    prefill_tokens_per_s: float = Field(
+        8000.0, gt=0, description="Prefill rate assumed for an instance that reports none"
+    )
+    dram_tokens_per_s: float = Field(200000.0, gt=0, description="Pool DRAM-tier KV load rate")
+    ssd_tokens_per_s: float = Field(40000.0, gt=0, description="Pool SSD-tier KV load rate")
+    degrade_up: str = Field("0.8,0.9,0.97", description="Cluster load entering levels 1,2,3")
+    degrade_down: str = Field("0.7,0.82,0.9", description="Cluster load leaving levels 1,2,3")
+    degrade_dwell_s: float = Field(
+        2.0, ge=0, description="Least seconds at a level before stepping down"
+    )
+    queue_target_s: float = Field(2.0, gt=0, description="Prefill queue time counted as load 1.0")
+    batch_norm: float = Field(64.0, gt=0, description="Running seqs counted as decode load 1.0")
+    batch_max_tokens_cap: int = Field(
+        256, ge=1, description="max_tokens cap of the batch class at degradation level >= 1"
+    )
+    top_priority: int = Field(
+        0,
+        description="At level 3 only priority <= this is admitted (lower number = more important)",
+    )
+    retry_after_s: float = Field(5.0, gt=0, description="Retry-After of degradation refusals")
+
+    @field_validator("degrade_up", "degrade_down")
+    @classmethod
+    def _three_floats(cls, v: str) -> str:
+        if len(_floats(v)) != 3:
+            raise ValueError("needs three comma-separated numbers")
+        return v
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, v: str) -> str:
+        if v not in POLICY_NAMES:
+            raise ValueError(f"unknown policy; choose one of {', '.join(POLICY_NAMES)}")
+        return v
+
+    def thresholds(self) -> DegradeThresholds:
+        return DegradeThresholds(
+            up=_floats(self.degrade_up),
+            down=_floats(self.degrade_down),
+            min_dwell_s=self.degrade_dwell_s,
+        )
+
+    def cost_model(self) -> CostModel:
+        return CostModel(
+            prefill_tokens_per_s=self.prefill_tokens_per_s,
+            dram_tokens_per_s=self.dram_tokens_per_s,
+            ssd_tokens_per_s=self.ssd_tokens_per_s,
+        )
+
+    def policy_options(self) -> dict:
+        if self.policy != "prefix_aware":
+            return {}
+        return dict(
+            short_prompt_tokens=self.short_prompt_tokens,
+            long_prompt_tokens=self.long_prompt_tokens,
+            affinity_imbalance=self.affinity_imbalance,
+            batch_norm=self.batch_norm,
+        )
+
+    def long_instance_set(self) -> frozenset[str]:
+        return frozenset(x.strip() for x in self.long_instances.split(",") if x.strip())

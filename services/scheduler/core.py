@@ -1,0 +1,204 @@
+"""The scheduler core: membership + prefix index + policy + admission/degradation. No NATS.
+
+Feed it load reports, KV events and registry records; call `tick()` periodically (down detection,
+degradation level, the `SchedulerState` to publish); call `route()` per request.
+"""
+
+from __future__ import annotations
+
+import time
+
+from services.scheduler import metrics
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.degrade import Degrader, cluster_load
+from services.scheduler.membership import Membership
+from services.scheduler.policies import Policy, make_policy
+from services.scheduler.prefix_index import PrefixIndex
+from services.scheduler.types import ClusterState, RequestView
+from shared.protocol.errors import StrataError
+from shared.protocol.kv import KVEvent
+from shared.protocol.load import LoadReport
+from shared.protocol.sched import (
+    InstanceInfo,
+    InstanceRecord,
+    InstancesReply,
+    RouteReply,
+    RouteRequest,
+    SchedulerState,
+)
+
+
+class SchedulerCore:
+    def __init__(self, cfg: SchedulerConfig, policy: Policy | None = None) -> None:
+        self.cfg = cfg
+        self.cost = cfg.cost_model()
+        self.policy = policy or make_policy(cfg.policy, self.cost, **cfg.policy_options())
+        self.members = Membership(
+            interval_s=cfg.load_interval,
+            down_after=cfg.down_after,
+            long_instances=cfg.long_instance_set(),
+        )
+        self.index = PrefixIndex()
+        self.degrader = Degrader(cfg.thresholds())
+        self.load = 0.0
+        self.block_size = cfg.block_size
+
+    # --- inputs ---------------------------------------------------------------------------------
+    def on_load(self, report: LoadReport, now: float | None = None) -> None:
+        obs = self.members.observe(report, time.monotonic() if now is None else now)
+        if obs is None:
+            return
+        if obs.restarted:
+            # A new incarnation: the old process's cache is gone.
+            self.index.new_incarnation(report.instance_id, report.incarnation)
+        if report.role in ("prefill", "decode") and report.block_size:
+            self.block_size = report.block_size
+
+    def on_kv_event(self, ev: KVEvent) -> bool:
+        ok = self.index.apply(ev)
+        metrics.KV_EVENTS.labels(status="applied" if ok else "stale").inc()
+        return ok
+
+    def on_record(self, rec: InstanceRecord) -> None:
+        self.members.put_record(rec)
+
+    def on_deregister(self, instance_id: str) -> None:
+        if self.members.remove(instance_id):
+            self.index.drop_instance(instance_id)
+
+    def tick(self, now: float | None = None) -> tuple[SchedulerState, list[str]]:
+        """Down detection and degradation; returns the state to publish and the newly down."""
+        now = time.monotonic() if now is None else now
+        newly_down = self.members.tick(now)
+        pre = self.members.live("prefill")
+        dec = self.members.live("decode")
+        self.load = cluster_load(
+            [self.cost.queue_s(p) for p in pre],
+            [d.kv_used_frac for d in dec],
+            [min(1.0, d.batch / self.cfg.batch_norm) for d in dec],
+            self.cfg.queue_target_s,
+        )
+        level = self.degrader.update(self.load, now)
+        live = sorted(i for i, m in self.members.members.items() if m.alive)
+        metrics.DEGRADE_LEVEL.set(level)
+        metrics.CLUSTER_LOAD.set(self.load)
+        metrics.DOWN_INSTANCES.set(len(self.members.down()))
+        for role in ("prefill", "decode", "kvstore"):
+            metrics.LIVE_INSTANCES.labels(role=role).set(len(self.members.live(role)))
+        metrics.PREFIX_INDEX_BLOCKS.set(len(self.index))
+        state = SchedulerState(
+            degrade_level=level,
+            down=self.members.down(),
+            ts=time.time(),
+            live=live,
+            cluster_load=round(self.load, 4),
+            scheduler_id=self.cfg.instance_id,
+        )
+        return state, newly_down
+
+    # --- decisions ------------------------------------------------------------------------------
+    def route(self, req: RouteRequest) -> RouteReply:
+        start = time.perf_counter()
+        outcome = "error"
+        try:
+            reply = self._route(req)
+            outcome = "self_prefill" if not reply.prefill_instance else "disaggregated"
+            return reply
+        except StrataError as exc:
+            outcome = exc.code
+            raise
+        finally:
+            name = self.policy.name
+            metrics.DECISIONS.labels(policy=name, outcome=outcome).inc()
+            metrics.DECISION_LATENCY.labels(policy=name).observe(time.perf_counter() - start)
+
+    def _route(self, req: RouteRequest) -> RouteReply:
+        level = self.degrader.level
+        self._admit(req, level)
+        excl = frozenset(req.exclude)
+        decode = [d for d in self.members.live("decode") if d.instance_id not in excl]
+        if not decode:
+            raise StrataError("unavailable", "no decode instance is available")
+        prefill = [p for p in self.members.live("prefill") if p.instance_id not in excl]
+        view = self.request_view(req)
+        d = self.policy.choose(view, ClusterState(prefill=prefill, decode=decode))
+        if d.reject:
+            raise StrataError(
+                "overloaded",
+                f"request would miss its TTFT SLO: {d.reason}",
+                retry_after=round(d.retry_after_s, 3),
+            )
+        dec = self.members.members[d.decode_instance].view
+        target = self.members.members[d.prefill_instance].view if d.prefill_instance else dec
+        target.pending_tokens += max(0, req.num_prompt_tokens - d.cached_tokens)
+        target.pending_requests += 1
+        if target is not dec:
+            dec.pending_requests += 1
+        trim = level >= 1 and req.slo_class == "batch"
+        return RouteReply(
+            decode_instance=dec.instance_id,
+            decode_addr=dec.grpc_addr,
+            prefill_instance=target.instance_id if d.prefill_instance else "",
+            prefill_addr=target.grpc_addr if d.prefill_instance else "",
+            transfer_mode=self.cfg.transfer_mode,
+            expected_cached_tokens=d.cached_tokens,
+            degrade_level=level,
+            max_tokens_cap=self.cfg.batch_max_tokens_cap if trim else 0,
+            speculation=level == 0,
+            predicted_ttft_ms=round(d.predicted_ttft_s * 1000, 3),
+            policy=self.policy.name,
+        )
+
+    def _admit(self, req: RouteRequest, level: int) -> None:
+        if level >= 3 and req.priority > self.cfg.top_priority:
+            raise StrataError(
+                "overloaded",
+                f"degradation level {level}: only priority <= {self.cfg.top_priority} admitted",
+                retry_after=self.cfg.retry_after_s,
+            )
+        if level >= 2 and req.slo_class == "batch":
+            raise StrataError(
+                "overloaded",
+                f"degradation level {level}: batch class refused",
+                retry_after=self.cfg.retry_after_s,
+            )
+
+    def request_view(self, req: RouteRequest) -> RequestView:
+        m = self.index.lookup(req.block_hashes) if req.block_hashes else None
+        bs = self.block_size
+        slo_ms = req.ttft_slo_ms or (
+            self.cfg.slo_batch_ms if req.slo_class == "batch" else self.cfg.slo_interactive_ms
+        )
+        return RequestView(
+            request_id=req.request_id,
+            num_prompt_tokens=req.num_prompt_tokens,
+            priority=req.priority,
+            slo_class=req.slo_class,
+            max_tokens=req.max_tokens,
+            ttft_slo_s=slo_ms / 1000.0,
+            exclude=frozenset(req.exclude),
+            cached_tokens={i: n * bs for i, n in m.engine_blocks.items()} if m else {},
+            pool_dram_tokens=m.pool_dram_blocks * bs if m else 0,
+            pool_ssd_tokens=m.pool_ssd_blocks * bs if m else 0,
+        )
+
+    def instances(self, role: str = "") -> InstancesReply:
+        out = []
+        for iid in sorted(self.members.members):
+            m = self.members.members[iid]
+            v = m.view
+            if role and v.role != role:
+                continue
+            out.append(
+                InstanceInfo(
+                    instance_id=iid,
+                    role=v.role,
+                    incarnation=m.incarnation,
+                    grpc_addr=v.grpc_addr,
+                    alive=m.alive,
+                    num_running=v.num_running,
+                    num_waiting=v.num_waiting,
+                    kv_blocks_free=v.kv_blocks_free,
+                )
+            )
+        return InstancesReply(instances=out)

@@ -1,0 +1,112 @@
+"""Instance membership from load reports (the heartbeat) and registry records. Pure Python.
+
+An instance is live from its first load report until ``down_after`` report intervals pass without
+one; then it is declared down (once). A report with a new incarnation means the process restarted:
+it is a new member and the old member's state is dropped (the caller drops its cache blocks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.scheduler.types import InstanceView
+from shared.protocol.load import LoadReport
+from shared.protocol.sched import InstanceRecord
+
+TRACKED_ROLES = ("prefill", "decode", "kvstore")
+
+
+@dataclass
+class Member:
+    view: InstanceView
+    incarnation: str
+    last_seen: float
+    alive: bool = True
+    record: InstanceRecord | None = None
+
+
+@dataclass
+class Observed:
+    """What one load report changed: ``restarted`` = new incarnation of a known instance."""
+
+    instance_id: str
+    new: bool = False
+    restarted: bool = False
+    revived: bool = False
+
+
+@dataclass
+class Membership:
+    interval_s: float = 0.5
+    down_after: int = 3
+    long_instances: frozenset[str] = frozenset()
+    members: dict[str, Member] = field(default_factory=dict)
+    records: dict[str, InstanceRecord] = field(default_factory=dict)
+
+    @property
+    def timeout_s(self) -> float:
+        return self.interval_s * self.down_after
+
+    def observe(self, r: LoadReport, now: float) -> Observed | None:
+        """Apply a load report; None for roles the scheduler does not track."""
+        if r.role not in TRACKED_ROLES:
+            return None
+        m = self.members.get(r.instance_id)
+        out = Observed(r.instance_id)
+        if m is None or m.incarnation != r.incarnation:
+            out.new = m is None
+            out.restarted = m is not None
+            view = InstanceView(
+                instance_id=r.instance_id,
+                role=r.role,
+                reserved_long=r.instance_id in self.long_instances,
+            )
+            m = Member(
+                view=view,
+                incarnation=r.incarnation,
+                last_seen=now,
+                record=self.records.get(r.instance_id),
+            )
+            self.members[r.instance_id] = m
+        elif not m.alive:
+            out.revived = True
+        m.alive = True
+        m.last_seen = now
+        v = m.view
+        rec = self.records.get(r.instance_id)
+        v.grpc_addr = r.grpc_addr or (rec.grpc_addr if rec else "")
+        v.num_running, v.num_waiting = r.num_running, r.num_waiting
+        v.waiting_tokens = r.waiting_tokens
+        v.kv_blocks_free, v.kv_blocks_total = r.kv_blocks_free, r.kv_blocks_total
+        v.prefill_tokens_per_s = r.prefill_tokens_per_s
+        v.decode_tokens_per_s = r.decode_tokens_per_s
+        v.block_size = r.block_size
+        v.pending_tokens = v.pending_requests = 0  # the report now covers what we routed
+        return out
+
+    def tick(self, now: float) -> list[str]:
+        """Declare down every live member silent for longer than the timeout; returns them."""
+        down = []
+        for iid, m in self.members.items():
+            if m.alive and now - m.last_seen > self.timeout_s:
+                m.alive = False
+                down.append(iid)
+        return sorted(down)
+
+    def put_record(self, rec: InstanceRecord) -> None:
+        self.records[rec.instance_id] = rec
+        m = self.members.get(rec.instance_id)
+        if m is not None and m.incarnation == rec.incarnation:
+            m.record = rec
+            m.view.grpc_addr = m.view.grpc_addr or rec.grpc_addr
+
+    def remove(self, instance_id: str) -> bool:
+        """A clean shutdown (registry record deleted): forget the member now."""
+        self.records.pop(instance_id, None)
+        return self.members.pop(instance_id, None) is not None
+
+    def live(self, role: str) -> list[InstanceView]:
+        return [m.view for m in self.members.values() if m.alive and m.view.role == role]
+
+    def down(self) -> list[str]:
+        return sorted(i for i, m in self.members.items() if not m.alive)

@@ -1,0 +1,21 @@
+"""Prometheus metrics of the scheduler."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+DECISIONS = Counter("strata_scheduler_decisions_total", "Routing decisions", ["policy", "outcome"])
+DECISION_LATENCY = Histogram(
+    "strata_scheduler_decision_seconds",
+    "Time to make one routing decision",
+    ["policy"],
+    buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2, 0.1),
+)
+LIVE_INSTANCES = Gauge("strata_scheduler_live_instances", "Live instances", ["role"])
+DOWN_INSTANCES = Gauge("strata_scheduler_down_instances", "Instances declared down")
+PREFIX_INDEX_BLOCKS = Gauge(
+    "strata_scheduler_prefix_index_blocks", "Distinct KV block hashes in the global prefix index"
+)
+DEGRADE_LEVEL = Gauge("strata_scheduler_degrade_level", "Degradation level (0..3)")
+CLUSTER_LOAD = Gauge("strata_scheduler_cluster_load", "Cluster load driving degradation")
+KV_EVENTS = Counter("strata_scheduler_kv_events_total", "KV events applied", ["status"])

@@ -1,0 +1,87 @@
+"""Baselines: round robin and least loaded. Neither looks at the prefix index for its choice,
+but both report the cached tokens and predicted TTFT of what they chose (for the simulator)."""
+
+from __future__ import annotations
+
+from services.scheduler.types import (
+    ClusterState,
+    CostModel,
+    Decision,
+    InstanceView,
+    RequestView,
+)
+
+
+def predicted_ttft(request: RequestView, inst: InstanceView, cost: CostModel) -> tuple[float, int]:
+    """(TTFT estimate, cached tokens) for prefilling ``request`` on ``inst``: queue time +
+    uncached tokens at the instance's rate + load time of pool-hit tokens beyond its own cache."""
+    local = min(request.cached_tokens.get(inst.instance_id, 0), request.num_prompt_tokens)
+    pool = min(request.pool_tokens, request.num_prompt_tokens)
+    load = 0.0
+    if pool > local:
+        frac = (pool - local) / pool
+        load = frac * cost.load_s(request.pool_dram_tokens, request.pool_ssd_tokens)
+    cached = max(local, pool)
+    # The last prompt token is always computed (it produces the first token's logits).
+    uncached = max(1, request.num_prompt_tokens - cached)
+    ttft = cost.queue_s(inst) + uncached / cost.prefill_rate(inst) + load
+    return ttft, cached
+
+
+def decode_load(inst: InstanceView, batch_norm: float = 64.0) -> float:
+    """Load score of a decode instance: KV use plus running batch (0 = idle)."""
+    return inst.kv_used_frac + inst.batch / batch_norm
+
+
+class RoundRobin:
+    """Cycle through prefill and decode instances (sorted by id) independently."""
+
+    name = "round_robin"
+
+    def __init__(self, cost: CostModel) -> None:
+        self.cost = cost
+        self._next = {"prefill": 0, "decode": 0}
+
+    def _pick(self, role: str, insts: list[InstanceView]) -> InstanceView:
+        ordered = sorted(insts, key=lambda i: i.instance_id)
+        inst = ordered[self._next[role] % len(ordered)]
+        self._next[role] += 1
+        return inst
+
+    def choose(self, request: RequestView, state: ClusterState) -> Decision:
+        dec = self._pick("decode", state.decode)
+        target = self._pick("prefill", state.prefill) if state.prefill else dec
+        ttft, cached = predicted_ttft(request, target, self.cost)
+        return Decision(
+            decode_instance=dec.instance_id,
+            prefill_instance=target.instance_id if state.prefill else "",
+            cached_tokens=cached,
+            predicted_ttft_s=ttft,
+            reason="round_robin",
+        )
+
+
+class LeastLoaded:
+    """Prefill: fewest queued prompt tokens (then batch, then id). Decode: lowest KV use plus
+    running batch (then id)."""
+
+    name = "least_loaded"
+
+    def __init__(self, cost: CostModel, batch_norm: float = 64.0) -> None:
+        self.cost = cost
+        self.batch_norm = batch_norm
+
+    def choose(self, request: RequestView, state: ClusterState) -> Decision:
+        dec = min(state.decode, key=lambda d: (decode_load(d, self.batch_norm), d.instance_id))
+        if state.prefill:
+            pre = min(state.prefill, key=lambda p: (self.cost.queue_s(p), p.batch, p.instance_id))
+        else:
+            pre = dec
+        ttft, cached = predicted_ttft(request, pre, self.cost)
+        return Decision(
+            decode_instance=dec.instance_id,
+            prefill_instance=pre.instance_id if state.prefill else "",
+            cached_tokens=cached,
+            predicted_ttft_s=ttft,
+            reason="least_loaded",
+        )

@@ -1,0 +1,89 @@
+"""Instance registry in the JetStream KV bucket ``strata_registry`` (the role etcd plays elsewhere).
+
+Each prefill / decode / kvstore instance writes ``<instance_id> -> InstanceRecord`` (role, gRPC
+address, incarnation, capacity) when it starts and deletes it when it stops cleanly. Liveness is
+NOT decided here: the scheduler declares an instance down after missed load reports, so a crashed
+instance whose record is still in the bucket is still detected.
+
+    js = nc.jetstream()
+    await register_instance(js, InstanceRecord(instance_id="decode-0", role="decode", ...))
+    ...
+    await deregister_instance(js, "decode-0")
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from nats.js.client import JetStreamContext
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NoKeysError
+from nats.js.kv import KeyValue
+
+from shared.protocol.codec import decode, encode
+from shared.protocol.sched import InstanceRecord
+from shared.protocol.subjects import REGISTRY_BUCKET
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "InstanceRecord",
+    "deregister_instance",
+    "read_registry",
+    "register_instance",
+    "registry_bucket",
+]
+
+
+async def registry_bucket(js: JetStreamContext, bucket: str = REGISTRY_BUCKET) -> KeyValue:
+    """The registry bucket, created (history 1, file storage) if it does not exist yet."""
+    try:
+        return await js.key_value(bucket)
+    except BucketNotFoundError:
+        try:
+            return await js.create_key_value(
+                bucket=bucket, history=1, description="Strata instance registry"
+            )
+        except Exception:  # noqa: BLE001 - another process created it first
+            return await js.key_value(bucket)
+
+
+async def register_instance(
+    js: JetStreamContext, info: InstanceRecord, bucket: str = REGISTRY_BUCKET
+) -> int:
+    """Write (or overwrite) ``info`` under its instance id; returns the KV revision."""
+    if not info.ts:
+        info = info.model_copy(update={"ts": time.time()})
+    kv = await registry_bucket(js, bucket)
+    return await kv.put(info.instance_id, encode(info))
+
+
+async def deregister_instance(
+    js: JetStreamContext, instance_id: str, bucket: str = REGISTRY_BUCKET
+) -> None:
+    """Remove the instance's record (a clean shutdown); a missing record is not an error."""
+    kv = await registry_bucket(js, bucket)
+    try:
+        await kv.delete(instance_id)
+    except KeyNotFoundError:
+        pass
+
+
+async def read_registry(
+    js: JetStreamContext, bucket: str = REGISTRY_BUCKET
+) -> dict[str, InstanceRecord]:
+    """Every record currently in the bucket, by instance id."""
+    kv = await registry_bucket(js, bucket)
+    try:
+        keys = await kv.keys()
+    except NoKeysError:
+        return {}
+    out: dict[str, InstanceRecord] = {}
+    for key in keys:
+        try:
+            entry = await kv.get(key)
+        except KeyNotFoundError:
+            continue
+        if entry.value:
+            out[key] = decode(entry.value, InstanceRecord)
+    return out

@@ -1,0 +1,261 @@
+"""The scheduler service against a real nats-server: registry, heartbeats, down detection,
+incarnation change, route replies, the no-decode error and prefix-index rebuild by replay."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from services.scheduler.app import run_scheduler
+from services.scheduler.config import SchedulerConfig
+from shared import bus
+from shared.protocol import subjects
+from shared.protocol.errors import StrataError
+from shared.protocol.kv import KVEvent
+from shared.protocol.load import LoadReport
+from shared.protocol.sched import (
+    InstanceRecord,
+    InstancesReply,
+    InstancesRequest,
+    RouteReply,
+    RouteRequest,
+    SchedulerState,
+)
+from shared.registry import deregister_instance, read_registry, register_instance
+
+
+@contextlib.asynccontextmanager
+async def scheduler(nats_url, **over):
+    cfg = SchedulerConfig.load(
+        [],
+        role="scheduler",
+        nats_url=nats_url,
+        load_interval=0.1,
+        down_after=3,
+        state_interval=0.05,
+        **over,
+    )
+    stop, ready = asyncio.Event(), asyncio.Event()
+    conn = await bus.connect(nats_url, name="test-scheduler")
+    task = asyncio.create_task(run_scheduler(cfg, stop, nc=conn, ready=ready))
+    await asyncio.wait_for(ready.wait(), 10)
+    try:
+        yield task
+    finally:
+        stop.set()
+        core = await asyncio.wait_for(task, 10)
+        task.core = core
+        await conn.drain()
+
+
+def uid(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:6]}"
+
+
+async def report(nc, iid, role, inc="i1", **kw):
+    await bus.publish(
+        nc,
+        subjects.load_report(role, iid),
+        LoadReport(
+            instance_id=iid,
+            role=role,
+            incarnation=inc,
+            grpc_addr=f"127.0.0.1:{hash(iid) % 1000 + 1}",
+            ts=time.time(),
+            **kw,
+        ),
+    )
+
+
+async def route(nc, **kw) -> RouteReply:
+    req = RouteRequest(request_id=uid("r"), num_prompt_tokens=kw.pop("n", 100), **kw)
+    return await bus.request(nc, subjects.SCHED_ROUTE, req, RouteReply, timeout=5)
+
+
+async def eventually(fn, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            res = await fn()
+            if res:
+                return res
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.05)
+
+
+async def test_registry_bucket_register_and_deregister(nc):
+    js = nc.jetstream()
+    iid = uid("decode")
+    rev = await register_instance(
+        js,
+        InstanceRecord(
+            instance_id=iid,
+            role="decode",
+            incarnation="a",
+            grpc_addr="127.0.0.1:5000",
+            capacity={"kv_blocks": 128.0},
+        ),
+    )
+    assert rev > 0
+    recs = await read_registry(js)
+    assert recs[iid].grpc_addr == "127.0.0.1:5000"
+    assert recs[iid].capacity == {"kv_blocks": 128.0}
+    await deregister_instance(js, iid)
+    await deregister_instance(js, iid)  # idempotent
+    assert iid not in await read_registry(js)
+
+
+async def test_no_decode_is_unavailable_then_routes_and_self_prefills(nc, nats_url):
+    async with scheduler(nats_url, policy="least_loaded"):
+        with pytest.raises(StrataError) as exc:
+            await route(nc, exclude=[])
+        assert exc.value.code == "unavailable"
+        assert exc.value.http_status == 503
+        d = uid("decode")
+        await report(nc, d, "decode", kv_blocks_total=100, kv_blocks_free=100)
+        rep = await eventually(lambda: route(nc))
+        # Only a decode instance is alive: it prefills itself.
+        assert (rep.decode_instance, rep.prefill_instance) == (d, "")
+        assert rep.decode_addr.startswith("127.0.0.1:")
+        p = uid("prefill")
+        await report(nc, p, "prefill")
+
+        async def disagg():
+            r = await route(nc)
+            return r if r.prefill_instance == p else None
+
+        rep = await eventually(disagg)
+        assert rep.decode_instance == d and rep.policy == "least_loaded"
+
+
+async def test_least_loaded_and_round_robin_routes(nc, nats_url):
+    async with scheduler(nats_url, policy="round_robin"):
+        ds = sorted(uid("decode") for _ in range(2))
+        for d in ds:
+            await report(nc, d, "decode")
+        infos = await eventually(lambda: _live(nc, ds))
+        assert {i.instance_id for i in infos} >= set(ds)
+        got = [(await route(nc, exclude=[])).decode_instance for _ in range(4)]
+        mine = [g for g in got if g in ds]
+        assert mine and all(a != b for a, b in zip(mine, mine[1:], strict=False))
+
+
+async def _live(nc, ids):
+    rep = await bus.request(nc, subjects.SCHED_INSTANCES, InstancesRequest(), InstancesReply)
+    live = [i for i in rep.instances if i.instance_id in ids and i.alive]
+    return live if len(live) == len(ids) else None
+
+
+async def test_down_detection_and_incarnation_change(nc, nats_url):
+    states: list[SchedulerState] = []
+
+    async def on_state(m):
+        from shared.protocol.codec import decode
+
+        states.append(decode(m.data, SchedulerState))
+
+    sub = await nc.subscribe(subjects.SCHED_STATE, cb=on_state)
+    async with scheduler(nats_url):
+        d = uid("decode")
+        await report(nc, d, "decode", inc="one")
+        await eventually(lambda: _live(nc, [d]))
+        # Silent for > 3 x 0.1 s: declared down and published as such.
+        await eventually(lambda: asyncio.sleep(0, any(d in s.down for s in states)))
+        with pytest.raises(StrataError) as exc:
+            await route(nc, exclude=[i for s in states[-1:] for i in s.live])
+        assert exc.value.code == "unavailable"
+        # It comes back as a new incarnation: a new member, alive again.
+        await report(nc, d, "decode", inc="two")
+        infos = await eventually(lambda: _live(nc, [d]))
+        assert infos[0].incarnation == "two"
+        await eventually(
+            lambda: asyncio.sleep(0, d in states[-1].live and d not in states[-1].down)
+        )
+    await sub.unsubscribe()
+
+
+async def test_restart_rebuilds_prefix_index_by_replay(nc, nats_url):
+    js = nc.jetstream()
+    d = uid("decode")
+    hashes = [uuid.uuid4().hex for _ in range(4)]
+    async with scheduler(nats_url, policy="prefix_aware") as first:
+        await js.publish(
+            subjects.kv_events(d),
+            _enc(
+                KVEvent(
+                    instance_id=d,
+                    incarnation="x",
+                    seq=1,
+                    tier="engine",
+                    kind="stored",
+                    hashes=hashes,
+                )
+            ),
+        )
+        await js.publish(
+            subjects.kv_events(d),
+            _enc(
+                KVEvent(
+                    instance_id=d,
+                    incarnation="x",
+                    seq=2,
+                    tier="engine",
+                    kind="removed",
+                    hashes=hashes[3:],
+                )
+            ),
+        )
+        await report(nc, d, "decode", inc="x")
+        rep = await eventually(lambda: _cached(nc, hashes))
+        assert rep.expected_cached_tokens == 3 * 16
+    # A fresh scheduler (nothing in memory) replays STRATA_KV_EVENTS before it serves.
+    async with scheduler(nats_url, policy="prefix_aware") as second:
+        await report(nc, d, "decode", inc="x")
+        rep = await eventually(lambda: _cached(nc, hashes))
+        assert rep.decode_instance == d and rep.expected_cached_tokens == 3 * 16
+    assert second.core.index.blocks_of(d) == 3
+    assert first.core.index.blocks_of(d) == 3
+
+
+def _enc(msg):
+    from shared.protocol.codec import encode
+
+    return encode(msg)
+
+
+async def _cached(nc, hashes):
+    r = await route(nc, n=16 * 4 + 5, block_hashes=hashes)
+    return r if r.expected_cached_tokens else None
+
+
+def test_cli_entry_starts_and_announces_ready(nats_url):
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from services.scheduler.app import main; main(sys.argv[1:])",
+            "--nats-url",
+            nats_url,
+            "--policy",
+            "prefix_aware",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("STRATA_READY role=scheduler") and "policy=prefix_aware" in line
+    finally:
+        proc.terminate()
+        assert proc.wait(10) == 0
