@@ -108,5 +108,12 @@ class DecodeService:
                 KV_TRANSFER_FALLBACKS.inc()
                 log.warning("KV transfer for %s failed (%s); recomputing locally", rid, exc)
                 self.receiver.drop(rid)
+        pool = self.rt.pool_link()
+        if item.kv_block_hashes and pool is not None:
+            # Pool mode: pull the full blocks prefill stored; the tail (< 1 block) and anything
+            # the pool lost are recomputed by the engine's normal prefix-cached prefill.
+            loaded = await pool.load_blocks(item.kv_block_hashes)
+            if loaded < len(item.kv_block_hashes):
+                KV_TRANSFER_FALLBACKS.inc()
         return ae.generate(rid, item.prompt_token_ids, item.sampling, priority=item.priority,
                            mm_inputs=mm, output_token_ids=emitted)

@@ -1,7 +1,11 @@
 """Prefill instance: run the prompt, emit the first token, hand the KV to a decode instance.
 
-Direct mode pushes the prompt KV to the decode instance over gRPC (layer-range frames, small
-layers merged), then submits the request there. The first token goes straight to the gateway.
+Before computing, the longest reusable prefix is loaded from the KV pool when the measured cost
+model says loading beats recomputing. After the first token:
+- direct mode pushes the prompt KV to the decode instance over gRPC (layer-range frames, small
+  layers merged), then submits the request there;
+- pool mode writes the full blocks to the kvstore and the decode instance pulls them.
+Full blocks the pool lacks are offered to it in the background either way.
 """
 
 from __future__ import annotations
@@ -30,8 +34,8 @@ class PrefillService:
         self.rt = rt
         self.nc = nc
         self.tasks: dict[str, asyncio.Task] = {}
-        self.prefill_tokens = 0
-        self.prefill_seconds = 0.0
+        self.background: set[asyncio.Task] = set()
+        self.pool = rt.pool_link()
 
     @property
     def instance_id(self) -> str:
@@ -56,7 +60,10 @@ class PrefillService:
         held = False
         try:
             mm = await fetch_mm_inputs(item.images, self.rt.loaded.model.dtype)
-            user_max = item.sampling.max_tokens
+            context = list(item.prompt_token_ids) + list(item.output_token_ids)
+            hashes, tiers = [], []
+            if self.pool is not None:
+                hashes, tiers, _ = await self.pool.load_prefix(context, mm)
             params = item.sampling.model_copy(update={"max_tokens": 1, "min_tokens": 0})
             t0 = time.perf_counter()
             out = None
@@ -65,51 +72,75 @@ class PrefillService:
                                        hold_kv=True):
                 out = o
             held = True
-            self.prefill_seconds += time.perf_counter() - t0
-            self.prefill_tokens += len(item.prompt_token_ids)
             if out is None or not out.new_token_ids:
                 raise StrataError("internal", f"prefill of {rid} produced no token")
-            first = out.new_token_ids[0]
-            done = user_max - len(item.output_token_ids) <= 1 or out.finish_reason == "stop"
-            reason = ("stop" if out.finish_reason == "stop" else "length") if done else None
-            chunk = TokenChunk(
-                request_id=rid, index=len(item.output_token_ids), token_ids=[first],
-                text=out.text_delta, logprobs=out.new_logprobs, finish_reason=reason,
-                instance_id=self.instance_id,
-                usage=Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=1,
-                            cached_tokens=out.num_cached_tokens) if done else None,
-            )
-            await bus.publish(self.nc, subjects.req_out(rid), chunk)
+            self.rt.cost.observe_prefill(len(context) - out.num_cached_tokens,
+                                         time.perf_counter() - t0)
+            done = await self._emit_first(item, out)
+            new_blocks = []
+            if self.pool is not None and hashes:
+                new_blocks = await self.pool.read_new_blocks(rid, hashes, tiers)
             if done:
+                self._store_later(new_blocks)
                 return
-            context = list(item.prompt_token_ids) + list(item.output_token_ids)
-            await self._push_kv(rid, len(context), item.decode_addr)
             work = item.model_copy(update={
-                "first_token_id": first, "kv_pushed": True, "kv_num_tokens": len(context),
+                "first_token_id": out.new_token_ids[0],
                 "first_logprobs": out.new_logprobs[0] if out.new_logprobs else None,
                 "num_cached_tokens": out.num_cached_tokens,
             })
+            if item.transfer_mode == "pool" and self.pool is not None:
+                await self.pool.store_blocks(new_blocks)  # decode pulls them: store first
+                work = work.model_copy(update={"kv_block_hashes": hashes})
+            else:
+                await self._push_kv(rid, len(context), item.decode_addr)
+                work = work.model_copy(update={"kv_pushed": True, "kv_num_tokens": len(context)})
+                self._store_later(new_blocks)
             await bus.request(self.nc, subjects.decode_submit(item.decode_instance), work,
                               SubmitAck, timeout=10.0)
         except asyncio.CancelledError:
             log.info("prefill of %s cancelled", rid)
-            self.rt.async_engine.abort(rid)
+            ae.abort(rid)
         except Exception as exc:  # noqa: BLE001 - the request fails; the service does not
             REQUESTS_FAILED.labels("prefill").inc()
             log.warning("prefill of %s failed: %s", rid, exc)
             await publish_error(self.nc, rid, exc, self.instance_id)
         finally:
             if held:
-                await self.rt.async_engine.call(lambda e: e.release(rid))
+                await ae.call(lambda e: e.release(rid))
+
+    async def _emit_first(self, item: WorkItem, out) -> bool:
+        """Publish the first token (this is the TTFT); True if it also ends the request."""
+        n_prev = len(item.output_token_ids)
+        done = item.sampling.max_tokens - n_prev <= 1 or out.finish_reason == "stop"
+        usage = None
+        if done:
+            usage = Usage(prompt_tokens=len(item.prompt_token_ids), completion_tokens=n_prev + 1,
+                          cached_tokens=out.num_cached_tokens)
+        chunk = TokenChunk(
+            request_id=item.request_id, index=n_prev, token_ids=out.new_token_ids[:1],
+            text=out.text_delta, logprobs=out.new_logprobs,
+            finish_reason=("stop" if out.finish_reason == "stop" else "length") if done else None,
+            usage=usage, instance_id=self.instance_id,
+        )
+        await bus.publish(self.nc, subjects.req_out(item.request_id), chunk)
+        return done
+
+    def _store_later(self, blocks) -> None:
+        if not blocks:
+            return
+        t = asyncio.create_task(self.pool.store_blocks(blocks))
+        self.background.add(t)
+        t.add_done_callback(self.background.discard)
 
     async def _push_kv(self, rid: str, num_tokens: int, addr: str) -> None:
         """Read the held prompt KV and stream it to the decode instance, layer group by group."""
-        eng = self.rt.engine
+        if not addr:
+            raise StrataError("bad_request", f"{rid}: no decode address to push KV to")
         model = self.rt.loaded.model
         blocks, n = await self.rt.async_engine.call(lambda e: e.request_blocks(rid))
         if n < num_tokens:
             raise StrataError("internal", f"{rid}: only {n} of {num_tokens} tokens have KV")
-        elem = eng.runner.kv.k.element_size()
+        elem = self.rt.engine.runner.kv.k.element_size()
         per_layer = 2 * num_tokens * model.num_kv_heads * model.head_dim * elem
         groups = kv_wire.layer_groups(model.num_layers, per_layer, self.rt.cfg.frame_merge_bytes)
 
@@ -122,6 +153,4 @@ class PrefillService:
                                            total_layers=model.num_layers):
                     yield f
 
-        if not addr:
-            raise StrataError("bad_request", f"{rid}: no decode address to push KV to")
         await get_client(addr).push(frames(), timeout=self.rt.cfg.transfer_timeout)

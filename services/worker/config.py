@@ -39,4 +39,5 @@ class WorkerConfig(ModelServiceConfig):
             quantization=self.quantization or None,
             device=self.device,
             dtype=self.dtype or None,
+            collect_evicted_kv=bool(self.kvstore_addrs.strip()),
         )

@@ -13,6 +13,8 @@ import torch
 from nats.aio.client import Client as NATS
 
 from services.worker.config import WorkerConfig
+from services.worker.cost import CostModel
+from services.worker.pool_link import PoolLink
 from shared import bus, metrics
 from shared.config import new_incarnation
 from shared.protocol import subjects
@@ -36,6 +38,8 @@ class ModelRuntime:
     tokenizer: object = None
     incarnation: str = field(default_factory=new_incarnation)
     kv_seq: int = 0
+    cost: CostModel | None = None
+    _pool: PoolLink | None = None
 
     def load(self) -> None:
         from shared.engine.async_engine import AsyncEngine
@@ -49,9 +53,31 @@ class ModelRuntime:
         self.loaded = load_model(self.cfg.model, dtype=dtype, device=self.cfg.device)
         self.tokenizer = Tokenizer.from_dir(self.cfg.model)
         self.engine = LLMEngine(self.loaded, self.cfg.engine_config(), tokenizer=self.tokenizer)
+        self.cost = CostModel(self.cfg.block_size)
+        self._warm_up()
         self.async_engine = AsyncEngine(self.engine)
         log.info("loaded %s (%s) in %.1fs", self.cfg.model, self.loaded.fingerprint[:12],
                  time.perf_counter() - t0)
+
+    def _warm_up(self, tokens: int = 128) -> None:
+        """One prefill before serving: first-call overheads are paid here, and the measured
+        seconds per token seed the load-vs-recompute cost model."""
+        from shared.engine.params import SamplingParams
+
+        n = min(tokens, self.loaded.config.max_position_embeddings - 1)
+        ids = [(i * 7919) % self.loaded.config.vocab_size for i in range(n)]
+        t0 = time.perf_counter()
+        self.engine.generate([ids], SamplingParams(max_tokens=1, temperature=0.0))
+        self.cost.prefill_s_per_token = (time.perf_counter() - t0) / n
+        self.engine.drain_kv_events()  # the warm-up's blocks are not worth announcing
+
+    def pool_link(self) -> PoolLink | None:
+        """The link to the kvstore instances, when the instance is configured with some."""
+        addrs = [a.strip() for a in self.cfg.kvstore_addrs.split(",") if a.strip()]
+        if self._pool is None and addrs:
+            self._pool = PoolLink(addrs, self.fingerprint, self.cost, self.async_engine,
+                                  self.engine.runner.kv.k.dtype)
+        return self._pool
 
     @property
     def fingerprint(self) -> str:
@@ -96,6 +122,9 @@ async def heartbeat(nc: NATS, rt: ModelRuntime, grpc_addr: str, stop: asyncio.Ev
                           rt.load_report(grpc_addr))
         for ev in rt.kv_events():
             await bus.publish(nc, subjects.kv_events(rt.cfg.instance_id), ev)
+        pool = rt.pool_link()
+        if pool is not None:
+            await pool.offer_evicted()
 
     from shared.service import periodic
 
