@@ -88,6 +88,8 @@ class DecodeService:
         except asyncio.CancelledError:
             log.info("decode of %s cancelled", rid)
             ae.abort(rid)
+            await bus.publish(self.nc, subjects.req_out(rid), TokenChunk(
+                request_id=rid, index=index, finish_reason="abort", instance_id=self.instance_id))
         except Exception as exc:  # noqa: BLE001 - the request fails; the service does not
             REQUESTS_FAILED.labels("decode").inc()
             log.warning("decode of %s failed: %s", rid, exc)

@@ -100,6 +100,9 @@ class PrefillService:
         except asyncio.CancelledError:
             log.info("prefill of %s cancelled", rid)
             ae.abort(rid)
+            await bus.publish(self.nc, subjects.req_out(rid), TokenChunk(
+                request_id=rid, index=len(item.output_token_ids), finish_reason="abort",
+                instance_id=self.instance_id))
         except Exception as exc:  # noqa: BLE001 - the request fails; the service does not
             REQUESTS_FAILED.labels("prefill").inc()
             log.warning("prefill of %s failed: %s", rid, exc)

@@ -140,3 +140,37 @@ def _tokens_from(chunks: list[TokenChunk], start: int) -> list[int]:
         assert c.index == start + len(out)
         out += c.token_ids
     return out
+
+
+async def test_cancel_frees_kv_everywhere(pd, nc, prompt_ids):
+    """A cancel mid-stream ends the stream with "abort" and both engines return to baseline."""
+    from shared.protocol.stream import Cancel
+
+    p, d = pd
+    rid = "r-cancel"
+    item = WorkItem(request_id=rid, prompt_token_ids=prompt_ids,
+                    sampling=SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True),
+                    decode_instance="d-test", decode_addr=d.addr)
+    chunks: list[TokenChunk] = []
+    got_some, ended = asyncio.Event(), asyncio.Event()
+
+    async def on(msg):
+        c = decode(msg.data, TokenChunk)
+        chunks.append(c)
+        if c.index >= 3:
+            got_some.set()
+        if c.finish_reason:
+            ended.set()
+
+    sub = await nc.subscribe(subjects.req_out(rid), cb=on)
+    await bus.request(nc, subjects.prefill_submit("p-test"), item, SubmitAck)
+    await asyncio.wait_for(got_some.wait(), 60)
+    await bus.publish(nc, subjects.req_cancel(rid), Cancel(request_id=rid))
+    await asyncio.wait_for(ended.wait(), 30)
+    await sub.unsubscribe()
+    assert chunks[-1].finish_reason == "abort"
+    assert sum(len(c.token_ids) for c in chunks) < 400
+    await asyncio.sleep(0.2)
+    for w in (p, d):
+        s = w.rt.engine.stats()
+        assert (s.running, s.waiting, s.kv_blocks_free) == (0, 0, s.kv_blocks_total)
