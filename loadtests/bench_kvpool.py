@@ -104,7 +104,11 @@ def batching(minio, size: int, n: int, per_chunk: int) -> dict[str, float]:
     for name, threads in (("per_object_seq", 1), ("per_object_x8", CONCURRENCY)):
         start = time.perf_counter()
         with ThreadPoolExecutor(threads) as ex:
-            list(ex.map(lambda i: c.put_object(b, f"{name}/{i}", io.BytesIO(blob), size), range(n)))
+            list(
+                ex.map(
+                    lambda i, p=name: c.put_object(b, f"{p}/{i}", io.BytesIO(blob), size), range(n)
+                )
+            )
         res[name] = (time.perf_counter() - start) / n
     chunk = blob * per_chunk
     start = time.perf_counter()

@@ -84,7 +84,7 @@ async def test_eviction_spills_and_get_restores_and_promotes(kvstore, minio_serv
 
     got = await client.pull_tensors(["b1"], "fp-a")  # restore from MinIO, promote to DRAM
     assert torch.equal(got["b1"], blocks["b1"])
-    assert (await client.query(["b1", "b3"], "fp-a")) == {"b1": "dram", "b3": "dram"}
+    assert (await client.query(["b1"], "fp-a")) == {"b1": "dram"}
     s = kvstore.store.core.stats
     assert (s.hits_ssd, s.restores) == (1, 1)
     await kvstore.store.flush()  # b3 (LRU) was evicted by the promotion and spilled
