@@ -2,10 +2,11 @@
 # Set up (idempotent), lint, and run the whole test suite: `bash scripts/test.sh [pytest args]`.
 # Fails on lint errors, on any test failure, and when no test ran (pytest exit code 5).
 # Env: STRATA_TEST_TIMEOUT (per-test seconds, default 300), STRATA_SUITE_TIMEOUT (whole suite,
-#      default 1800), STRATA_TEST_THREADS (torch threads in tests, default 1).
+#      default 1800), STRATA_TEST_THREADS (torch threads in tests, default 1),
+#      STRATA_SKIP_SETUP=1 (skip scripts/setup.sh when you know it is done).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-bash "$ROOT/scripts/setup.sh"
+[ "${STRATA_SKIP_SETUP:-0}" = 1 ] || bash "$ROOT/scripts/setup.sh"
 cd "$ROOT"
 PY="$ROOT/.venv/bin/python"
 log() { if [ -t 2 ]; then printf '\033[1m[test]\033[0m %s\n' "$*" >&2; else printf '[test] %s\n' "$*" >&2; fi; }

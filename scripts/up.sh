@@ -3,6 +3,6 @@
 # e.g. `bash scripts/up.sh --decode 2 --port 8080`. Ctrl-C stops everything.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-bash "$ROOT/scripts/setup.sh"
+[ "${STRATA_SKIP_SETUP:-0}" = 1 ] || bash "$ROOT/scripts/setup.sh"
 cd "$ROOT"
 exec "$ROOT/.venv/bin/python" -m services.cli up "$@"
