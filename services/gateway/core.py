@@ -8,6 +8,7 @@ context length and degradation rules once the prompt length is known.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,7 @@ class GenerateSpec:
     image_urls: list[str] = field(default_factory=list)
     priority: int = 0
     slo_class: str = "interactive"
+    ttft_slo_ms: float = 0.0  # 0 = the scheduler's default for slo_class
 
     @property
     def n(self) -> int:
@@ -100,7 +102,7 @@ def build_spec(
     if any(s == "" for s in stops) or len(stops) > 16:
         raise ApiError("bad_request", "stop must be 1..16 non-empty strings", param="stop")
     headers = {k.lower(): v for k, v in (headers or {}).items()}
-    priority, slo = _scheduling(req, headers)
+    priority, slo, ttft_slo_ms = _scheduling(req, headers)
     if isinstance(req, ChatCompletionRequest):
         if not req.messages:
             raise ApiError("bad_request", "messages must not be empty", param="messages")
@@ -117,7 +119,7 @@ def build_spec(
             raise ApiError("bad_request", "prompt must not be empty", param="prompt")
         if len(prompts) * req.n > cfg.max_n:
             raise ApiError("bad_request", f"len(prompt) * n must be <= {cfg.max_n}", param="n")
-    return GenerateSpec(kind, req, prompts, urls, priority, slo)
+    return GenerateSpec(kind, req, prompts, urls, priority, slo, ttft_slo_ms)
 
 
 def _url(image_url: Any) -> str:
@@ -132,7 +134,8 @@ def _max_tokens(req: ChatCompletionRequest | CompletionRequest) -> int | None:
     return req.max_tokens
 
 
-def _scheduling(req: Any, headers: dict[str, str]) -> tuple[int, str]:
+def _scheduling(req: Any, headers: dict[str, str]) -> tuple[int, str, float]:
+    """(priority, SLO class, TTFT SLO ms) from body fields, overridden by X-Strata-* headers."""
     priority = req.priority if req.priority is not None else 0
     if "x-strata-priority" in headers:
         try:
@@ -144,7 +147,16 @@ def _scheduling(req: Any, headers: dict[str, str]) -> tuple[int, str]:
     if slo not in ("interactive", "batch"):
         raise ApiError("bad_request", "SLO class must be 'interactive' or 'batch'",
                        param="slo_class")  # fmt: skip
-    return priority, slo
+    ttft = req.ttft_slo_ms or 0.0
+    if "x-strata-ttft-slo-ms" in headers:
+        try:
+            ttft = float(headers["x-strata-ttft-slo-ms"])
+        except ValueError:
+            ttft = math.nan
+        if not 0.0 < ttft <= 3_600_000:  # also rejects nan and inf
+            raise ApiError("bad_request", "X-Strata-TTFT-SLO-Ms must be a number of ms in "
+                           "(0, 3600000]", param="ttft_slo_ms")  # fmt: skip
+    return priority, slo, ttft
 
 
 def admit(spec: GenerateSpec, degrade_level: int, cfg: GatewayConfig) -> None:

@@ -196,7 +196,7 @@ class Pipeline:
         req = RouteRequest(request_id=rid, num_prompt_tokens=len(p.prompt_token_ids),
                            block_hashes=p.block_hashes, priority=spec.priority,
                            slo_class=spec.slo_class, max_tokens=p.sampling.max_tokens,
-                           exclude=list(exclude))  # fmt: skip
+                           exclude=list(exclude), ttft_slo_ms=spec.ttft_slo_ms)  # fmt: skip
         try:
             route = await bus.request(self.nc, subjects.SCHED_ROUTE, req, RouteReply,
                                       self.cfg.bus_timeout)  # fmt: skip

@@ -62,6 +62,8 @@ class _Sampling(_Body):
     # Strata extras: scheduling class (also settable by X-Strata-Priority / X-Strata-Slo-Class)
     priority: int | None = Field(None, ge=-1000, le=1000)
     slo_class: Literal["interactive", "batch"] | None = None
+    # TTFT target in ms for the scheduler (also X-Strata-TTFT-SLO-Ms); None = the class default
+    ttft_slo_ms: float | None = Field(None, gt=0, le=3_600_000)
 
 
 class ChatCompletionRequest(_Sampling):
