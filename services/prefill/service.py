@@ -18,6 +18,7 @@ from nats.aio.client import Client as NATS
 
 from services.worker import kv_wire
 from services.worker.images import fetch_mm_inputs
+from services.worker.layerwise import LayerTap, merged_frames
 from services.worker.runtime import REQUESTS_FAILED, ModelRuntime, publish_error
 from shared import bus
 from shared.kvtransfer.client import get_client
@@ -36,6 +37,10 @@ class PrefillService:
         self.tasks: dict[str, asyncio.Task] = {}
         self.background: set[asyncio.Task] = set()
         self.pool = rt.pool_link()
+        self.tap: LayerTap | None = None
+        if rt.cfg.layerwise_transfer:
+            self.tap = LayerTap(asyncio.get_event_loop(), rt.loaded.model.num_layers)
+            rt.async_engine.layer_hook = self.tap
 
     @property
     def instance_id(self) -> str:
@@ -58,6 +63,7 @@ class PrefillService:
         rid = item.request_id
         ae = self.rt.async_engine
         held = False
+        pushing: asyncio.Task | None = None
         try:
             mm = await fetch_mm_inputs(item.images, self.rt.loaded.model.dtype)
             context = list(item.prompt_token_ids) + list(item.output_token_ids)
@@ -65,6 +71,11 @@ class PrefillService:
             if self.pool is not None:
                 hashes, tiers, _ = await self.pool.load_prefix(context, mm)
             params = item.sampling.model_copy(update={"max_tokens": 1, "min_tokens": 0})
+            direct = not (item.transfer_mode == "pool" and self.pool is not None)
+            if direct and self.tap is not None:
+                q = self.tap.open(rid)  # before the engine can see the request
+                pushing = asyncio.create_task(self._push_layerwise(rid, q, len(context),
+                                                                   item.decode_addr))
             t0 = time.perf_counter()
             out = None
             async for o in ae.generate(rid, item.prompt_token_ids, params, priority=item.priority,
@@ -82,6 +93,8 @@ class PrefillService:
                 new_blocks = await self.pool.read_new_blocks(rid, hashes, tiers)
             if done:
                 self._store_later(new_blocks)
+                if pushing is not None:
+                    pushing.cancel()  # the decode instance drops the partial transfer
                 return
             work = item.model_copy(update={
                 "first_token_id": out.new_token_ids[0],
@@ -91,6 +104,10 @@ class PrefillService:
             if item.transfer_mode == "pool" and self.pool is not None:
                 await self.pool.store_blocks(new_blocks)  # decode pulls them: store first
                 work = work.model_copy(update={"kv_block_hashes": hashes})
+            elif pushing is not None:
+                await pushing
+                work = work.model_copy(update={"kv_pushed": True, "kv_num_tokens": len(context)})
+                self._store_later(new_blocks)
             else:
                 await self._push_kv(rid, len(context), item.decode_addr)
                 work = work.model_copy(update={"kv_pushed": True, "kv_num_tokens": len(context)})
@@ -108,6 +125,10 @@ class PrefillService:
             log.warning("prefill of %s failed: %s", rid, exc)
             await publish_error(self.nc, rid, exc, self.instance_id)
         finally:
+            if pushing is not None and not pushing.done():
+                pushing.cancel()
+            if self.tap is not None:
+                self.tap.close(rid)
             if held:
                 await ae.call(lambda e: e.release(rid))
 
@@ -134,6 +155,15 @@ class PrefillService:
         t = asyncio.create_task(self.pool.store_blocks(blocks))
         self.background.add(t)
         t.add_done_callback(self.background.discard)
+
+    async def _push_layerwise(self, rid: str, q: asyncio.Queue, num_tokens: int,
+                              addr: str) -> None:
+        """Open the push stream now; frames flow as the engine finishes each layer."""
+        if not addr:
+            raise StrataError("bad_request", f"{rid}: no decode address to push KV to")
+        frames = merged_frames(q, request_id=rid, fingerprint=self.rt.fingerprint,
+                               total_tokens=num_tokens, merge_bytes=self.rt.cfg.frame_merge_bytes)
+        await get_client(addr).push(frames, timeout=self.rt.cfg.transfer_timeout)
 
     async def _push_kv(self, rid: str, num_tokens: int, addr: str) -> None:
         """Read the held prompt KV and stream it to the decode instance, layer group by group."""

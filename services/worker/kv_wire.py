@@ -46,9 +46,8 @@ def kv_frames(
 class _Pending:
     num_tokens: int
     kv: torch.Tensor
-    layers_done: set[int] = field(default_factory=set)
+    covered: int = 0  # layer x token cells written so far
     done: asyncio.Event = field(default_factory=asyncio.Event)
-    error: str = ""
     created: float = field(default_factory=time.monotonic)
 
 
@@ -109,14 +108,20 @@ class KVReceiver(KVTransferHandler):
             p = _Pending(f.total_tokens, torch.empty(shape, dtype=self.dtype))
             self._pending[f.request_id] = p
         layers = range(f.layer_start, f.layer_end)
-        want = (len(layers), *p.kv.shape[1:])
+        n = f.num_tokens or p.num_tokens
+        t0 = f.token_start
+        if t0 + n > p.num_tokens or f.layer_end > p.kv.shape[0] or not layers:
+            raise StrataError("bad_request", f"KV frame for {f.request_id} is out of range "
+                              f"(layers {f.layer_start}-{f.layer_end}, tokens {t0}+{n})")
+        want = (len(layers), 2, n, *p.kv.shape[3:])
         t = frame_to_tensor(f, dtype=self.dtype, shape=want)
-        p.kv[layers.start:layers.stop].copy_(t)
-        p.layers_done.update(layers)
+        p.kv[layers.start:layers.stop, :, t0:t0 + n].copy_(t)
+        p.covered += len(layers) * n
         if f.last:
-            if len(p.layers_done) != p.kv.shape[0]:
-                raise StrataError("bad_request", f"KV for {f.request_id} ended with layers "
-                                  f"missing ({len(p.layers_done)}/{p.kv.shape[0]})")
+            need = p.kv.shape[0] * p.num_tokens
+            if p.covered < need:
+                raise StrataError("bad_request", f"KV for {f.request_id} ended incomplete "
+                                  f"({p.covered}/{need} layer-token cells)")
             p.done.set()
 
     async def take(self, request_id: str, num_tokens: int, timeout: float) -> torch.Tensor:

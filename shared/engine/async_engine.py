@@ -25,6 +25,9 @@ class AsyncEngine:
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
+        # Called as ``layer_hook(engine, layer)`` on the worker thread after each layer of every
+        # step has written its K/V (``engine.current`` is that step): layer-wise KV streaming.
+        self.layer_hook = None
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name="strata-engine", daemon=True)
         self._thread.start()
@@ -94,6 +97,11 @@ class AsyncEngine:
         self._thread.join(timeout=10)
 
     # ----- worker thread ---------------------------------------------------------------------
+    def _on_layer(self, layer: int) -> None:
+        hook = self.layer_hook
+        if hook is not None:
+            hook(self.engine, layer)
+
     def _submit(self, item) -> None:
         self._inbox.put(item)
         self._wake.set()
@@ -141,7 +149,7 @@ class AsyncEngine:
                 self._wake.clear()
                 continue
             try:
-                outputs = self.engine.step()
+                outputs = self.engine.step(self._on_layer if self.layer_hook else None)
             except Exception as e:  # noqa: BLE001 - fail every open stream loudly
                 for rid in list(self._streams):
                     self._deliver(rid, e)

@@ -73,6 +73,7 @@ class LLMEngine(KVTransferMixin):
         self.seqs: dict[str, Sequence] = {}
         self.trackers: dict[str, TextTracker] = {}
         self.pending: list[RequestOutput] = []  # outputs produced outside step()
+        self.current: SchedulerOutput | None = None  # the step being executed
         self._init_kv_io()
         self._t = {"forward": 0.0, "step": 0.0, "idle": 0.0, "last_fwd": 0.0, "last_step": 0.0}
         self._steps = 0
@@ -151,6 +152,7 @@ class LLMEngine(KVTransferMixin):
         outputs, self.pending = self.pending, []
         sched = self.scheduler.schedule()
         self._move_kv(sched)
+        self.current = sched  # what a layer callback of this step may look at
         if not sched.is_empty:
             batch = self.runner.prepare(sched)
             tf = time.perf_counter()

@@ -141,6 +141,15 @@ class ModelRunner:
         lay = slice(None) if layers is None else slice(layers.start, layers.stop)
         return torch.stack([self.kv.k[lay, idx], self.kv.v[lay, idx]], dim=1)
 
+    def read_tokens(self, block_table: Seq[int], layers: range, start: int, end: int) -> torch.Tensor:
+        """``[len(layers), 2, end - start, kvh, hd]`` copy of token positions of one sequence."""
+        L, nb, bs, h, d = self.kv.k.shape
+        slots = self.slots_for(block_table, start, end).to(self.device)
+        lay = slice(layers.start, layers.stop)
+        k = self.kv.k.view(L, nb * bs, h, d)[lay][:, slots]
+        v = self.kv.v.view(L, nb * bs, h, d)[lay][:, slots]
+        return torch.stack([k, v], dim=1)
+
     def write_blocks(self, block_ids: Seq[int], data: torch.Tensor) -> None:
         """Inverse of :meth:`read_blocks` over all layers."""
         idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)

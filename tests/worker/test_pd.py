@@ -52,10 +52,11 @@ def reference(model_dir, prompt_ids) -> list[int]:
                                                      ignore_eos=True))[0]
 
 
-@pytest.fixture
-async def pd(nats_url, nc, model_dir):
+@pytest.fixture(params=[True, False], ids=["layerwise", "after-prefill"])
+async def pd(request, nats_url, nc, model_dir):
     common = dict(nats_url=nats_url, model=model_dir, kv_cache_bytes=8 << 20, load_interval=0.2,
-                  transfer_timeout=2.0)
+                  transfer_timeout=2.0, layerwise_transfer=request.param,
+                  frame_merge_bytes=0 if request.param else 256 << 10)
     pcfg = WorkerConfig.load([], role="prefill", instance_id="p-test", **common)
     dcfg = WorkerConfig.load([], role="decode", instance_id="d-test", **common)
     p = await start_worker(pcfg, "prefill", PrefillService, nc)
