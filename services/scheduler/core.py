@@ -116,10 +116,13 @@ class SchedulerCore:
         level = self.degrader.level
         self._admit(req, level)
         excl = frozenset(req.exclude)
-        decode = [d for d in self.members.live("decode") if d.instance_id not in excl]
+        decode = self.members.live("decode")
+        prefill = self.members.live("prefill")
+        if excl:
+            decode = [d for d in decode if d.instance_id not in excl]
+            prefill = [p for p in prefill if p.instance_id not in excl]
         if not decode:
             raise StrataError("unavailable", "no decode instance is available")
-        prefill = [p for p in self.members.live("prefill") if p.instance_id not in excl]
         view = self.request_view(req)
         d = self.policy.choose(view, ClusterState(prefill=prefill, decode=decode))
         if d.reject:

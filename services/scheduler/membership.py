@@ -42,6 +42,7 @@ class Membership:
     long_instances: frozenset[str] = frozenset()
     members: dict[str, Member] = field(default_factory=dict)
     records: dict[str, InstanceRecord] = field(default_factory=dict)
+    _live: dict[str, list[InstanceView]] = field(default_factory=dict)  # cache, by role
 
     @property
     def timeout_s(self) -> float:
@@ -68,8 +69,10 @@ class Membership:
                 record=self.records.get(r.instance_id),
             )
             self.members[r.instance_id] = m
+            self._live.clear()
         elif not m.alive:
             out.revived = True
+            self._live.clear()
         m.alive = True
         m.last_seen = now
         v = m.view
@@ -91,6 +94,8 @@ class Membership:
             if m.alive and now - m.last_seen > self.timeout_s:
                 m.alive = False
                 down.append(iid)
+        if down:
+            self._live.clear()
         return sorted(down)
 
     def put_record(self, rec: InstanceRecord) -> None:
@@ -103,10 +108,19 @@ class Membership:
     def remove(self, instance_id: str) -> bool:
         """A clean shutdown (registry record deleted): forget the member now."""
         self.records.pop(instance_id, None)
+        self._live.clear()
         return self.members.pop(instance_id, None) is not None
 
     def live(self, role: str) -> list[InstanceView]:
-        return [m.view for m in self.members.values() if m.alive and m.view.role == role]
+        """Live instances of ``role`` sorted by id (cached until membership changes; callers
+        must not mutate the list)."""
+        cached = self._live.get(role)
+        if cached is None:
+            cached = [
+                m.view for _, m in sorted(self.members.items()) if m.alive and m.view.role == role
+            ]
+            self._live[role] = cached
+        return cached
 
     def down(self) -> list[str]:
         return sorted(i for i, m in self.members.items() if not m.alive)

@@ -70,7 +70,8 @@ class RequestView:
 
 @dataclass
 class ClusterState:
-    """Live instances by role (excluded / down ones already removed)."""
+    """Live instances by role (excluded / down ones already removed), each sorted by id.
+    Policies must not mutate the lists."""
 
     prefill: list[InstanceView]
     decode: list[InstanceView]

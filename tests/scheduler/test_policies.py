@@ -46,7 +46,7 @@ def R(n, cached=None, dram=0, ssd=0, slo=0.0, max_tokens=16):
 
 def test_round_robin_cycles_by_id():
     pol = make_policy("round_robin", COST)
-    st = ClusterState(prefill=[P("p1"), P("p0")], decode=[D("d1"), D("d0"), D("d2")])
+    st = ClusterState(prefill=[P("p0"), P("p1")], decode=[D("d0"), D("d1"), D("d2")])
     got = [
         (x.prefill_instance, x.decode_instance) for x in (pol.choose(R(100), st) for _ in range(4))
     ]

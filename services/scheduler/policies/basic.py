@@ -34,7 +34,7 @@ def decode_load(inst: InstanceView, batch_norm: float = 64.0) -> float:
 
 
 class RoundRobin:
-    """Cycle through prefill and decode instances (sorted by id) independently."""
+    """Cycle through prefill and decode instances (in id order) independently."""
 
     name = "round_robin"
 
@@ -43,8 +43,7 @@ class RoundRobin:
         self._next = {"prefill": 0, "decode": 0}
 
     def _pick(self, role: str, insts: list[InstanceView]) -> InstanceView:
-        ordered = sorted(insts, key=lambda i: i.instance_id)
-        inst = ordered[self._next[role] % len(ordered)]
+        inst = insts[self._next[role] % len(insts)]
         self._next[role] += 1
         return inst
 

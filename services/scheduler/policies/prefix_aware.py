@@ -60,23 +60,30 @@ class PrefixAware:
 
     # --- decode -------------------------------------------------------------------------------
     def choose_decode(self, request: RequestView, decode: list[InstanceView]) -> InstanceView:
-        total = request.num_prompt_tokens + request.max_tokens
-        roomy = [
-            d for d in decode if d.kv_blocks_total <= 0 or d.kv_blocks_free * d.block_size >= total
-        ]
-        cands = roomy or decode
-        bn = self.opt.batch_norm
-        least = min(cands, key=lambda d: (decode_load(d, bn), d.instance_id))
-        best_hit = max(request.cached_tokens.get(d.instance_id, 0) for d in cands)
-        if best_hit <= 0:
-            return least
-        affine = min(
-            (d for d in cands if request.cached_tokens.get(d.instance_id, 0) == best_hit),
-            key=lambda d: (decode_load(d, bn), d.instance_id),
-        )
-        if decode_load(affine, bn) - decode_load(least, bn) > self.opt.affinity_imbalance:
+        least, least_load, affine, affine_load = self._scan_decode(request, decode, True)
+        if least is None:  # nobody has room for the request's KV: choose among all
+            least, least_load, affine, affine_load = self._scan_decode(request, decode, False)
+        if affine is None or affine_load - least_load > self.opt.affinity_imbalance:
             return least
         return affine
+
+    def _scan_decode(self, request: RequestView, decode: list[InstanceView], need_room: bool):
+        """One pass: (least loaded, its load, most-cached (then least loaded), its load)."""
+        total = request.num_prompt_tokens + request.max_tokens
+        bn, cached = self.opt.batch_norm, request.cached_tokens
+        least = affine = None
+        least_load = 0.0
+        affine_key = (0, 0.0)
+        for d in decode:  # ids ascend: on ties the first one wins
+            if need_room and d.kv_blocks_total > 0 and d.kv_blocks_free * d.block_size < total:
+                continue
+            load = decode_load(d, bn)
+            if least is None or load < least_load:
+                least, least_load = d, load
+            hit = cached.get(d.instance_id, 0)
+            if hit > 0 and (affine is None or (-hit, load) < affine_key):
+                affine, affine_key = d, (-hit, load)
+        return least, least_load, affine, affine_key[1]
 
     # --- prefill ------------------------------------------------------------------------------
     def prefill_candidates(self, request: RequestView, prefill: list[InstanceView]):

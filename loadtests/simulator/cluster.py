@@ -1,0 +1,163 @@
+"""Simulated instances: a FIFO prefill server with an LRU engine cache, a decode batch with a KV
+budget, and the shared pool (DRAM LRU spilling to an unbounded SSD tier). Every cache change is
+announced as a real `KVEvent` to the real `PrefixIndex`, exactly as live instances do."""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+from services.scheduler.prefix_index import PrefixIndex
+from services.scheduler.types import InstanceView
+from shared.protocol.kv import KVEvent
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Cluster shape and cost constants of one simulation.
+
+    Fields:
+        num_prefill / num_decode: instance counts; ``num_long`` of the prefill instances are
+            reserved for long prompts (length-aware routing).
+        prefill_tokens_per_s: prefill rate of one instance (uncached tokens).
+        dram_tokens_per_s / ssd_tokens_per_s: pool KV load rates by tier.
+        engine_cache_blocks / pool_dram_blocks: LRU capacities in 512-token trace blocks.
+        decode_kv_blocks: KV budget of a decode instance (running requests).
+        decode_step_s / decode_step_per_seq_s: decode step time = base + per_seq x batch.
+        decode_max_batch: running sequences per decode instance.
+        ttft_slo_s: TTFT SLO of every request (interactive class).
+        rate_scale: arrival-time compression (2.0 = the trace replayed twice as fast).
+        pool_write_through: prefill also writes every block to the pool (pool transfer mode);
+            otherwise the pool only receives blocks evicted from engine caches.
+    """
+
+    num_prefill: int = 6
+    num_decode: int = 4
+    num_long: int = 0
+    prefill_tokens_per_s: float = 8000.0
+    dram_tokens_per_s: float = 200_000.0
+    ssd_tokens_per_s: float = 40_000.0
+    engine_cache_blocks: int = 2000
+    pool_dram_blocks: int = 20_000
+    decode_kv_blocks: int = 2000
+    decode_step_s: float = 0.03
+    decode_step_per_seq_s: float = 0.0003
+    decode_max_batch: int = 128
+    ttft_slo_s: float = 10.0
+    rate_scale: float = 1.0
+    block_tokens: int = 512
+    pool_write_through: bool = True
+
+
+class LRU:
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.d: OrderedDict[str, None] = OrderedDict()
+
+    def prefix(self, hashes) -> int:
+        n = 0
+        for h in hashes:
+            if h not in self.d:
+                break
+            self.d.move_to_end(h)
+            n += 1
+        return n
+
+    def add(self, hashes) -> tuple[list[str], list[str]]:
+        """Insert; returns (newly stored, evicted)."""
+        new, gone = [], []
+        for h in hashes:
+            if h in self.d:
+                self.d.move_to_end(h)
+            else:
+                self.d[h] = None
+                new.append(h)
+        while len(self.d) > self.capacity:
+            gone.append(self.d.popitem(last=False)[0])
+        return new, gone
+
+
+class Announcer:
+    """Sequence-numbered KV events of one simulated instance into the index."""
+
+    def __init__(self, instance_id: str, index: PrefixIndex) -> None:
+        self.instance_id, self.index, self.seq = instance_id, index, 0
+
+    def __call__(self, tier: str, kind: str, hashes: list[str]) -> None:
+        if hashes:
+            self.seq += 1
+            self.index.apply(
+                KVEvent(
+                    instance_id=self.instance_id,
+                    incarnation="sim",
+                    seq=self.seq,
+                    tier=tier,
+                    kind=kind,
+                    hashes=hashes,
+                )
+            )
+
+
+class Pool:
+    def __init__(self, cfg: SimConfig, index: PrefixIndex) -> None:
+        self.dram = LRU(cfg.pool_dram_blocks)
+        self.ssd: set[str] = set()
+        self.emit = Announcer("kvpool", index)
+
+    def tiers_of_prefix(self, hashes) -> tuple[int, int]:
+        """(dram blocks, ssd blocks) of the leading run available in the pool."""
+        dram = ssd = 0
+        for h in hashes:
+            if h in self.dram.d:
+                dram += 1
+            elif h in self.ssd:
+                ssd += 1
+            else:
+                break
+        return dram, ssd
+
+    def offer(self, hashes: list[str]) -> None:
+        new, gone = self.dram.add(hashes)
+        self.emit("dram", "stored", new)
+        self.emit("dram", "removed", gone)
+        spill = [h for h in gone if h not in self.ssd]
+        self.ssd.update(spill)
+        self.emit("ssd", "stored", spill)
+
+
+@dataclass
+class Job:
+    rid: int
+    arrival: float
+    input_len: int
+    output_len: int
+    hashes: tuple[str, ...]
+    decode: SimInstance | None = None
+    cached_tokens: int = 0
+    uncached: int = 0
+    ttft: float = -1.0
+    finish: float = -1.0
+
+
+@dataclass
+class SimInstance:
+    view: InstanceView
+    cache: LRU
+    emit: Announcer
+    rate: float
+    queue: deque = field(default_factory=deque)  # prefill jobs waiting
+    busy_until: float = 0.0
+    queued_tokens: int = 0  # estimated uncached tokens waiting (what a load report would say)
+    running: int = 0
+    kv_used: int = 0
+    decode_wait: deque = field(default_factory=deque)
+
+    def refresh(self, now: float, kv_total: int) -> None:
+        """What a fresh load report would carry."""
+        v = self.view
+        left = max(0.0, self.busy_until - now) * self.rate
+        v.waiting_tokens = int(self.queued_tokens + left)
+        v.num_waiting = len(self.queue) + len(self.decode_wait)
+        v.num_running = self.running
+        v.kv_blocks_total = kv_total
+        v.kv_blocks_free = max(0, kv_total - self.kv_used)

@@ -1,0 +1,200 @@
+"""Discrete-event simulation of N prefill + M decode instances running the real policy classes.
+
+Per request: route (the policy's `choose()` on live `InstanceView`s and the real `PrefixIndex`),
+prefill on the chosen instance (FIFO; reuses its engine cache or the pool; TTFT = end of prefill),
+then decode on the chosen instance (admitted when batch slot + KV fit; finish time from the step
+cost at the batch size it joins). Caches announce stored/removed blocks as KV events.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from dataclasses import dataclass
+
+from loadtests.simulator.cluster import LRU, Announcer, Job, Pool, SimConfig, SimInstance
+from loadtests.simulator.trace import TraceRequest
+from services.scheduler.policies import Policy
+from services.scheduler.prefix_index import PrefixIndex
+from services.scheduler.types import ClusterState, InstanceView, RequestView
+
+
+@dataclass
+class SimResult:
+    policy: str
+    requests: int
+    rejected: int
+    hit_rate: float  # reused prompt tokens / prompt tokens (admitted requests)
+    ttft_p50: float
+    ttft_p99: float
+    slo_attainment: float  # TTFT <= SLO, over all requests (a rejection is a miss)
+    throughput_tok_s: float  # output tokens / makespan
+    req_per_s: float
+    self_prefill_frac: float
+    decision_p99_us: float
+    ttfts: list[float]
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+
+class Simulation:
+    def __init__(self, cfg: SimConfig, policy: Policy) -> None:
+        self.cfg, self.policy = cfg, policy
+        self.index = PrefixIndex()
+        self.pool = Pool(cfg, self.index)
+        self.events: list = []
+        self._n = 0
+        self.prefill = [
+            self._inst(f"p{i}", "prefill", i >= cfg.num_prefill - cfg.num_long)
+            for i in range(cfg.num_prefill)
+        ]
+        self.decode = [self._inst(f"d{i}", "decode", False) for i in range(cfg.num_decode)]
+        self.by_id = {x.view.instance_id: x for x in self.prefill + self.decode}
+        self.done: list[Job] = []
+        self.rejected = 0
+        self.self_prefills = 0
+        self.decision_s: list[float] = []
+
+    def _inst(self, iid: str, role: str, long: bool) -> SimInstance:
+        c = self.cfg
+        view = InstanceView(
+            iid,
+            role,
+            prefill_tokens_per_s=c.prefill_tokens_per_s,
+            block_size=c.block_tokens,
+            reserved_long=long,
+        )
+        return SimInstance(
+            view, LRU(c.engine_cache_blocks), Announcer(iid, self.index), c.prefill_tokens_per_s
+        )
+
+    def at(self, t: float, fn, *args) -> None:
+        self._n += 1
+        heapq.heappush(self.events, (t, self._n, fn, args))
+
+    # --- run ------------------------------------------------------------------------------------
+    def run(self, trace: list[TraceRequest]) -> SimResult:
+        for i, r in enumerate(trace):
+            job = Job(i, r.arrival_s / self.cfg.rate_scale, r.input_len, r.output_len, r.hashes)
+            self.at(job.arrival, self.route, job)
+        now = 0.0
+        while self.events:
+            now, _, fn, args = heapq.heappop(self.events)
+            fn(now, *args)
+        return self.result(len(trace), now)
+
+    def route(self, now: float, job: Job) -> None:
+        bt = self.cfg.block_tokens
+        for x in self.prefill + self.decode:
+            x.refresh(now, self.cfg.decode_kv_blocks if x.view.role == "decode" else 0)
+        m = self.index.lookup(list(job.hashes))
+        req = RequestView(
+            str(job.rid),
+            job.input_len,
+            max_tokens=job.output_len,
+            ttft_slo_s=self.cfg.ttft_slo_s,
+            cached_tokens={i: n * bt for i, n in m.engine_blocks.items()},
+            pool_dram_tokens=m.pool_dram_blocks * bt,
+            pool_ssd_tokens=m.pool_ssd_blocks * bt,
+        )
+        t0 = time.perf_counter()
+        d = self.policy.choose(
+            req, ClusterState([x.view for x in self.prefill], [x.view for x in self.decode], now)
+        )
+        self.decision_s.append(time.perf_counter() - t0)
+        if d.reject:
+            self.rejected += 1
+            return
+        job.decode = self.by_id[d.decode_instance]
+        target = self.by_id[d.prefill_instance] if d.prefill_instance else job.decode
+        self.self_prefills += not d.prefill_instance
+        est = max(1, job.input_len - d.cached_tokens)
+        target.queued_tokens += est
+        target.queue.append((job, est))
+        if target.busy_until <= now and len(target.queue) == 1:
+            self.start_prefill(now, target)
+
+    # --- prefill --------------------------------------------------------------------------------
+    def start_prefill(self, now: float, inst: SimInstance) -> None:
+        job, est = inst.queue.popleft()
+        inst.queued_tokens -= est
+        c, bt = self.cfg, self.cfg.block_tokens
+        local = inst.cache.prefix(job.hashes)
+        dram, ssd = self.pool.tiers_of_prefix(job.hashes)
+        pool_extra = max(0, dram + ssd - local)
+        frac = pool_extra / (dram + ssd) if dram + ssd else 0.0
+        load_s = frac * (dram * bt / c.dram_tokens_per_s + ssd * bt / c.ssd_tokens_per_s)
+        job.cached_tokens = min(job.input_len - 1, max(local, dram + ssd) * bt)
+        job.uncached = job.input_len - job.cached_tokens
+        inst.busy_until = now + job.uncached / inst.rate + load_s
+        self.at(inst.busy_until, self.end_prefill, inst, job)
+
+    def end_prefill(self, now: float, inst: SimInstance, job: Job) -> None:
+        job.ttft = now - job.arrival
+        self.store(inst, job.hashes)
+        if self.cfg.pool_write_through:
+            self.pool.offer(list(job.hashes))
+        if inst.queue:
+            self.start_prefill(now, inst)
+        dec = job.decode
+        if dec is not inst:
+            self.store(dec, job.hashes)  # the KV was pushed to the decode instance
+        dec.decode_wait.append(job)
+        self.admit_decode(now, dec)
+
+    def store(self, inst: SimInstance, hashes) -> None:
+        new, gone = inst.cache.add(hashes)
+        inst.emit("engine", "stored", new)
+        if gone:
+            inst.emit("engine", "removed", gone)
+            self.pool.offer(gone)  # evicted blocks are offered to the pool, not dropped
+
+    # --- decode ---------------------------------------------------------------------------------
+    def admit_decode(self, now: float, dec: SimInstance) -> None:
+        c = self.cfg
+        while dec.decode_wait and dec.running < c.decode_max_batch:
+            job = dec.decode_wait[0]
+            need = -(-(job.input_len + job.output_len) // c.block_tokens)
+            if dec.kv_used + need > c.decode_kv_blocks and dec.running:
+                break
+            dec.decode_wait.popleft()
+            dec.running += 1
+            dec.kv_used += need
+            step = c.decode_step_s + c.decode_step_per_seq_s * dec.running
+            self.at(now + (job.output_len - 1) * step, self.end_decode, dec, job, need)
+
+    def end_decode(self, now: float, dec: SimInstance, job: Job, need: int) -> None:
+        dec.running -= 1
+        dec.kv_used -= need
+        job.finish = now
+        self.done.append(job)
+        self.admit_decode(now, dec)
+
+    # --- report ---------------------------------------------------------------------------------
+    def result(self, n: int, end: float) -> SimResult:
+        done = self.done
+        ttfts = [j.ttft for j in done]
+        prompt = sum(j.input_len for j in done) or 1
+        first = min((j.arrival for j in done), default=0.0)
+        span = max(1e-9, end - first)
+        slo_ok = sum(1 for t in ttfts if t <= self.cfg.ttft_slo_s)
+        return SimResult(
+            policy=self.policy.name,
+            requests=n,
+            rejected=self.rejected,
+            hit_rate=sum(j.cached_tokens for j in done) / prompt,
+            ttft_p50=pct(ttfts, 0.5),
+            ttft_p99=pct(ttfts, 0.99),
+            slo_attainment=slo_ok / n,
+            throughput_tok_s=sum(j.output_len for j in done) / span,
+            req_per_s=len(done) / span,
+            self_prefill_frac=self.self_prefills / max(1, n - self.rejected),
+            decision_p99_us=pct(self.decision_s, 0.99) * 1e6,
+            ttfts=ttfts,
+        )
