@@ -109,6 +109,11 @@ def build_app(service: GatewayService) -> FastAPI:
     async def on_strata_error(_: Request, exc: StrataError) -> JSONResponse:
         return error_response(exc)
 
+    @app.exception_handler(Exception)
+    async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.error("unhandled %s: %s", type(exc).__name__, exc, exc_info=exc)
+        return error_response(StrataError("internal", f"{type(exc).__name__}: {exc}"))
+
     app.add_middleware(_CountStatus)
 
     async def handle(kind: str, request: Request) -> Response:

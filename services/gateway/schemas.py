@@ -6,9 +6,12 @@ the 400 the client gets.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+_I32 = 2**31 - 1  # ints that reach the bus must fit msgpack and the engine's index types
+TokenId = Annotated[int, Field(ge=0, le=_I32)]
 
 
 class _Body(BaseModel):
@@ -52,12 +55,12 @@ class _Sampling(_Body):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     user: str | None = None
     # vLLM-style extras
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=_I32)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
-    stop_token_ids: list[int] | None = None
+    min_tokens: int = Field(0, ge=0, le=_I32)
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=1024)
     skip_special_tokens: bool = True
     # Strata extras: scheduling class (also settable by X-Strata-Priority / X-Strata-Slo-Class)
     priority: int | None = Field(None, ge=-1000, le=1000)

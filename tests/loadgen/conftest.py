@@ -1,0 +1,12 @@
+"""Fixtures for the loadgen tests."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.launcher import ensure_model
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> str:
+    return ensure_model("")
