@@ -73,6 +73,7 @@ class DecodeService:
                 if not out.new_token_ids and not out.finished:
                     continue
                 emitted.extend(out.new_token_ids)
+                self.rt.decode_rate.add(len(out.new_token_ids))
                 usage = None
                 if out.finished:
                     usage = Usage(prompt_tokens=len(item.prompt_token_ids),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +40,7 @@ class ModelRuntime:
     incarnation: str = field(default_factory=new_incarnation)
     kv_seq: int = 0
     cost: CostModel | None = None
+    decode_rate: RateMeter = field(default_factory=lambda: RateMeter(5.0))
     _pool: PoolLink | None = None
 
     def load(self) -> None:
@@ -96,11 +98,18 @@ class ModelRuntime:
             grpc_addr=grpc_addr, model=self.model_name, ts=time.time(),
             num_running=s.running, num_waiting=s.waiting,
             kv_blocks_total=s.kv_blocks_total, kv_blocks_free=s.kv_blocks_free,
-            prefill_tokens_per_s=getattr(s, "prefill_tokens_per_s", 0.0),
-            decode_tokens_per_s=getattr(s, "decode_tokens_per_s", 0.0),
+            waiting_tokens=self._waiting_tokens(),
+            prefill_tokens_per_s=1.0 / self.cost.prefill_s_per_token,
+            decode_tokens_per_s=self.decode_rate.per_second(),
             max_model_len=self.loaded.config.max_position_embeddings,
             block_size=self.cfg.block_size,
         )
+
+    def _waiting_tokens(self) -> int:
+        """Prompt tokens queued but not yet computed (drives the scheduler's queue-time estimate).
+        Read without locking: an estimate for load reports, never used for correctness."""
+        return sum(max(0, q.num_tokens - q.num_computed_tokens)
+                   for q in list(self.engine.scheduler.waiting))
 
     def kv_events(self) -> list[KVEvent]:
         out = []
@@ -112,6 +121,23 @@ class ModelRuntime:
                 tier="engine", kind=ev.kind, hashes=hashes, ts=time.time(),
             ))
         return out
+
+
+class RateMeter:
+    """Events per second over a sliding window (token rates for load reports)."""
+
+    def __init__(self, window_s: float):
+        self.window_s = window_s
+        self._events: deque[tuple[float, int]] = deque()
+
+    def add(self, n: int) -> None:
+        self._events.append((time.monotonic(), n))
+
+    def per_second(self) -> float:
+        cutoff = time.monotonic() - self.window_s
+        while self._events and self._events[0][0] < cutoff:
+            self._events.popleft()
+        return sum(n for _, n in self._events) / self.window_s
 
 
 async def heartbeat(nc: NATS, rt: ModelRuntime, grpc_addr: str, stop: asyncio.Event) -> None:

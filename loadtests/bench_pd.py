@@ -1,0 +1,227 @@
+"""PD benchmarks on real NATS + gRPC with real engines (services in-process):
+
+- P5: handoff time, from prefill's last layer to decode's first token, layer-wise overlapped
+  transfer vs transfer after prefill, at several prompt lengths;
+- P4: TTFT of a long prompt: recompute vs a kvstore DRAM-tier hit vs a MinIO-tier hit.
+
+    .venv/bin/python -m loadtests.bench_pd [--lengths 512,2048,8192] [--repeats 3] [--skip-p4]
+
+Both sides of each comparison run in the same process run, alternating, on fresh random prompts
+(no accidental prefix hits). Prints Markdown tables (docs/benchmarks/pd.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import time
+
+import torch
+
+from services.decode.service import DecodeService
+from services.infra.minio_server import start_minio
+from services.infra.nats_server import start_nats
+from services.kvstore.app import run_kvstore
+from services.kvstore.config import KVStoreConfig
+from services.launcher import ensure_model
+from services.prefill.service import PrefillService
+from services.worker.app import start_worker
+from services.worker.config import WorkerConfig
+from shared import bus
+from shared.engine.params import SamplingParams
+from shared.protocol import subjects
+from shared.protocol.codec import decode
+from shared.protocol.stream import TokenChunk
+from shared.protocol.work import SubmitAck, WorkItem
+
+
+class LastLayerClock:
+    """Wraps the prefill engine's layer hook: records when the sampling chunk's last layer ends."""
+
+    def __init__(self, inner, num_layers: int):
+        self.inner = inner
+        self.num_layers = num_layers
+        self.t: dict[str, float] = {}
+
+    def __call__(self, engine, layer: int) -> None:
+        if self.inner is not None:
+            self.inner(engine, layer)
+        if layer == self.num_layers - 1:
+            now = time.perf_counter()
+            for ss in engine.current.scheduled:
+                if ss.samples:
+                    self.t[ss.seq.request_id] = now
+
+
+async def one_request(nc, prefill, decode_w, prompt, max_tokens=2, mode="direct"):
+    rid = f"b{random.getrandbits(48):x}"
+    times: dict[int, float] = {}
+    done = asyncio.Event()
+
+    async def on(msg):
+        c = decode(msg.data, TokenChunk)
+        times.setdefault(c.index, time.perf_counter())
+        if c.error:
+            raise RuntimeError(c.error.message)
+        if c.finish_reason:
+            done.set()
+
+    sub = await nc.subscribe(subjects.req_out(rid), cb=on)
+    item = WorkItem(request_id=rid, prompt_token_ids=prompt, transfer_mode=mode,
+                    sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                            ignore_eos=True),
+                    decode_instance=decode_w.rt.cfg.instance_id, decode_addr=decode_w.addr)
+    t0 = time.perf_counter()
+    await bus.request(nc, subjects.prefill_submit(prefill.rt.cfg.instance_id), item, SubmitAck)
+    await asyncio.wait_for(done.wait(), 600)
+    await sub.unsubscribe()
+    return rid, t0, times
+
+
+def rand_prompt(n: int, vocab: int) -> list[int]:
+    return [random.randrange(10, vocab) for _ in range(n)]
+
+
+async def p5(nc, prefill, dec, lengths, repeats, vocab) -> list[str]:
+    tap = prefill.rt.async_engine.layer_hook
+    clock = LastLayerClock(tap, prefill.rt.loaded.model.num_layers)
+    rows = ["| prompt tokens | after-prefill handoff (ms) | layer-wise handoff (ms) | ratio | "
+            "after-prefill TTFT (ms) | layer-wise TTFT (ms) |", "|---:|---:|---:|---:|---:|---:|"]
+    for n in lengths:
+        res: dict[str, list[tuple[float, float]]] = {"after": [], "layer": []}
+        for _ in range(repeats):
+            for mode in ("after", "layer"):
+                prefill.svc.tap = tap if mode == "layer" else None
+                clock.inner = tap if mode == "layer" else None
+                prefill.rt.async_engine.layer_hook = clock
+                rid, t0, times = await one_request(nc, prefill, dec, rand_prompt(n, vocab))
+                handoff = times[1] - clock.t.pop(rid)
+                res[mode].append((handoff * 1e3, (times[0] - t0) * 1e3))
+        a = statistics.median(h for h, _ in res["after"])
+        lw = statistics.median(h for h, _ in res["layer"])
+        ta = statistics.median(t for _, t in res["after"])
+        tl = statistics.median(t for _, t in res["layer"])
+        rows.append(f"| {n} | {a:.1f} | {lw:.1f} | {a / lw:.2f}x | {ta:.0f} | {tl:.0f} |")
+        print(rows[-1], flush=True)
+    prefill.svc.tap = tap
+    prefill.rt.async_engine.layer_hook = tap
+    return rows
+
+
+async def p4(nc, prefill_a, prefill_b, dec, n, repeats, vocab, evict_fill: int) -> list[str]:
+    """TTFT on prefill B (which never saw the prompt) when its prefix is nowhere (recompute),
+    in the kvstore's DRAM (computed by A), or only in MinIO (A's blocks spilled out of DRAM by
+    ``evict_fill`` other tokens)."""
+    res: dict[str, list[float]] = {"recompute": [], "dram": [], "ssd": []}
+    for _ in range(repeats):
+        _, t0, times = await one_request(nc, prefill_b, dec, rand_prompt(n, vocab))
+        res["recompute"].append((times[0] - t0) * 1e3)
+        for case in ("dram", "ssd"):
+            prompt = rand_prompt(n, vocab)
+            await one_request(nc, prefill_a, dec, prompt)  # A computes and stores the blocks
+            await wait_pool(prefill_a, prompt, "dram")
+            if case == "ssd":  # push them out of DRAM: they spill to MinIO
+                filler = rand_prompt(evict_fill, vocab)
+                await one_request(nc, prefill_a, dec, filler)
+                await wait_pool(prefill_a, prompt, "ssd")
+            _, t0, times = await one_request(nc, prefill_b, dec, prompt[:-1] + [7])
+            res[case].append((times[0] - t0) * 1e3)
+    base = statistics.median(res["recompute"])
+    rows = [f"| case ({n}-token prompt) | TTFT (ms) | speed-up vs recompute |", "|---|---:|---:|"]
+    for case, label in (("recompute", "recompute"), ("dram", "kvstore DRAM hit"),
+                        ("ssd", "MinIO (SSD tier) hit")):
+        m = statistics.median(res[case])
+        rows.append(f"| {label} | {m:.0f} | {base / m:.2f}x |")
+        print(rows[-1], flush=True)
+    return rows
+
+
+async def wait_pool(prefill, prompt, tier: str) -> None:
+    """Until every full block of ``prompt`` is in the pool, all in ``tier``."""
+    link = prefill.svc.pool
+    hashes = await prefill.rt.async_engine.call(lambda e: e.block_hashes_for(prompt))
+    for _ in range(1200):
+        tiers = await link.pool.lookup(hashes, link.fingerprint)
+        if all(t == tier for t in tiers):
+            return
+        await asyncio.sleep(0.05)
+    raise RuntimeError(f"blocks never all reached the {tier} tier: {tiers}")
+
+
+async def main_async(args) -> None:
+    model = ensure_model(args.model)
+    nats = start_nats()
+    minio = start_minio() if not args.skip_p4 else None
+    try:
+        nc = await bus.connect(nats.url, "bench")
+        common = dict(nats_url=nats.url, model=model, kv_cache_bytes=args.kv_bytes,
+                      torch_threads=args.threads, max_num_batched_tokens=args.chunk,
+                      frame_merge_bytes=args.merge_bytes)
+        stop_kv, kv_task = asyncio.Event(), None
+        if minio is not None:
+            kv_cfg = KVStoreConfig.load([], role="kvstore", instance_id="bkv", nats_url=nats.url,
+                                        minio_endpoint=minio.endpoint,
+                                        dram_bytes=args.kvstore_dram_bytes)
+            ready = asyncio.get_running_loop().create_future()
+            kv_task = asyncio.create_task(
+                run_kvstore(kv_cfg, stop_kv, on_ready=lambda s, a: ready.set_result(a)))
+            common["kvstore_addrs"] = await asyncio.wait_for(ready, 60)
+        workers = []
+        for role, iid, cls in (("prefill", "bp", PrefillService), ("decode", "bd", DecodeService),
+                               ("prefill", "bp2", PrefillService)):
+            if iid == "bp2" and minio is None:
+                continue
+            cfg = WorkerConfig.load([], role=role, instance_id=iid, **common)
+            workers.append(await start_worker(cfg, role, cls, nc))
+        prefill, dec = workers[:2]
+        cfg = prefill.rt.loaded.config
+        vocab = cfg.vocab_size
+        params = sum(p.numel() for p in prefill.rt.loaded.model.parameters()) / 1e6
+        print(f"model: {model} ({params:.1f}M params, {cfg.num_layers} layers, "
+              f"{cfg.num_kv_heads} kv heads x {cfg.head_dim}, {cfg.dtype}), torch threads "
+              f"{args.threads}/process, prefill chunk {args.chunk} tokens, 2 cores")
+        await one_request(nc, prefill, dec, rand_prompt(64, vocab))  # warm-up
+        print("\n### P5: PD handoff (prefill's last layer -> decode's first token)\n")
+        rows = await p5(nc, prefill, dec, args.lengths, args.repeats, vocab)
+        print("\n".join(rows))
+        if minio is not None:
+            n = args.p4_tokens
+            print(f"\n### P4: TTFT of a {n}-token prompt on a prefill instance that never saw it\n")
+            rows = await p4(nc, prefill, workers[2], dec, n, args.repeats, vocab,
+                            evict_fill=args.p4_tokens * 2)
+            print("\n".join(rows))
+        for w in workers:
+            await w.stop()
+        stop_kv.set()
+        if kv_task is not None:
+            await kv_task
+        await nc.drain()
+    finally:
+        nats.stop()
+        if minio is not None:
+            minio.stop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default="", help="checkpoint (default: the built-in model)")
+    ap.add_argument("--lengths", default="512,2048,8192")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--chunk", type=int, default=2048, help="max_num_batched_tokens")
+    ap.add_argument("--merge-bytes", type=int, default=256 << 10)
+    ap.add_argument("--kv-bytes", type=int, default=512 << 20)
+    ap.add_argument("--skip-p4", action="store_true")
+    ap.add_argument("--p4-tokens", type=int, default=8192)
+    ap.add_argument("--kvstore-dram-bytes", type=int, default=48 << 20,
+                    help="kvstore DRAM budget (P4 spills to MinIO past it)")
+    args = ap.parse_args()
+    args.lengths = [int(x) for x in args.lengths.split(",")]
+    torch.set_num_threads(args.threads)
+    asyncio.run(main_async(args))
+
+
+if __name__ == "__main__":
+    main()
