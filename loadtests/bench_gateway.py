@@ -1,0 +1,222 @@
+"""Gateway benchmarks: P2 (cluster through the gateway vs the in-process engine), the latency
+the gateway adds per request, and 500 concurrent streams.
+
+    .venv/bin/python -m loadtests.bench_gateway [--quick] [--only p2,latency,streams]
+
+P2 runs both sides in this one invocation on the standard benchmark model
+(``build_benchmark_model``): the same prompts (64 of 64-480 tokens, made of one-token words),
+64 output tokens, greedy, ignore_eos, concurrency 16. The engine side runs in this process with
+``--threads`` torch threads; the cluster sides get the same threads in total (see the report).
+Prints a markdown report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import statistics
+import tempfile
+import time
+
+import torch
+
+from loadtests.loadgen.client import RunConfig, run_jobs
+from loadtests.loadgen.stats import summarize
+from loadtests.loadgen.workload import Job, words
+
+
+def p2_prompts(n: int, seed: int = 0, lo: int = 64, hi: int = 480) -> list[str]:
+    rng = random.Random(f"p2:{seed}")
+    return [" ".join(words(rng, rng.randint(lo, hi))) for _ in range(n)]
+
+
+def engine_side(model_dir: str, prompts: list[str], out_len: int, conc: int) -> dict:
+    """The in-process engine on the same token ids the tokenizer service produces."""
+    from services.worker.config import WorkerConfig
+    from shared.engine.engine import LLMEngine
+    from shared.engine.params import SamplingParams
+    from shared.model.loader import load_model
+    from shared.model.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(model_dir)
+    ids = [tok.encode(p) for p in prompts]
+    cfg = WorkerConfig.load([], role="decode", max_num_seqs=conc).engine_config()
+    eng = LLMEngine(load_model(model_dir), cfg)
+    sp = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+    with torch.inference_mode():
+        eng.generate(ids[:2], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+        t = time.perf_counter()
+        out = eng.generate(ids, sp)
+        wall = time.perf_counter() - t
+    return {"wall": wall, "tokens": sum(map(len, out)), "prompt_tokens": sum(map(len, ids))}
+
+
+def cluster_side(model_dir: str, prompts: list[str], out_len: int, conc: int,
+                 **cluster_kw) -> dict:  # fmt: skip
+    from services.launcher import Cluster
+
+    jobs = [Job(i, out_len, prompt=p) for i, p in enumerate(prompts)]
+    with open(os.devnull, "w") as sink, Cluster(model_dir, vision=0, kvstore=0, minio=False,
+                                               log_stream=sink, die_with_parent=True,
+                                               log_level="WARNING", **cluster_kw) as c:  # fmt: skip
+        cfg = RunConfig(c.gateway_url, os.path.basename(model_dir), request_timeout=600,
+                        deadline=1800, progress=False)  # fmt: skip
+        warm = [Job(1000 + i, 2, prompt=p) for i, p in enumerate(prompts[:2])]
+        asyncio.run(run_jobs(warm, cfg, concurrency=2))
+        res, wall = asyncio.run(run_jobs(jobs, cfg, concurrency=conc))
+    s = summarize(res, wall, conc)
+    return {"wall": wall, "tokens": s.completion_tokens, "prompt_tokens": s.prompt_tokens,
+            "errors": s.requests - s.ok, "ttft_p50": s.ttft.p50, "tbt_p50": s.tbt.p50}  # fmt: skip
+
+
+def p2(n: int, out_len: int, threads: int) -> list[str]:
+    from shared.model.default_model import build_benchmark_model
+
+    model_dir = str(build_benchmark_model(os.path.join(".cache", "models", "benchmark")))
+    prompts = p2_prompts(n)
+    conc = 16
+    torch.set_num_threads(threads)
+    eng = engine_side(model_dir, prompts, out_len, conc)
+    rows = [f"P2 ({n} prompts of 64-480 tokens, {out_len} out, greedy, ignore_eos, "
+            f"concurrency {conc}, benchmark model):",
+            f"- in-process LLMEngine, {threads} torch threads: {eng['wall']:.2f} s, "
+            f"{eng['tokens'] / eng['wall']:.1f} out tok/s"]  # fmt: skip
+    sides = [("cluster prefill=0 decode=1", dict(prefill=0, decode=1, torch_threads=threads))]
+    if threads >= 2:
+        sides.append(("cluster PD prefill=1 decode=1",
+                      dict(prefill=1, decode=1, torch_threads=threads // 2)))  # fmt: skip
+    for name, kw in sides:
+        c = cluster_side(model_dir, prompts, out_len, conc, **kw)
+        ratio = (c["tokens"] / c["wall"]) / (eng["tokens"] / eng["wall"])
+        rows.append(
+            f"- {name}, {kw['torch_threads']} torch threads per model process: "
+            f"{c['wall']:.2f} s, {c['tokens'] / c['wall']:.1f} out tok/s -> ratio {ratio:.2f} "
+            f"(errors {c['errors']}, prompt tokens {c['prompt_tokens']} vs engine "
+            f"{eng['prompt_tokens']}, TTFT p50 {c['ttft_p50'] * 1e3:.0f} ms, "
+            f"TBT p50 {c['tbt_p50'] * 1e3:.1f} ms)"
+        )
+    return rows
+
+
+_PEERS = """
+import asyncio, sys
+from shared import bus
+from tests.gateway.peers import Peers
+
+async def main():
+    nc = await bus.connect(sys.argv[1], "bench-peers")
+    peers = await Peers(nc, max_model_len=4096).start()
+    await peers.add_decode("dec-0")
+    print("ready", flush=True)
+    await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
+
+
+def _wait_http(url: str, timeout: float = 60.0) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} not healthy after {timeout:.0f}s")
+
+
+def latency(n: int) -> list[str]:
+    """Client TTFT of a 1-token stream through a real gateway process whose bus peers
+    (tokenizer, scheduler, decode from tests/gateway/peers.py) answer at once from another
+    process: everything the gateway does for a request (HTTP parse, validation, tokenize, route
+    and submit bus round trips, first chunk relay) plus the peers' own msgpack handling."""
+    import subprocess
+    import sys
+
+    from services.infra.nats_server import start_nats
+    from services.infra.procs import free_port
+
+    nats = start_nats(data_dir=tempfile.mkdtemp(prefix="bench-nats-"))
+    port = free_port()
+    env = {**os.environ, "STRATA_NATS_URL": nats.url, "STRATA_PORT": str(port),
+           "STRATA_MODEL_NAME": "tiny", "STRATA_LOG_LEVEL": "WARNING",
+           "STRATA_FIRST_TOKEN_TIMEOUT": "30", "PYTHONPATH": os.getcwd()}  # fmt: skip
+    procs = [subprocess.Popen([sys.executable, "-c", _PEERS, nats.url], env=env,
+                              stdout=subprocess.PIPE),
+             subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "gateway"],
+                              env=env, stdout=subprocess.DEVNULL)]  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    rows = [
+        f"Gateway-added latency (real gateway process, instant fake peers in another "
+        f"process, {n} requests each, ~200-token prompt, 1 output token, client TTFT):"
+    ]
+    try:
+        procs[0].stdout.readline()
+        _wait_http(url)
+        cfg = RunConfig(url, "tiny", request_timeout=30, deadline=300, progress=False)
+        text = " ".join(["word"] * 40)  # the fake tokenizer: one token per character
+        for conc in (1, 16):
+            jobs = [Job(i, 1, messages=[{"role": "user", "content": text}])
+                    for i in range(n)]  # fmt: skip
+            asyncio.run(run_jobs(jobs[:50], cfg, concurrency=conc))  # warm-up
+            res, _ = asyncio.run(run_jobs(jobs, cfg, concurrency=conc))
+            ttft = [r.ttft for r in res if r.ok]
+            assert len(ttft) == n, [r.error for r in res if not r.ok][:3]
+            q = statistics.quantiles(ttft, n=100)
+            rows.append(f"- concurrency {conc}: median {statistics.median(ttft) * 1e3:.2f} ms, "
+                        f"p90 {q[89] * 1e3:.2f} ms, p99 {q[98] * 1e3:.2f} ms")  # fmt: skip
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(10)
+        nats.stop()
+    return rows
+
+
+def streams(n: int, out_len: int) -> list[str]:
+    from services.launcher import Cluster, ensure_model
+
+    model_dir = ensure_model("")
+    rng = random.Random("streams")
+    jobs = [Job(i, out_len, messages=[{"role": "user", "content": " ".join(words(rng, 12))}])
+            for i in range(n)]  # fmt: skip
+    with open(os.devnull, "w") as sink, Cluster(model_dir, prefill=1, decode=1, vision=0,
+                                               kvstore=0, minio=False, log_stream=sink,
+                                               die_with_parent=True, log_level="WARNING",
+                                               torch_threads=1) as c:  # fmt: skip
+        cfg = RunConfig(c.gateway_url, "default", request_timeout=300, deadline=600,
+                        progress=False)  # fmt: skip
+        res, wall = asyncio.run(run_jobs(jobs, cfg, concurrency=n))
+    s = summarize(res, wall, n)
+    errs = s.errors_by_status or "none"
+    return [f"{n} concurrent streams (default tiny model, prefill=1 decode=1, {out_len} tokens "
+            f"each, all sent at once):",
+            f"- ok {s.ok}/{s.requests}, errors {errs}, wall {wall:.1f} s, "
+            f"{s.output_tokens_per_s:.0f} out tok/s, TTFT p50 {s.ttft.p50:.2f} s / "
+            f"p99 {s.ttft.p99:.2f} s, TBT p50 {s.tbt.p50 * 1e3:.0f} ms"]  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="16 P2 prompts, 200 latency samples")
+    ap.add_argument("--only", default="p2,latency,streams")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads per side (P2)")
+    a = ap.parse_args()
+    only = set(a.only.split(","))
+    out = []
+    if "latency" in only:
+        out += latency(200 if a.quick else 1000) + [""]
+    if "streams" in only:
+        out += streams(500, 8) + [""]
+    if "p2" in only:
+        out += p2(16 if a.quick else 64, 64, a.threads) + [""]
+    print("\n".join(out))
+
+
+if __name__ == "__main__":
+    main()
