@@ -208,14 +208,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="torch threads per side (P2)")
     a = ap.parse_args()
     only = set(a.only.split(","))
-    out = []
     if "latency" in only:
-        out += latency(200 if a.quick else 1000) + [""]
+        print("\n".join(latency(200 if a.quick else 1000)) + "\n", flush=True)
     if "streams" in only:
-        out += streams(500, 8) + [""]
+        print("\n".join(streams(500, 8)) + "\n", flush=True)
     if "p2" in only:
-        out += p2(16 if a.quick else 64, 64, a.threads) + [""]
-    print("\n".join(out))
+        print("\n".join(p2(16 if a.quick else 64, 64, a.threads)) + "\n", flush=True)
 
 
 if __name__ == "__main__":
