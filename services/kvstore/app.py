@@ -20,6 +20,7 @@ from services.kvstore.core import KVStoreCore
 from services.kvstore.handler import KVStoreHandler
 from services.kvstore.ssd import MinioTier
 from services.kvstore.store import KVStore
+from services.kvstore.writer import WriterOptions
 from shared import bus, metrics
 from shared.config import new_incarnation
 from shared.kvtransfer.server import start_kv_server
@@ -45,7 +46,15 @@ async def ensure_kv_events_stream(js) -> None:
 
 
 def build_store(cfg: KVStoreConfig, incarnation: str, publish) -> KVStore:
-    core = KVStoreCore(cfg.instance_id, incarnation, cfg.dram_bytes, cfg.spill_buffer_bytes or None)
+    core = KVStoreCore(
+        cfg.instance_id,
+        incarnation,
+        cfg.dram_bytes,
+        cfg.spill_buffer_bytes or None,
+        write_behind_blocks=cfg.write_behind_blocks
+        if cfg.write_behind and cfg.minio_endpoint
+        else 0,
+    )
     ssd = None
     if cfg.minio_endpoint:
         ssd = MinioTier(
@@ -61,19 +70,27 @@ def build_store(cfg: KVStoreConfig, incarnation: str, publish) -> KVStore:
         core,
         ssd,
         publish=publish,
-        spill_concurrency=cfg.spill_concurrency,
-        retry_interval=cfg.retry_interval,
+        writer=WriterOptions(
+            concurrency=cfg.spill_concurrency,
+            retry_interval=cfg.retry_interval,
+            chunk_bytes=cfg.chunk_bytes,
+            chunk_block_max=cfg.chunk_block_max_bytes,
+            linger=cfg.write_linger,
+        ),
+        refresh_interval=cfg.refresh_interval,
+        negative_ttl=cfg.negative_ttl,
     )
 
 
 def stats_reply(store: KVStore, grpc_addr: str) -> KVStoreStats:
     s = store.stats()
+    fields = set(KVStoreStats.model_fields)
     return KVStoreStats(
         instance_id=store.core.instance_id,
         incarnation=store.core.incarnation,
         grpc_addr=grpc_addr,
-        **{k: v for k, v in s.items() if k != "counters"},
-        counters=s["counters"],
+        **{k: v for k, v in s.items() if k in fields and k != "counters"},
+        counters={**s["counters"], "write_behind_blocks": s["write_behind_blocks"]},
     )
 
 
@@ -131,8 +148,10 @@ async def run_kvstore(
         await stop.wait()
     finally:
         await server.stop(1.0)
-        with contextlib.suppress(TimeoutError):
-            await store.flush(timeout=2.0)  # best effort: commit pending spills and events
+        try:  # best effort: commit outstanding SSD writes (write-behind, spills) and events
+            await store.flush(timeout=cfg.flush_timeout)
+        except TimeoutError as exc:
+            log.warning("shutdown flush incomplete: %s", exc)
         await store.stop()
         beat.cancel()
         with contextlib.suppress(asyncio.CancelledError):

@@ -27,6 +27,40 @@ class KVStoreConfig(ServiceConfig):
     minio_timeout: float = Field(5.0, gt=0, description="Seconds before a MinIO call is failed")
     spill_concurrency: int = Field(8, ge=1, le=256, description="MinIO writes in flight")
     retry_interval: float = Field(1.0, gt=0, description="Seconds between spill retries when down")
+    write_behind: bool = Field(
+        True,
+        description="Also write every block committed to DRAM to MinIO in the background, so a "
+        "restart keeps the pool and evicting it needs no spill",
+    )
+    write_behind_blocks: int = Field(
+        65536,
+        ge=1,
+        description="Bound of the write-behind queue in blocks (beyond it the oldest queued "
+        "blocks are skipped; they still spill when evicted)",
+    )
+    chunk_bytes: int = Field(
+        4 << 20,
+        ge=0,
+        description="Max bytes of a chunk object batching small blocks (0 = one object per block)",
+    )
+    chunk_block_max_bytes: int = Field(
+        1 << 20, ge=1, description="Blocks of at least this size get their own object"
+    )
+    write_linger: float = Field(
+        0.02, ge=0, description="Seconds to gather blocks into one chunk before writing it"
+    )
+    refresh_interval: float = Field(
+        1.0,
+        ge=0,
+        description="Min seconds between bucket listings of one model on a miss (blocks written "
+        "by other instances or before a restart)",
+    )
+    negative_ttl: float = Field(
+        1.0, ge=0, description="Seconds a block still missing after a listing is not looked for"
+    )
+    flush_timeout: float = Field(
+        5.0, ge=0, description="Seconds a graceful stop waits for SSD writes and events"
+    )
     grpc_host: str = Field("127.0.0.1", description="Address the gRPC server binds and advertises")
     grpc_port: int = Field(0, ge=0, le=65535, description="gRPC port (0 = pick a free port)")
     load_interval: float = Field(0.5, gt=0, description="Seconds between load reports")

@@ -1,6 +1,13 @@
-"""The kvstore's bookkeeping core: DRAM tier + what is known to be in the SSD tier + blocks
-waiting to spill + the KV event outbox. Pure and synchronous (no NATS, gRPC or MinIO): the async
-`KVStore` feeds it what happened and performs the I/O it asks for.
+"""The kvstore's bookkeeping core: DRAM tier + what is known to be in the SSD tier (and where) +
+blocks waiting to be written there + the KV event outbox. Pure and synchronous (no NATS, gRPC or
+MinIO): the async `KVStore` feeds it what happened and performs the I/O it asks for.
+
+Two kinds of SSD writes, handed out by ``next_spills`` (spills first: they hold memory):
+- *spill*: a block evicted from DRAM that is not in the SSD tier yet (kept in memory until the
+  write commits, bounded by ``spill_buffer_bytes``);
+- *write-behind*: every block committed to DRAM is also queued for the SSD tier (a bounded queue
+  of keys, ``write_behind_blocks``; when full the oldest are skipped and spill on eviction), so a
+  restart keeps the pool. Evicting a block that is already persisted needs no spill.
 
 Tier semantics seen from outside (``lookup``):
 - "dram": in the DRAM LRU, or evicted and still in memory waiting for its spill to commit;
@@ -19,6 +26,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from services.kvstore.chunks import SsdLoc
 from services.kvstore.dram import BlockKey, DramTier, Entry
 from shared.protocol.kv import KVEvent
 
@@ -46,13 +54,16 @@ class CoreStats:
     spill_bytes: int = 0
     spill_failures: int = 0
     spill_dropped: int = 0
+    persists: int = 0
+    persist_skipped: int = 0
     restores: int = 0
     restore_bytes: int = 0
 
 
 class KVStoreCore:
     """See the module docstring. ``spill_buffer_bytes`` bounds memory held by pending spills;
-    when the object store is down for long, the oldest pending blocks are dropped (counted)."""
+    when the object store is down for long, the oldest pending blocks are dropped (counted).
+    ``write_behind_blocks`` bounds the write-behind queue (0 = write-behind off)."""
 
     def __init__(
         self,
@@ -61,6 +72,7 @@ class KVStoreCore:
         dram_bytes: int,
         spill_buffer_bytes: int | None = None,
         clock=time.time,
+        write_behind_blocks: int = 0,
     ):
         self.instance_id = instance_id
         self.incarnation = incarnation
@@ -68,7 +80,10 @@ class KVStoreCore:
         self.spill_buffer_bytes = dram_bytes if spill_buffer_bytes is None else spill_buffer_bytes
         self.pending: OrderedDict[BlockKey, Pending] = OrderedDict()
         self.pending_bytes = 0
-        self.ssd: dict[BlockKey, int] = {}  # key -> object bytes
+        self.ssd: dict[BlockKey, SsdLoc] = {}
+        self.write_behind_blocks = write_behind_blocks
+        self.persist_q: OrderedDict[BlockKey, None] = OrderedDict()  # in DRAM, not yet in ssd
+        self.persisting: dict[BlockKey, Entry] = {}  # write-behind writes in flight
         self.stats = CoreStats()
         self._seq = 0
         self._outbox: list[KVEvent] = []
@@ -118,20 +133,32 @@ class KVStoreCore:
         self.stats.puts += 1
         self._event("dram", "stored", [key[1]])
         self._evicted(res.evicted)
+        self._queue_persist(key)
         return True
+
+    def _queue_persist(self, key: BlockKey) -> None:
+        if not self.write_behind_blocks or key in self.ssd or key in self.persisting:
+            return
+        self.persist_q[key] = None
+        while len(self.persist_q) > self.write_behind_blocks:
+            self.persist_q.popitem(last=False)  # stays in DRAM; spills if evicted
+            self.stats.persist_skipped += 1
 
     def _evicted(self, entries: list[Entry]) -> None:
         gone = []
         for e in entries:
+            self.persist_q.pop(e.key, None)
             if e.key in self.ssd:
                 gone.append(e.key[1])
+            elif self.persisting.pop(e.key, None) is not None:  # its write is in flight
+                self._queue_spill(e, announced_dram=True, in_flight=True)
             else:
                 self._queue_spill(e, announced_dram=True)
         if gone:
             self._event("dram", "removed", gone)
 
-    def _queue_spill(self, entry: Entry, announced_dram: bool) -> None:
-        self.pending[entry.key] = Pending(entry, announced_dram)
+    def _queue_spill(self, entry: Entry, announced_dram: bool, in_flight: bool = False) -> None:
+        self.pending[entry.key] = Pending(entry, announced_dram, in_flight)
         self.pending_bytes += entry.nbytes
         while self.pending_bytes > self.spill_buffer_bytes:
             victim = next((k for k, p in self.pending.items() if not p.in_flight), None)
@@ -145,21 +172,50 @@ class KVStoreCore:
 
     # ------------------------------------------------------------------ spills
 
-    def next_spills(self, max_n: int) -> list[Entry]:
-        """Up to ``max_n`` pending blocks to write now (oldest first); marked in flight."""
-        out = []
-        for p in self.pending.values():
-            if len(out) >= max_n:
+    def next_spills(self, max_n: int = 1, max_bytes: int = 0, small_bytes: int = 0) -> list[Entry]:
+        """Blocks to write now, marked in flight: pending spills first, then write-behind, oldest
+        first. The first one decides: a block of ``small_bytes`` or more (or any block when
+        ``max_bytes`` is 0) goes alone; a small one is joined by further small blocks of the same
+        fingerprint up to ``max_n`` blocks and ``max_bytes`` bytes (one chunk object)."""
+        batch: list[Entry] = []
+        total = 0
+        for e in self._candidates():
+            if not batch:
+                batch.append(e)
+                total = e.nbytes
+                if max_bytes <= 0 or e.nbytes >= small_bytes:
+                    break
+                continue
+            if len(batch) >= max_n:
                 break
-            if not p.in_flight:
+            if e.key[0] == batch[0].key[0] and e.nbytes < small_bytes:
+                if total + e.nbytes <= max_bytes:
+                    batch.append(e)
+                    total += e.nbytes
+        for e in batch:
+            p = self.pending.get(e.key)
+            if p is not None:
                 p.in_flight = True
-                out.append(p.entry)
-        return out
+            else:
+                del self.persist_q[e.key]
+                self.persisting[e.key] = e
+        return batch
 
-    def spill_done(self, key: BlockKey, ok: bool) -> None:
-        """The object store write of ``key`` finished (``ok``) or failed (stays pending)."""
+    def _candidates(self):
+        for p in self.pending.values():
+            if not p.in_flight:
+                yield p.entry
+        for key in self.persist_q:
+            e = self.dram.entry(key)
+            if e is not None:
+                yield e
+
+    def spill_done(self, key: BlockKey, ok: bool, loc: SsdLoc | None = None) -> None:
+        """The object store write of ``key`` finished (``ok``, at ``loc``) or failed (it is
+        retried: a spill stays pending, a write-behind goes back to the queue's front)."""
         p = self.pending.get(key)
         if p is None:
+            self._persist_done(key, ok, loc)
             return
         if not ok:
             p.in_flight = False
@@ -169,13 +225,37 @@ class KVStoreCore:
         self.pending_bytes -= p.entry.nbytes
         self.stats.spills += 1
         self.stats.spill_bytes += p.entry.nbytes
-        self.ssd[key] = p.entry.nbytes
+        self.ssd[key] = loc or SsdLoc("", 0, p.entry.nbytes)
         self._event("ssd", "stored", [key[1]])
         if p.announced_dram:
             self._event("dram", "removed", [key[1]])
 
+    def _persist_done(self, key: BlockKey, ok: bool, loc: SsdLoc | None) -> None:
+        e = self.persisting.pop(key, None)
+        if e is None:
+            return
+        if not ok:
+            self.stats.spill_failures += 1
+            if key in self.dram and key not in self.ssd:
+                self.persist_q[key] = None
+                self.persist_q.move_to_end(key, last=False)
+            return
+        self.stats.persists += 1
+        self.stats.spill_bytes += e.nbytes
+        if key not in self.ssd:
+            self.ssd[key] = loc or SsdLoc("", 0, e.nbytes)
+            self._event("ssd", "stored", [key[1]])
+
+    @property
+    def writes_outstanding(self) -> int:
+        """Blocks not yet committed to the SSD tier: pending spills, queued or in-flight
+        write-behind (a graceful shutdown waits for 0)."""
+        return len(self.pending) + len(self.persist_q) + len(self.persisting)
+
     def spill_abandoned(self, key: BlockKey) -> None:
         """No SSD tier: the pending block is dropped for good."""
+        if self.persisting.pop(key, None) is not None:
+            return
         p = self.pending.pop(key, None)
         if p is None:
             return
@@ -211,13 +291,13 @@ class KVStoreCore:
             return p.entry.payload, False
         return None
 
-    def restored(self, key: BlockKey, payload: Any, nbytes: int) -> None:
-        """A read found ``key`` in the object store: count the hit, promote it to DRAM."""
+    def restored(self, key: BlockKey, payload: Any, nbytes: int, loc: SsdLoc) -> None:
+        """A read found ``key`` in the object store at ``loc``: count the hit, promote it."""
         self.stats.hits_ssd += 1
         self.stats.restores += 1
         self.stats.restore_bytes += nbytes
         if key not in self.ssd:
-            self.ssd[key] = nbytes
+            self.ssd[key] = loc
             self._event("ssd", "stored", [key[1]])
         self.put(key, payload, nbytes)
 
@@ -228,15 +308,19 @@ class KVStoreCore:
         if forget and self.ssd.pop(key, None) is not None:
             self._event("ssd", "removed", [key[1]])
 
-    def known_ssd(self, items: Iterable[tuple[BlockKey, int]]) -> None:
-        """Objects found by listing the bucket at start-up; announced per fingerprint."""
+    def known_ssd(self, items: Iterable[tuple[BlockKey, SsdLoc]]) -> int:
+        """Blocks found in the object store (listing at start-up or a refresh on a miss: written
+        before a restart or by another instance); new ones announced per fingerprint and taken
+        off the write-behind queue. Returns how many were new."""
         new: dict[str, list[str]] = {}
-        for key, nbytes in items:
+        for key, loc in items:
             if key not in self.ssd:
-                self.ssd[key] = nbytes
+                self.ssd[key] = loc
+                self.persist_q.pop(key, None)
                 new.setdefault(key[0], []).append(key[1])
         for hashes in new.values():
             self._event("ssd", "stored", hashes)
+        return sum(len(h) for h in new.values())
 
     # ------------------------------------------------------------------ introspection
 
@@ -249,5 +333,6 @@ class KVStoreCore:
             "pending_spill_blocks": len(self.pending),
             "pending_spill_bytes": self.pending_bytes,
             "ssd_blocks": len(self.ssd),
-            "ssd_bytes": sum(self.ssd.values()),
+            "ssd_bytes": sum(loc.length for loc in self.ssd.values()),
+            "write_behind_blocks": len(self.persist_q) + len(self.persisting),
         }

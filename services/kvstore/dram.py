@@ -89,6 +89,10 @@ class DramTier:
         self._lru.move_to_end(key)
         return e.payload
 
+    def entry(self, key: BlockKey) -> Entry | None:
+        """The stored entry (payload and size) without touching recency."""
+        return self._lru.get(key)
+
     def peek(self, key: BlockKey) -> Any | None:
         """Payload without touching recency."""
         e = self._lru.get(key)

@@ -50,6 +50,6 @@ class KVStoreHandler(KVTransferHandler):
                     self.store.release(key)
 
     async def query(self, req: QueryRequest) -> QueryReply:
-        tiers = self.store.query([(req.fingerprint, h) for h in req.keys])
+        tiers = await self.store.query([(req.fingerprint, h) for h in req.keys])
         present = [(h, t) for h, t in zip(req.keys, tiers, strict=True) if t is not None]
         return QueryReply(present=[h for h, _ in present], tiers=[t for _, t in present])

@@ -1,26 +1,37 @@
-"""The SSD tier: one MinIO (S3) object per block, named ``<fingerprint>/<hash>``.
+"""The SSD tier in MinIO (S3): big blocks as one object each, ``<fingerprint>/<hash>``; small
+blocks batched into chunk objects, ``<fingerprint>/chunk/<id>``, each carrying its manifest in a
+header (format: `services.kvstore.chunks`), read back one block at a time with ranged GETs.
 
 Blocking minio-SDK calls; the async `KVStore` runs them in worker threads. Calls fail fast
 (short timeouts, one retry) so a MinIO outage degrades the kvstore to DRAM-only instead of
 stalling it; failures raise `ObjectStoreError`, a missing object returns None.
 
-Why one object per block and no chunk objects: see docs/benchmarks/kvpool.md. In short, at KV
-block sizes (tens of KiB to MiBs) the per-object cost is amortized by issuing the writes
-concurrently, and a chunk object would couple the lifetimes of unrelated blocks.
+Why chunks below ~1 MiB and one object per block above: docs/benchmarks/kvpool.md.
 """
 
 from __future__ import annotations
 
 import io
-from collections.abc import Iterator
+import time
+import uuid
+from dataclasses import dataclass, field
 
 import urllib3
 from minio import Minio
 from minio.error import S3Error
 
+from services.kvstore.chunks import (
+    HEADER_READ_BYTES,
+    PREFIX_BYTES,
+    SsdLoc,
+    header_length,
+    pack_chunk,
+    parse_index,
+)
 from services.kvstore.dram import BlockKey
 
 NO_FINGERPRINT = "_"
+CHUNK_DIR = "chunk"
 
 
 class ObjectStoreError(RuntimeError):
@@ -32,11 +43,37 @@ def object_name(key: BlockKey) -> str:
     return f"{fp or NO_FINGERPRINT}/{h}"
 
 
+def fp_prefix(fingerprint: str) -> str:
+    return f"{fingerprint or NO_FINGERPRINT}/"
+
+
+def new_chunk_name(fingerprint: str) -> str:
+    """A fresh chunk object name (time-ordered, unique across instances)."""
+    return f"{fp_prefix(fingerprint)}{CHUNK_DIR}/{time.time_ns():016x}-{uuid.uuid4().hex[:12]}"
+
+
 def parse_name(name: str) -> BlockKey | None:
+    """``(fingerprint, hash)`` of a per-block object; None for anything else (chunks too)."""
     fp, sep, h = name.rpartition("/")
-    if not sep or not h:
+    if not sep or not h or fp.endswith(f"/{CHUNK_DIR}") or fp == CHUNK_DIR:
         return None
     return ("" if fp == NO_FINGERPRINT else fp, h)
+
+
+def chunk_fingerprint(name: str) -> str | None:
+    """The fingerprint of a chunk object name; None if ``name`` is not a chunk."""
+    fp, sep, _ = name.rpartition(f"/{CHUNK_DIR}/")
+    if not sep:
+        return None
+    return "" if fp == NO_FINGERPRINT else fp
+
+
+@dataclass
+class Listing:
+    """What a bucket listing found: per-block objects (with locations) and chunk names."""
+
+    blocks: list[tuple[BlockKey, SsdLoc]] = field(default_factory=list)
+    chunks: list[tuple[str, str]] = field(default_factory=list)  # (fingerprint, object name)
 
 
 class MinioTier:
@@ -97,19 +134,36 @@ class MinioTier:
             raise ObjectStoreError(f"minio unreachable: {type(exc).__name__}: {exc}") from exc
         self._bucket_ready = True
 
-    def put(self, key: BlockKey, data: bytes) -> None:
+    def put(self, key: BlockKey, data: bytes) -> SsdLoc:
+        """Write one block as its own object."""
+        name = object_name(key)
         self._call(
             self.client.put_object,
             self.bucket,
-            object_name(key),
+            name,
             io.BytesIO(data),
             len(data),
             content_type="application/octet-stream",
         )
+        return SsdLoc(name, 0, len(data))
 
-    def get(self, key: BlockKey) -> bytes | None:
+    def put_chunk(self, fingerprint: str, blocks: list[tuple[str, bytes]]) -> dict[str, SsdLoc]:
+        """Write ``blocks`` (hash, bytes) as one chunk object; their locations (hash -> loc)."""
+        name = new_chunk_name(fingerprint)
+        data, locs = pack_chunk(name, blocks)
+        self._call(
+            self.client.put_object,
+            self.bucket,
+            name,
+            io.BytesIO(data),
+            len(data),
+            content_type="application/octet-stream",
+        )
+        return locs
+
+    def _read(self, name: str, offset: int = 0, length: int = 0) -> bytes | None:
         def read() -> bytes:
-            resp = self.client.get_object(self.bucket, object_name(key))
+            resp = self.client.get_object(self.bucket, name, offset=offset, length=length)
             try:
                 return resp.read()
             finally:
@@ -118,19 +172,50 @@ class MinioTier:
 
         return self._call(read)
 
+    def get(self, loc: SsdLoc) -> bytes | None:
+        """The block at ``loc`` (a ranged read for a chunk member); None if the object is gone."""
+        if loc.ranged:
+            data = self._read(loc.obj, loc.offset, loc.length)
+            if data is not None and len(data) != loc.length:
+                raise ObjectStoreError(f"short read of {loc.obj}@{loc.offset}: {len(data)} bytes")
+            return data
+        return self._read(loc.obj)
+
+    def get_key(self, key: BlockKey) -> bytes | None:
+        """A per-block object by key (None if absent)."""
+        return self._read(object_name(key))
+
+    def read_chunk_index(self, name: str) -> dict[str, SsdLoc] | None:
+        """Block locations in chunk ``name`` from its header; None if the chunk is gone.
+        Raises `ChunkFormatError` for an object that is not a chunk."""
+        head = self._read(name, 0, HEADER_READ_BYTES)
+        if head is None:
+            return None
+        need = header_length(head[:PREFIX_BYTES])
+        if len(head) < need:
+            head = self._read(name, 0, need)
+            if head is None:
+                return None
+        return parse_index(name, head)
+
     def delete(self, key: BlockKey) -> None:
         self._call(self.client.remove_object, self.bucket, object_name(key))
 
-    def list(self, fingerprint: str | None = None) -> Iterator[tuple[BlockKey, int]]:
-        """Every block object (optionally of one fingerprint) with its size."""
+    def list(self, fingerprint: str | None = None) -> Listing:
+        """Every per-block object and chunk object (optionally of one fingerprint)."""
 
-        def listing() -> list[tuple[BlockKey, int]]:
-            prefix = None if fingerprint is None else f"{fingerprint or NO_FINGERPRINT}/"
-            out = []
+        def listing() -> Listing:
+            prefix = None if fingerprint is None else fp_prefix(fingerprint)
+            out = Listing()
             for obj in self.client.list_objects(self.bucket, prefix=prefix, recursive=True):
-                key = parse_name(obj.object_name or "")
+                name = obj.object_name or ""
+                fp = chunk_fingerprint(name)
+                if fp is not None:
+                    out.chunks.append((fp, name))
+                    continue
+                key = parse_name(name)
                 if key is not None:
-                    out.append((key, obj.size or 0))
+                    out.blocks.append((key, SsdLoc(name, 0, obj.size or 0)))
             return out
 
-        return iter(self._call(listing) or [])
+        return self._call(listing) or Listing()

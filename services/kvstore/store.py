@@ -1,9 +1,11 @@
 """`KVStore`: the async side of the kvstore. It drives `KVStoreCore` and does the I/O the core
-asks for: spills to and restores from the SSD tier (MinIO calls in worker threads, several in
-flight), and publishes the core's events in order through an injected ``publish`` callable.
+asks for: writes to the SSD tier (`SsdWriter`: spills of evicted blocks and write-behind of every
+committed block, small blocks batched into chunk objects), reads back from it, refreshes its view
+of the bucket on a miss (blocks written by another instance or before a restart; `MissCache`),
+and publishes the core's events in order through an injected ``publish`` callable.
 
 A store without an SSD tier (``ssd=None``) drops evicted blocks. With one that is down, puts and
-DRAM reads keep working, SSD reads count as misses and errors, and pending spills are retried
+DRAM reads keep working, SSD reads count as misses and errors, and pending writes are retried
 every ``retry_interval`` until the store is back.
 """
 
@@ -18,9 +20,12 @@ from dataclasses import asdict
 
 from protos.kv_transfer_pb2 import BlockFrame
 from services.kvstore import metrics as m
+from services.kvstore.chunks import ChunkFormatError, SsdLoc
 from services.kvstore.core import KVStoreCore, Tier
-from services.kvstore.dram import BlockKey, Entry
+from services.kvstore.dram import BlockKey
+from services.kvstore.fresh import MissCache
 from services.kvstore.ssd import MinioTier, ObjectStoreError
+from services.kvstore.writer import SsdWriter, WriterOptions
 from shared.protocol.errors import StrataError
 from shared.protocol.kv import KVEvent
 
@@ -55,31 +60,32 @@ class KVStore:
         ssd: MinioTier | None,
         *,
         publish: Callable[[KVEvent], Awaitable[None]] | None = None,
-        spill_concurrency: int = 8,
-        retry_interval: float = 1.0,
+        writer: WriterOptions | None = None,
+        refresh_interval: float = 1.0,
+        negative_ttl: float = 1.0,
     ):
         self.core = core
         self.ssd = ssd
         self.publish = publish
-        self.spill_concurrency = spill_concurrency
-        self.retry_interval = retry_interval
+        self.opts = writer or WriterOptions()
+        self.retry_interval = self.opts.retry_interval
         self.ssd_online = ssd is not None
+        m.SSD_ONLINE.set(1 if self.ssd_online else 0)
         self.published_seq = 0
-        self._spill_wake = asyncio.Event()
+        self.misses = MissCache(refresh_interval, negative_ttl)
+        self.writer = SsdWriter(core, ssd, self.opts, self)
         self._event_wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
+        self._chunks_seen: set[str] = set()
+        self._refreshing: dict[str, asyncio.Lock] = {}
 
     async def start(self, *, list_ssd: bool = True) -> None:
         """Learn what the SSD tier already holds (a restart keeps yesterday's blocks), then
-        start the spill and event workers."""
+        start the write and event workers."""
         if self.ssd is not None and list_ssd:
-            try:
-                items = await asyncio.to_thread(lambda: list(self.ssd.list()))
-                self.core.known_ssd(items)
-            except ObjectStoreError as exc:
-                self._ssd_failed("list", exc)
+            await self._refresh_view(None)
         self._tasks = [
-            asyncio.create_task(self._spill_loop(), name="kvstore-spill"),
+            asyncio.create_task(self.writer.run(), name="kvstore-ssd-writer"),
             asyncio.create_task(self._event_loop(), name="kvstore-events"),
         ]
         self._kick()
@@ -93,15 +99,38 @@ class KVStore:
         self._tasks = []
 
     def _kick(self) -> None:
-        self._spill_wake.set()
+        self.writer.wake()
         self._event_wake.set()
+
+    # ---- callbacks of the writer
+    def events_ready(self) -> None:
+        self._event_wake.set()
+
+    def ssd_ok(self) -> None:
+        if not self.ssd_online:
+            log.info("SSD tier back; writes resumed")
+        self.ssd_online = True
+        m.SSD_ONLINE.set(1)
+
+    def ssd_failed(self, op: str, exc: Exception) -> None:
+        m.ERRORS.labels(op).inc()
+        if self.ssd_online:
+            log.warning("SSD tier %s failed, degrading to DRAM only: %s", op, exc)
+        self.ssd_online = False
+        m.SSD_ONLINE.set(0)
+
+    def wrote_chunk(self, name: str) -> None:
+        self._chunks_seen.add(name)
 
     # ------------------------------------------------------------------ writes
 
     def put(self, frame: BlockFrame) -> bool:
-        """Commit one assembled block to DRAM (synchronously); True if new."""
+        """Commit one assembled block to DRAM (synchronously); True if new. Its SSD write
+        (write-behind, or a spill when it is evicted) happens in the background."""
         block = normalize(frame)
-        stored = self.core.put((block.fingerprint, block.key), block, block_nbytes(block))
+        key = (block.fingerprint, block.key)
+        stored = self.core.put(key, block, block_nbytes(block))
+        self.misses.forget(key)
         m.PUTS.labels("stored" if stored else "duplicate").inc()
         self._kick()
         return stored
@@ -117,11 +146,17 @@ class KVStore:
             m.HITS.labels("dram").inc()
             m.LATENCY.labels("get_dram").observe(time.perf_counter() - start)
             return local
-        frame = await self._read_ssd(key)
-        if frame is None:
+        loc = self.core.ssd.get(key)
+        if loc is None and self.ssd is not None:
+            await self.refresh(key[0], [key])
+            loc = self.core.ssd.get(key)
+        frame = None if loc is None else await self._read_ssd(key, loc)
+        if frame is None or loc is None:
+            if loc is None:
+                self.core.missed(key, forget=False)
             m.MISSES.inc()
             return None
-        self.core.restored(key, frame, block_nbytes(frame))
+        self.core.restored(key, frame, block_nbytes(frame), loc)
         self._kick()
         m.HITS.labels("ssd").inc()
         m.RESTORES.inc()
@@ -142,17 +177,15 @@ class KVStore:
             self.release(key)
         return frame
 
-    async def _read_ssd(self, key: BlockKey) -> BlockFrame | None:
-        if self.ssd is None:
-            self.core.missed(key)
-            return None
+    async def _read_ssd(self, key: BlockKey, loc: SsdLoc) -> BlockFrame | None:
+        assert self.ssd is not None
         try:
-            data = await asyncio.to_thread(self.ssd.get, key)
+            data = await asyncio.to_thread(self.ssd.get, loc)
         except ObjectStoreError as exc:
-            self._ssd_failed("get", exc)
+            self.ssd_failed("get", exc)
             self.core.missed(key, forget=False)
             return None
-        self.ssd_online = True
+        self.ssd_ok()
         if data is None:
             self.core.missed(key)
             return None
@@ -164,54 +197,70 @@ class KVStore:
             self.core.missed(key)
             return None
 
-    def query(self, keys: Sequence[BlockKey]) -> list[Tier | None]:
+    async def query(self, keys: Sequence[BlockKey]) -> list[Tier | None]:
+        """Tier of each key; keys unknown here are looked for in the bucket (`refresh`)."""
+        tiers = [self.core.lookup(k) for k in keys]
+        missing = [k for k, t in zip(keys, tiers, strict=True) if t is None]
+        if not missing or self.ssd is None:
+            return tiers
+        for fp in dict.fromkeys(k[0] for k in missing):
+            await self.refresh(fp, [k for k in missing if k[0] == fp])
         return [self.core.lookup(k) for k in keys]
 
-    # ------------------------------------------------------------------ workers
+    # ------------------------------------------------------------------ freshness
 
-    def _ssd_failed(self, op: str, exc: Exception) -> None:
-        m.ERRORS.labels(op).inc()
-        if self.ssd_online:
-            log.warning("SSD tier %s failed, degrading to DRAM only: %s", op, exc)
-        self.ssd_online = False
+    async def refresh(self, fingerprint: str, keys: Sequence[BlockKey]) -> None:
+        """Missing ``keys`` (of one fingerprint): re-read the bucket's view of the fingerprint
+        unless it was refreshed recently or the keys are known absent (`MissCache`)."""
+        if self.ssd is None or not self.misses.need_refresh(fingerprint, keys):
+            return
+        lock = self._refreshing.setdefault(fingerprint, asyncio.Lock())
+        async with lock:  # one refresh per fingerprint at a time; waiters reuse its result
+            if self.misses.need_refresh(fingerprint, keys):
+                await self._refresh_view(fingerprint)
+        self.misses.missed([k for k in keys if self.core.lookup(k) is None])
 
-    async def _spill_loop(self) -> None:
-        """``spill_concurrency`` writers, each taking the oldest pending block (a sliding
-        window: a slow write never holds the others back)."""
-        await asyncio.gather(*(self._spill_worker() for _ in range(self.spill_concurrency)))
-
-    async def _spill_worker(self) -> None:
-        while True:
-            batch = self.core.next_spills(1)
-            if not batch:
-                await self._spill_wake.wait()
-                self._spill_wake.clear()
-                continue
-            if self.ssd is None:
-                self.core.spill_abandoned(batch[0].key)
-                self._event_wake.set()
-                continue
-            ok = await self._spill_one(batch[0])
-            self._event_wake.set()
-            if not ok:
-                await asyncio.sleep(self.retry_interval)
-
-    async def _spill_one(self, e: Entry) -> bool:
-        start = time.perf_counter()
+    async def _refresh_view(self, fingerprint: str | None) -> None:
+        """List the bucket (one fingerprint, or all at start-up), read the headers of chunks not
+        seen yet, and tell the core what is there."""
+        assert self.ssd is not None
+        if fingerprint is not None:
+            self.misses.refreshed(fingerprint)
+            m.REFRESHES.inc()
         try:
-            await asyncio.to_thread(lambda: self.ssd.put(e.key, e.payload.SerializeToString()))
+            listing = await asyncio.to_thread(self.ssd.list, fingerprint)
         except ObjectStoreError as exc:
-            self._ssd_failed("spill", exc)
-            self.core.spill_done(e.key, ok=False)
-            return False
-        if not self.ssd_online:
-            log.info("SSD tier back; spills resumed")
-        self.ssd_online = True
-        self.core.spill_done(e.key, ok=True)
-        m.SPILLS.inc()
-        m.SPILL_BYTES.inc(e.nbytes)
-        m.LATENCY.labels("spill").observe(time.perf_counter() - start)
-        return True
+            self.ssd_failed("list", exc)
+            return
+        self.ssd_ok()
+        items: list[tuple[BlockKey, SsdLoc]] = list(listing.blocks)
+        fresh = [(fp, name) for fp, name in listing.chunks if name not in self._chunks_seen]
+        sem = asyncio.Semaphore(self.opts.concurrency)
+
+        async def index(fp: str, name: str) -> None:
+            async with sem:
+                try:
+                    locs = await asyncio.to_thread(self.ssd.read_chunk_index, name)
+                except ObjectStoreError as exc:
+                    self.ssd_failed("list", exc)
+                    return
+                except ChunkFormatError as exc:
+                    m.ERRORS.labels("decode").inc()
+                    log.warning("skipping object %s: %s", name, exc)
+                    locs = {}
+                self._chunks_seen.add(name)
+                items.extend(((fp, h), loc) for h, loc in (locs or {}).items())
+
+        await asyncio.gather(*(index(fp, name) for fp, name in fresh))
+        for fp in {fp for fp, _ in listing.chunks} | {k[0] for k, _ in listing.blocks}:
+            self.misses.refreshed(fp)
+        found = self.core.known_ssd(items)
+        if fingerprint is not None:
+            m.REFRESH_FOUND.inc(found)
+        if found:
+            self._kick()
+
+    # ------------------------------------------------------------------ events
 
     async def _event_loop(self) -> None:
         backlog: list[KVEvent] = []
@@ -234,13 +283,14 @@ class KVStore:
                 backlog.pop(0)
 
     async def flush(self, timeout: float = 10.0) -> None:
-        """Wait until no spill is pending and every queued event is published (tests, bench)."""
+        """Wait until every block is committed to the SSD tier (no spill or write-behind left)
+        and every queued event is published: graceful shutdown, tests, bench."""
         deadline = time.monotonic() + timeout
-        while self.core.pending or self.published_seq < self.core.last_seq:
+        while self.core.writes_outstanding or self.published_seq < self.core.last_seq:
             if time.monotonic() > deadline:
                 raise TimeoutError(
-                    f"flush: {len(self.core.pending)} spills pending, events published "
-                    f"{self.published_seq}/{self.core.last_seq}"
+                    f"flush: {self.core.writes_outstanding} SSD writes outstanding, events "
+                    f"published {self.published_seq}/{self.core.last_seq}"
                 )
             self._kick()
             await asyncio.sleep(0.01)

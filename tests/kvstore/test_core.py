@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from services.kvstore.chunks import SsdLoc
 from services.kvstore.core import KVStoreCore
 from services.kvstore.dram import DramTier
 
@@ -75,7 +76,7 @@ def test_core_event_order_spill_and_restore():
     c.spill_done(k("a"), ok=True)
     assert events(c) == [(3, "ssd", "stored", ["a"]), (4, "dram", "removed", ["a"])]
     assert c.lookup(k("a")) == "ssd" and c.acquire_local(k("a")) is None
-    c.restored(k("a"), "A", 60)  # promote: evicts b (not in ssd -> pending)
+    c.restored(k("a"), "A", 60, SsdLoc("m1/a", 0, 60))  # promote: evicts b (not in ssd -> pending)
     assert events(c) == [(5, "dram", "stored", ["a"])]
     assert c.lookup(k("a")) == "dram" and k("b") in c.pending
     c.next_spills(8)
@@ -112,7 +113,9 @@ def test_core_refused_put_goes_straight_to_spill_and_restart_listing():
     c.spill_done(k("big"), ok=True)
     assert events(c) == [(1, "ssd", "stored", ["big"])]  # never announced in dram
     fresh = KVStoreCore("kv0", "inc2", dram_bytes=10)
-    fresh.known_ssd([(k("x"), 5), (k("y", "m2"), 5), (k("z"), 5)])
+    locs = [(k("x"), SsdLoc("o", 0, 5)), (k("y", "m2"), SsdLoc("o2", 0, 5))]
+    assert fresh.known_ssd([*locs, (k("z"), SsdLoc("o", 5, 5, True))]) == 3
+    assert fresh.known_ssd(locs) == 0
     got = sorted((e.tier, e.hashes) for e in fresh.drain_events())
     assert got == [("ssd", ["x", "z"]), ("ssd", ["y"])]
     assert fresh.lookup(k("y", "m2")) == "ssd" and fresh.lookup(k("y")) is None
