@@ -82,7 +82,7 @@ class KVStoreCore:
         self.pending_bytes = 0
         self.ssd: dict[BlockKey, SsdLoc] = {}
         self.write_behind_blocks = write_behind_blocks
-        self.persist_q: OrderedDict[BlockKey, None] = OrderedDict()  # in DRAM, not yet in ssd
+        self.persist_q: OrderedDict[BlockKey, float] = OrderedDict()  # key -> queued at (clock)
         self.persisting: dict[BlockKey, Entry] = {}  # write-behind writes in flight
         self.stats = CoreStats()
         self._seq = 0
@@ -139,7 +139,7 @@ class KVStoreCore:
     def _queue_persist(self, key: BlockKey) -> None:
         if not self.write_behind_blocks or key in self.ssd or key in self.persisting:
             return
-        self.persist_q[key] = None
+        self.persist_q[key] = self._clock()
         while len(self.persist_q) > self.write_behind_blocks:
             self.persist_q.popitem(last=False)  # stays in DRAM; spills if evicted
             self.stats.persist_skipped += 1
@@ -201,6 +201,15 @@ class KVStoreCore:
                 self.persisting[e.key] = e
         return batch
 
+    def write_delay(self, linger: float) -> float:
+        """Seconds to wait before taking a batch so blocks queued together (one push) land in
+        one chunk: 0 when a spill is waiting (it holds memory) or the oldest queued write-behind
+        is ``linger`` old."""
+        if any(not p.in_flight for p in self.pending.values()) or not self.persist_q:
+            return 0.0
+        oldest = next(iter(self.persist_q.values()))
+        return max(0.0, min(linger, oldest + linger - self._clock()))
+
     def _candidates(self):
         for p in self.pending.values():
             if not p.in_flight:
@@ -237,7 +246,7 @@ class KVStoreCore:
         if not ok:
             self.stats.spill_failures += 1
             if key in self.dram and key not in self.ssd:
-                self.persist_q[key] = None
+                self.persist_q[key] = 0.0  # a retry: due now
                 self.persist_q.move_to_end(key, last=False)
             return
         self.stats.persists += 1

@@ -2,8 +2,9 @@
 
 ``concurrency`` workers each take the next batch the core hands out (a sliding window: a slow
 write never holds the others back). A batch of one goes to its own object; a batch of small
-blocks of one fingerprint becomes one chunk object. Before taking work after a wake-up a worker
-lingers ``linger`` seconds so the blocks of one push land in one chunk.
+blocks of one fingerprint becomes one chunk object. A worker does not take a write-behind block
+younger than ``linger`` seconds (unless a spill waits), so the blocks of one push land in one
+chunk.
 """
 
 from __future__ import annotations
@@ -56,12 +57,14 @@ class SsdWriter:
     async def _worker(self) -> None:
         o = self.opts
         while True:
+            if o.linger > 0 and o.chunk_bytes > 0:
+                delay = self.core.write_delay(o.linger)
+                if delay > 0:
+                    await asyncio.sleep(delay)
             batch = self.core.next_spills(o.chunk_max_blocks, o.chunk_bytes, o.chunk_block_max)
             if not batch:
                 await self._wake.wait()
                 self._wake.clear()
-                if o.linger > 0 and o.chunk_bytes > 0:
-                    await asyncio.sleep(o.linger)
                 continue
             if self.ssd is None:
                 for e in batch:

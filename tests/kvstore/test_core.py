@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from services.kvstore.chunks import SsdLoc
 from services.kvstore.core import KVStoreCore
 from services.kvstore.dram import DramTier
@@ -119,3 +121,65 @@ def test_core_refused_put_goes_straight_to_spill_and_restart_listing():
     got = sorted((e.tier, e.hashes) for e in fresh.drain_events())
     assert got == [("ssd", ["x", "z"]), ("ssd", ["y"])]
     assert fresh.lookup(k("y", "m2")) == "ssd" and fresh.lookup(k("y")) is None
+
+
+def test_write_behind_persists_and_eviction_needs_no_spill():
+    now = [10.0]
+    c = KVStoreCore("kv0", "i", dram_bytes=100, clock=lambda: now[0], write_behind_blocks=8)
+    c.put(k("a"), "A", 40)
+    c.put(k("b"), "B", 40)
+    assert list(c.persist_q) == [k("a"), k("b")] and c.writes_outstanding == 2
+    assert c.write_delay(0.05) == pytest.approx(0.05)  # just queued: wait for the push to end
+    now[0] += 0.03
+    assert c.write_delay(0.05) == pytest.approx(0.02)
+    now[0] += 0.03
+    assert c.write_delay(0.05) == 0.0
+    batch = c.next_spills(8, max_bytes=1000, small_bytes=50)  # both small: one chunk
+    assert [e.key for e in batch] == [k("a"), k("b")] and not c.persist_q
+    c.spill_done(k("a"), True, SsdLoc("m1/chunk/1", 8, 40, True))
+    c.spill_done(k("b"), False)  # failed: back to the queue's front, due now
+    assert list(c.persist_q) == [k("b")] and c.stats.spill_failures == 1
+    assert events(c)[2:] == [(3, "ssd", "stored", ["a"])]
+    assert c.lookup(k("a")) == "dram" and c.ssd[k("a")].ranged
+    c.put(k("c"), "C", 40)  # evicts a (persisted): removed at once, no spill
+    assert events(c) == [(4, "dram", "stored", ["c"]), (5, "dram", "removed", ["a"])]
+    assert not c.pending and c.stats.persists == 1
+    [eb] = c.next_spills(1, max_bytes=1000, small_bytes=50)
+    assert eb.key == k("b") and c.next_spills(8, 1000, 50)[0].key == k("c")
+    c.put(k("d"), "D", 40)  # evicts b while its write is in flight: becomes an in-flight spill
+    assert k("b") in c.pending and c.pending[k("b")].in_flight
+    assert c.next_spills(8, 1000, 50) == [c.dram.entry(k("d"))]
+    c.spill_done(k("b"), True, SsdLoc("m1/b", 0, 40))
+    assert [(t, kd, h) for _, t, kd, h in events(c)] == [
+        ("dram", "stored", ["d"]),
+        ("ssd", "stored", ["b"]),
+        ("dram", "removed", ["b"]),
+    ]
+    assert c.stats.spills == 1 and c.writes_outstanding == 2  # c, d in flight
+    c.restored(k("b"), "B", 40, SsdLoc("m1/b", 0, 40))  # already persisted: not queued again
+    assert k("b") not in c.persist_q
+
+
+def test_next_spills_batching_rules():
+    c = KVStoreCore("kv0", "i", dram_bytes=1000, write_behind_blocks=10)
+    for key, n in [(k("s1"), 10), (k("big"), 100), (k("s2"), 10), (k("o1", "m2"), 10)]:
+        c.put(key, "", n)
+    c.put(k("s3"), "", 10)
+    c.put(k("s4"), "", 10)
+
+    def take(**kw):
+        return [e.key for e in c.next_spills(**kw)]
+
+    small = dict(max_n=8, max_bytes=25, small_bytes=50)
+    assert take(**small) == [k("s1"), k("s2")]  # same model, small, up to 25 bytes
+    assert take(**small) == [k("big")]  # a big block goes alone
+    assert take(**small) == [k("o1", "m2")]  # fingerprints never mix
+    assert take(max_n=1, max_bytes=25, small_bytes=50) == [k("s3")]  # block count cap
+    assert take(max_n=8, max_bytes=0, small_bytes=50) == [k("s4")]  # chunks off: one by one
+    assert take(**small) == [] and len(c.persisting) == 6
+
+    b = KVStoreCore("kv0", "i", dram_bytes=1000, write_behind_blocks=2)
+    for h in ("x", "y", "z"):
+        b.put(k(h), "", 10)
+    assert list(b.persist_q) == [k("y"), k("z")] and b.stats.persist_skipped == 1
+    assert b.lookup(k("x")) == "dram" and b.writes_outstanding == 2
