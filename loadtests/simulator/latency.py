@@ -73,6 +73,7 @@ def decision_latency(
         if i % 100 == 99:  # load reports arrive: optimistic pending work is cleared
             for m in core.members.members.values():
                 m.view.pending_tokens = m.view.pending_requests = 0
+                core.members.touch(m.view)
     return {
         "instances": num_instances,
         "index_blocks": len(core.index),

@@ -51,12 +51,20 @@ class SchedulerCore:
         if obs.restarted:
             # A new incarnation: the old process's cache is gone.
             self.index.new_incarnation(report.instance_id, report.incarnation)
+        if obs.new or obs.restarted:
+            view = self.members.members[report.instance_id].view
+            view.cached_blocks = self.index.blocks_of(report.instance_id)
+            self.members.touch(view)
         if report.role in ("prefill", "decode") and report.block_size:
             self.block_size = report.block_size
 
     def on_kv_event(self, ev: KVEvent) -> bool:
         ok = self.index.apply(ev)
         metrics.KV_EVENTS.labels(status="applied" if ok else "stale").inc()
+        m = self.members.members.get(ev.instance_id)
+        if ok and m is not None:
+            m.view.cached_blocks = self.index.blocks_of(ev.instance_id)
+            self.members.touch(m.view)
         return ok
 
     def on_record(self, rec: InstanceRecord) -> None:
@@ -118,13 +126,18 @@ class SchedulerCore:
         excl = frozenset(req.exclude)
         decode = self.members.live("decode")
         prefill = self.members.live("prefill")
-        if excl:
+        if excl:  # failover: rare, so filtered lists (the policy builds its own tables)
             decode = [d for d in decode if d.instance_id not in excl]
             prefill = [p for p in prefill if p.instance_id not in excl]
+            state = ClusterState(prefill=prefill, decode=decode)
+        else:
+            state = ClusterState(prefill=prefill, decode=decode,
+                                 prefill_table=self.members.table("prefill"),
+                                 decode_table=self.members.table("decode"))
         if not decode:
             raise StrataError("unavailable", "no decode instance is available")
         view = self.request_view(req)
-        d = self.policy.choose(view, ClusterState(prefill=prefill, decode=decode))
+        d = self.policy.choose(view, state)
         if d.reject:
             raise StrataError(
                 "overloaded",
@@ -137,6 +150,8 @@ class SchedulerCore:
         target.pending_requests += 1
         if target is not dec:
             dec.pending_requests += 1
+            self.members.touch(dec)
+        self.members.touch(target)
         trim = level >= 1 and req.slo_class == "batch"
         return RouteReply(
             decode_instance=dec.instance_id,

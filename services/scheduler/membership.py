@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.scheduler.table import RoleTable
 from services.scheduler.types import InstanceView
 from shared.protocol.load import LoadReport
 from shared.protocol.sched import InstanceRecord
@@ -43,6 +44,7 @@ class Membership:
     members: dict[str, Member] = field(default_factory=dict)
     records: dict[str, InstanceRecord] = field(default_factory=dict)
     _live: dict[str, list[InstanceView]] = field(default_factory=dict)  # cache, by role
+    _tables: dict[str, RoleTable] = field(default_factory=dict)  # numpy columns of _live
 
     @property
     def timeout_s(self) -> float:
@@ -85,6 +87,7 @@ class Membership:
         v.decode_tokens_per_s = r.decode_tokens_per_s
         v.block_size = r.block_size
         v.pending_tokens = v.pending_requests = 0  # the report now covers what we routed
+        self.touch(v)
         return out
 
     def tick(self, now: float) -> list[str]:
@@ -110,6 +113,20 @@ class Membership:
         self.records.pop(instance_id, None)
         self._live.clear()
         return self.members.pop(instance_id, None) is not None
+
+    def touch(self, view: InstanceView) -> None:
+        """Bring the role table's row of ``view`` in step after the view changed."""
+        t = self._tables.get(view.role)
+        if t is not None:
+            t.refresh(view)
+
+    def table(self, role: str) -> RoleTable:
+        """Numpy columns over `live(role)` (same order), kept current by `touch`."""
+        views = self.live(role)
+        t = self._tables.get(role)
+        if t is None or t.views is not views:
+            t = self._tables[role] = RoleTable(views)
+        return t
 
     def live(self, role: str) -> list[InstanceView]:
         """Live instances of ``role`` sorted by id (cached until membership changes; callers

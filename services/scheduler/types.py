@@ -8,6 +8,7 @@ Nothing here imports NATS; the simulator builds the same objects from simulated 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -30,6 +31,9 @@ class InstanceView:
     # burst between two reports does not all land on the same instance).
     pending_tokens: int = 0
     pending_requests: int = 0
+    # Blocks the global prefix index says this instance holds (its cache footprint): new
+    # prefixes go where it is smallest, so tenants spread over the fleet's caches.
+    cached_blocks: int = 0
 
     @property
     def queued_tokens(self) -> int:
@@ -71,11 +75,15 @@ class RequestView:
 @dataclass
 class ClusterState:
     """Live instances by role (excluded / down ones already removed), each sorted by id.
-    Policies must not mutate the lists."""
+    Policies must not mutate the lists. ``prefill_table`` / ``decode_table``, when given, are
+    numpy columns over exactly those lists (`table.RoleTable`, kept current by `Membership`);
+    policies build their own when they are None."""
 
     prefill: list[InstanceView]
     decode: list[InstanceView]
     now: float = 0.0
+    prefill_table: Any = None
+    decode_table: Any = None
 
 
 @dataclass(frozen=True)

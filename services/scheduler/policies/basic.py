@@ -3,6 +3,9 @@ but both report the cached tokens and predicted TTFT of what they chose (for the
 
 from __future__ import annotations
 
+import numpy as np
+
+from services.scheduler.table import table_of
 from services.scheduler.types import (
     ClusterState,
     CostModel,
@@ -71,9 +74,12 @@ class LeastLoaded:
         self.batch_norm = batch_norm
 
     def choose(self, request: RequestView, state: ClusterState) -> Decision:
-        dec = min(state.decode, key=lambda d: (decode_load(d, self.batch_norm), d.instance_id))
+        dt = table_of(state.decode, state.decode_table)
+        dec = state.decode[int(np.argmin(dt.decode_loads(self.batch_norm)))]  # first = lowest id
         if state.prefill:
-            pre = min(state.prefill, key=lambda p: (self.cost.queue_s(p), p.batch, p.instance_id))
+            pt = table_of(state.prefill, state.prefill_table)
+            queue_s = pt.queued / pt.prefill_rates(self.cost.prefill_tokens_per_s)
+            pre = state.prefill[int(np.lexsort((pt.batch, queue_s))[0])]  # stable: id order
         else:
             pre = dec
         ttft, cached = predicted_ttft(request, pre, self.cost)

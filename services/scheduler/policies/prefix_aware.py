@@ -1,7 +1,13 @@
 """Prefix- and load-aware routing (the production policy).
 
 Prefill: minimum estimated TTFT = queue time + uncached tokens x per-token prefill cost of that
-instance + load time of pool-hit tokens by tier (see `basic.predicted_ttft`).
+instance + load time of pool-hit tokens by tier (see `basic.predicted_ttft`). When no candidate
+holds at least ``cache_match_min`` of the prompt in its engine cache, the prompt costs about the
+same anywhere, so among the candidates whose queue is within ``balance_slack_s`` of the shortest
+it goes to the one with the smallest cache footprint (then the lowest TTFT): new prefixes spread
+over the fleet's caches instead of piling onto the fastest instance and evicting each other (the
+rule SGLang's cache-aware router uses). All of it is a few numpy operations over `RoleTable`
+columns plus a Python step per instance that holds the prefix.
 Decode: the instance holding most of the prompt's prefix (cache affinity), unless its load exceeds
 the least loaded one by more than ``affinity_imbalance``; instances without room for the request's
 KV are skipped while any other has room.
@@ -17,7 +23,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.scheduler.policies.basic import decode_load, predicted_ttft
+import numpy as np
+
+from services.scheduler.policies.basic import predicted_ttft
+from services.scheduler.table import RoleTable, table_of
 from services.scheduler.types import (
     ClusterState,
     CostModel,
@@ -40,6 +49,10 @@ class PrefixAwareOptions:
         batch_norm: running sequences that count as a load score of 1.0 on a decode instance.
         slo_reject: reject early when the predicted TTFT breaks the request's SLO.
         min_retry_after_s: floor of the retry-after of a rejection.
+        cache_match_min: engine-cache hit (fraction of the prompt) below which a prompt counts
+            as new and goes to the least-filled cache instead of the minimum TTFT.
+        balance_slack_s: queue seconds above the shortest queue still counted as "not busier"
+            when placing a new prompt.
     """
 
     short_prompt_tokens: int = 512
@@ -49,6 +62,8 @@ class PrefixAwareOptions:
     batch_norm: float = 64.0
     slo_reject: bool = True
     min_retry_after_s: float = 1.0
+    cache_match_min: float = 0.25
+    balance_slack_s: float = 0.05
 
 
 class PrefixAware:
@@ -59,47 +74,74 @@ class PrefixAware:
         self.opt = PrefixAwareOptions(**options)
 
     # --- decode -------------------------------------------------------------------------------
-    def choose_decode(self, request: RequestView, decode: list[InstanceView]) -> InstanceView:
-        least, least_load, affine, affine_load = self._scan_decode(request, decode, True)
-        if least is None:  # nobody has room for the request's KV: choose among all
-            least, least_load, affine, affine_load = self._scan_decode(request, decode, False)
-        if affine is None or affine_load - least_load > self.opt.affinity_imbalance:
-            return least
-        return affine
-
-    def _scan_decode(self, request: RequestView, decode: list[InstanceView], need_room: bool):
-        """One pass: (least loaded, its load, most-cached (then least loaded), its load)."""
+    def choose_decode(self, request: RequestView, decode: list[InstanceView],
+                      table: RoleTable | None = None) -> tuple[InstanceView, float]:
+        """(decode instance, its load score)."""
+        t = table_of(decode, table)
+        load = t.decode_loads(self.opt.batch_norm)
         total = request.num_prompt_tokens + request.max_tokens
-        bn, cached = self.opt.batch_norm, request.cached_tokens
-        least = affine = None
-        least_load = 0.0
-        affine_key = (0, 0.0)
-        for d in decode:  # ids ascend: on ties the first one wins
-            if need_room and d.kv_blocks_total > 0 and d.kv_blocks_free * d.block_size < total:
+        room = (t.kv_total <= 0) | (t.kv_free_tokens >= total)
+        if not room.any():  # nobody has room for the request's KV: choose among all
+            room[:] = True
+        masked = np.where(room, load, np.inf)
+        least = int(np.argmin(masked))  # ties: the first (lowest id)
+        affine, affine_key = -1, None
+        for inst, hit in request.cached_tokens.items():  # only instances holding the prefix
+            i = t.pos.get(inst)
+            if i is None or hit <= 0 or not room[i]:
                 continue
-            load = decode_load(d, bn)
-            if least is None or load < least_load:
-                least, least_load = d, load
-            hit = cached.get(d.instance_id, 0)
-            if hit > 0 and (affine is None or (-hit, load) < affine_key):
-                affine, affine_key = d, (-hit, load)
-        return least, least_load, affine, affine_key[1]
+            key = (-hit, load[i], inst)
+            if affine_key is None or key < affine_key:
+                affine, affine_key = i, key
+        if affine < 0 or load[affine] - masked[least] > self.opt.affinity_imbalance:
+            return decode[least], float(masked[least])
+        return decode[affine], float(load[affine])
 
     # --- prefill ------------------------------------------------------------------------------
-    def prefill_candidates(self, request: RequestView, prefill: list[InstanceView]):
-        reserved = [p for p in prefill if p.reserved_long]
-        normal = [p for p in prefill if not p.reserved_long]
-        if request.num_prompt_tokens >= self.opt.long_prompt_tokens:
-            return reserved or normal
-        return normal or reserved
+    def _candidates(self, request: RequestView, t: RoleTable) -> np.ndarray:
+        """Length-aware mask: long prompts to reserved instances, others avoid them."""
+        reserved = t.reserved
+        want = reserved if request.num_prompt_tokens >= self.opt.long_prompt_tokens else ~reserved
+        return want if want.any() else np.ones(len(t), dtype=bool)
+
+    def choose_prefill(self, request: RequestView, prefill: list[InstanceView],
+                       table: RoleTable | None = None) -> tuple[InstanceView, float, int]:
+        """(prefill instance, predicted TTFT, cached tokens)."""
+        t = table_of(prefill, table)
+        cand = self._candidates(request, t)
+        n = request.num_prompt_tokens
+        rate = t.prefill_rates(self.cost.prefill_tokens_per_s)
+        queue_s = t.queued / rate
+        # Instances without the prefix in their engine cache: only the pool can help.
+        pool = min(request.pool_tokens, n)
+        load = self.cost.load_s(request.pool_dram_tokens, request.pool_ssd_tokens) if pool else 0.0
+        ttft = queue_s + max(1, n - pool) / rate + load
+        cached = np.full(len(t), pool, dtype=np.int64)
+        best_hit = 0
+        for inst, hit in request.cached_tokens.items():
+            i = t.pos.get(inst)
+            if i is None or not cand[i] or hit <= 0:
+                continue
+            ttft[i], cached[i] = predicted_ttft(request, t.views[i], self.cost)
+            best_hit = max(best_hit, min(hit, n))
+        ttft = np.where(cand, ttft, np.inf)
+        if best_hit >= self.opt.cache_match_min * n:
+            best = float(ttft.min())
+            ties = np.flatnonzero(ttft == best)
+            i = int(ties[np.argmax(cached[ties])])  # then most cached, then lowest id
+        else:
+            near = np.flatnonzero(cand & (queue_s <= queue_s[cand].min() + self.opt.balance_slack_s))
+            order = np.lexsort((ttft[near], t.cached_blocks[near]))  # footprint, then TTFT
+            i = int(near[order[0]])
+        return prefill[i], float(ttft[i]), int(cached[i])
 
     def choose(self, request: RequestView, state: ClusterState) -> Decision:
-        dec = self.choose_decode(request, state.decode)
+        dec, dec_load = self.choose_decode(request, state.decode, state.decode_table)
         self_ttft, self_cached = predicted_ttft(request, dec, self.cost)
         uncached_on_decode = request.num_prompt_tokens - self_cached
         if not state.prefill or (
             uncached_on_decode < self.opt.short_prompt_tokens
-            and decode_load(dec, self.opt.batch_norm) < self.opt.self_prefill_max_load
+            and dec_load < self.opt.self_prefill_max_load
         ):
             why = "no prefill instance" if not state.prefill else "short uncached prompt"
             return self._admit(
@@ -111,21 +153,14 @@ class PrefixAware:
                     reason=f"decode prefills: {why}",
                 ),
             )
-        best: tuple[float, int, str] | None = None
-        best_inst = None
-        for p in self.prefill_candidates(request, state.prefill):
-            ttft, cached = predicted_ttft(request, p, self.cost)
-            key = (ttft, -cached, p.instance_id)
-            if best is None or key < best:
-                best, best_inst = key, p
-        assert best is not None and best_inst is not None
+        pre, ttft, cached = self.choose_prefill(request, state.prefill, state.prefill_table)
         return self._admit(
             request,
             Decision(
                 decode_instance=dec.instance_id,
-                prefill_instance=best_inst.instance_id,
-                cached_tokens=-best[1],
-                predicted_ttft_s=best[0],
+                prefill_instance=pre.instance_id,
+                cached_tokens=cached,
+                predicted_ttft_s=ttft,
                 reason="min predicted ttft",
             ),
         )

@@ -1,0 +1,196 @@
+"""The simulator's policy comparison on a real cluster: round_robin vs prefix_aware on N prefill
+instances with a multi-tenant workload (tenants share long system prompts, arriving in random
+order), engine-tier prefix hits only (no kvstore), against the single-instance hit rate of the
+same requests run in-process by `LLMEngine`.
+
+    .venv/bin/python -m loadtests.simulator.realcluster --requests 64 --rate 3 \\
+        --out /tmp/realcluster.json
+
+`tests/cluster/test_prefix_routing.py` runs a smaller version of the same comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field
+
+from loadtests.loadgen.client import RunConfig, run_jobs
+from loadtests.loadgen.stats import percentile
+from loadtests.loadgen.workload import Job, poisson_arrivals, words
+from services.launcher import Cluster, ensure_model
+
+
+@dataclass(frozen=True)
+class TenantWorkload:
+    """Completions whose prompt = a tenant's system prompt + a unique user part.
+
+    Fields:
+        requests: number of requests.
+        tenants: tenants; each request picks one uniformly at random (not cyclically, so round
+            robin cannot line tenants up with instances by accident).
+        system_words: words (about tokens) of each tenant's system prompt.
+        user_words: words of each request's own part.
+        max_tokens: completion tokens per request.
+        rate: Poisson arrivals per second.
+        seed: everything above is a function of the seed.
+    """
+
+    requests: int = 40
+    tenants: int = 8
+    system_words: int = 768
+    user_words: int = 24
+    max_tokens: int = 2
+    rate: float = 3.0
+    seed: int = 0
+
+    def jobs(self) -> list[Job]:
+        rng = random.Random(f"realcluster:{self.seed}")
+        systems = [
+            " ".join(words(random.Random(f"sys:{self.seed}:{t}"), self.system_words))
+            for t in range(self.tenants)
+        ]
+        arrivals = poisson_arrivals(self.requests, self.rate, self.seed)
+        out = []
+        for i in range(self.requests):
+            t = rng.randrange(self.tenants)
+            prompt = systems[t] + " " + " ".join(words(rng, self.user_words))
+            out.append(Job(i, self.max_tokens, prompt=prompt, arrival=arrivals[i], tenant=t))
+        return out
+
+
+@dataclass
+class PolicyRun:
+    """What one policy achieved on the real cluster."""
+
+    policy: str
+    ok: int = 0
+    errors: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    ttft_p50_s: float = float("nan")
+    ttft_p99_s: float = float("nan")
+    wall_s: float = 0.0
+    ttfts: list[float] = field(default_factory=list)
+    error_samples: list[str] = field(default_factory=list)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+def reference_hit_rate(model_dir: str, jobs: list[Job], block_size: int = 16) -> float:
+    """Engine-tier prefix hit rate of ``jobs`` run one by one, in arrival order, on a single
+    in-process `LLMEngine` whose cache holds everything (the best any routing can do)."""
+    import torch
+
+    from shared.engine.engine import LLMEngine
+    from shared.engine.params import EngineConfig, SamplingParams
+    from shared.model.loader import load_model
+    from shared.model.tokenizer import Tokenizer
+
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    tok = Tokenizer.from_dir(model_dir)
+    engine = LLMEngine(load_model(model_dir), EngineConfig(kv_cache_bytes=256 << 20,
+                                                           block_size=block_size))
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    cached = total = 0
+    with torch.inference_mode():
+        for j in jobs:
+            ids = tok.encode(j.prompt)
+            engine.add_request(f"ref-{j.index}", ids, params)
+            first = None
+            while engine.has_unfinished_requests():
+                for o in engine.step():
+                    first = first or o
+            cached += first.num_cached_tokens
+            total += len(ids)
+    return cached / total
+
+
+def run_policy(model_dir: str, policy: str, jobs: list[Job], prefill: int = 4,
+               prefill_kv_bytes: int = 12 << 20, log_dir: str = "") -> PolicyRun:
+    """Start a cluster (``prefill`` instances, 1 decode, no kvstore), send ``jobs`` open-loop
+    through the REST gateway, stop it. Engine caches are ``prefill_kv_bytes`` per prefill
+    instance, so one instance cannot hold every tenant's prefix."""
+    log = open(os.path.join(log_dir, f"{policy}.log") if log_dir else os.devnull, "w")
+    c = Cluster(model_dir, prefill=prefill, decode=1, kvstore=0, vision=0, minio=False,
+                torch_threads=1, ready_timeout=240.0, die_with_parent=True, log_stream=log,
+                role_args={"scheduler": ["--policy", policy, "--short-prompt-tokens", "0"],
+                           "prefill": ["--kv-cache-bytes", str(prefill_kv_bytes)]})
+    try:
+        c.start()
+        cfg = RunConfig(url=c.gateway_url, request_timeout=120.0, deadline=300.0,
+                        progress=False)
+        from loadtests.loadgen.client import served_model
+
+        cfg.model = asyncio.run(served_model(c.gateway_url))
+        results, wall = asyncio.run(run_jobs(jobs, cfg))
+    finally:
+        c.stop()
+        log.close()
+    run = PolicyRun(policy, wall_s=wall)
+    for r in results:
+        if not r.ok:
+            run.errors += 1
+            run.error_samples = (run.error_samples + [f"{r.status}: {r.error}"])[:3]
+            continue
+        run.ok += 1
+        run.prompt_tokens += r.prompt_tokens
+        run.cached_tokens += r.cached_tokens
+        # a first token whose text is still incomplete (byte-level BPE) carries no content
+        run.ttfts.append(r.ttft if r.ttft is not None else r.e2e)
+    run.ttft_p50_s = percentile(run.ttfts, 50)
+    run.ttft_p99_s = percentile(run.ttfts, 99)
+    return run
+
+
+def table(ref: float, runs: list[PolicyRun]) -> str:
+    lines = ["| policy | ok | errors | prefix hit | of single-instance | TTFT p50 (s) | "
+             "TTFT p99 (s) |", "|---|---|---|---|---|---|---|",
+             f"| single instance (in-process reference) | | | {ref:.1%} | 100% | | |"]
+    for r in runs:
+        lines.append(f"| {r.policy} | {r.ok} | {r.errors} | {r.hit_rate:.1%} | "
+                     f"{r.hit_rate / ref:.0%} | {r.ttft_p50_s:.3f} | {r.ttft_p99_s:.3f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    d = TenantWorkload()
+    p.add_argument("--requests", type=int, default=d.requests)
+    p.add_argument("--tenants", type=int, default=d.tenants)
+    p.add_argument("--system-words", type=int, default=d.system_words)
+    p.add_argument("--user-words", type=int, default=d.user_words)
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens)
+    p.add_argument("--rate", type=float, default=d.rate)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--prefill", type=int, default=4)
+    p.add_argument("--prefill-kv-mib", type=int, default=12)
+    p.add_argument("--policies", default="round_robin,prefix_aware")
+    p.add_argument("--model", default="", help="checkpoint (default: the built-in model)")
+    p.add_argument("--log-dir", default="", help="keep each run's service logs here")
+    p.add_argument("--out", default="", help="write the results as JSON here")
+    a = p.parse_args(argv)
+    w = TenantWorkload(a.requests, a.tenants, a.system_words, a.user_words, a.max_tokens,
+                       a.rate, a.seed)
+    model = ensure_model(a.model)
+    jobs = w.jobs()
+    t0 = time.perf_counter()
+    ref = reference_hit_rate(model, jobs)
+    runs = [run_policy(model, pol, jobs, a.prefill, a.prefill_kv_mib << 20, a.log_dir)
+            for pol in a.policies.split(",")]
+    print(table(ref, runs))
+    print(f"({time.perf_counter() - t0:.0f}s; workload {asdict(w)})")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"workload": asdict(w), "reference_hit_rate": ref,
+                       "runs": [asdict(r) | {"hit_rate": r.hit_rate} for r in runs]}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
