@@ -68,7 +68,7 @@ class DecodeService:
         index = len(emitted)
         try:
             mm = await fetch_mm_inputs(item.images, self.rt.loaded.model.dtype)
-            stream = await self._start(item, mm, emitted)
+            stream, prefilled_elsewhere = await self._start(item, mm, emitted)
             async for out in stream:
                 if not out.new_token_ids and not out.finished:
                     continue
@@ -76,9 +76,12 @@ class DecodeService:
                 self.rt.decode_rate.add(len(out.new_token_ids))
                 usage = None
                 if out.finished:
+                    # The prompt's cache hit is where it was computed: blocks this instance
+                    # already held when pushed/pooled KV arrived are not a prefill saving.
+                    cached = item.num_cached_tokens if prefilled_elsewhere else max(
+                        item.num_cached_tokens, out.num_cached_tokens)
                     usage = Usage(prompt_tokens=len(item.prompt_token_ids),
-                                  completion_tokens=len(emitted),
-                                  cached_tokens=max(item.num_cached_tokens, out.num_cached_tokens))
+                                  completion_tokens=len(emitted), cached_tokens=cached)
                 chunk = TokenChunk(
                     request_id=rid, index=index, token_ids=out.new_token_ids, text=out.text_delta,
                     logprobs=out.new_logprobs, finish_reason=out.finish_reason if out.finished
@@ -98,7 +101,8 @@ class DecodeService:
             await publish_error(self.nc, rid, exc, self.instance_id)
 
     async def _start(self, item: WorkItem, mm, emitted: list[int]):
-        """The engine output stream: from pushed KV when it checks out, else by recompute."""
+        """(engine output stream, whether the prompt was prefilled elsewhere): from pushed KV
+        when it checks out, from pool blocks, else by recompute."""
         ae = self.rt.async_engine
         rid = item.request_id
         if item.kv_pushed and item.first_token_id is not None:
@@ -106,17 +110,22 @@ class DecodeService:
                 kv = await self.receiver.take(rid, item.kv_num_tokens, self.rt.cfg.transfer_timeout)
                 context = list(item.prompt_token_ids) + list(item.output_token_ids)
                 return ae.generate_prefilled(rid, context, item.first_token_id, item.sampling, kv,
-                                             priority=item.priority, mm_inputs=mm)
+                                             priority=item.priority, mm_inputs=mm), True
             except StrataError as exc:
                 KV_TRANSFER_FALLBACKS.inc()
                 log.warning("KV transfer for %s failed (%s); recomputing locally", rid, exc)
                 self.receiver.drop(rid)
+        self.receiver.drop(rid)  # whatever part of a transfer arrived is not used
         pool = self.rt.pool_link()
+        pooled = False
         if item.kv_block_hashes and pool is not None:
             # Pool mode: pull the full blocks prefill stored; the tail (< 1 block) and anything
             # the pool lost are recomputed by the engine's normal prefix-cached prefill.
             loaded = await pool.load_blocks(item.kv_block_hashes)
             if loaded < len(item.kv_block_hashes):
                 KV_TRANSFER_FALLBACKS.inc()
-        return ae.generate(rid, item.prompt_token_ids, item.sampling, priority=item.priority,
-                           mm_inputs=mm, output_token_ids=emitted)
+            else:
+                pooled = True
+        stream = ae.generate(rid, item.prompt_token_ids, item.sampling, priority=item.priority,
+                             mm_inputs=mm, output_token_ids=emitted)
+        return stream, pooled

@@ -19,7 +19,12 @@ from nats.aio.client import Client as NATS
 from services.worker import kv_wire
 from services.worker.images import fetch_mm_inputs
 from services.worker.layerwise import LayerTap, merged_frames
-from services.worker.runtime import REQUESTS_FAILED, ModelRuntime, publish_error
+from services.worker.runtime import (
+    KV_TRANSFER_FALLBACKS,
+    REQUESTS_FAILED,
+    ModelRuntime,
+    publish_error,
+)
 from shared import bus
 from shared.kvtransfer.client import get_client
 from shared.protocol import subjects
@@ -104,13 +109,10 @@ class PrefillService:
             if item.transfer_mode == "pool" and self.pool is not None:
                 await self.pool.store_blocks(new_blocks)  # decode pulls them: store first
                 work = work.model_copy(update={"kv_block_hashes": hashes})
-            elif pushing is not None:
-                await pushing
-                work = work.model_copy(update={"kv_pushed": True, "kv_num_tokens": len(context)})
-                self._store_later(new_blocks)
             else:
-                await self._push_kv(rid, len(context), item.decode_addr)
-                work = work.model_copy(update={"kv_pushed": True, "kv_num_tokens": len(context)})
+                if await self._pushed(rid, pushing, len(context), item.decode_addr):
+                    work = work.model_copy(update={"kv_pushed": True,
+                                                   "kv_num_tokens": len(context)})
                 self._store_later(new_blocks)
             await bus.request(self.nc, subjects.decode_submit(item.decode_instance), work,
                               SubmitAck, timeout=10.0)
@@ -149,6 +151,22 @@ class PrefillService:
         await bus.publish(self.nc, subjects.req_out(item.request_id), chunk)
         return done
 
+    async def _pushed(self, rid: str, pushing: asyncio.Task | None, n: int, addr: str) -> bool:
+        """Finish the direct transfer; False if it broke (the decode instance then recomputes
+        the prompt instead of failing the request, and drops the partial transfer)."""
+        try:
+            if pushing is not None:
+                await pushing
+            else:
+                await self._push_kv(rid, n, addr)
+            return True
+        except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001 - any broken transfer
+            if isinstance(exc, asyncio.CancelledError) and asyncio.current_task().cancelling():
+                raise  # this request itself was cancelled, not just its transfer
+            KV_TRANSFER_FALLBACKS.inc()
+            log.warning("KV push of %s to %s failed (%s); decode will recompute", rid, addr, exc)
+            return False
+
     def _store_later(self, blocks) -> None:
         if not blocks:
             return
@@ -162,7 +180,8 @@ class PrefillService:
         if not addr:
             raise StrataError("bad_request", f"{rid}: no decode address to push KV to")
         frames = merged_frames(q, request_id=rid, fingerprint=self.rt.fingerprint,
-                               total_tokens=num_tokens, merge_bytes=self.rt.cfg.frame_merge_bytes)
+                               total_tokens=num_tokens, merge_bytes=self.rt.cfg.frame_merge_bytes,
+                               int8=self.rt.cfg.kv_int8)
         await get_client(addr).push(frames, timeout=self.rt.cfg.transfer_timeout)
 
     async def _push_kv(self, rid: str, num_tokens: int, addr: str) -> None:
@@ -183,7 +202,8 @@ class PrefillService:
                 kv = kv.flatten(2, 3)[:, :, :num_tokens]
                 for f in kv_wire.kv_frames(kv, layers, request_id=rid,
                                            fingerprint=self.rt.fingerprint,
-                                           total_layers=model.num_layers):
+                                           total_layers=model.num_layers,
+                                           int8=self.rt.cfg.kv_int8):
                     yield f
 
         await get_client(addr).push(frames(), timeout=self.rt.cfg.transfer_timeout)

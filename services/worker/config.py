@@ -24,6 +24,9 @@ class WorkerConfig(ModelServiceConfig):
     )
     layerwise_transfer: bool = Field(True, description="Push KV layer by layer while computing")
     kvstore_addrs: str = Field("", description="Comma-separated kvstore gRPC addresses (pool mode)")
+    kv_int8: bool = Field(
+        False, description="Send and store KV as int8 with per-row float32 scales (~3.8x fewer bytes)"
+    )
 
     def engine_config(self):
         from shared.engine.params import EngineConfig

@@ -30,7 +30,8 @@ def layer_groups(num_layers: int, bytes_per_layer: int, merge_bytes: int) -> lis
 
 
 def kv_frames(
-    kv: torch.Tensor, layers: range, *, request_id: str, fingerprint: str, total_layers: int
+    kv: torch.Tensor, layers: range, *, request_id: str, fingerprint: str, total_layers: int,
+    int8: bool = False,
 ) -> list[BlockFrame]:
     """Frames for ``kv`` = ``[len(layers), 2, n, kvh, hd]``; the frame holding the last layer
     is marked ``last``."""
@@ -38,7 +39,7 @@ def kv_frames(
     return tensor_to_frames(
         kv.contiguous(), request_id=request_id, layer_start=layers.start, layer_end=layers.stop,
         num_tokens=n, total_tokens=n, fingerprint=fingerprint,
-        last=layers.stop == total_layers,
+        last=layers.stop == total_layers, int8=int8,
     )
 
 
@@ -88,14 +89,18 @@ class KVReceiver(KVTransferHandler):
                 nbytes += frame_nbytes(whole)
                 rids.add(whole.request_id)
                 self._accept(whole)
-        except Exception as exc:
+        except BaseException as exc:
             for rid in rids:  # a broken stream frees what it started
                 p = self._pending.get(rid)
                 if p is not None and not p.done.is_set():
                     self.drop(rid)
-            if isinstance(exc, StrataError):
+            if isinstance(exc, StrataError | asyncio.CancelledError):
                 raise
             raise StrataError("bad_request", f"KV push failed: {exc}") from exc
+        for rid in rids:  # a stream that ended without its last frame was cut: free it
+            p = self._pending.get(rid)
+            if p is not None and not p.done.is_set():
+                self.drop(rid)
         return PushReply(frames=count, bytes=nbytes, stored=sorted(rids))
 
     def _accept(self, f: BlockFrame) -> None:
@@ -104,6 +109,7 @@ class KVReceiver(KVTransferHandler):
                               f"({f.fingerprint[:12]} != {self.fingerprint[:12]})")
         p = self._pending.get(f.request_id)
         if p is None:
+            self.expire()  # transfers whose request never showed up must not pile up
             shape = self.shape_of(f.total_tokens)
             p = _Pending(f.total_tokens, torch.empty(shape, dtype=self.dtype))
             self._pending[f.request_id] = p

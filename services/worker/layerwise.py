@@ -69,7 +69,8 @@ class LayerTap:
 
 
 async def merged_frames(
-    q: asyncio.Queue, *, request_id: str, fingerprint: str, total_tokens: int, merge_bytes: int
+    q: asyncio.Queue, *, request_id: str, fingerprint: str, total_tokens: int, merge_bytes: int,
+    int8: bool = False,
 ) -> AsyncIterator[BlockFrame]:
     """Frames from a tap queue until the final piece; consecutive layers of one token range are
     merged until they reach ``merge_bytes``."""
@@ -84,6 +85,7 @@ async def merged_frames(
             kv.contiguous(), request_id=request_id, layer_start=first.layers.start,
             layer_end=held[-1].layers.stop, token_start=first.token_start,
             num_tokens=kv.shape[2], total_tokens=total_tokens, fingerprint=fingerprint, last=last,
+            int8=int8,
         )
         held.clear()
         return frames

@@ -27,12 +27,13 @@ POOL_STORED_BLOCKS = Counter("strata_prefix_pool_stored_blocks_total", "Blocks o
 
 class PoolLink:
     def __init__(self, addrs: list[str], fingerprint: str, cost: CostModel, ae,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, int8: bool = False):
         self.pool = PoolClient(addrs)
         self.fingerprint = fingerprint
         self.cost = cost
         self.ae = ae
         self.dtype = dtype
+        self.int8 = int8
 
     async def load_prefix(self, context: list[int], mm) -> tuple[list[str], list[str | None], int]:
         """Returns (block hashes, pool tier per block, blocks loaded from the pool)."""
@@ -86,7 +87,7 @@ class PoolLink:
     async def store_blocks(self, blocks: list[tuple[str, torch.Tensor]]) -> int:
         if not blocks:
             return 0
-        stored = await self.pool.put(blocks, self.fingerprint)
+        stored = await self.pool.put(blocks, self.fingerprint, int8=self.int8)
         POOL_STORED_BLOCKS.inc(len(stored))
         return len(stored)
 

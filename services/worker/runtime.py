@@ -78,7 +78,7 @@ class ModelRuntime:
         addrs = [a.strip() for a in self.cfg.kvstore_addrs.split(",") if a.strip()]
         if self._pool is None and addrs:
             self._pool = PoolLink(addrs, self.fingerprint, self.cost, self.async_engine,
-                                  self.engine.runner.kv.k.dtype)
+                                  self.engine.runner.kv.k.dtype, int8=self.cfg.kv_int8)
         return self._pool
 
     @property

@@ -24,7 +24,7 @@ from shared.model.config import config_from_dict
 from shared.model.corpus import corpus_lines
 from shared.model.models import model_class
 
-VERSION = "strata-model-v1"
+VERSION = "strata-model-v2"
 MARKER = ".strata_model_version"
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>"]
 TOKENIZER_VOCAB = 4096
@@ -67,7 +67,7 @@ def _text_config(vocab: int, eos: int, **dims) -> dict:
         "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "vocab_size": vocab,
         "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": theta,
         "rope_parameters": {"rope_theta": theta, "rope_type": "default"},
-        "max_position_embeddings": 4096, "tie_word_embeddings": False, "attention_bias": False,
+        "max_position_embeddings": 16384, "tie_word_embeddings": False, "attention_bias": False,
         "bos_token_id": None, "eos_token_id": eos, "initializer_range": 0.5,
         "torch_dtype": "float32", "dtype": "float32", **dims,
     }  # fmt: skip

@@ -175,3 +175,47 @@ async def test_cancel_frees_kv_everywhere(pd, nc, prompt_ids):
     for w in (p, d):
         s = w.rt.engine.stats()
         assert (s.running, s.waiting, s.kv_blocks_free) == (0, 0, s.kv_blocks_total)
+
+
+class _CuttingClient:
+    """Sends the first frame of a push, then breaks the stream (a transfer cut mid-way)."""
+
+    def __init__(self, real):
+        self.real = real
+
+    async def push(self, frames, timeout=None):
+        async def cut():
+            async for f in _aiter(frames):
+                yield f
+                raise ConnectionResetError("transfer cut by the test")
+
+        return await self.real.push(cut(), timeout=timeout)
+
+
+async def _aiter(frames):
+    if hasattr(frames, "__aiter__"):
+        async for f in frames:
+            yield f
+    else:
+        for f in frames:
+            yield f
+
+
+async def test_transfer_cut_mid_stream_is_recomputed(pd, nc, prompt_ids, reference, monkeypatch):
+    """No client error, same tokens, and no partial state left on either side."""
+    import services.prefill.service as prefill_mod
+    from services.worker.runtime import KV_TRANSFER_FALLBACKS
+
+    p, d = pd
+    real_get = prefill_mod.get_client
+    monkeypatch.setattr(prefill_mod, "get_client", lambda addr: _CuttingClient(real_get(addr)))
+    before = KV_TRANSFER_FALLBACKS._value.get()
+    item = _item("r-cut", prompt_ids, decode_instance="d-test", decode_addr=d.addr)
+    chunks = await _run(nc, subjects.prefill_submit("p-test"), item)
+    assert _tokens(chunks) == reference
+    assert KV_TRANSFER_FALLBACKS._value.get() == before + 1
+    await asyncio.sleep(0.2)
+    assert d.svc.receiver.num_pending == 0
+    for w in (p, d):
+        s = w.rt.engine.stats()
+        assert (s.running, s.kv_blocks_free) == (0, s.kv_blocks_total)
