@@ -13,7 +13,7 @@ import logging
 from nats.aio.client import Client as NATS
 
 from services.worker.images import fetch_mm_inputs
-from services.worker.kv_wire import KVReceiver
+from services.worker.kv_wire import KVReceiver, PagedSink
 from services.worker.runtime import (
     KV_TRANSFER_FALLBACKS,
     REQUESTS_FAILED,
@@ -36,9 +36,8 @@ class DecodeService:
         self.tasks: dict[str, asyncio.Task] = {}
         model = rt.loaded.model
         self.receiver = KVReceiver(
-            rt.fingerprint,
-            lambda n: (model.num_layers, 2, n, model.num_kv_heads, model.head_dim),
-            rt.engine.runner.kv.k.dtype,
+            rt.fingerprint, PagedSink(rt.async_engine), model.num_layers,
+            (model.num_kv_heads, model.head_dim), rt.engine.runner.kv.k.dtype,
         )
 
     @property
@@ -54,7 +53,7 @@ class DecodeService:
         return SubmitAck(instance_id=self.instance_id)
 
     async def cancel(self, request_id: str) -> None:
-        self.receiver.drop(request_id)
+        await self.receiver.drop(request_id)
         task = self.tasks.get(request_id)
         if task is not None:
             task.cancel()
@@ -107,15 +106,14 @@ class DecodeService:
         rid = item.request_id
         if item.kv_pushed and item.first_token_id is not None:
             try:
-                kv = await self.receiver.take(rid, item.kv_num_tokens, self.rt.cfg.transfer_timeout)
+                await self.receiver.take(rid, item.kv_num_tokens, self.rt.cfg.transfer_timeout)
                 context = list(item.prompt_token_ids) + list(item.output_token_ids)
-                return ae.generate_prefilled(rid, context, item.first_token_id, item.sampling, kv,
-                                             priority=item.priority, mm_inputs=mm), True
+                return ae.generate_prefilled(rid, context, item.first_token_id, item.sampling,
+                                             None, priority=item.priority, mm_inputs=mm), True
             except StrataError as exc:
                 KV_TRANSFER_FALLBACKS.inc()
                 log.warning("KV transfer for %s failed (%s); recomputing locally", rid, exc)
-                self.receiver.drop(rid)
-        self.receiver.drop(rid)  # whatever part of a transfer arrived is not used
+        await self.receiver.drop(rid)  # whatever part of a transfer arrived is not used
         pool = self.rt.pool_link()
         pooled = False
         if item.kv_block_hashes and pool is not None:

@@ -156,7 +156,7 @@ class PrefillService:
         the prompt instead of failing the request, and drops the partial transfer)."""
         try:
             if pushing is not None:
-                await pushing
+                await asyncio.wait_for(pushing, self.rt.cfg.transfer_timeout)
             else:
                 await self._push_kv(rid, n, addr)
             return True
@@ -182,7 +182,9 @@ class PrefillService:
         frames = merged_frames(q, request_id=rid, fingerprint=self.rt.fingerprint,
                                total_tokens=num_tokens, merge_bytes=self.rt.cfg.frame_merge_bytes,
                                int8=self.rt.cfg.kv_int8)
-        await get_client(addr).push(frames, timeout=self.rt.cfg.transfer_timeout)
+        # No deadline on the stream itself: it lives as long as the prefill computes. Once the
+        # prefill is done, `_pushed` gives the rest `transfer_timeout` to land.
+        await get_client(addr).push(frames, timeout=None)
 
     async def _push_kv(self, rid: str, num_tokens: int, addr: str) -> None:
         """Read the held prompt KV and stream it to the decode instance, layer group by group."""

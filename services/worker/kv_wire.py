@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import torch
@@ -46,28 +46,56 @@ def kv_frames(
 @dataclass
 class _Pending:
     num_tokens: int
-    kv: torch.Tensor
+    num_layers: int
     covered: int = 0  # layer x token cells written so far
     done: asyncio.Event = field(default_factory=asyncio.Event)
     created: float = field(default_factory=time.monotonic)
 
 
-class KVReceiver(KVTransferHandler):
-    """Decode side of direct transfer: assembles pushed frames into per-request KV tensors.
+class PagedSink:
+    """Writes received KV straight into the decode engine's paged cache: blocks are reserved at
+    the first frame, each frame's layers are written as it arrives (on the engine thread, between
+    steps), so the hand-off itself only commits. ``cancel`` frees a reservation."""
 
-    ``shape_of(num_tokens)`` gives the expected ``[L, 2, n, kvh, hd]``; frames are checked against
-    it (dtype, shape, fingerprint). A stream that breaks mid-way leaves no partial state behind.
+    def __init__(self, ae):
+        self.ae = ae
+
+    async def open(self, request_id: str, num_tokens: int) -> None:
+        await self.ae.call(lambda e: e.reserve_prefilled(request_id, num_tokens))
+
+    async def write(self, request_id: str, layers: range, token_start: int,
+                    kv: torch.Tensor) -> None:
+        def write(e) -> None:
+            table = e.reserved[request_id].block_table
+            slots = e.runner.slots_for(table, token_start, token_start + kv.shape[2])
+            for i, layer in enumerate(layers):
+                e.runner.write_tokens(slots, layer, kv[i, 0], kv[i, 1])
+
+        await self.ae.call(write)
+
+    async def cancel(self, request_id: str) -> None:
+        await self.ae.call(lambda e: e.cancel_prefilled(request_id))
+
+
+class KVReceiver(KVTransferHandler):
+    """Decode side of direct transfer: checks pushed frames (fingerprint, dtype, shape, range,
+    coverage) and writes them through ``sink``. A stream that breaks or ends early, or whose
+    request never shows up within ``ttl``, leaves no reserved blocks behind.
     """
 
     def __init__(
         self,
         fingerprint: str,
-        shape_of: Callable[[int], tuple[int, ...]],
+        sink: PagedSink,
+        num_layers: int,
+        kv_tail: tuple[int, int],
         dtype: torch.dtype,
         ttl: float = 60.0,
     ):
         self.fingerprint = fingerprint
-        self.shape_of = shape_of
+        self.sink = sink
+        self.num_layers = num_layers
+        self.kv_tail = kv_tail  # (kv_heads, head_dim)
         self.dtype = dtype
         self.ttl = ttl
         self._pending: dict[str, _Pending] = {}
@@ -88,50 +116,57 @@ class KVReceiver(KVTransferHandler):
                 count += 1
                 nbytes += frame_nbytes(whole)
                 rids.add(whole.request_id)
-                self._accept(whole)
+                await self._accept(whole)
         except BaseException as exc:
-            for rid in rids:  # a broken stream frees what it started
-                p = self._pending.get(rid)
-                if p is not None and not p.done.is_set():
-                    self.drop(rid)
+            await self._drop_unfinished(rids)  # a broken stream frees what it started
             if isinstance(exc, StrataError | asyncio.CancelledError):
                 raise
             raise StrataError("bad_request", f"KV push failed: {exc}") from exc
-        for rid in rids:  # a stream that ended without its last frame was cut: free it
-            p = self._pending.get(rid)
-            if p is not None and not p.done.is_set():
-                self.drop(rid)
+        await self._drop_unfinished(rids)  # ended without its last frame: it was cut
         return PushReply(frames=count, bytes=nbytes, stored=sorted(rids))
 
-    def _accept(self, f: BlockFrame) -> None:
+    async def _drop_unfinished(self, rids: set[str]) -> None:
+        for rid in rids:
+            p = self._pending.get(rid)
+            if p is not None and not p.done.is_set():
+                await self.drop(rid)
+
+    async def _accept(self, f: BlockFrame) -> None:
         if f.fingerprint != self.fingerprint:
             raise StrataError("bad_request", f"KV for {f.request_id} comes from another model "
                               f"({f.fingerprint[:12]} != {self.fingerprint[:12]})")
         p = self._pending.get(f.request_id)
         if p is None:
-            self.expire()  # transfers whose request never showed up must not pile up
-            shape = self.shape_of(f.total_tokens)
-            p = _Pending(f.total_tokens, torch.empty(shape, dtype=self.dtype))
+            await self.expire()  # transfers whose request never showed up must not pile up
+            if f.total_tokens <= 0:
+                raise StrataError("bad_request", f"KV for {f.request_id}: no total_tokens")
+            p = _Pending(f.total_tokens, self.num_layers)
             self._pending[f.request_id] = p
+            try:
+                await self.sink.open(f.request_id, f.total_tokens)
+            except Exception as exc:
+                self._pending.pop(f.request_id, None)
+                raise StrataError("unavailable", f"no KV blocks for {f.request_id}: {exc}") from exc
         layers = range(f.layer_start, f.layer_end)
         n = f.num_tokens or p.num_tokens
         t0 = f.token_start
-        if t0 + n > p.num_tokens or f.layer_end > p.kv.shape[0] or not layers:
+        if t0 + n > p.num_tokens or f.layer_end > p.num_layers or not layers:
             raise StrataError("bad_request", f"KV frame for {f.request_id} is out of range "
                               f"(layers {f.layer_start}-{f.layer_end}, tokens {t0}+{n})")
-        want = (len(layers), 2, n, *p.kv.shape[3:])
+        want = (len(layers), 2, n, *self.kv_tail)
         t = frame_to_tensor(f, dtype=self.dtype, shape=want)
-        p.kv[layers.start:layers.stop, :, t0:t0 + n].copy_(t)
+        await self.sink.write(f.request_id, layers, t0, t)
         p.covered += len(layers) * n
         if f.last:
-            need = p.kv.shape[0] * p.num_tokens
+            need = p.num_layers * p.num_tokens
             if p.covered < need:
                 raise StrataError("bad_request", f"KV for {f.request_id} ended incomplete "
                                   f"({p.covered}/{need} layer-token cells)")
             p.done.set()
 
-    async def take(self, request_id: str, num_tokens: int, timeout: float) -> torch.Tensor:
-        """The complete KV of ``request_id`` (waits up to ``timeout``); removes it."""
+    async def take(self, request_id: str, num_tokens: int, timeout: float) -> None:
+        """Wait until the KV of ``request_id`` is complete in the engine's reserved blocks (up to
+        ``timeout``); the caller then commits the reservation. Raises and frees it otherwise."""
         deadline = time.monotonic() + timeout
         while request_id not in self._pending:
             if time.monotonic() > deadline:
@@ -141,21 +176,22 @@ class KVReceiver(KVTransferHandler):
         try:
             await asyncio.wait_for(p.done.wait(), max(0.0, deadline - time.monotonic()))
         except TimeoutError:
+            await self.drop(request_id)
             raise StrataError("timeout", f"KV for {request_id} incomplete after {timeout}s") from None
-        finally:
-            self._pending.pop(request_id, None)
+        self._pending.pop(request_id, None)
         if p.num_tokens != num_tokens:
+            await self.sink.cancel(request_id)
             raise StrataError("bad_request", f"KV for {request_id} covers {p.num_tokens} tokens, "
                               f"prompt has {num_tokens}")
-        return p.kv
 
-    def drop(self, request_id: str) -> None:
-        self._pending.pop(request_id, None)
+    async def drop(self, request_id: str) -> None:
+        if self._pending.pop(request_id, None) is not None:
+            await self.sink.cancel(request_id)
 
-    def expire(self) -> int:
+    async def expire(self) -> int:
         """Drop transfers whose request never showed up (the prefill side died)."""
         now = time.monotonic()
         old = [r for r, p in self._pending.items() if now - p.created > self.ttl]
         for r in old:
-            self.drop(r)
+            await self.drop(r)
         return len(old)

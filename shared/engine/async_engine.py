@@ -53,8 +53,9 @@ class AsyncEngine:
         kv,
         **kwargs,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream outputs of a request prefilled elsewhere (``kv``: ``[L, 2, n, kvh, hd]``);
-        outputs start after ``first_token_id``. See ``LLMEngine.add_prefilled_request``."""
+        """Stream outputs of a request prefilled elsewhere (``kv``: ``[L, 2, n, kvh, hd]``, or
+        None when it was already written into blocks reserved for ``request_id``); outputs start
+        after ``first_token_id``. See ``LLMEngine.add_prefilled_request`` / ``commit_prefilled``."""
         item = ("prefilled", request_id, list(prompt_ids), params,
                 dict(kwargs, first_token_id=first_token_id, kv=kv))
         async for out in self._stream(request_id, item):
@@ -120,7 +121,10 @@ class AsyncEngine:
                 elif kind == "prefilled":
                     _, rid, ids, params, kw = item
                     first, kv = kw.pop("first_token_id"), kw.pop("kv")
-                    self.engine.add_prefilled_request(rid, ids, first, params, kv, **kw)
+                    if kv is None:  # KV already written into blocks reserved for rid
+                        self.engine.commit_prefilled(rid, ids, first, params, **kw)
+                    else:
+                        self.engine.add_prefilled_request(rid, ids, first, params, kv, **kw)
                 elif kind == "abort":
                     self.engine.abort_request(item[1])
                 else:
