@@ -215,6 +215,8 @@ class KVStore:
         if self.ssd is None or not self.misses.need_refresh(fingerprint, keys):
             return
         lock = self._refreshing.setdefault(fingerprint, asyncio.Lock())
+        if lock.locked() and not self.ssd_online:
+            return  # do not queue queries behind a listing of a store that is down
         async with lock:  # one refresh per fingerprint at a time; waiters reuse its result
             if self.misses.need_refresh(fingerprint, keys):
                 await self._refresh_view(fingerprint)

@@ -1,0 +1,63 @@
+"""Cluster-level tests of the KV pool: a real subprocess cluster (`Cluster`) with MinIO, the
+built-in tiny model, Prometheus metrics scraped from each service's ``STRATA_METRICS_PORT``."""
+
+from __future__ import annotations
+
+import os
+import time
+import urllib.request
+from collections.abc import Callable
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from services.launcher import Cluster, ensure_model
+
+SHARED_PREFIX = (
+    "You are the storage assistant of a large inference cluster. Every answer must be short, "
+    "precise and name the tier that served the data: engine memory, the kvstore DRAM tier or "
+    "the MinIO object store, which keeps blocks across restarts. Blocks are sixteen tokens long "
+    "and identified by a chained hash of their tokens, salted with the model fingerprint. "
+)
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> str:
+    return ensure_model("")
+
+
+def start_cluster(model_dir: str, **overrides) -> Cluster:
+    """A small cluster (1 prefill, 1 decode, 1 kvstore, no vision) with logs in its data dir."""
+    overrides.setdefault("ready_timeout", 240.0)
+    overrides.setdefault("die_with_parent", True)
+    for role, n in (("prefill", 1), ("decode", 1), ("kvstore", 1), ("vision", 0)):
+        overrides.setdefault(role, n)
+    return Cluster(model_dir, log_stream=open(os.devnull, "w"), **overrides).start()
+
+
+def metrics(cluster: Cluster, name: str) -> dict[tuple[str, tuple], float]:
+    """``(sample name, sorted labels) -> value`` scraped from service ``name``."""
+    port = cluster.specs[name].env["STRATA_METRICS_PORT"]
+    with urllib.request.urlopen(f"http://{cluster.cfg.host}:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def metric(cluster: Cluster, name: str, sample: str, **labels: str) -> float:
+    """Sum of the samples called ``sample`` whose labels include ``labels`` (0 if none)."""
+    want = set(labels.items())
+    return sum(
+        v for (n, lbl), v in metrics(cluster, name).items() if n == sample and want <= set(lbl)
+    )
+
+
+def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.2)

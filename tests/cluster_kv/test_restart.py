@@ -1,0 +1,57 @@
+"""Cluster restart keeps the KV pool: blocks written behind to MinIO serve the first request of
+a fresh cluster (same NATS/MinIO data dir, every Strata service restarted)."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.cluster_kv.conftest import SHARED_PREFIX, metric, start_cluster, wait_until
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+MAX_TOKENS = 6
+
+
+def complete(cluster, prompt: str):
+    client = openai.OpenAI(base_url=cluster.gateway_url + "/v1", api_key="x", max_retries=0)
+    model = client.models.list().data[0].id
+    return client.completions.create(
+        model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0
+    )
+
+
+def test_restarted_cluster_is_served_from_minio(model_dir, tmp_path):
+    data = str(tmp_path / "cluster")
+    first = start_cluster(model_dir, data_dir=data)
+    try:
+        before = complete(first, SHARED_PREFIX + "Which tier survives a restart?")
+        again = complete(first, SHARED_PREFIX + "Which tier is fastest?")
+        assert again.usage.prompt_tokens_details.cached_tokens >= 64  # engine prefix reuse
+        # every pool block is written behind to MinIO (no eviction needed)
+        wait_until(
+            lambda: (
+                metric(first, "kvstore-0", "strata_kvstore_persists_total") >= 4
+                and metric(first, "kvstore-0", "strata_kvstore_blocks", tier="write_behind") == 0
+            ),
+            30,
+            "write-behind to MinIO",
+        )
+        assert metric(first, "kvstore-0", "strata_kvstore_spills_total") == 0
+    finally:
+        first.stop()
+
+    second = start_cluster(model_dir, data_dir=data)  # fresh processes, same MinIO data
+    try:
+        assert metric(second, "kvstore-0", "strata_kvstore_hits_total", tier="ssd") == 0
+        after = complete(second, SHARED_PREFIX + "Which tier survives a restart?")
+        assert after.choices[0].text == before.choices[0].text
+        assert after.usage.prompt_tokens == before.usage.prompt_tokens
+        cached = after.usage.prompt_tokens_details.cached_tokens
+        assert cached >= 64 and cached % 16 == 0
+        ssd_blocks = metric(second, "prefill-0", "strata_prefix_pool_hit_blocks_total", tier="ssd")
+        assert ssd_blocks == cached // 16
+        assert metric(second, "kvstore-0", "strata_kvstore_hits_total", tier="ssd") >= ssd_blocks
+        assert metric(second, "kvstore-0", "strata_kvstore_restores_total") >= ssd_blocks
+    finally:
+        second.stop()
