@@ -20,43 +20,28 @@ from services.worker.runtime import (
     ModelRuntime,
     publish_error,
 )
+from services.worker.service import RequestTasks
 from shared import bus
 from shared.protocol import subjects
 from shared.protocol.errors import StrataError
 from shared.protocol.stream import TokenChunk, Usage
-from shared.protocol.work import SubmitAck, WorkItem
+from shared.protocol.work import WorkItem
 
 log = logging.getLogger(__name__)
 
 
-class DecodeService:
+class DecodeService(RequestTasks):
     def __init__(self, rt: ModelRuntime, nc: NATS):
-        self.rt = rt
-        self.nc = nc
-        self.tasks: dict[str, asyncio.Task] = {}
+        super().__init__(rt, nc)
         model = rt.loaded.model
         self.receiver = KVReceiver(
             rt.fingerprint, PagedSink(rt.async_engine), model.num_layers,
             (model.num_kv_heads, model.head_dim), rt.engine.runner.kv.k.dtype,
         )
 
-    @property
-    def instance_id(self) -> str:
-        return self.rt.cfg.instance_id
-
-    async def submit(self, item: WorkItem) -> SubmitAck:
-        if item.request_id in self.tasks:
-            raise StrataError("bad_request", f"duplicate request id {item.request_id}")
-        task = asyncio.create_task(self._run(item))
-        self.tasks[item.request_id] = task
-        task.add_done_callback(lambda _: self.tasks.pop(item.request_id, None))
-        return SubmitAck(instance_id=self.instance_id)
-
     async def cancel(self, request_id: str) -> None:
         await self.receiver.drop(request_id)
-        task = self.tasks.get(request_id)
-        if task is not None:
-            task.cancel()
+        await super().cancel(request_id)
 
     async def _run(self, item: WorkItem) -> None:
         rid = item.request_id

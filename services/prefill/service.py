@@ -25,6 +25,7 @@ from services.worker.runtime import (
     ModelRuntime,
     publish_error,
 )
+from services.worker.service import RequestTasks
 from shared import bus
 from shared.kvtransfer.client import get_client
 from shared.protocol import subjects
@@ -35,34 +36,15 @@ from shared.protocol.work import SubmitAck, WorkItem
 log = logging.getLogger(__name__)
 
 
-class PrefillService:
+class PrefillService(RequestTasks):
     def __init__(self, rt: ModelRuntime, nc: NATS):
-        self.rt = rt
-        self.nc = nc
-        self.tasks: dict[str, asyncio.Task] = {}
+        super().__init__(rt, nc)
         self.background: set[asyncio.Task] = set()
         self.pool = rt.pool_link()
         self.tap: LayerTap | None = None
         if rt.cfg.layerwise_transfer:
             self.tap = LayerTap(asyncio.get_event_loop(), rt.loaded.model.num_layers)
             rt.async_engine.layer_hook = self.tap
-
-    @property
-    def instance_id(self) -> str:
-        return self.rt.cfg.instance_id
-
-    async def submit(self, item: WorkItem) -> SubmitAck:
-        if item.request_id in self.tasks:
-            raise StrataError("bad_request", f"duplicate request id {item.request_id}")
-        task = asyncio.create_task(self._run(item))
-        self.tasks[item.request_id] = task
-        task.add_done_callback(lambda _: self.tasks.pop(item.request_id, None))
-        return SubmitAck(instance_id=self.instance_id)
-
-    async def cancel(self, request_id: str) -> None:
-        task = self.tasks.get(request_id)
-        if task is not None:
-            task.cancel()
 
     async def _run(self, item: WorkItem) -> None:
         rid = item.request_id
