@@ -77,6 +77,7 @@ class PolicyRun:
     wall_s: float = 0.0
     ttfts: list[float] = field(default_factory=list)
     error_samples: list[str] = field(default_factory=list)
+    requests: list[dict] = field(default_factory=list)  # per request: start, tenant, hit, ttft
 
     @property
     def hit_rate(self) -> float:
@@ -118,9 +119,13 @@ def run_policy(model_dir: str, policy: str, jobs: list[Job], prefill: int = 4,
     through the REST gateway, stop it. Engine caches are ``prefill_kv_bytes`` per prefill
     instance, so one instance cannot hold every tenant's prefix."""
     log = open(os.path.join(log_dir, f"{policy}.log") if log_dir else os.devnull, "w")
+    sched = ["--policy", policy, "--short-prompt-tokens", "0"]
+    if log_dir:  # keep every service's log (and the scheduler's routing decisions)
+        sched += ["--log-level", "DEBUG"]
     c = Cluster(model_dir, prefill=prefill, decode=1, kvstore=0, vision=0, minio=False,
                 torch_threads=1, ready_timeout=240.0, die_with_parent=True, log_stream=log,
-                role_args={"scheduler": ["--policy", policy, "--short-prompt-tokens", "0"],
+                data_dir=os.path.join(log_dir, policy) if log_dir else "",
+                role_args={"scheduler": sched,
                            "prefill": ["--kv-cache-bytes", str(prefill_kv_bytes)]})
     try:
         c.start()
@@ -135,6 +140,9 @@ def run_policy(model_dir: str, policy: str, jobs: list[Job], prefill: int = 4,
         log.close()
     run = PolicyRun(policy, wall_s=wall)
     for r in results:
+        run.requests.append({"start": round(r.start, 3), "tenant": r.tenant, "ok": r.ok,
+                             "prompt": r.prompt_tokens, "cached": r.cached_tokens,
+                             "ttft": round(r.ttft or r.e2e or 0.0, 3)})
         if not r.ok:
             run.errors += 1
             run.error_samples = (run.error_samples + [f"{r.status}: {r.error}"])[:3]

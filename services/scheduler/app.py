@@ -18,6 +18,7 @@ from nats.aio.client import Client as NATS
 from nats.js.api import StreamConfig
 from nats.js.errors import NotFoundError
 
+from services.scheduler import metrics
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import SchedulerCore
 from shared import bus, service
@@ -134,13 +135,17 @@ async def run_scheduler(
     subs.append(kv_sub)
     t0 = time.perf_counter()
     await replayed.wait()
+    replay_s = time.perf_counter() - t0
     log.info(
         "prefix index rebuilt from %s: %d events, %d blocks in %.2fs",
         subjects.KV_EVENTS_STREAM,
         core.index.events_applied,
         len(core.index),
-        time.perf_counter() - t0,
+        replay_s,
     )
+    metrics.KV_EVENTS_REPLAYED.set(core.index.events_applied)
+    metrics.REPLAY_SECONDS.set(replay_s)
+    metrics.PREFIX_INDEX_DIGEST.set_function(core.index.digest)  # computed on scrape only
     reg_task = asyncio.create_task(watch_registry(js, core, stop))
     subs.append(await nc.subscribe(subjects.LOAD_ALL, cb=on_load))
     subs.append(

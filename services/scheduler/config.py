@@ -68,6 +68,12 @@ class SchedulerConfig(ServiceConfig):
         description="At level 3 only priority <= this is admitted (lower number = more important)",
     )
     retry_after_s: float = Field(5.0, gt=0, description="Retry-After of degradation refusals")
+    expect_ttl_s: float = Field(
+        30.0,
+        ge=0,
+        description="Seconds a routed prompt's blocks count as cached on its prefill instance "
+        "before their KV event arrives (0 = wait for the event)",
+    )
 
     @field_validator("degrade_up", "degrade_down")
     @classmethod

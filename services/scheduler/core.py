@@ -6,6 +6,7 @@ degradation level, the `SchedulerState` to publish); call `route()` per request.
 
 from __future__ import annotations
 
+import logging
 import time
 
 from services.scheduler import metrics
@@ -26,6 +27,8 @@ from shared.protocol.sched import (
     RouteRequest,
     SchedulerState,
 )
+
+log = logging.getLogger(__name__)
 
 
 class SchedulerCore:
@@ -152,6 +155,13 @@ class SchedulerCore:
             dec.pending_requests += 1
             self.members.touch(dec)
         self.members.touch(target)
+        if req.block_hashes and self.cfg.expect_ttl_s > 0:
+            self.index.expect(target.instance_id, req.block_hashes,
+                              time.monotonic() + self.cfg.expect_ttl_s)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("route %s: prefill=%s decode=%s cached=%d ttft=%.3fs (%s)", req.request_id,
+                      d.prefill_instance or "-", d.decode_instance, d.cached_tokens,
+                      d.predicted_ttft_s, d.reason)
         trim = level >= 1 and req.slo_class == "batch"
         return RouteReply(
             decode_instance=dec.instance_id,
@@ -182,7 +192,7 @@ class SchedulerCore:
             )
 
     def request_view(self, req: RouteRequest) -> RequestView:
-        m = self.index.lookup(req.block_hashes) if req.block_hashes else None
+        m = self.index.lookup(req.block_hashes, time.monotonic()) if req.block_hashes else None
         bs = self.block_size
         slo_ms = req.ttft_slo_ms or (
             self.cfg.slo_batch_ms if req.slo_class == "batch" else self.cfg.slo_interactive_ms

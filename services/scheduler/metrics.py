@@ -19,3 +19,11 @@ PREFIX_INDEX_BLOCKS = Gauge(
 DEGRADE_LEVEL = Gauge("strata_scheduler_degrade_level", "Degradation level (0..3)")
 CLUSTER_LOAD = Gauge("strata_scheduler_cluster_load", "Cluster load driving degradation")
 KV_EVENTS = Counter("strata_scheduler_kv_events_total", "KV events applied", ["status"])
+PREFIX_INDEX_DIGEST = Gauge(
+    "strata_scheduler_prefix_index_digest",
+    "Order-independent 48-bit digest of the prefix index contents (equal on replicas in sync)",
+)
+KV_EVENTS_REPLAYED = Gauge(
+    "strata_scheduler_kv_events_replayed", "KV events applied by the start-up replay"
+)
+REPLAY_SECONDS = Gauge("strata_scheduler_replay_seconds", "Seconds the start-up replay took")

@@ -11,7 +11,10 @@ into DRAM and SSD by the fastest tier holding each). Pure Python: no NATS.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
+
+import xxhash
 
 from shared.protocol.kv import KVEvent
 
@@ -40,6 +43,11 @@ class PrefixIndex:
         self._retired: dict[str, set[str]] = {}  # instance -> incarnations that are gone
         self._seq: dict[str, int] = {}  # instance -> last applied seq (current incarnation)
         self.events_applied = 0
+        # Optimistic engine-tier entries: blocks of prompts just routed to an instance, counted
+        # as held there until ``deadline`` (their "stored" event comes only after the prompt
+        # was computed, which under load can be seconds later). Not part of `digest()`.
+        self._expected: dict[str, dict[str, float]] = {}  # hash -> instance -> deadline
+        self._expect_q: deque[tuple[float, str, str]] = deque()
 
     def __len__(self) -> int:
         """Number of distinct block hashes held anywhere."""
@@ -68,6 +76,9 @@ class PrefixIndex:
                 mine.add(h)
         else:
             for h in ev.hashes:
+                exp = self._expected.get(h)
+                if exp is not None and ev.tier == "engine":
+                    exp.pop(inst, None)
                 holders = self._holders.get(h)
                 if holders is None or inst not in holders:
                     continue
@@ -105,16 +116,54 @@ class PrefixIndex:
         self._seq.pop(instance_id, None)
         return len(hashes)
 
+    def expect(self, instance_id: str, hashes: list[str], deadline: float) -> None:
+        """``instance_id`` is about to compute ``hashes`` (a request was routed there): count
+        them as in its engine cache until ``deadline`` or until a "removed" event."""
+        for h in hashes:
+            self._expected.setdefault(h, {})[instance_id] = deadline
+            self._expect_q.append((deadline, h, instance_id))
+
+    def expire(self, now: float) -> None:
+        """Forget expectations whose deadline passed (amortised O(1) per expectation)."""
+        q = self._expect_q
+        while q and q[0][0] <= now:
+            _, h, inst = q.popleft()
+            exp = self._expected.get(h)
+            if exp is not None and exp.get(inst, now + 1) <= now:
+                del exp[inst]
+                if not exp:
+                    del self._expected[h]
+
     # --- queries --------------------------------------------------------------------------------
-    def lookup(self, hashes: list[str]) -> PrefixMatch:
+    def digest(self) -> int:
+        """Order-independent 48-bit digest of the contents (block, instance, tier bits): two
+        indexes that hold the same state have the same digest (a rebuilt index is compared with
+        a live one this way, e.g. through the ``strata_scheduler_prefix_index_digest`` gauge)."""
+        acc = 0
+        # list() copies in one C call: safe while the event loop thread keeps applying events
+        for h, holders in list(self._holders.items()):
+            for inst, bits in list(holders.items()):
+                acc ^= xxhash.xxh64_intdigest(f"{h}|{inst}|{bits}")
+        return acc & ((1 << 48) - 1)  # exact in a float64 gauge
+
+    def lookup(self, hashes: list[str], now: float | None = None) -> PrefixMatch:
+        """Leading blocks of ``hashes`` per instance (engine tier, counting unexpired
+        expectations when ``now`` is given) and in the pool."""
         match = PrefixMatch()
         current: set[str] | None = None  # instances holding every block so far (engine tier)
         pool_open = True
+        expected = self._expected if now is not None else {}
+        if now is not None:
+            self.expire(now)
         for i, h in enumerate(hashes):
             holders = self._holders.get(h)
-            if not holders:
+            exp = expected.get(h)
+            if not holders and not exp:
                 break
+            holders = holders or {}
             engine = {inst for inst, bits in holders.items() if bits & ENGINE}
+            if exp:
+                engine.update(exp)
             current = engine if current is None else current & engine
             for inst in current:
                 match.engine_blocks[inst] = i + 1
