@@ -1,15 +1,19 @@
 """Paged attention over the engine's KV cache (pure torch, CPU or CUDA).
 
 ``AttentionPlan`` is built once per forward from ``AttentionMetadata`` and shared by every
-layer. Three paths, chosen per group of sequences:
+layer, so all index tensors exist before the first layer runs. Three paths:
 
-* decode: sequences with one new token are batched: their K/V are gathered through the block
-  table into a padded ``[B, KVH, S, D]`` tensor and attended with a key-padding mask; the GQA
-  group is folded into the query axis so K/V are never repeated;
+* decode: a sequence with one new token attends over exactly its context. Its blocks are
+  gathered with one ``index_select`` on the block axis (whole blocks, contiguous copies) and
+  trimmed to the context length, so there is no padding and no mask; the GQA group is folded
+  into the query axis so K/V are never repeated. One small SDPA call per sequence measured
+  2-3x faster on CPU than one padded, masked SDPA over the whole batch: the masked kernel is
+  slow for 1-2 query rows, and the padded gather copied up to 2x the bytes (see
+  docs/benchmarks/model.md);
 * fresh prefill: sequences with no cached context attend over their own new K/V with
   ``is_causal`` (one batched SDPA call when all lengths are equal);
-* general: chunked prefill over a cached prefix, one SDPA call per sequence with an
-  offset causal mask over the gathered context.
+* general: a chunk over a cached prefix (chunked prefill, prefix-cache hit, speculative
+  verification): one SDPA call per sequence with an offset causal mask over the gathered context.
 """
 
 from __future__ import annotations
@@ -23,11 +27,10 @@ from shared.model.api import AttentionMetadata
 
 
 @dataclass
-class _DecodeGroup:
-    token_idx: torch.Tensor  # [B] positions of the decode tokens in the flat batch
-    block_tables: torch.Tensor  # [B, nblocks] trimmed to the longest context
-    key_mask: torch.Tensor  # bool [B, 1, 1, S]: True where a key is inside the context
-    num_keys: int
+class _Decode:
+    token: int  # row of the decode token in the flat batch
+    blocks: torch.Tensor  # block ids covering the context
+    context_len: int
 
 
 @dataclass
@@ -45,7 +48,8 @@ class AttentionPlan:
 
     num_tokens: int
     block_size: int
-    decode: _DecodeGroup | None
+    decodes: list[_Decode]
+    decode_rows: torch.Tensor | None  # rows of the decode tokens (None: all rows, in order)
     fresh_uniform: tuple[int, int] | None  # (num_seqs, seq_len) when the whole batch is fresh
     spans: list[_Span]  # sequences handled one by one
 
@@ -54,46 +58,41 @@ class AttentionPlan:
         qs = meta.query_start_loc.tolist() if meta.query_start_loc.numel() else [0]
         q_lens, ctx_lens = meta.query_lens, meta.context_lens_list
         num_tokens = qs[-1]
-        decode_ids = [i for i, q in enumerate(q_lens) if q == 1 and ctx_lens[i] > 1]
-        decode = None
-        if decode_ids:
-            ctx = torch.tensor([ctx_lens[i] for i in decode_ids], device=device)
-            nblocks = -(-max(ctx_lens[i] for i in decode_ids) // block_size)
-            sel = torch.tensor(decode_ids, device=device)
-            tables = meta.block_tables.to(device)[sel, :nblocks]
-            num_keys = nblocks * block_size
-            key_mask = torch.arange(num_keys, device=device)[None, :] < ctx[:, None]
-            decode = _DecodeGroup(
-                token_idx=torch.tensor([qs[i] for i in decode_ids], device=device),
-                block_tables=tables,
-                key_mask=key_mask[:, None, None, :],
-                num_keys=num_keys,
-            )
-        rest = [i for i in range(len(q_lens)) if not (q_lens[i] == 1 and ctx_lens[i] > 1)]
-        fresh = all(ctx_lens[i] == q_lens[i] for i in rest)
+        tables = meta.block_tables.to(device)
+        decodes: list[_Decode] = []
+        spans: list[_Span] = []
+        rest: list[int] = []
+        for i, (q, c) in enumerate(zip(q_lens, ctx_lens, strict=True)):
+            if q == 1 and c > 1:
+                decodes.append(_Decode(qs[i], tables[i, : -(-c // block_size)], c))
+            elif q > 0:
+                rest.append(i)
+        decode_rows = None
+        if decodes and len(decodes) != num_tokens:
+            decode_rows = torch.tensor([d.token for d in decodes], device=device)
         fresh_uniform = None
-        if not decode_ids and fresh and rest and len(set(q_lens)) == 1 and len(rest) > 1:
-            fresh_uniform = (len(rest), q_lens[0])
-            rest = []
-        spans = []
+        if (
+            not decodes
+            and len(rest) > 1
+            and all(ctx_lens[i] == q_lens[i] == q_lens[rest[0]] for i in rest)
+        ):
+            return cls(num_tokens, block_size, [], None, (len(rest), q_lens[rest[0]]), [])
         for i in rest:
             q, c = q_lens[i], ctx_lens[i]
             blocks = mask = None
-            if q == 0:
-                continue
             if c != q:
-                blocks = meta.block_tables[i, : -(-c // block_size)].to(device)
+                blocks = tables[i, : -(-c // block_size)]
                 kpos = torch.arange(c, device=device)
                 qpos = torch.arange(c - q, c, device=device)
                 mask = kpos[None, :] <= qpos[:, None]
             spans.append(_Span(qs[i], qs[i] + q, c, blocks, mask))
-        return cls(num_tokens, block_size, decode, fresh_uniform, spans)
+        return cls(num_tokens, block_size, decodes, decode_rows, fresh_uniform, spans)
 
 
-def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """``cache[blocks]`` for a layer slice ``[NB, BS, KVH, D]`` -> ``[..., nblocks*BS, KVH, D]``."""
-    g = cache[blocks]
-    return g.reshape(*blocks.shape[:-1], -1, *cache.shape[-2:])
+def _context(cache: torch.Tensor, blocks: torch.Tensor, n: int) -> torch.Tensor:
+    """First ``n`` tokens of the blocks of a layer slice ``[NB, BS, KVH, D]`` -> ``[KVH, n, D]``."""
+    g = cache.index_select(0, blocks)
+    return g.view(-1, *cache.shape[-2:])[:n].transpose(0, 1)
 
 
 def paged_attention(
@@ -127,15 +126,19 @@ def paged_attention(
         )
         return o.transpose(1, 2).reshape(b * t, num_heads, head_dim)
 
-    out = torch.empty_like(q)
-    dec = plan.decode
-    if dec is not None:
-        b = dec.token_idx.numel()
-        qd = q.index_select(0, dec.token_idx).view(b, kv_heads, group, head_dim)
-        kd = _gather(k_cache, dec.block_tables).transpose(1, 2)  # [B, KVH, S, D]
-        vd = _gather(v_cache, dec.block_tables).transpose(1, 2)
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=dec.key_mask, scale=scale)
-        out.index_copy_(0, dec.token_idx, o.reshape(b, num_heads, head_dim))
+    out = q.new_empty(q.shape[0], kv_heads, group, head_dim)
+    if plan.decodes:
+        rows = plan.decode_rows
+        qd = q if rows is None else q.index_select(0, rows)
+        qd = qd.view(-1, kv_heads, group, head_dim)
+        od = out if rows is None else torch.empty_like(qd)
+        for j, d in enumerate(plan.decodes):
+            kd = _context(k_cache, d.blocks, d.context_len)
+            vd = _context(v_cache, d.blocks, d.context_len)
+            od[j] = F.scaled_dot_product_attention(qd[j], kd, vd, scale=scale)
+        if rows is not None:
+            out.index_copy_(0, rows, od)
+    out = out.view(q.shape)
     for s in plan.spans:
         qs = q[s.start : s.end].transpose(0, 1)  # [H, q, D]
         if s.blocks is None:  # fresh prefill: only its own new tokens
@@ -145,8 +148,8 @@ def paged_attention(
                 qs, ks, vs, is_causal=True, scale=scale, enable_gqa=group > 1
             )
         else:
-            ks = _gather(k_cache, s.blocks)[: s.context_len].transpose(0, 1)
-            vs = _gather(v_cache, s.blocks)[: s.context_len].transpose(0, 1)
+            ks = _context(k_cache, s.blocks, s.context_len)
+            vs = _context(v_cache, s.blocks, s.context_len)
             o = F.scaled_dot_product_attention(
                 qs, ks, vs, attn_mask=s.mask, scale=scale, enable_gqa=group > 1
             )

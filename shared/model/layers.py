@@ -82,11 +82,52 @@ class Rotary:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on ``x: [T, heads, D]`` with ``cos/sin: [T, D]`` (rotate_half layout)."""
-    cos, sin = cos[:, None, :], sin[:, None, :]
+    """RoPE on ``x: [T, heads, D]`` with ``cos/sin: [T, D]`` (rotate_half layout).
+
+    Same roundings as transformers' ``x * cos + rotate_half(x) * sin`` (``a + (-b) == a - b``
+    exactly, and both halves of ``cos``/``sin`` are equal), without the ``cat`` and ``neg``.
+    """
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    c, s = cos[:, None, :half], sin[:, None, :half]
+    x1, x2 = x[..., :half], x[..., half:]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    lo, hi = out[..., :half], out[..., half:]
+    torch.mul(x1, c, out=lo).sub_(x2 * s)
+    torch.mul(x2, c, out=hi).add_(x1 * s)
+    return out
+
+
+def _fuse(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """Stack the weights of ``linears`` into one matrix and make each module's weight (and
+    bias) a row slice of it, so one GEMM replaces several and memory is not doubled. Returns
+    ``None`` when they cannot share one GEMM (a quantised or mixed module)."""
+    if any(type(m) is not nn.Linear for m in linears):
+        return None
+    if len({(m.weight.dtype, m.weight.device, m.bias is None) for m in linears}) != 1:
+        return None
+    with torch.inference_mode(False), torch.no_grad():
+        w = torch.cat([m.weight for m in linears])
+        b = None if linears[0].bias is None else torch.cat([m.bias for m in linears])
+        row = 0
+        for m in linears:
+            n = m.out_features
+            m.weight = nn.Parameter(w[row : row + n], requires_grad=False)
+            if b is not None:
+                m.bias = nn.Parameter(b[row : row + n], requires_grad=False)
+            row += n
+    return w, b
+
+
+def _still_fused(fused, linears: list[nn.Linear]) -> bool:
+    """True while every module's weight is still the row slice of ``fused`` it was given."""
+    if fused is None:
+        return False
+    w, row = fused[0], 0
+    for m in linears:
+        if type(m) is not nn.Linear or m.weight.data_ptr() != w[row].data_ptr():
+            return False
+        row += m.out_features
+    return True
 
 
 class Attention(nn.Module):
@@ -115,6 +156,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(head_dim, eps)
         else:
             self.q_norm = self.k_norm = None
+        self._qkv = None  # (weight, bias) backing q/k/v_proj, built on the first forward
 
     def forward(
         self,
@@ -126,15 +168,35 @@ class Attention(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
     ) -> torch.Tensor:
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        t, nh, nkv = x.shape[0], self.num_heads, self.num_kv_heads
+        projs = [self.q_proj, self.k_proj, self.v_proj]
+        if not _still_fused(self._qkv, projs):
+            self._qkv = _fuse(projs)
+        if self._qkv is not None:  # one GEMM, then q/k normed and rotated together
+            qkv = F.linear(x, *self._qkv).view(t, nh + 2 * nkv, self.head_dim)
+            qk, v = qkv[:, : nh + nkv], qkv[:, nh + nkv :]
+            if self.q_norm is not None:
+                qk = self._qk_norm(qk)
+            qk = apply_rope(qk, cos, sin)
+            q, k = qk[:, :nh], qk[:, nh:]
+        else:  # quantised projections
+            q = self.q_proj(x).view(t, nh, self.head_dim)
+            k = self.k_proj(x).view(t, nkv, self.head_dim)
+            v = self.v_proj(x).view(t, nkv, self.head_dim)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = paged_attention(q, k, v, k_cache, v_cache, slot_mapping, plan, self.scale)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+
+
+    def _qk_norm(self, qk: torch.Tensor) -> torch.Tensor:
+        """``q_norm``/``k_norm`` over ``[T, H + KVH, D]`` in one pass (same ops per element)."""
+        h = qk.float()
+        h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.q_norm.eps)).to(qk.dtype)
+        h[:, : self.num_heads].mul_(self.q_norm.weight)
+        h[:, self.num_heads :].mul_(self.k_norm.weight)
+        return h
 
 
 class MLP(nn.Module):
@@ -146,6 +208,14 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.act = activation(act)
+        self._gate_up = None  # (weight, bias) backing gate/up_proj, built on the first forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        projs = [self.gate_proj, self.up_proj]
+        if not _still_fused(self._gate_up, projs):
+            self._gate_up = _fuse(projs)
+        if self._gate_up is None:
+            return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        n = self.gate_proj.out_features
+        gu = F.linear(x, *self._gate_up)
+        return self.down_proj(self.act(gu[..., :n]).mul_(gu[..., n:]))
