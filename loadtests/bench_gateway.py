@@ -27,6 +27,20 @@ from loadtests.loadgen.stats import summarize
 from loadtests.loadgen.workload import Job, words
 
 
+def proc_cpu(pids: list[int]) -> float:
+    """CPU seconds (user + system, threads included) the processes ``pids`` used so far."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return total
+
+
 def p2_prompts(n: int, seed: int = 0, lo: int = 64, hi: int = 480) -> list[str]:
     rng = random.Random(f"p2:{seed}")
     return [" ".join(words(rng, rng.randint(lo, hi))) for _ in range(n)]
@@ -47,10 +61,11 @@ def engine_side(model_dir: str, prompts: list[str], out_len: int, conc: int) -> 
     sp = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
     with torch.inference_mode():
         eng.generate(ids[:2], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), time.process_time()
         out = eng.generate(ids, sp)
-        wall = time.perf_counter() - t
-    return {"wall": wall, "tokens": sum(map(len, out)), "prompt_tokens": sum(map(len, ids))}
+        wall, cpu = time.perf_counter() - t, time.process_time() - cpu
+    return {"wall": wall, "cpu": cpu, "tokens": sum(map(len, out)),
+            "prompt_tokens": sum(map(len, ids))}  # fmt: skip
 
 
 def cluster_side(model_dir: str, prompts: list[str], out_len: int, conc: int,
@@ -65,9 +80,12 @@ def cluster_side(model_dir: str, prompts: list[str], out_len: int, conc: int,
                         deadline=1800, progress=False)  # fmt: skip
         warm = [Job(1000 + i, 2, prompt=p) for i, p in enumerate(prompts[:2])]
         asyncio.run(run_jobs(warm, cfg, concurrency=2))
+        pids = [p.proc.pid for p in c.sup.procs.values()]
+        cpu = proc_cpu(pids)
         res, wall = asyncio.run(run_jobs(jobs, cfg, concurrency=conc))
+        cpu = proc_cpu(pids) - cpu
     s = summarize(res, wall, conc)
-    return {"wall": wall, "tokens": s.completion_tokens, "prompt_tokens": s.prompt_tokens,
+    return {"wall": wall, "cpu": cpu, "tokens": s.completion_tokens, "prompt_tokens": s.prompt_tokens,
             "errors": s.requests - s.ok, "ttft_p50": s.ttft.p50, "tbt_p50": s.tbt.p50}  # fmt: skip
 
 
@@ -82,7 +100,8 @@ def p2(n: int, out_len: int, threads: int) -> list[str]:
     rows = [f"P2 ({n} prompts of 64-480 tokens, {out_len} out, greedy, ignore_eos, "
             f"concurrency {conc}, benchmark model):",
             f"- in-process LLMEngine, {threads} torch threads: {eng['wall']:.2f} s, "
-            f"{eng['tokens'] / eng['wall']:.1f} out tok/s"]  # fmt: skip
+            f"{eng['tokens'] / eng['wall']:.1f} out tok/s, CPU {eng['cpu']:.1f} s -> "
+            f"{eng['tokens'] / eng['cpu']:.1f} out tok per CPU-s"]  # fmt: skip
     sides = [("cluster prefill=0 decode=1", dict(prefill=0, decode=1, torch_threads=threads))]
     if threads >= 2:
         sides.append(("cluster PD prefill=1 decode=1",
@@ -90,12 +109,14 @@ def p2(n: int, out_len: int, threads: int) -> list[str]:
     for name, kw in sides:
         c = cluster_side(model_dir, prompts, out_len, conc, **kw)
         ratio = (c["tokens"] / c["wall"]) / (eng["tokens"] / eng["wall"])
+        cpu_ratio = (c["tokens"] / c["cpu"]) / (eng["tokens"] / eng["cpu"])
         rows.append(
             f"- {name}, {kw['torch_threads']} torch threads per model process: "
             f"{c['wall']:.2f} s, {c['tokens'] / c['wall']:.1f} out tok/s -> ratio {ratio:.2f} "
             f"(errors {c['errors']}, prompt tokens {c['prompt_tokens']} vs engine "
             f"{eng['prompt_tokens']}, TTFT p50 {c['ttft_p50'] * 1e3:.0f} ms, "
-            f"TBT p50 {c['tbt_p50'] * 1e3:.1f} ms)"
+            f"TBT p50 {c['tbt_p50'] * 1e3:.1f} ms); cluster CPU {c['cpu']:.1f} s (all services) "
+            f"-> {c['tokens'] / c['cpu']:.1f} out tok per CPU-s, ratio {cpu_ratio:.2f}"
         )
     return rows
 
