@@ -110,10 +110,10 @@ async def p5(nc, prefill, dec, lengths, repeats, vocab) -> list[str]:
     return rows
 
 
-async def p4(nc, prefill_a, prefill_b, dec, n, repeats, vocab, evict_fill: int) -> list[str]:
+async def p4(nc, prefill_a, prefill_b, dec, n, repeats, vocab, fillers: int) -> list[str]:
     """TTFT on prefill B (which never saw the prompt) when its prefix is nowhere (recompute),
     in the kvstore's DRAM (computed by A), or only in MinIO (A's blocks spilled out of DRAM by
-    ``evict_fill`` other tokens)."""
+    ``fillers`` other prompts of the same length)."""
     res: dict[str, list[float]] = {"recompute": [], "dram": [], "ssd": []}
     for _ in range(repeats):
         _, t0, times = await one_request(nc, prefill_b, dec, rand_prompt(n, vocab))
@@ -123,8 +123,8 @@ async def p4(nc, prefill_a, prefill_b, dec, n, repeats, vocab, evict_fill: int) 
             await one_request(nc, prefill_a, dec, prompt)  # A computes and stores the blocks
             await wait_pool(prefill_a, prompt, "dram")
             if case == "ssd":  # push them out of DRAM: they spill to MinIO
-                filler = rand_prompt(evict_fill, vocab)
-                await one_request(nc, prefill_a, dec, filler)
+                for _ in range(fillers):
+                    await one_request(nc, prefill_a, dec, rand_prompt(n, vocab))
                 await wait_pool(prefill_a, prompt, "ssd")
             _, t0, times = await one_request(nc, prefill_b, dec, prompt[:-1] + [7])
             res[case].append((times[0] - t0) * 1e3)
@@ -190,7 +190,7 @@ async def main_async(args) -> None:
             n = args.p4_tokens
             print(f"\n### P4: TTFT of a {n}-token prompt on a prefill instance that never saw it\n")
             rows = await p4(nc, prefill, workers[2], dec, n, args.repeats, vocab,
-                            evict_fill=args.p4_tokens * 2)
+                            fillers=args.fillers)
             print("\n".join(rows))
         for w in workers:
             await w.stop()
@@ -215,8 +215,10 @@ def main() -> None:
     ap.add_argument("--kv-bytes", type=int, default=512 << 20)
     ap.add_argument("--skip-p4", action="store_true")
     ap.add_argument("--p4-tokens", type=int, default=8192)
-    ap.add_argument("--kvstore-dram-bytes", type=int, default=48 << 20,
+    ap.add_argument("--kvstore-dram-bytes", type=int, default=40 << 20,
                     help="kvstore DRAM budget (P4 spills to MinIO past it)")
+    ap.add_argument("--fillers", type=int, default=2,
+                    help="P4: prompts pushed through A to spill the measured prefix to MinIO")
     args = ap.parse_args()
     args.lengths = [int(x) for x in args.lengths.split(",")]
     torch.set_num_threads(args.threads)
