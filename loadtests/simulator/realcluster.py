@@ -3,7 +3,7 @@ instances with a multi-tenant workload (tenants share long system prompts, arriv
 order), engine-tier prefix hits only (no kvstore), against the single-instance hit rate of the
 same requests run in-process by `LLMEngine`.
 
-    .venv/bin/python -m loadtests.simulator.realcluster --requests 64 --rate 3 \\
+    .venv/bin/python -m loadtests.simulator.realcluster --requests 64 --rate 8 \\
         --out /tmp/realcluster.json
 
 `tests/cluster/test_prefix_routing.py` runs a smaller version of the same comparison.
@@ -23,6 +23,7 @@ from loadtests.loadgen.client import RunConfig, run_jobs
 from loadtests.loadgen.stats import percentile
 from loadtests.loadgen.workload import Job, poisson_arrivals, words
 from services.launcher import Cluster, ensure_model
+from services.launcher_procs import ServiceFailed
 
 
 @dataclass(frozen=True)
@@ -40,25 +41,32 @@ class TenantWorkload:
         seed: everything above is a function of the seed.
     """
 
-    requests: int = 40
-    tenants: int = 8
+    requests: int = 64
+    tenants: int = 16
     system_words: int = 768
     user_words: int = 24
     max_tokens: int = 2
-    rate: float = 3.0
+    rate: float = 8.0
     seed: int = 0
+
+    def _system(self, tenant: int) -> str:
+        return " ".join(words(random.Random(f"sys:{self.seed}:{tenant}"), self.system_words))
+
+    def warmup_jobs(self) -> list[Job]:
+        """One request per tenant, sent one at a time before the measured run: every policy
+        starts from a fleet that has seen each system prompt once (steady state)."""
+        rng = random.Random(f"warmup:{self.seed}")
+        return [Job(-1 - t, self.max_tokens, tenant=t,
+                    prompt=self._system(t) + " " + " ".join(words(rng, self.user_words)))
+                for t in range(self.tenants)]  # fmt: skip
 
     def jobs(self) -> list[Job]:
         rng = random.Random(f"realcluster:{self.seed}")
-        systems = [
-            " ".join(words(random.Random(f"sys:{self.seed}:{t}"), self.system_words))
-            for t in range(self.tenants)
-        ]
         arrivals = poisson_arrivals(self.requests, self.rate, self.seed)
         out = []
         for i in range(self.requests):
             t = rng.randrange(self.tenants)
-            prompt = systems[t] + " " + " ".join(words(rng, self.user_words))
+            prompt = self._system(t) + " " + " ".join(words(rng, self.user_words))
             out.append(Job(i, self.max_tokens, prompt=prompt, arrival=arrivals[i], tenant=t))
         return out
 
@@ -84,9 +92,11 @@ class PolicyRun:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
-def reference_hit_rate(model_dir: str, jobs: list[Job], block_size: int = 16) -> float:
-    """Engine-tier prefix hit rate of ``jobs`` run one by one, in arrival order, on a single
-    in-process `LLMEngine` whose cache holds everything (the best any routing can do)."""
+def reference_hit_rate(model_dir: str, jobs: list[Job], warmup: list[Job] = (),
+                       block_size: int = 16) -> float:  # fmt: skip
+    """Engine-tier prefix hit rate of ``jobs`` run one by one, in arrival order (after
+    ``warmup``, not counted), on a single in-process `LLMEngine` whose cache holds everything
+    (the best any routing can do)."""
     import torch
 
     from shared.engine.engine import LLMEngine
@@ -101,39 +111,59 @@ def reference_hit_rate(model_dir: str, jobs: list[Job], block_size: int = 16) ->
     params = SamplingParams(max_tokens=1, temperature=0.0)
     cached = total = 0
     with torch.inference_mode():
-        for j in jobs:
+        for j in [*warmup, *jobs]:
             ids = tok.encode(j.prompt)
             engine.add_request(f"ref-{j.index}", ids, params)
             first = None
             while engine.has_unfinished_requests():
                 for o in engine.step():
                     first = first or o
-            cached += first.num_cached_tokens
-            total += len(ids)
+            if j.index >= 0:  # warm-up jobs have negative indexes
+                cached += first.num_cached_tokens
+                total += len(ids)
     return cached / total
 
 
-def run_policy(model_dir: str, policy: str, jobs: list[Job], prefill: int = 4,
-               prefill_kv_bytes: int = 12 << 20, log_dir: str = "") -> PolicyRun:
-    """Start a cluster (``prefill`` instances, 1 decode, no kvstore), send ``jobs`` open-loop
-    through the REST gateway, stop it. Engine caches are ``prefill_kv_bytes`` per prefill
-    instance, so one instance cannot hold every tenant's prefix."""
+def start_cluster(model_dir: str, attempts: int = 3, **overrides) -> Cluster:
+    """`Cluster(...).start()`, retried when a port picked free was taken meanwhile by another
+    process on a shared machine (the only start-up failure worth retrying)."""
+    overrides.setdefault("ready_timeout", 240.0)
+    overrides.setdefault("die_with_parent", True)
+    overrides.setdefault("log_stream", open(os.devnull, "w"))  # noqa: SIM115 - lives with it
+    for i in range(attempts):
+        try:
+            return Cluster(model_dir, **overrides).start()
+        except ServiceFailed as exc:
+            if "address already in use" not in str(exc) or i == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def run_policy(model_dir: str, policy: str, jobs: list[Job], warmup: list[Job] = (),
+               prefill: int = 4, prefill_kv_bytes: int = 16 << 20,
+               log_dir: str = "") -> PolicyRun:  # fmt: skip
+    """Start a cluster (``prefill`` instances, 1 decode, no kvstore), send ``warmup`` one at a
+    time, then ``jobs`` open-loop through the REST gateway (measured), stop it. Engine caches
+    are ``prefill_kv_bytes`` per prefill instance: one instance cannot hold every tenant's
+    prefix, the fleet can."""
     log = open(os.path.join(log_dir, f"{policy}.log") if log_dir else os.devnull, "w")
     sched = ["--policy", policy, "--short-prompt-tokens", "0"]
     if log_dir:  # keep every service's log (and the scheduler's routing decisions)
         sched += ["--log-level", "DEBUG"]
-    c = Cluster(model_dir, prefill=prefill, decode=1, kvstore=0, vision=0, minio=False,
-                torch_threads=1, ready_timeout=240.0, die_with_parent=True, log_stream=log,
-                data_dir=os.path.join(log_dir, policy) if log_dir else "",
-                role_args={"scheduler": sched,
-                           "prefill": ["--kv-cache-bytes", str(prefill_kv_bytes)]})
+    c = start_cluster(model_dir, prefill=prefill, decode=1, kvstore=0, vision=0, minio=False,
+                      torch_threads=1, log_stream=log,
+                      data_dir=os.path.join(log_dir, policy) if log_dir else "",
+                      role_args={"scheduler": sched,
+                                 "prefill": ["--kv-cache-bytes", str(prefill_kv_bytes)]})
     try:
-        c.start()
         cfg = RunConfig(url=c.gateway_url, request_timeout=120.0, deadline=300.0,
                         progress=False)
         from loadtests.loadgen.client import served_model
 
         cfg.model = asyncio.run(served_model(c.gateway_url))
+        if warmup:
+            asyncio.run(run_jobs(list(warmup), cfg, concurrency=1))
+            time.sleep(1.0)  # the warm-up's KV events reach the scheduler
         results, wall = asyncio.run(run_jobs(jobs, cfg))
     finally:
         c.stop()
@@ -178,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rate", type=float, default=d.rate)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--prefill", type=int, default=4)
-    p.add_argument("--prefill-kv-mib", type=int, default=12)
+    p.add_argument("--prefill-kv-mib", type=int, default=16)
     p.add_argument("--policies", default="round_robin,prefix_aware")
     p.add_argument("--model", default="", help="checkpoint (default: the built-in model)")
     p.add_argument("--log-dir", default="", help="keep each run's service logs here")
@@ -187,10 +217,10 @@ def main(argv: list[str] | None = None) -> None:
     w = TenantWorkload(a.requests, a.tenants, a.system_words, a.user_words, a.max_tokens,
                        a.rate, a.seed)
     model = ensure_model(a.model)
-    jobs = w.jobs()
+    jobs, warm = w.jobs(), w.warmup_jobs()
     t0 = time.perf_counter()
-    ref = reference_hit_rate(model, jobs)
-    runs = [run_policy(model, pol, jobs, a.prefill, a.prefill_kv_mib << 20, a.log_dir)
+    ref = reference_hit_rate(model, jobs, warm)
+    runs = [run_policy(model, pol, jobs, warm, a.prefill, a.prefill_kv_mib << 20, a.log_dir)
             for pol in a.policies.split(",")]
     print(table(ref, runs))
     print(f"({time.perf_counter() - t0:.0f}s; workload {asdict(w)})")

@@ -8,6 +8,7 @@ write a PNG (TTFT CDF per policy and load), and measure decision latency at 1000
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 from loadtests.simulator.cluster import SimConfig
@@ -78,6 +79,19 @@ def plot(rows: list[tuple[float, str, SimResult]], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def calibrated(path: str, model: str) -> tuple[dict[str, float], float]:
+    """(SimConfig cost fields measured by `loadtests.calibrate`, arrival speed factor)."""
+    if not path:
+        return {}, 1.0
+    with open(path) as f:
+        models = {m["model"]: m for m in json.load(f)["models"]}
+    c = models[model]["constants"]
+    fields = ("prefill_tokens_per_s", "decode_step_s", "decode_step_per_seq_s",
+              "dram_tokens_per_s", "ssd_tokens_per_s")  # fmt: skip
+    consts = {k: float(c[k]) for k in fields if k in c}
+    return consts, consts["prefill_tokens_per_s"] / SimConfig.prefill_tokens_per_s
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--trace", default=DEFAULT_TRACE)
@@ -89,8 +103,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ttft-slo", type=float, default=SimConfig.ttft_slo_s)
     ap.add_argument("--plot", default="")
     ap.add_argument("--latency-instances", type=int, default=1000)
+    ap.add_argument(
+        "--calibration",
+        default="",
+        help="JSON written by loadtests.calibrate: use the measured cost constants of "
+        "--calibration-model; arrivals are slowed by the same factor as prefill, so a load "
+        "multiplier means the same demand/capacity ratio as with the default constants",
+    )
+    ap.add_argument("--calibration-model", default="benchmark")
     args = ap.parse_args(argv)
     trace = load_trace(args.trace, args.limit)
+    consts, speed = calibrated(args.calibration, args.calibration_model)
     rows = []
     for s in (float(x) for x in args.rate_scales.split(",")):
         cfg = SimConfig(
@@ -98,7 +121,8 @@ def main(argv: list[str] | None = None) -> None:
             num_decode=args.num_decode,
             num_long=args.num_long,
             ttft_slo_s=args.ttft_slo,
-            rate_scale=s,
+            rate_scale=s * speed,
+            **consts,
         )
         t0 = time.time()
         for label, r in run_all(cfg, trace):

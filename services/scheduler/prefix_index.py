@@ -79,6 +79,8 @@ class PrefixIndex:
                 exp = self._expected.get(h)
                 if exp is not None and ev.tier == "engine":
                     exp.pop(inst, None)
+                    if not exp:
+                        del self._expected[h]
                 holders = self._holders.get(h)
                 if holders is None or inst not in holders:
                     continue
@@ -131,8 +133,8 @@ class PrefixIndex:
             exp = self._expected.get(h)
             if exp is not None and exp.get(inst, now + 1) <= now:
                 del exp[inst]
-                if not exp:
-                    del self._expected[h]
+            if exp is not None and not exp:
+                del self._expected[h]
 
     # --- queries --------------------------------------------------------------------------------
     def digest(self) -> int:
@@ -143,7 +145,7 @@ class PrefixIndex:
         # list() copies in one C call: safe while the event loop thread keeps applying events
         for h, holders in list(self._holders.items()):
             for inst, bits in list(holders.items()):
-                acc ^= xxhash.xxh64_intdigest(f"{h}|{inst}|{bits}")
+                acc ^= xxhash.xxh64_intdigest(f"{h}|{inst}|{bits}".encode())
         return acc & ((1 << 48) - 1)  # exact in a float64 gauge
 
     def lookup(self, hashes: list[str], now: float | None = None) -> PrefixMatch:

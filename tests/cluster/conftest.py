@@ -11,11 +11,11 @@ import urllib.request
 
 import pytest
 
+from loadtests.simulator.realcluster import start_cluster
 from services.launcher import Cluster, ensure_model
 from shared.protocol import subjects
 from shared.protocol.codec import decode
 from shared.protocol.sched import SchedulerState
-from tests.e2e.conftest import start_cluster
 
 __all__ = ["start_cluster", "scrape", "StateWatcher"]
 
