@@ -58,7 +58,10 @@ def test_scaling_caps_and_time():
 def test_shared_trace_file_replays_deterministically():
     rows = load_trace(DEFAULT_TRACE, limit=5)
     assert len(rows) == 5 and rows[0].hash_ids[0] == 0
-    one, two = trace_jobs(rows, TraceScale()), trace_jobs(load_trace(DEFAULT_TRACE, 5), TraceScale())
+    one, two = (
+        trace_jobs(rows, TraceScale()),
+        trace_jobs(load_trace(DEFAULT_TRACE, 5), TraceScale()),
+    )
     assert [j.prompt for j in one] == [j.prompt for j in two]
     # every row of this trace starts with hash id 0: the first block's words are shared
     first = [j.prompt.split()[:16] for j in one]
