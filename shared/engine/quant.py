@@ -18,15 +18,18 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight_int8", q.contiguous())
         self.register_buffer("scale", scale.to(linear.weight.dtype))
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), False)
-        self._fast = _has_int8_kernel(q.device, linear.weight.dtype)
+        # On CPU ``_weight_int8pack_mm`` measured 2-200x slower than dequantising the weight and
+        # calling the float GEMM (docs/benchmarks/engine.md), so it is used on CUDA only.
+        self._fast = q.device.type == "cuda" and _has_int8_kernel(q.device, linear.weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if self._fast:
             y = torch.ops.aten._weight_int8pack_mm(x2, self.weight_int8, self.scale.to(x.dtype))
-        else:
-            y = (x2 @ self.weight_int8.to(x.dtype).T) * self.scale.to(x.dtype)
+        else:  # dequantise (K*N work) then one float GEMM (M*K*N)
+            w = self.weight_int8.to(x.dtype) * self.scale.to(x.dtype)[:, None]
+            y = torch.nn.functional.linear(x2, w)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features)
