@@ -93,7 +93,13 @@ class DecodeService(RequestTasks):
             try:
                 await self.receiver.take(rid, item.kv_num_tokens, self.rt.cfg.transfer_timeout)
                 context = list(item.prompt_token_ids) + list(item.output_token_ids)
-                return ae.generate_prefilled(rid, context, item.first_token_id, item.sampling,
+                # A resumed stream (failover): the engine takes the tokens already sent as part
+                # of the prompt, so only the rest of max_tokens / min_tokens is still due.
+                sent = len(item.output_token_ids)
+                sampling = item.sampling if not sent else item.sampling.model_copy(update={
+                    "max_tokens": max(1, item.sampling.max_tokens - sent),
+                    "min_tokens": max(0, item.sampling.min_tokens - sent)})
+                return ae.generate_prefilled(rid, context, item.first_token_id, sampling,
                                              None, priority=item.priority, mm_inputs=mm), True
             except StrataError as exc:
                 KV_TRANSFER_FALLBACKS.inc()
