@@ -219,3 +219,17 @@ async def test_transfer_cut_mid_stream_is_recomputed(pd, nc, prompt_ids, referen
     for w in (p, d):
         s = w.rt.engine.stats()
         assert (s.running, s.kv_blocks_free) == (0, s.kv_blocks_total)
+
+
+async def test_repeated_prompt_hits_the_prefill_prefix_cache(pd, nc, prompt_ids, reference):
+    """The second run of a prompt reuses the prefill instance's cached full blocks, reports them
+    as cached tokens, and still gives the same tokens."""
+    _, d = pd
+    usages = []
+    for rid in ("r-rep-1", "r-rep-2"):
+        item = _item(rid, prompt_ids, decode_instance="d-test", decode_addr=d.addr)
+        chunks = await _run(nc, subjects.prefill_submit("p-test"), item)
+        assert _tokens(chunks) == reference
+        usages.append(max(chunks, key=lambda c: c.index).usage)
+    full = len(prompt_ids) // 16 * 16
+    assert usages[1].cached_tokens >= full > 0
