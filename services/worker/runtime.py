@@ -15,6 +15,7 @@ from nats.aio.client import Client as NATS
 
 from services.worker.config import WorkerConfig
 from services.worker.cost import CostModel
+from services.worker.metrics import EngineMetrics
 from services.worker.pool_link import PoolLink
 from shared import bus, metrics
 from shared.config import new_incarnation
@@ -40,6 +41,7 @@ class ModelRuntime:
     incarnation: str = field(default_factory=new_incarnation)
     kv_seq: int = 0
     cost: CostModel | None = None
+    metrics: EngineMetrics | None = None
     decode_rate: RateMeter = field(default_factory=lambda: RateMeter(5.0))
     _pool: PoolLink | None = None
 
@@ -93,6 +95,9 @@ class ModelRuntime:
 
     def load_report(self, grpc_addr: str) -> LoadReport:
         s = self.engine.stats()
+        if self.metrics is None:
+            self.metrics = EngineMetrics(self.role, self.cfg.instance_id)
+        self.metrics.update(s)
         return LoadReport(
             instance_id=self.cfg.instance_id, role=self.role, incarnation=self.incarnation,
             grpc_addr=grpc_addr, model=self.model_name, ts=time.time(),

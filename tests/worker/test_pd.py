@@ -224,7 +224,11 @@ async def test_transfer_cut_mid_stream_is_recomputed(pd, nc, prompt_ids, referen
 async def test_repeated_prompt_hits_the_prefill_prefix_cache(pd, nc, prompt_ids, reference):
     """The second run of a prompt reuses the prefill instance's cached full blocks, reports them
     as cached tokens, and still gives the same tokens."""
+    from services.worker.metrics import PREFIX_HITS
+
     _, d = pd
+    hits = PREFIX_HITS.labels("prefill", "p-test")
+    before = hits._value.get()
     usages = []
     for rid in ("r-rep-1", "r-rep-2"):
         item = _item(rid, prompt_ids, decode_instance="d-test", decode_addr=d.addr)
@@ -233,3 +237,5 @@ async def test_repeated_prompt_hits_the_prefill_prefix_cache(pd, nc, prompt_ids,
         usages.append(max(chunks, key=lambda c: c.index).usage)
     full = len(prompt_ids) // 16 * 16
     assert usages[1].cached_tokens >= full > 0
+    await asyncio.sleep(0.5)  # the next load report carries the engine counters to /metrics
+    assert hits._value.get() - before >= full

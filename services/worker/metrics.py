@@ -1,0 +1,42 @@
+"""Engine metrics of a prefill / decode instance (names follow vLLM's ``vllm:`` ones).
+
+Updated from `EngineStats` at every load report, labelled by role and instance so one Grafana
+panel can show the whole cluster.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge
+
+_L = ("role", "instance")
+KV_USAGE = Gauge("strata:kv_cache_usage_perc", "Engine KV blocks in use (0-1)", _L)
+KV_BLOCKS_FREE = Gauge("strata:kv_cache_free_blocks", "Engine KV blocks free", _L)
+ENGINE_RUNNING = Gauge("strata:engine_num_requests_running", "Sequences in the running batch", _L)
+ENGINE_WAITING = Gauge("strata:engine_num_requests_waiting", "Sequences waiting or swapped", _L)
+PREFIX_QUERIES = Counter("strata:prefix_cache_queries", "Prompt tokens looked up in the engine "
+                         "prefix cache", _L)
+PREFIX_HITS = Counter("strata:prefix_cache_hits", "Prompt tokens found in the engine prefix "
+                      "cache", _L)
+PREEMPTIONS = Counter("strata:num_preemptions", "Sequences preempted for KV or priority", _L)
+
+
+class EngineMetrics:
+    """Turns cumulative `EngineStats` counters into Prometheus counter increments."""
+
+    def __init__(self, role: str, instance: str):
+        self.labels = (role, instance)
+        self._last = {"q": 0, "h": 0, "p": 0}
+
+    def update(self, s) -> None:
+        lab = self.labels
+        KV_USAGE.labels(*lab).set(s.kv_usage)
+        KV_BLOCKS_FREE.labels(*lab).set(s.kv_blocks_free)
+        ENGINE_RUNNING.labels(*lab).set(s.running)
+        ENGINE_WAITING.labels(*lab).set(s.waiting)
+        for key, counter, value in (("q", PREFIX_QUERIES, s.prefix_query_tokens),
+                                    ("h", PREFIX_HITS, s.prefix_hit_tokens),
+                                    ("p", PREEMPTIONS, s.preemptions)):
+            delta = value - self._last[key]
+            if delta > 0:
+                counter.labels(*lab).inc(delta)
+            self._last[key] = value
