@@ -110,6 +110,22 @@ ROWS: list[tuple[str, list[dict]]] = [
             ("sum by (result) (rate(strata_vision_cache_total[1m]))", "{{result}}"),
         ], "ops"),
     ]),
+    ("Engines (prefill / decode instances)", [
+        panel("Engine KV cache usage", [
+            ("max by (role, instance) (strata:kv_cache_usage_perc)", "{{instance}}"),
+        ], "percentunit"),
+        panel("Engine batch", [
+            ("sum by (role) (strata:engine_num_requests_running)", "running {{role}}"),
+            ("sum by (role) (strata:engine_num_requests_waiting)", "waiting {{role}}"),
+        ]),
+        panel("Engine prefix cache hit rate", [
+            ("sum by (role) (rate(strata:prefix_cache_hits_total[5m])) / "
+             "sum by (role) (rate(strata:prefix_cache_queries_total[5m]))", "{{role}}"),
+        ], "percentunit"),
+        panel("Preemptions / s", [
+            ("sum by (instance) (rate(strata:num_preemptions_total[1m]))", "{{instance}}"),
+        ], "ops"),
+    ]),
     ("KV pool (kvstore tiers)", [
         panel("kvstore reads / s by tier", [
             ("sum by (tier) (rate(strata_kvstore_hits_total[1m]))", "hit {{tier}}"),
