@@ -148,6 +148,7 @@ async def run_scheduler(
     metrics.PREFIX_INDEX_DIGEST.set_function(core.index.digest)  # computed on scrape only
     reg_task = asyncio.create_task(watch_registry(js, core, stop))
     subs.append(await nc.subscribe(subjects.LOAD_ALL, cb=on_load))
+    await wait_for_members(core, cfg.load_interval * cfg.down_after)
     subs.append(
         await bus.serve(
             nc, subjects.SCHED_ROUTE, RouteRequest, route, queue=subjects.QUEUE_SCHEDULER
@@ -175,6 +176,19 @@ async def run_scheduler(
     if own:
         await nc.drain()
     return core
+
+
+async def wait_for_members(core: SchedulerCore, timeout: float) -> None:
+    """Before answering routes: wait until every instance in the registry has reported load,
+    at most ``timeout`` (one heartbeat timeout, by which every live instance has reported). A
+    replica that just (re)started knows no live instance yet; answering then would refuse
+    requests with "no decode instance" while the other replicas could route them."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        recs, members = core.members.records, core.members.members
+        if recs and all(i in members and members[i].alive for i in recs):
+            return
+        await asyncio.sleep(0.05)
 
 
 async def _wait_routable(nc: NATS, timeout: float = 5.0) -> None:

@@ -72,6 +72,7 @@ class PrefixAware:
     def __init__(self, cost: CostModel, **options) -> None:
         self.cost = cost
         self.opt = PrefixAwareOptions(**options)
+        self.last_reason = ""
 
     # --- decode -------------------------------------------------------------------------------
     def choose_decode(self, request: RequestView, decode: list[InstanceView],
@@ -129,7 +130,9 @@ class PrefixAware:
             best = float(ttft.min())
             ties = np.flatnonzero(ttft == best)
             i = int(ties[np.argmax(cached[ties])])  # then most cached, then lowest id
+            self.last_reason = "min predicted ttft"
         else:
+            self.last_reason = "new prompt: least-filled cache"
             near = np.flatnonzero(cand & (queue_s <= queue_s[cand].min() + self.opt.balance_slack_s))
             order = np.lexsort((ttft[near], t.cached_blocks[near]))  # footprint, then TTFT
             i = int(near[order[0]])
@@ -161,7 +164,7 @@ class PrefixAware:
                 prefill_instance=pre.instance_id,
                 cached_tokens=cached,
                 predicted_ttft_s=ttft,
-                reason="min predicted ttft",
+                reason=self.last_reason,
             ),
         )
 
