@@ -53,7 +53,10 @@ def p1(lm, path, n: int, out_len: int) -> list[str]:
     ours = eng.generate(ps, sp)
     t_ours = time.perf_counter() - t
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    gen = dict(max_new_tokens=out_len, min_new_tokens=out_len, do_sample=False, pad_token_id=0)
+    # Ignore EOS like the engine. ``min_new_tokens`` would instead *ban* the eos ids (the
+    # checkpoint's generation_config lists [2, 0]) and make transformers pick the runner-up.
+    hf.generation_config.eos_token_id = None
+    gen = dict(max_new_tokens=out_len, do_sample=False, pad_token_id=0)
     t = time.perf_counter()
     single = []
     with torch.no_grad():

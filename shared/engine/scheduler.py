@@ -234,15 +234,18 @@ class Scheduler:
             real = sch.num_new_tokens - sch.num_draft_tokens
             seq.num_computed_tokens += real + (max(len(tokens) - 1, 0) if tokens else 0)
             seq.draft_token_ids = []
-            seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens + len(tokens) - 1)
-            self._commit_blocks(seq)  # before a finish can release the blocks
+            reason = None
             for t in tokens:
                 seq.token_ids.append(t)
                 reason = self._stop_reason(seq, t)
                 if reason:
-                    self.finish(seq, reason)
                     break
             seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
+            # Commit after the tokens are appended (accepted drafts must be in token_ids to be
+            # hashed) and before a finish can release the blocks.
+            self._commit_blocks(seq)
+            if reason:
+                self.finish(seq, reason)
             if tokens or seq.is_finished:
                 touched.append(seq)
         return touched
