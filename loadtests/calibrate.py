@@ -98,21 +98,21 @@ async def pool_load_s(block_bytes: int, n: int = 64) -> dict[str, float]:
     try:
         bucket = f"cal-{uuid.uuid4().hex[:8]}"
         frames = [frame_of(i, block_bytes) for i in range(n)]
-        store = KVStore(KVStoreCore("cal", "i1", dram_bytes=1 << 40), tier(minio, bucket))
+        store = KVStore(KVStoreCore("bench", "i1", dram_bytes=1 << 40, write_behind_blocks=1 << 20), tier(minio, bucket))
         await store.start()
         for f in frames:
             store.put(f)
         await store.flush(timeout=600)
         t0 = time.perf_counter()
         for f in frames:
-            assert await store.get(("cal", f.key)) is not None
+            assert await store.get(("bench", f.key)) is not None
         dram = (time.perf_counter() - t0) / n
         await store.stop()
-        fresh = KVStore(KVStoreCore("cal", "i2", dram_bytes=1 << 40), tier(minio, bucket))
+        fresh = KVStore(KVStoreCore("bench", "i2", dram_bytes=1 << 40), tier(minio, bucket))
         await fresh.start()
         t0 = time.perf_counter()
         for f in frames:
-            assert await fresh.get(("cal", f.key)) is not None
+            assert await fresh.get(("bench", f.key)) is not None
         ssd = (time.perf_counter() - t0) / n
         await fresh.stop()
     finally:
