@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 from nats.aio.client import Client as NATS
 
@@ -63,7 +62,6 @@ class PrefillService(RequestTasks):
                 q = self.tap.open(rid)  # before the engine can see the request
                 pushing = asyncio.create_task(self._push_layerwise(rid, q, len(context),
                                                                    item.decode_addr))
-            t0 = time.perf_counter()
             out = None
             async for o in ae.generate(rid, item.prompt_token_ids, params, priority=item.priority,
                                        mm_inputs=mm, output_token_ids=item.output_token_ids,
@@ -72,8 +70,7 @@ class PrefillService(RequestTasks):
             held = True
             if out is None or not out.new_token_ids:
                 raise StrataError("internal", f"prefill of {rid} produced no token")
-            self.rt.cost.observe_prefill(len(context) - out.num_cached_tokens,
-                                         time.perf_counter() - t0)
+            self.rt.prefilled_tokens += len(context) - out.num_cached_tokens
             done = await self._emit_first(item, out)
             new_blocks = []
             if self.pool is not None and hashes:

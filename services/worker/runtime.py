@@ -42,6 +42,8 @@ class ModelRuntime:
     kv_seq: int = 0
     cost: CostModel | None = None
     metrics: EngineMetrics | None = None
+    prefilled_tokens: int = 0  # prompt tokens this instance computed (cached ones excluded)
+    _rate_mark: tuple[int, float] = (0, 0.0)
     decode_rate: RateMeter = field(default_factory=lambda: RateMeter(5.0))
     _pool: PoolLink | None = None
 
@@ -73,6 +75,7 @@ class ModelRuntime:
         t0 = time.perf_counter()
         self.engine.generate([ids], SamplingParams(max_tokens=1, temperature=0.0))
         self.cost.prefill_s_per_token = (time.perf_counter() - t0) / n
+        self._rate_mark = (0, self.engine.stats().forward_time_s)
         self.engine.drain_kv_events()  # the warm-up's blocks are not worth announcing
 
     def pool_link(self) -> PoolLink | None:
@@ -98,6 +101,8 @@ class ModelRuntime:
         if self.metrics is None:
             self.metrics = EngineMetrics(self.role, self.cfg.instance_id)
         self.metrics.update(s)
+        if self.role == "prefill":
+            self._observe_prefill_rate(s)
         return LoadReport(
             instance_id=self.cfg.instance_id, role=self.role, incarnation=self.incarnation,
             grpc_addr=grpc_addr, model=self.model_name, ts=time.time(),
@@ -111,10 +116,21 @@ class ModelRuntime:
         )
 
     def _waiting_tokens(self) -> int:
-        """Prompt tokens queued but not yet computed (drives the scheduler's queue-time estimate).
-        Read without locking: an estimate for load reports, never used for correctness."""
-        return sum(max(0, q.num_tokens - q.num_computed_tokens)
-                   for q in list(self.engine.scheduler.waiting))
+        """Tokens queued but not yet computed, including the rest of prompts being prefilled now
+        (drives the scheduler's queue-time estimate). Read without locking: an estimate for load
+        reports, never used for correctness."""
+        sched = self.engine.scheduler
+        return sum(max(0, q.num_tokens - q.num_computed_tokens - 1)
+                   for q in list(sched.waiting) + list(sched.running))
+
+    def _observe_prefill_rate(self, s) -> None:
+        """Seconds per prompt token from the engine's own forward time (not queue time): on a
+        prefill instance every forward is prefill work."""
+        tokens = self.prefilled_tokens - self._rate_mark[0]
+        seconds = s.forward_time_s - self._rate_mark[1]
+        if tokens >= self.cfg.block_size and seconds > 0:
+            self.cost.observe_prefill(tokens, seconds)
+            self._rate_mark = (self.prefilled_tokens, s.forward_time_s)
 
     def kv_events(self) -> list[KVEvent]:
         out = []
