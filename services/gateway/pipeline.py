@@ -197,15 +197,20 @@ class Pipeline:
                            block_hashes=p.block_hashes, priority=spec.priority,
                            slo_class=spec.slo_class, max_tokens=p.sampling.max_tokens,
                            exclude=list(exclude), ttft_slo_ms=spec.ttft_slo_ms)  # fmt: skip
-        try:
-            route = await bus.request(self.nc, subjects.SCHED_ROUTE, req, RouteReply,
-                                      self.cfg.bus_timeout)  # fmt: skip
-        except StrataError as exc:
-            if exc.code == "timeout":
-                raise StrataError(
-                    "unavailable", f"scheduler did not answer: {exc.message}"
-                ) from None
-            raise
+        # Scheduler replicas share a queue group; one that dies mid-request leaves the request
+        # unanswered, so a timed-out route is asked once more (another replica answers).
+        for attempt in (0, 1):
+            try:
+                route = await bus.request(self.nc, subjects.SCHED_ROUTE, req, RouteReply,
+                                          self.cfg.bus_timeout / 2)  # fmt: skip
+                break
+            except StrataError as exc:
+                if exc.code != "timeout":
+                    raise
+                if attempt == 1:
+                    raise StrataError(
+                        "unavailable", f"scheduler did not answer: {exc.message}"
+                    ) from None
         if not route.decode_instance:
             raise StrataError("unavailable", "no decode instance is available")
         return route
