@@ -36,7 +36,17 @@ class TextTracker:
         self.emitted = end
         return delta, False
 
+    def prime(self, token_ids: Sequence[int]) -> None:
+        """Feed tokens that were already emitted elsewhere (a resumed request) without emitting
+        their text, so the next delta continues exactly where the original stream stopped."""
+        for t in token_ids:
+            self.text += self.detok.add(t)
+        self.emitted = len(self.text)
+
     def flush(self) -> str:
+        flush = getattr(self.detok, "flush", None)
+        if flush is not None:  # bytes the detokenizer held back (an incomplete character)
+            self.text += flush()
         delta = self.text[self.emitted :]
         self.emitted = len(self.text)
         return delta

@@ -127,7 +127,9 @@ class LLMEngine(KVTransferMixin):
         detok = IncrementalDetokenizer(
             self.tokenizer, list(seq.token_ids), skip_special_tokens=seq.params.skip_special_tokens
         )
-        self.trackers[seq.request_id] = TextTracker(detok, seq.params.stop)
+        tracker = TextTracker(detok, seq.params.stop)
+        tracker.prime(seq.token_ids[seq.num_prompt_tokens :])  # resumed outputs (failover)
+        self.trackers[seq.request_id] = tracker
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free its blocks; an "abort" output follows in the next step."""
