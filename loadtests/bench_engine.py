@@ -47,16 +47,31 @@ def p1(lm, path, n: int, out_len: int) -> list[str]:
 
     ps = workload(n)
     sp = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
-    eng = engine(lm)
-    eng.generate(ps[:2], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))  # warm-up
-    t = time.perf_counter()
-    ours = eng.generate(ps, sp)
-    t_ours = time.perf_counter() - t
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     # Ignore EOS like the engine. ``min_new_tokens`` would instead *ban* the eos ids (the
     # checkpoint's generation_config lists [2, 0]) and make transformers pick the runner-up.
     hf.generation_config.eos_token_id = None
     gen = dict(max_new_tokens=out_len, do_sample=False, pad_token_id=0)
+
+    def hf_batched() -> None:
+        with torch.no_grad():
+            for i in range(0, n, 16):
+                chunk = ps[i : i + 16]
+                m = max(map(len, chunk))
+                ids = torch.tensor([[0] * (m - len(p)) + p for p in chunk])
+                mask = torch.tensor([[0] * (m - len(p)) + [1] * len(p) for p in chunk])
+                hf.generate(ids, attention_mask=mask, **gen)
+
+    t_ours = t_batch = float("inf")
+    for _ in range(2):  # alternate the two fast sides, best of two (shared, loaded box)
+        eng = engine(lm)  # fresh: no prefix-cache hits from the previous round
+        eng.generate(workload(1, seed=99), SamplingParams(temperature=0, max_tokens=2))
+        t = time.perf_counter()
+        ours = eng.generate(ps, sp)
+        t_ours = min(t_ours, time.perf_counter() - t)
+        t = time.perf_counter()
+        hf_batched()
+        t_batch = min(t_batch, time.perf_counter() - t)
     t = time.perf_counter()
     single = []
     with torch.no_grad():
@@ -64,15 +79,6 @@ def p1(lm, path, n: int, out_len: int) -> list[str]:
             ids = torch.tensor([p])
             single.append(hf.generate(ids, attention_mask=torch.ones_like(ids), **gen)[0, len(p) :])
     t_single = time.perf_counter() - t
-    t = time.perf_counter()
-    with torch.no_grad():
-        for i in range(0, n, 16):
-            chunk = ps[i : i + 16]
-            m = max(map(len, chunk))
-            ids = torch.tensor([[0] * (m - len(p)) + p for p in chunk])
-            mask = torch.tensor([[0] * (m - len(p)) + [1] * len(p) for p in chunk])
-            hf.generate(ids, attention_mask=mask, **gen)
-    t_batch = time.perf_counter() - t
     agree = sum(o == s.tolist() for o, s in zip(ours, single, strict=True))
     toks = n * out_len
     st = eng.stats()
@@ -85,7 +91,8 @@ def p1(lm, path, n: int, out_len: int) -> list[str]:
         f"P1 throughput ({n} prompts 64-480 tok, {out_len} out, concurrency 16):",
         f"- strata engine: {t_ours:.2f} s, {toks / t_ours:.1f} out tok/s",
         f"- transformers one-at-a-time: {t_single:.2f} s -> ratio {t_single / t_ours:.2f}x",
-        f"- transformers batched (16, left pad): {t_batch:.2f} s -> ratio {t_batch / t_ours:.2f}x",
+        f"- transformers batched (16, left pad): {t_batch:.2f} s -> ratio {t_batch / t_ours:.2f}x"
+        " (strata and this side: best of 2, alternated)",
         f"- greedy outputs identical to transformers: {agree}/{n}",
         *diverged,
         f"- engine: {st.steps} steps, forward {st.forward_time_s:.2f} s, step {st.step_time_s:.2f} s"
@@ -218,22 +225,32 @@ def spec(lm, n: int) -> list[str]:
     return rows
 
 
-def spec_run(lm, name: str, ps, sp, proposer=None) -> list[str]:
+def spec_run(lm, name: str, ps, sp, proposer=None, repeats: int = 3) -> list[str]:
+    """Plain vs speculative, alternated prompt by prompt; per prompt the best of ``repeats``
+    (the shared box's load swings several-fold within a minute). Repeats hit the prompt's
+    cached blocks on both sides alike, so the best times are mostly decode."""
     e0 = engine(lm, max_num_seqs=1)
     e1 = engine(lm, max_num_seqs=1, num_speculative_tokens=4)
     if proposer is not None:
         e1.proposer = proposer
-    t = time.perf_counter()
-    a = e0.generate(ps, sp)
-    t0 = time.perf_counter() - t
-    t = time.perf_counter()
-    b = e1.generate(ps, sp)
-    t1 = time.perf_counter() - t
+    t0 = t1 = 0.0
+    same = True
+    for p in ps:
+        best = [float("inf"), float("inf")]
+        for _ in range(repeats):
+            outs = []
+            for j, e in enumerate((e0, e1)):
+                t = time.perf_counter()
+                outs.append(e.generate([p], sp)[0])
+                best[j] = min(best[j], time.perf_counter() - t)
+            same &= outs[0] == outs[1]
+        t0, t1 = t0 + best[0], t1 + best[1]
     st = e1.stats()
     return [
-        f"Spec decode, {name} (k=4, {len(ps)} prompts, 64 out, batch 1):",
-        f"- identical to greedy: {a == b}; acceptance {st.spec_acceptance_rate:.2f} "
-        f"({st.spec_accepted_tokens}/{st.spec_draft_tokens}); speedup {t0 / t1:.2f}x",
+        f"Spec decode, {name} (k=4, {len(ps)} prompts, 64 out, batch 1, best of {repeats}):",
+        f"- identical to greedy: {same}; acceptance {st.spec_acceptance_rate:.2f} "
+        f"({st.spec_accepted_tokens}/{st.spec_draft_tokens}); plain {t0:.2f} s, spec {t1:.2f} s "
+        f"-> speedup {t0 / t1:.2f}x",
     ]
 
 

@@ -9,7 +9,8 @@ layer, so all index tensors exist before the first layer runs. Three paths:
   into the query axis so K/V are never repeated. One small SDPA call per sequence measured
   2-3x faster on CPU than one padded, masked SDPA over the whole batch: the masked kernel is
   slow for 1-2 query rows, and the padded gather copied up to 2x the bytes (see
-  docs/benchmarks/model.md);
+  docs/benchmarks/model.md). The loop runs on one thread (see ``_serial``). When every decode
+  has the same context length the batch is one unmasked SDPA call instead (nothing to pad);
 * fresh prefill: sequences with no cached context attend over their own new K/V with
   ``is_causal`` (one batched SDPA call when all lengths are equal);
 * general: a chunk over a cached prefix (chunked prefill, prefix-cache hit, speculative
@@ -50,6 +51,7 @@ class AttentionPlan:
     num_tokens: int
     block_size: int
     decodes: list[_Decode]
+    uniform: torch.Tensor | None  # flat block ids when every decode has the same context
     decode_rows: torch.Tensor | None  # rows of the decode tokens (None: all rows, in order)
     fresh_uniform: tuple[int, int] | None  # (num_seqs, seq_len) when the whole batch is fresh
     spans: list[_Span]  # sequences handled one by one
@@ -77,7 +79,7 @@ class AttentionPlan:
             and len(rest) > 1
             and all(ctx_lens[i] == q_lens[i] == q_lens[rest[0]] for i in rest)
         ):
-            return cls(num_tokens, block_size, [], None, (len(rest), q_lens[rest[0]]), [])
+            return cls(num_tokens, block_size, [], None, None, (len(rest), q_lens[rest[0]]), [])
         for i in rest:
             q, c = q_lens[i], ctx_lens[i]
             blocks = mask = None
@@ -87,7 +89,10 @@ class AttentionPlan:
                 qpos = torch.arange(c - q, c, device=device)
                 mask = kpos[None, :] <= qpos[:, None]
             spans.append(_Span(qs[i], qs[i] + q, c, blocks, mask))
-        return cls(num_tokens, block_size, decodes, decode_rows, fresh_uniform, spans)
+        uniform = None
+        if len(decodes) > 1 and len({d.context_len for d in decodes}) == 1:
+            uniform = torch.cat([d.blocks for d in decodes])
+        return cls(num_tokens, block_size, decodes, uniform, decode_rows, fresh_uniform, spans)
 
 
 @contextmanager
@@ -149,11 +154,18 @@ def paged_attention(
         qd = q if rows is None else q.index_select(0, rows)
         qd = qd.view(-1, kv_heads, group, head_dim)
         od = out if rows is None else torch.empty_like(qd)
-        with _serial(q.device):
-            for j, d in enumerate(plan.decodes):
-                kd = _context(k_cache, d.blocks, d.context_len)
-                vd = _context(v_cache, d.blocks, d.context_len)
-                od[j] = F.scaled_dot_product_attention(qd[j], kd, vd, scale=scale)
+        if plan.uniform is not None:  # equal contexts: one unmasked batched call, no padding
+            b, n = len(plan.decodes), plan.decodes[0].context_len
+            kd = k_cache.index_select(0, plan.uniform).view(b, -1, kv_heads, head_dim)
+            vd = v_cache.index_select(0, plan.uniform).view(b, -1, kv_heads, head_dim)
+            kd, vd = kd[:, :n].transpose(1, 2), vd[:, :n].transpose(1, 2)
+            od.copy_(F.scaled_dot_product_attention(qd, kd, vd, scale=scale))
+        else:
+            with _serial(q.device):
+                for j, d in enumerate(plan.decodes):
+                    kd = _context(k_cache, d.blocks, d.context_len)
+                    vd = _context(v_cache, d.blocks, d.context_len)
+                    od[j] = F.scaled_dot_product_attention(qd[j], kd, vd, scale=scale)
         if rows is not None:
             out.index_copy_(0, rows, od)
     out = out.view(q.shape)

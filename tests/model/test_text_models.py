@@ -155,6 +155,11 @@ def test_mixed_batch_matches_single_sequences(pair):
     _, logits3 = drv.step([(e, pa), (f, pa[::-1])])
     solo = PagedDriver(ours.model, block_size=16)
     assert (logits3[1] - solo.prefill(solo.new_seq(), pa[::-1])[-1]).abs().max() < 1e-4
+    # decodes of equal context length (the one-call batched decode path)
+    _, logits4 = drv.step([(e, [4]), (f, [5])])
+    for toks, row in [(pa + [4], 0), (pa[::-1] + [5], 1)]:
+        solo = PagedDriver(ours.model, block_size=16)
+        assert (logits4[row] - solo.prefill(solo.new_seq(), toks)[-1]).abs().max() < 1e-4
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
