@@ -15,12 +15,13 @@ import logging
 import time
 
 from nats.aio.client import Client as NATS
-from nats.js.api import StreamConfig
+from nats.js.api import ConsumerConfig, DeliverPolicy, StreamConfig
 from nats.js.errors import NotFoundError
 
 from services.scheduler import metrics
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import SchedulerCore
+from services.scheduler.snapshots import load_snapshot, save_snapshot
 from shared import bus, service
 from shared.logs import setup_logging
 from shared.metrics import SERVICE_INFO, serve_metrics
@@ -52,12 +53,16 @@ async def ensure_kv_stream(js) -> int:
     return info.state.last_seq
 
 
-async def follow_kv_events(js, core: SchedulerCore) -> tuple[object, asyncio.Event]:
-    """Replay the stream from the start, then keep following it (one ordered consumer, so replay
-    and live events never overlap). The event is set once the replay reached the stream's end."""
+async def follow_kv_events(
+    js, core: SchedulerCore, start_seq: int = 1
+) -> tuple[object, asyncio.Event]:
+    """Replay the stream from ``start_seq`` (1: the start; after a snapshot: the sequence after
+    it), then keep following it (one ordered consumer, so replay and live events never overlap).
+    The event is set once the replay reached the stream's end. ``core.kv_seq`` tracks the last
+    stream sequence applied (what a snapshot records)."""
     last = await ensure_kv_stream(js)
     replayed = asyncio.Event()
-    if last == 0:
+    if last < start_seq:
         replayed.set()
 
     async def on_event(m) -> None:
@@ -65,17 +70,45 @@ async def follow_kv_events(js, core: SchedulerCore) -> tuple[object, asyncio.Eve
             core.on_kv_event(decode(m.data, KVEvent))
         except Exception:  # noqa: BLE001 - one bad event must not stop the index
             log.warning("bad kv event on %s", m.subject, exc_info=True)
+        core.kv_seq = m.metadata.sequence.stream
         if not replayed.is_set() and m.metadata.sequence.stream >= last:
             replayed.set()
 
+    extra = {}
+    if start_seq > 1:
+        extra = dict(deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+                     config=ConsumerConfig(opt_start_seq=start_seq))
     sub = await js.subscribe(
         subjects.KV_EVENTS_ALL,
         cb=on_event,
         ordered_consumer=True,
         pending_msgs_limit=-1,
         pending_bytes_limit=-1,
+        **extra,
     )
     return sub, replayed
+
+
+async def snapshot_loop(js, core: SchedulerCore, cfg: SchedulerConfig,
+                        stop: asyncio.Event) -> None:
+    """Every ``snapshot_interval``, if enough events were applied since the last one, store the
+    index with the stream sequence it reflects (every replica may write; each snapshot is
+    self-consistent, and the newest wins)."""
+    done = core.index.events_applied
+
+    async def maybe() -> None:
+        nonlocal done
+        if core.index.events_applied - done < cfg.snapshot_min_events:
+            return
+        seq, applied = core.kv_seq, core.index.events_applied
+        nbytes = await save_snapshot(js, core.index, seq)
+        done = applied
+        metrics.SNAPSHOT_BYTES.set(nbytes)
+        log.info("prefix-index snapshot at stream seq %d (%d blocks, %d bytes)", seq,
+                 len(core.index), nbytes)
+
+    if cfg.snapshot_interval > 0:
+        await service.periodic(cfg.snapshot_interval, maybe, stop)
 
 
 async def watch_registry(js, core: SchedulerCore, stop: asyncio.Event) -> None:
@@ -131,9 +164,15 @@ async def run_scheduler(
             )
         await bus.publish(nc, subjects.SCHED_STATE, state)
 
-    kv_sub, replayed = await follow_kv_events(js, core)
-    subs.append(kv_sub)
     t0 = time.perf_counter()
+    start_seq = 1
+    snap = await load_snapshot(js)
+    if snap is not None:
+        core.index, core.kv_seq = snap
+        start_seq = core.kv_seq + 1
+        log.info("prefix index loaded from a snapshot at stream seq %d", core.kv_seq)
+    kv_sub, replayed = await follow_kv_events(js, core, start_seq)
+    subs.append(kv_sub)
     await replayed.wait()
     replay_s = time.perf_counter() - t0
     log.info(
@@ -147,6 +186,7 @@ async def run_scheduler(
     metrics.REPLAY_SECONDS.set(replay_s)
     metrics.PREFIX_INDEX_DIGEST.set_function(core.index.digest)  # computed on scrape only
     reg_task = asyncio.create_task(watch_registry(js, core, stop))
+    snap_task = asyncio.create_task(snapshot_loop(js, core, cfg, stop))
     subs.append(await nc.subscribe(subjects.LOAD_ALL, cb=on_load))
     await wait_for_members(core, cfg.load_interval * cfg.down_after)
     subs.append(
@@ -172,7 +212,7 @@ async def run_scheduler(
     for s in subs:
         with contextlib.suppress(Exception):
             await s.unsubscribe()
-    await asyncio.gather(reg_task, tick_task, return_exceptions=True)
+    await asyncio.gather(reg_task, tick_task, snap_task, return_exceptions=True)
     if own:
         await nc.drain()
     return core

@@ -68,6 +68,12 @@ class SchedulerConfig(ServiceConfig):
         description="At level 3 only priority <= this is admitted (lower number = more important)",
     )
     retry_after_s: float = Field(5.0, gt=0, description="Retry-After of degradation refusals")
+    snapshot_interval: float = Field(
+        30.0, ge=0, description="Seconds between prefix-index snapshots (0 = never snapshot)"
+    )
+    snapshot_min_events: int = Field(
+        10000, ge=1, description="KV events applied since the last snapshot before another"
+    )
     expect_ttl_s: float = Field(
         30.0,
         ge=0,

@@ -42,6 +42,7 @@ class SchedulerCore:
             long_instances=cfg.long_instance_set(),
         )
         self.index = PrefixIndex()
+        self.kv_seq = 0  # last KV-event stream sequence applied to the index
         self.degrader = Degrader(cfg.thresholds())
         self.load = 0.0
         self.block_size = cfg.block_size

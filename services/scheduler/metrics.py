@@ -27,3 +27,4 @@ KV_EVENTS_REPLAYED = Gauge(
     "strata_scheduler_kv_events_replayed", "KV events applied by the start-up replay"
 )
 REPLAY_SECONDS = Gauge("strata_scheduler_replay_seconds", "Seconds the start-up replay took")
+SNAPSHOT_BYTES = Gauge("strata_scheduler_snapshot_bytes", "Size of the last prefix-index snapshot")

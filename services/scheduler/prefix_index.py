@@ -136,6 +136,32 @@ class PrefixIndex:
             if exp is not None and not exp:
                 del self._expected[h]
 
+    # --- snapshots ------------------------------------------------------------------------------
+    def state(self) -> dict:
+        """Everything `digest()` covers plus what `apply` needs to stay correct afterwards
+        (incarnations, retired incarnations, last seq per instance). Expectations are not kept:
+        they are seconds-lived hints."""
+        return {
+            "holders": {h: dict(v) for h, v in list(self._holders.items())},
+            "incarnation": dict(self._incarnation),
+            "retired": {k: sorted(v) for k, v in self._retired.items()},
+            "seq": dict(self._seq),
+            "events_applied": self.events_applied,
+        }
+
+    @classmethod
+    def from_state(cls, state: dict) -> PrefixIndex:
+        idx = cls()
+        idx._holders = {h: dict(v) for h, v in state["holders"].items()}
+        for h, holders in idx._holders.items():
+            for inst in holders:
+                idx._by_instance.setdefault(inst, set()).add(h)
+        idx._incarnation = dict(state["incarnation"])
+        idx._retired = {k: set(v) for k, v in state["retired"].items()}
+        idx._seq = dict(state["seq"])
+        idx.events_applied = int(state["events_applied"])
+        return idx
+
     # --- queries --------------------------------------------------------------------------------
     def digest(self) -> int:
         """Order-independent 48-bit digest of the contents (block, instance, tier bits): two

@@ -259,3 +259,40 @@ def test_cli_entry_starts_and_announces_ready(nats_url):
     finally:
         proc.terminate()
         assert proc.wait(10) == 0
+
+
+async def test_restart_loads_snapshot_and_replays_only_the_tail(nc, nats_url):
+    """With a snapshot, the events it covers may leave the stream (retention) and a restarted
+    scheduler still has them; events after it are replayed on top."""
+    from services.scheduler.snapshots import BUCKET
+
+    js = nc.jetstream()
+    d = uid("decode")
+    head, tail = [uuid.uuid4().hex for _ in range(3)], uuid.uuid4().hex
+
+    def ev(seq, hashes):
+        return _enc(KVEvent(instance_id=d, incarnation="x", seq=seq, tier="engine",
+                            kind="stored", hashes=hashes))
+
+    try:
+        async with scheduler(nats_url, policy="prefix_aware", snapshot_interval=0.1,
+                             snapshot_min_events=1) as first:
+            ack = await js.publish(subjects.kv_events(d), ev(1, head))
+            await eventually(lambda: _snapshot_seq(js, at_least=ack.seq))
+        # Retention drops everything the snapshot covers; one more event arrives afterwards.
+        await js.purge_stream(subjects.KV_EVENTS_STREAM, seq=ack.seq + 1)
+        await js.publish(subjects.kv_events(d), ev(2, [tail]))
+        async with scheduler(nats_url, policy="prefix_aware", snapshot_interval=0) as second:
+            pass
+        assert first.core.index.blocks_of(d) == 3
+        assert second.core.index.blocks_of(d) == 4  # 3 from the snapshot + 1 replayed
+        assert second.core.index.lookup(head + [tail]).engine_blocks == {d: 4}
+    finally:
+        await js.delete_object_store(BUCKET)
+
+
+async def _snapshot_seq(js, at_least: int):
+    from services.scheduler.snapshots import load_snapshot
+
+    snap = await load_snapshot(js)
+    return snap if snap is not None and snap[1] >= at_least else None

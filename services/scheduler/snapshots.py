@@ -1,0 +1,61 @@
+"""Prefix-index snapshots in a JetStream object store, so a restarted replica loads the newest
+snapshot and replays only the KV events after it instead of the whole stream.
+
+A snapshot is ``msgpack({"v": 1, "last_seq": N, "index": PrefixIndex.state()})``: the index as
+it was after applying stream sequence ``N``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import msgpack
+from nats.js.errors import BucketNotFoundError, NotFoundError, ObjectNotFoundError
+
+from services.scheduler.prefix_index import PrefixIndex
+
+log = logging.getLogger(__name__)
+
+BUCKET = "strata_sched_snapshots"
+NAME = "prefix-index"
+VERSION = 1
+
+
+async def _store(js, create: bool):
+    try:
+        return await js.object_store(BUCKET)
+    except (BucketNotFoundError, NotFoundError):
+        if not create:
+            return None
+        try:
+            return await js.create_object_store(BUCKET)
+        except Exception:  # noqa: BLE001 - another replica created it first
+            return await js.object_store(BUCKET)
+
+
+async def save_snapshot(js, index: PrefixIndex, last_seq: int) -> int:
+    """Write the index as of stream sequence ``last_seq``; returns the snapshot's bytes."""
+    data = msgpack.packb({"v": VERSION, "last_seq": last_seq, "index": index.state()},
+                         use_bin_type=True)
+    store = await _store(js, create=True)
+    await store.put(NAME, data)
+    return len(data)
+
+
+async def load_snapshot(js) -> tuple[PrefixIndex, int] | None:
+    """(index, last stream sequence) of the newest snapshot, or None if there is none or it
+    cannot be read (then the caller replays the whole stream)."""
+    try:
+        store = await _store(js, create=False)
+        if store is None:
+            return None
+        res = await store.get(NAME)
+        snap = msgpack.unpackb(res.data, raw=False, strict_map_key=False)
+        if snap.get("v") != VERSION:
+            return None
+        return PrefixIndex.from_state(snap["index"]), int(snap["last_seq"])
+    except ObjectNotFoundError:
+        return None
+    except Exception:  # noqa: BLE001 - a bad snapshot costs a full replay, never a failure
+        log.warning("prefix-index snapshot unreadable; replaying the whole stream", exc_info=True)
+        return None
