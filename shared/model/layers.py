@@ -189,7 +189,6 @@ class Attention(nn.Module):
         o = paged_attention(q, k, v, k_cache, v_cache, slot_mapping, plan, self.scale)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
-
     def _qk_norm(self, qk: torch.Tensor) -> torch.Tensor:
         """``q_norm``/``k_norm`` over ``[T, H + KVH, D]`` in one pass (same ops per element)."""
         h = qk.float()
