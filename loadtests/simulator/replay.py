@@ -57,15 +57,16 @@ def in_process(raw: list[bytes]) -> dict[str, float]:
 
 async def jetstream(raw: list[bytes]) -> dict[str, float]:
     from services.infra.nats_server import start_nats
-    from services.scheduler.app import ensure_kv_stream, follow_kv_events
+    from services.scheduler.app import follow_kv_events
     from shared.bus import connect
+    from shared.kv_stream import ensure_kv_events_stream
     from shared.protocol import subjects
 
     server = start_nats()
     try:
         nc = await connect(server.url, name="replay-bench")
         js = nc.jetstream()
-        await ensure_kv_stream(js)
+        await ensure_kv_events_stream(js)
         t0 = time.perf_counter()
         for i in range(0, len(raw), 1000):  # publish in windows of 1000 acks
             await asyncio.gather(*(js.publish(subjects.kv_events("bench"), b)

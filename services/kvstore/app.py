@@ -12,8 +12,6 @@ import logging
 import time
 from collections.abc import Callable
 
-from nats.js.errors import NotFoundError
-
 from services.kvstore import metrics as kvm
 from services.kvstore.config import KVStoreConfig
 from services.kvstore.core import KVStoreCore
@@ -23,6 +21,7 @@ from services.kvstore.store import KVStore
 from services.kvstore.writer import WriterOptions
 from shared import bus, metrics
 from shared.config import new_incarnation
+from shared.kv_stream import ensure_kv_events_stream
 from shared.kvtransfer.server import start_kv_server
 from shared.logs import setup_logging
 from shared.protocol import subjects
@@ -33,16 +32,6 @@ from shared.service import announce_ready, periodic, run
 
 log = logging.getLogger(__name__)
 ROLE = "kvstore"
-
-
-async def ensure_kv_events_stream(js) -> None:
-    """Create the JetStream stream of KV events if nobody has yet."""
-    try:
-        await js.stream_info(subjects.KV_EVENTS_STREAM)
-    except NotFoundError:
-        with contextlib.suppress(Exception):  # lost a creation race: fine, it exists now
-            await js.add_stream(name=subjects.KV_EVENTS_STREAM, subjects=[subjects.KV_EVENTS_ALL])
-        await js.stream_info(subjects.KV_EVENTS_STREAM)
 
 
 def build_store(cfg: KVStoreConfig, incarnation: str, publish) -> KVStore:

@@ -15,14 +15,14 @@ import logging
 import time
 
 from nats.aio.client import Client as NATS
-from nats.js.api import ConsumerConfig, DeliverPolicy, StreamConfig
-from nats.js.errors import NotFoundError
+from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from services.scheduler import metrics
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import SchedulerCore
 from services.scheduler.snapshots import load_snapshot, save_snapshot
 from shared import bus, service
+from shared.kv_stream import ensure_kv_events_stream
 from shared.logs import setup_logging
 from shared.metrics import SERVICE_INFO, serve_metrics
 from shared.protocol import subjects
@@ -42,17 +42,6 @@ from shared.registry import registry_bucket
 log = logging.getLogger(__name__)
 
 
-async def ensure_kv_stream(js) -> int:
-    """Create the KV-event stream if missing; returns its last sequence number."""
-    try:
-        info = await js.stream_info(subjects.KV_EVENTS_STREAM)
-    except NotFoundError:
-        info = await js.add_stream(
-            StreamConfig(name=subjects.KV_EVENTS_STREAM, subjects=[subjects.KV_EVENTS_ALL])
-        )
-    return info.state.last_seq
-
-
 async def follow_kv_events(
     js, core: SchedulerCore, start_seq: int = 1
 ) -> tuple[object, asyncio.Event]:
@@ -60,7 +49,7 @@ async def follow_kv_events(
     it), then keep following it (one ordered consumer, so replay and live events never overlap).
     The event is set once the replay reached the stream's end. ``core.kv_seq`` tracks the last
     stream sequence applied (what a snapshot records)."""
-    last = await ensure_kv_stream(js)
+    last = await ensure_kv_events_stream(js)
     replayed = asyncio.Event()
     if last < start_seq:
         replayed.set()
