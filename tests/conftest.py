@@ -18,7 +18,8 @@ torch.set_num_threads(int(os.environ.get("STRATA_TEST_THREADS", "1")))
 
 @pytest.fixture(scope="session")
 def nats_server(tmp_path_factory) -> NatsServer:
-    server = start_nats(data_dir=str(tmp_path_factory.mktemp("nats")))
+    # die_with_parent: a pytest killed mid-run (timeout) leaves no server behind
+    server = start_nats(data_dir=str(tmp_path_factory.mktemp("nats")), die_with_parent=True)
     yield server
     server.stop()
 
@@ -30,7 +31,7 @@ def nats_url(nats_server) -> str:
 
 @pytest.fixture(scope="session")
 def minio_server(tmp_path_factory) -> MinioServer:
-    server = start_minio(data_dir=str(tmp_path_factory.mktemp("minio")))
+    server = start_minio(data_dir=str(tmp_path_factory.mktemp("minio")), die_with_parent=True)
     yield server
     server.stop()
 

@@ -77,7 +77,10 @@ class MinioServer:
             self.proc = None
 
 
-def start_minio(port: int = 0, data_dir: str | None = None, log_file=None) -> MinioServer:
+def start_minio(
+    port: int = 0, data_dir: str | None = None, log_file=None, die_with_parent: bool = False
+) -> MinioServer:
     return MinioServer(
-        port=port or free_port(), data_dir=data_dir or tempfile.mkdtemp(prefix="strata-minio-")
+        port=port or free_port(), die_with_parent=die_with_parent,
+        data_dir=data_dir or tempfile.mkdtemp(prefix="strata-minio-")
     ).start(log_file)

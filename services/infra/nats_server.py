@@ -57,7 +57,10 @@ class NatsServer:
             self.proc = None
 
 
-def start_nats(port: int = 0, data_dir: str | None = None, log_file=None) -> NatsServer:
+def start_nats(
+    port: int = 0, data_dir: str | None = None, log_file=None, die_with_parent: bool = False
+) -> NatsServer:
     return NatsServer(
-        port=port or free_port(), data_dir=data_dir or tempfile.mkdtemp(prefix="strata-nats-")
+        port=port or free_port(), die_with_parent=die_with_parent,
+        data_dir=data_dir or tempfile.mkdtemp(prefix="strata-nats-")
     ).start(log_file)
