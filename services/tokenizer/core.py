@@ -6,7 +6,6 @@ one-liner and tests call it directly.
 
 from __future__ import annotations
 
-import hashlib
 import time
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,7 @@ import torch
 
 from shared.model.config import load_config, parse_dtype
 from shared.model.image import expand_image_placeholders
-from shared.model.loader import checkpoint_files, weights_digest
+from shared.model.loader import model_fingerprint
 from shared.model.tokenizer import Tokenizer
 from shared.protocol.errors import StrataError
 from shared.protocol.tok import ImageSpan, TokenizeReply, TokenizeRequest
@@ -23,15 +22,6 @@ from shared.protocol.tok import ImageSpan, TokenizeReply, TokenizeRequest
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _IMAGE_PART_TYPES = ("image", "image_url", "input_image")
 _TEXT_PART_TYPES = ("text", "input_text")
-
-
-def checkpoint_fingerprint(path: Path, arch: str, dtype: torch.dtype) -> str:
-    """The same fingerprint `shared.model.loader.load_model` computes, without loading weights.
-
-    (Kept equal by a test; ideally the loader exposes this function itself.)
-    """
-    files, _ = checkpoint_files(path)
-    return hashlib.sha256(f"{arch}\0{weights_digest(files)}\0{dtype}".encode()).hexdigest()
 
 
 class TokenizerCore:
@@ -43,7 +33,7 @@ class TokenizerCore:
         self.config = load_config(path)
         torch_dtype = parse_dtype(dtype, self.config.dtype) if dtype else self.config.dtype
         self.kv_dtype = _DTYPE_NAMES.get(torch_dtype, str(torch_dtype).removeprefix("torch."))
-        self.fingerprint = checkpoint_fingerprint(path, self.config.architecture, torch_dtype)
+        self.fingerprint = model_fingerprint(path, self.config.architecture, torch_dtype)
         self.block_size = block_size
         self.max_model_len = self.config.max_position_embeddings
         self.image_token_id = self.config.image_token_id

@@ -165,7 +165,17 @@ def load_model(
     model.tie_weights()
     files = _load_weights(model, config, path)
     model.eval().requires_grad_(False)
-    fp = hashlib.sha256(
-        f"{config.architecture}\0{weights_digest(files)}\0{dtype}".encode()
-    ).hexdigest()
+    fp = fingerprint_of(config.architecture, files, dtype)
     return LoadedModel(model=model, config=config, fingerprint=fp, path=path)
+
+
+def fingerprint_of(architecture: str, files: list[Path], dtype: torch.dtype) -> str:
+    """The model fingerprint: sha256 of architecture, weights digest and dtype."""
+    return hashlib.sha256(f"{architecture}\0{weights_digest(files)}\0{dtype}".encode()).hexdigest()
+
+
+def model_fingerprint(path: str | Path, architecture: str, dtype: torch.dtype) -> str:
+    """`LoadedModel.fingerprint` of a checkpoint without loading its weights (the tokenizer
+    service uses it to salt block hashes exactly as the engines do)."""
+    files, _ = checkpoint_files(Path(path))
+    return fingerprint_of(architecture, files, dtype)
