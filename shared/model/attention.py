@@ -3,7 +3,9 @@
 ``AttentionPlan`` is built once per forward from ``AttentionMetadata`` and shared by every
 layer, so all index tensors exist before the first layer runs. Three paths:
 
-* decode: a sequence with one new token attends over exactly its context. Its blocks are
+* decode: on CPU in float32 every decode token of the batch goes through one call of the native
+  kernel in ``cpu_kernels`` (reads K/V from the blocks in place; no gather, no per-sequence
+  ops). Otherwise (CUDA, half precision, no C compiler) each sequence's blocks are
   gathered with one ``index_select`` on the block axis (whole blocks, contiguous copies) and
   trimmed to the context length, so there is no padding and no mask; the GQA group is folded
   into the query axis so K/V are never repeated. One small SDPA call per sequence measured
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from shared.model import cpu_kernels
 from shared.model.api import AttentionMetadata
 
 
@@ -53,6 +56,8 @@ class AttentionPlan:
     decodes: list[_Decode]
     uniform: torch.Tensor | None  # flat block ids when every decode has the same context
     decode_rows: torch.Tensor | None  # rows of the decode tokens (None: all rows, in order)
+    decode_tables: torch.Tensor | None  # [num_decodes, max_blocks] block tables of the decodes
+    decode_ctx: torch.Tensor | None  # [num_decodes] their context lengths
     fresh_uniform: tuple[int, int] | None  # (num_seqs, seq_len) when the whole batch is fresh
     spans: list[_Span]  # sequences handled one by one
 
@@ -65,21 +70,27 @@ class AttentionPlan:
         decodes: list[_Decode] = []
         spans: list[_Span] = []
         rest: list[int] = []
+        dec_idx: list[int] = []
         for i, (q, c) in enumerate(zip(q_lens, ctx_lens, strict=True)):
             if q == 1 and c > 1:
                 decodes.append(_Decode(qs[i], tables[i, : -(-c // block_size)], c))
+                dec_idx.append(i)
             elif q > 0:
                 rest.append(i)
-        decode_rows = None
+        decode_rows = decode_tables = decode_ctx = None
         if decodes and len(decodes) != num_tokens:
             decode_rows = torch.tensor([d.token for d in decodes], device=device)
+        if decodes:
+            decode_tables = tables if len(dec_idx) == len(q_lens) else tables[dec_idx]
+            decode_ctx = torch.tensor([d.context_len for d in decodes], device=device)
         fresh_uniform = None
         if (
             not decodes
             and len(rest) > 1
             and all(ctx_lens[i] == q_lens[i] == q_lens[rest[0]] for i in rest)
         ):
-            return cls(num_tokens, block_size, [], None, None, (len(rest), q_lens[rest[0]]), [])
+            fresh = (len(rest), q_lens[rest[0]])
+            return cls(num_tokens, block_size, [], None, None, None, None, fresh, [])
         for i in rest:
             q, c = q_lens[i], ctx_lens[i]
             blocks = mask = None
@@ -92,7 +103,8 @@ class AttentionPlan:
         uniform = None
         if len(decodes) > 1 and len({d.context_len for d in decodes}) == 1:
             uniform = torch.cat([d.blocks for d in decodes])
-        return cls(num_tokens, block_size, decodes, uniform, decode_rows, fresh_uniform, spans)
+        return cls(num_tokens, block_size, decodes, uniform, decode_rows, decode_tables,
+                   decode_ctx, fresh_uniform, spans)  # fmt: skip
 
 
 @contextmanager
@@ -152,9 +164,14 @@ def paged_attention(
     if plan.decodes:
         rows = plan.decode_rows
         qd = q if rows is None else q.index_select(0, rows)
+        native = cpu_kernels.decode_attention(
+            qd, k_cache, v_cache, plan.decode_tables, plan.decode_ctx, scale
+        )
         qd = qd.view(-1, kv_heads, group, head_dim)
         od = out if rows is None else torch.empty_like(qd)
-        if plan.uniform is not None:  # equal contexts: one unmasked batched call, no padding
+        if native is not None:  # CPU float32: one call reading the blocks in place
+            od.copy_(native.view_as(qd))
+        elif plan.uniform is not None:  # equal contexts: one unmasked batched call, no padding
             b, n = len(plan.decodes), plan.decodes[0].context_len
             kd = k_cache.index_select(0, plan.uniform).view(b, -1, kv_heads, head_dim)
             vd = v_cache.index_select(0, plan.uniform).view(b, -1, kv_heads, head_dim)

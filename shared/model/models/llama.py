@@ -12,7 +12,7 @@ from torch import nn
 from shared.model.api import AttentionMetadata, KVCache, LayerCallback
 from shared.model.attention import AttentionPlan
 from shared.model.config import ModelConfig
-from shared.model.layers import MLP, Attention, RMSNorm, Rotary
+from shared.model.layers import MLP, Attention, RMSNorm, Rotary, project
 
 
 class DecoderLayer(nn.Module):
@@ -108,4 +108,4 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head over ``[N, H]`` hidden states; float32 ``[N, V]``."""
-        return self.lm_head(hidden).float()
+        return project(self.lm_head, hidden).float()

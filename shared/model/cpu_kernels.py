@@ -1,0 +1,215 @@
+"""Native CPU kernel for decode attention over the paged KV cache.
+
+Decode attention in torch needs, per sequence and layer, two ``index_select`` copies of its
+context blocks and one small SDPA call: ~300 tiny ops per step for 16 sequences x 8 layers, which
+measured ~13 ms of a 33 ms step on the benchmark model (docs/benchmarks/model.md). The kernel
+below reads K/V straight from the blocks (no copy) for every sequence and head in one call.
+
+It is plain C built on first use with the system C compiler (``cc -O3 -march=native``, well
+under a second) into ``$STRATA_CACHE/kernels`` and called through ctypes, which releases the GIL.
+No torch headers are needed. Where there is no compiler, or ``STRATA_CPU_KERNELS=0``, or the
+dtype is not float32, ``decode_attention`` returns ``None`` and the caller uses the torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+/* out[b, h, :] = softmax(q[b, h] . K[b]^T * scale) V[b] for one decode token per sequence.
+ * q, out: [B, H, D] contiguous; k, v: one layer of the cache, [NB, BS, KVH, D] contiguous;
+ * tables: [B, max_blocks] int64; ctx: [B] int64. Query head h reads KV head h / (H / KVH),
+ * as transformers' repeat_kv does. Two passes per (sequence, KV head): scores of the whole
+ * group, then the weighted sum of V. Scores in float32 like SDPA's CPU kernel. */
+void strata_decode_attn_f32(const float *q, const float *k, const float *v,
+                            const int64_t *tables, const int64_t *ctx, int64_t max_blocks,
+                            int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS,
+                            float scale, float *out) {
+    const int64_t G = H / KVH;
+    const int64_t tok_stride = KVH * D;
+    const int64_t blk_stride = BS * tok_stride;
+    int64_t cap = 0;
+    for (int64_t b = 0; b < B; b++) if (ctx[b] > cap) cap = ctx[b];
+    float *s = (float *)malloc(sizeof(float) * (size_t)(H * cap));  /* s[h * n + t] */
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t n = ctx[b];
+        const int64_t *tab = tables + b * max_blocks;
+        const float *qb = q + b * H * D;
+        float *ob = out + b * H * D;
+        /* scores: walk the context once, token by token (each token's K is KVH*D contiguous) */
+        for (int64_t t = 0; t < n; t++) {
+            const float *kt = k + tab[t / BS] * blk_stride + (t % BS) * tok_stride;
+            for (int64_t h = 0; h < H; h++) {
+                const float *qq = qb + h * D, *kk = kt + (h / G) * D;
+                float acc = 0.f;
+                #pragma omp simd reduction(+:acc)
+                for (int64_t d = 0; d < D; d++) acc += qq[d] * kk[d];
+                s[h * n + t] = acc * scale;
+            }
+        }
+        for (int64_t h = 0; h < H; h++) {
+            float *sh = s + h * n;
+            float m = -INFINITY;
+            for (int64_t t = 0; t < n; t++) m = sh[t] > m ? sh[t] : m;
+            float sum = 0.f;
+            for (int64_t t = 0; t < n; t++) { sh[t] = expf(sh[t] - m); sum += sh[t]; }
+            const float inv = 1.f / sum;
+            for (int64_t t = 0; t < n; t++) sh[t] *= inv;
+        }
+        for (int64_t i = 0; i < H * D; i++) ob[i] = 0.f;
+        for (int64_t t = 0; t < n; t++) {
+            const float *vt = v + tab[t / BS] * blk_stride + (t % BS) * tok_stride;
+            for (int64_t h = 0; h < H; h++) {
+                const float p = s[h * n + t];
+                const float *vv = vt + (h / G) * D;
+                float *restrict o = ob + h * D;
+                #pragma omp simd
+                for (int64_t d = 0; d < D; d++) o[d] += p * vv[d];
+            }
+        }
+    }
+    free(s);
+}
+"""
+
+_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=fast", "-shared", "-fPIC"]
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None | bool = None  # False: tried and unavailable
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("STRATA_CACHE") or os.path.join(Path(__file__).parents[2], ".cache")
+    return Path(root) / "kernels"
+
+
+def _build() -> ctypes.CDLL | bool:
+    if os.environ.get("STRATA_CPU_KERNELS", "1") == "0":
+        return False
+    cc = os.environ.get("CC", "cc")
+    key = hashlib.sha256(
+        "\0".join([_SOURCE, cc, *_FLAGS, platform.machine(), _cpu_flags()]).encode()
+    ).hexdigest()[:16]
+    out = _cache_dir() / f"strata_attn_{key}.so"
+    try:
+        if not out.exists():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+                src, so = Path(tmp) / "k.c", Path(tmp) / "k.so"
+                src.write_text(_SOURCE)
+                subprocess.run([cc, *_FLAGS, str(src), "-o", str(so), "-lm"], check=True,
+                               capture_output=True, timeout=120)  # fmt: skip
+                os.replace(so, out)  # atomic: concurrent builders race harmlessly
+        lib = ctypes.CDLL(str(out))
+    except (OSError, subprocess.SubprocessError) as e:
+        log.warning("CPU attention kernel unavailable (%s); using the torch path", e)
+        return False
+    f = lib.strata_decode_attn_f32
+    f.restype = None
+    f.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_void_p]
+    return lib
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def available() -> bool:
+    global _lib
+    if _lib is None:
+        with _lock:
+            if _lib is None:
+                _lib = _build()
+    return _lib is not False
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor | None:
+    """``[B, H, D]`` attention of one query token per sequence over its cached context, or
+    ``None`` when the native kernel does not apply (not CPU float32, or no compiler)."""
+    if q.device.type != "cpu" or q.dtype != torch.float32 or k_cache.dtype != torch.float32:
+        return None
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return None
+    if not available():
+        return None
+    q = q.contiguous()
+    tables = block_tables.to(torch.int64).contiguous()
+    ctx = context_lens.to(torch.int64).contiguous()
+    b, h, d = q.shape
+    _, bs, kvh, _ = k_cache.shape
+    out = torch.empty_like(q)
+    mb = tables.shape[1]
+
+    def run(lo: int, hi: int) -> None:  # rows [lo, hi): pointer offsets into q/tables/ctx/out
+        _lib.strata_decode_attn_f32(
+            q.data_ptr() + lo * h * d * 4, k_cache.data_ptr(), v_cache.data_ptr(),
+            tables.data_ptr() + lo * mb * 8, ctx.data_ptr() + lo * 8, mb, hi - lo, h, kvh, d,
+            bs, scale, out.data_ptr() + lo * h * d * 4,
+        )  # fmt: skip
+
+    parts = _split(ctx.tolist(), min(torch.get_num_threads(), b))
+    if len(parts) == 1:
+        run(0, b)
+        return out
+    # ctypes drops the GIL for the call, so threads run the row groups on separate cores
+    futs = [_pool().submit(run, lo, hi) for lo, hi in parts[1:]]
+    run(*parts[0])
+    for f in futs:
+        f.result()
+    return out
+
+
+def _split(ctx: list[int], n: int) -> list[tuple[int, int]]:
+    """``n`` contiguous row ranges with about equal total context (the kernel's work)."""
+    if n <= 1 or sum(ctx) < _MIN_PARALLEL_TOKENS:
+        return [(0, len(ctx))]
+    total, acc, cuts = sum(ctx), 0, [0]
+    for i, c in enumerate(ctx):
+        acc += c
+        if acc >= total * len(cuts) / n and len(cuts) < n and i + 1 < len(ctx):
+            cuts.append(i + 1)
+    cuts.append(len(ctx))
+    return list(zip(cuts[:-1], cuts[1:], strict=True))
+
+
+_MIN_PARALLEL_TOKENS = 2048  # below this a thread hand-off costs more than it saves
+_executor: ThreadPoolExecutor | None = None
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _executor
+    if _executor is None:
+        with _lock:
+            if _executor is None:
+                _executor = ThreadPoolExecutor(max(1, (os.cpu_count() or 2) - 1),
+                                               thread_name_prefix="strata-attn")  # fmt: skip
+    return _executor

@@ -1,0 +1,81 @@
+"""The native decode-attention kernel against the torch path it replaces (and SDPA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shared.model import cpu_kernels
+
+
+def _reference(q, k_cache, v_cache, tables, ctx, scale):
+    """Per-sequence SDPA over the gathered context (GQA by repeating K/V heads)."""
+    kvh, bs = k_cache.shape[2], k_cache.shape[1]
+    group = q.shape[1] // kvh
+    out = []
+    for i, n in enumerate(ctx.tolist()):
+        blocks = tables[i, : -(-n // bs)]
+        k = k_cache[blocks].reshape(-1, kvh, q.shape[2])[:n].repeat_interleave(group, dim=1)
+        v = v_cache[blocks].reshape(-1, kvh, q.shape[2])[:n].repeat_interleave(group, dim=1)
+        out.append(F.scaled_dot_product_attention(
+            q[i][:, None], k.transpose(0, 1), v.transpose(0, 1), scale=scale)[:, 0])  # fmt: skip
+    return torch.stack(out)
+
+
+@pytest.fixture(autouse=True)
+def _kernel():
+    if not cpu_kernels.available():
+        pytest.fail("the C compiler is part of the test environment; the kernel must build")
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,block_size,ctx",
+    [
+        (8, 4, 64, 16, [256] * 8),  # equal contexts
+        (8, 8, 64, 16, [1, 2, 15, 16, 17, 100]),  # MHA, block-boundary lengths
+        (16, 2, 128, 8, [3000, 40, 700, 2500]),  # GQA 8, long contexts (threaded split)
+        (6, 3, 80, 32, [33, 64, 65]),  # odd head dim
+    ],
+)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_matches_sdpa(heads, kv_heads, head_dim, block_size, ctx, threads):
+    g = torch.Generator().manual_seed(sum(ctx) + heads)
+    num_blocks = sum(-(-n // block_size) for n in ctx) + 5
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    perm = torch.randperm(num_blocks, generator=g)  # scattered, like a long-running pool
+    max_blocks = max(-(-n // block_size) for n in ctx)
+    tables = torch.zeros(len(ctx), max_blocks, dtype=torch.long)
+    used = 0
+    for i, n in enumerate(ctx):
+        nb = -(-n // block_size)
+        tables[i, :nb] = perm[used : used + nb]
+        used += nb
+    q = torch.randn(len(ctx), heads, head_dim, generator=g)
+    lens = torch.tensor(ctx)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = cpu_kernels.decode_attention(q, k_cache, v_cache, tables, lens, head_dim**-0.5)
+    finally:
+        torch.set_num_threads(before)
+    want = _reference(q, k_cache, v_cache, tables, lens, head_dim**-0.5)
+    assert got is not None
+    assert (got - want).abs().max().item() < 1e-5
+
+
+def test_split_balances_context():
+    assert cpu_kernels._split([100] * 4, 2) == [(0, 4)]  # too little work to hand off
+    assert cpu_kernels._split([3000, 10, 10, 3000], 2) == [(0, 2), (2, 4)]
+    assert cpu_kernels._split([1000] * 6, 3) == [(0, 2), (2, 4), (4, 6)]
+
+
+def test_not_applicable_returns_none():
+    q = torch.randn(2, 4, 64, dtype=torch.bfloat16)
+    cache = torch.randn(4, 16, 2, 64, dtype=torch.bfloat16)
+    tables = torch.tensor([[0], [1]])
+    assert cpu_kernels.decode_attention(q, cache, cache, tables, torch.tensor([3, 4]), 0.1) is None
+    strided = torch.randn(4, 16, 4, 64)[:, :, :2]
+    assert cpu_kernels.decode_attention(q.float(), strided, strided, tables,
+                                        torch.tensor([3, 4]), 0.1) is None  # fmt: skip
