@@ -96,6 +96,7 @@ class AsyncEngine:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=10)
+        self.engine.close()
 
     # ----- worker thread ---------------------------------------------------------------------
     def _on_layer(self, layer: int) -> None:

@@ -117,6 +117,44 @@ class ModelRunner:
             logit_rows,
         )
 
+    def prepare_decode_ahead(self, out: SchedulerOutput) -> PreparedBatch:
+        """Inputs of a pure-decode step scheduled before the previous step's tokens exist: each
+        sequence computes position ``num_tokens`` (the token being sampled now, filled into
+        ``input_ids`` later by :meth:`fill_ahead_tokens`)."""
+        bs, dev = self.block_size, self.device
+        pos = [s.seq.num_tokens for s in out.scheduled]
+        max_blocks = max(len(s.seq.block_table) for s in out.scheduled)
+        tables = torch.zeros(len(pos), max_blocks, dtype=torch.long)
+        slots = []
+        for i, s in enumerate(out.scheduled):
+            table = s.seq.block_table
+            tables[i, : len(table)] = torch.tensor(table)
+            slots.append(table[pos[i] // bs] * bs + pos[i] % bs)
+        n = len(pos)
+        ctx = [p + 1 for p in pos]
+        meta = AttentionMetadata(
+            query_start_loc=torch.arange(n + 1, device=dev),
+            context_lens=torch.tensor(ctx, dtype=torch.long, device=dev),
+            block_tables=tables.to(dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            query_lens=[1] * n,
+            context_lens_list=ctx,
+        )
+        return PreparedBatch(
+            torch.zeros(n, dtype=torch.long, device=dev),
+            torch.tensor(pos, dtype=torch.long, device=dev),
+            meta,
+            None,
+            torch.arange(n, device=dev),
+            [1] * n,
+        )
+
+    @staticmethod
+    def fill_ahead_tokens(batch: PreparedBatch, out: SchedulerOutput) -> None:
+        """Put each sequence's newest token (sampled after the batch was prepared) in place."""
+        last = [s.seq.token_ids[-1] for s in out.scheduled]
+        batch.input_ids.copy_(torch.tensor(last, dtype=torch.long))
+
     @torch.inference_mode()
     def execute(
         self, batch: PreparedBatch, layer_callback: LayerCallback | None = None

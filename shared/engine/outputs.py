@@ -39,6 +39,8 @@ class EngineStats:
     idle_gap_s: float  # time between the end of one step and the start of the next
     last_forward_s: float = 0.0
     last_step_s: float = 0.0
+    device_idle_s: float = 0.0  # time the forward thread waited between two forwards
+    ahead_steps: int = 0  # steps scheduled and prepared while the previous forward ran
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     extra: dict[str, float] = field(default_factory=dict)

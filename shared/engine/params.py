@@ -75,6 +75,9 @@ class EngineConfig:
     """KV cache dtype name (e.g. "float32"); None follows the model dtype."""
     collect_evicted_kv: bool = False
     """Copy evicted cached blocks out for the KV pool (``LLMEngine.drain_evicted_kv``)."""
+    async_scheduling: bool = True
+    """Schedule and prepare decode step i+1 while the forward of step i runs (see
+    ``LLMEngine.step``); False runs every step strictly in sequence."""
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> None:

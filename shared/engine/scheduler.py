@@ -16,6 +16,13 @@ Preemption is "recompute" (free the blocks, re-prefill later: prefix caching usu
 cheap) or "swap" (the output lists the blocks to copy out before they are reused, and on resume
 the fresh blocks to copy back into).
 
+``schedule_decode_ahead(output)`` is the async-scheduling fast path: while the forward of a
+pure-decode step runs, it schedules the same sequences for one more token each (their slot for
+the token being sampled now is allocated here), or returns None when anything else could happen
+(admissible waiting sequences, new arrivals, drafts, no free block). Blocks of a sequence that finishes
+while a forward that writes to it is in flight (``in_flight``) are freed only when that forward
+ends (``end_flight``), so no one else can be handed a block it is still writing.
+
 ``postprocess(output, sampled)`` takes the tokens chosen for each scheduled sequence (empty for a
 prefill chunk that has not reached the end of its prompt; accepted drafts + one bonus token for a
 speculative step), advances ``num_computed_tokens``, applies max_tokens / EOS / stop ids,
@@ -93,6 +100,8 @@ class Scheduler:
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self._budget = 0
+        self.in_flight: set[int] = set()  # id() of sequences the running forward writes to
+        self._deferred_free: list[Sequence] = []
 
     # ----- intake ----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -122,8 +131,18 @@ class Scheduler:
             self.release(seq)
 
     def release(self, seq: Sequence) -> None:
+        if id(seq) in self.in_flight:
+            self._deferred_free.append(seq)  # the running forward still writes its last block
+            return
         self.bm.free(seq.block_table)
         seq.block_table = []
+
+    def end_flight(self) -> None:
+        """The forward that wrote to ``in_flight`` is done: free what finished meanwhile."""
+        self.in_flight.clear()
+        for seq in self._deferred_free:
+            self.release(seq)
+        self._deferred_free.clear()
 
     # ----- schedule --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -155,6 +174,41 @@ class Scheduler:
                 break
             if not self._admit(seq, out):
                 break  # head of line blocks the rest (FIFO within a priority class)
+        return out
+
+    def schedule_decode_ahead(self, prev: SchedulerOutput) -> SchedulerOutput | None:
+        """Step i+1 for a pure-decode step i still running: the same sequences, one token each.
+
+        Only when nothing else could change the batch: every sequence of ``prev`` is a plain
+        decode that samples, they are exactly the running set, nobody waiting could be admitted
+        (the batch is full and no waiting class is better than a running one), the budget and
+        ``max_num_seqs`` hold, and each one's slot for the next position can be allocated
+        without preempting. ``ScheduledSeq.start`` reads ``num_computed_tokens``, which is right
+        once step i's ``postprocess`` has advanced it (the engine checks that before launching).
+        """
+        if not prev.scheduled or len(prev.scheduled) != len(self.running):
+            return None
+        if self.waiting:  # they could only run by taking a slot from a worse class
+            if len(self.running) < self.max_num_seqs:
+                return None
+            worst = max(s.priority for s in self.running)
+            if any(w.priority < worst for w in self.waiting):
+                return None
+        if len(prev.scheduled) > min(self.max_num_seqs, self.max_num_batched_tokens):
+            return None
+        running = {id(s) for s in self.running}
+        for sch in prev.scheduled:
+            seq = sch.seq
+            if id(seq) not in running or sch.num_new_tokens != 1 or sch.num_draft_tokens:
+                return None
+            if seq.num_computed_tokens != seq.num_tokens - 1 or seq.draft_token_ids:
+                return None
+        out = SchedulerOutput()
+        for sch in prev.scheduled:
+            seq = sch.seq
+            if not self.bm.allocate_slots(seq.block_table, seq.num_tokens + 1):
+                return None  # slots taken so far stay with their sequences: harmless
+            out.scheduled.append(ScheduledSeq(seq, 1, 0))
         return out
 
     def _admit(self, seq: Sequence, out: SchedulerOutput) -> bool:

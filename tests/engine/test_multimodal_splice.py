@@ -69,7 +69,7 @@ def test_chunk_embeds_equal_merge(llava):
         else:  # text-only chunks take the plain embedding path
             assert batch.inputs_embeds is None
         logits = eng.runner.execute(batch)
-        eng._finish_step(sched, batch.logit_rows, logits)
+        eng._update(sched, *eng._sample(sched, batch.logit_rows, logits))
         covered = hi
     assert image_chunks >= 5  # two 16-token images over 7-token chunks
 
