@@ -35,6 +35,9 @@ class GatewayConfig(ServiceConfig):
     stall_timeout: float = Field(15.0, gt=0, description="Seconds without tokens -> failover")
     max_failovers: int = Field(2, ge=0, description="Re-routes of one stream before giving up")
     health_timeout: float = Field(1.0, gt=0, description="Seconds /health waits for the scheduler")
+    sse_header_hold: float = Field(
+        0.05, ge=0, description="Seconds a stream's headers wait for token one (one write for both)"
+    )
     # degradation
     degrade_batch_max_tokens: int = Field(64, ge=1, description="Batch max_tokens cap at level 1")
     degrade_top_priority: int = Field(

@@ -11,7 +11,6 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -131,9 +130,11 @@ def build_app(service: GatewayService) -> FastAPI:
         run = await _race(service.open(kind, body, headers, request.headers.get("authorization"),
                                        request.headers.get("x-request-id", "")), request)  # fmt: skip
         if not run.spec.request.stream:
-            return JSONResponse(await _race(run.complete(), request))
-        return StreamingResponse(_sse(run, request), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})  # fmt: skip
+            try:
+                return JSONResponse(await _race(run.complete(), request))
+            finally:
+                run.close()
+        return _SSEResponse(run, cfg.sse_header_hold)
 
     @app.post("/v1/chat/completions", openapi_extra=_body_doc(ChatCompletionRequest))
     async def chat(request: Request) -> Response:
@@ -163,47 +164,71 @@ def build_app(service: GatewayService) -> FastAPI:
     return app
 
 
-async def _sse(run, request: Request) -> AsyncIterator[bytes]:
-    """``data: <chunk>`` lines ending in ``data: [DONE]``; an error mid-stream is sent as an
-    error object. A disconnect cancels the run (which publishes the bus cancel).
+_DONE = b"data: [DONE]\n\n"
 
-    The run is pumped by its own asyncio task: the server may cancel this generator's scope on
-    disconnect, and a plain ``cancel()`` of that task (no await) still lets it clean up.
+
+class _SSEResponse(StreamingResponse):
+    """A run streamed as server-sent events: ``data: <chunk>`` lines ending in ``data: [DONE]``;
+    an error mid-stream is sent as an error object.
+
+    Written in as few socket writes as the stream allows: the status line and headers wait for
+    the first token (at most ``hold`` seconds), so headers, the chat role chunk and the first
+    token leave together; every later write carries all the chunks that are ready, and the last
+    one also the usage chunk, ``[DONE]`` and the end of the body. A disconnect closes the run
+    (which publishes the bus cancel); the run is closed however the response ends. Nothing here
+    awaits on the way out, since the server may cancel this on disconnect: `Run.close` is
+    synchronous.
     """
-    q: asyncio.Queue = asyncio.Queue()
 
-    async def produce() -> None:
+    def __init__(self, run, hold: float):
+        super().__init__(iter(()), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})  # fmt: skip
+        self.run = run
+        self.hold = hold
+
+    async def __call__(self, scope, receive, send) -> None:
+        run = self.run
+
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            run.close()  # ends next_events() at once
+
+        disc = asyncio.create_task(watch())
+        body, started = b"", False
         try:
-            async for chunk in run.events():
-                q.put_nowait(("chunk", chunk))
-            q.put_nowait(("end", None))
-        except StrataError as exc:
-            q.put_nowait(("error", exc))
-        except Exception as exc:  # noqa: BLE001 - reported to the client as a 500 object
-            log.exception("stream %s failed", run.request_id)
-            q.put_nowait(("error", StrataError("internal", f"{type(exc).__name__}: {exc}")))
-
-    producer = asyncio.create_task(produce())
-    disc = asyncio.create_task(_wait_disconnect(request))
-    get: asyncio.Future | None = None
-    try:
-        while True:
-            get = asyncio.ensure_future(q.get())
-            done, _ = await asyncio.wait({get, disc}, return_when=asyncio.FIRST_COMPLETED)
-            if get not in done:
-                return  # client gone: the finally cancels the run
-            kind, val = get.result()
-            if kind == "chunk":
-                yield _line(val)
-                continue
-            if kind == "error":
-                yield _line(error_body(val))
-            break
-        yield b"data: [DONE]\n\n"
-    finally:
-        for t in (get, disc, producer):
-            if t is not None:
-                t.cancel()
+            try:
+                while True:
+                    held = not started and bool(body) and run.first_token_at is None
+                    # Only role chunks so far: wait up to `hold` for a token to send them with.
+                    batch = await run.next_events(self.hold if held else None)
+                    body += b"".join(_line(ev) for ev in batch or ())
+                    if batch is None or run.ended:
+                        break
+                    if not started:
+                        if not held and run.first_token_at is None:
+                            continue  # role chunks only: the next round holds them
+                        started = True
+                        await send({"type": "http.response.start", "status": self.status_code,
+                                    "headers": self.raw_headers})  # fmt: skip
+                    if body:
+                        await send({"type": "http.response.body", "body": body,
+                                    "more_body": True})  # fmt: skip
+                        body = b""
+            except StrataError as exc:
+                body += _line(error_body(exc))
+            except Exception as exc:  # noqa: BLE001 - reported to the client as a 500 object
+                log.exception("stream %s failed", run.request_id)
+                body += _line(error_body(StrataError("internal", f"{type(exc).__name__}: {exc}")))
+            if disc.done():
+                return  # client gone
+            if not started:
+                await send({"type": "http.response.start", "status": self.status_code,
+                            "headers": self.raw_headers})  # fmt: skip
+            await send({"type": "http.response.body", "body": body + _DONE, "more_body": False})
+        finally:
+            disc.cancel()
+            run.close()
 
 
 def _line(obj: dict[str, Any]) -> bytes:

@@ -42,11 +42,14 @@ async def serve_api(nc: NATS, service: GatewayService):
                 headers["x-strata-slo-class"] = req.slo_class
             run = await service.open(req.kind, req.body, headers, req.api_key, req.request_id)
             rid = run.request_id
-            if not run.spec.request.stream:
-                await send(GenerateEvent(request_id=rid, data=await run.complete(), done=True))
-                return
-            async for chunk in run.events():
-                await send(GenerateEvent(request_id=rid, data=chunk))
+            try:
+                if not run.spec.request.stream:
+                    await send(GenerateEvent(request_id=rid, data=await run.complete(), done=True))
+                    return
+                async for chunk in run.events():
+                    await send(GenerateEvent(request_id=rid, data=chunk))
+            finally:
+                run.close()
             await send(GenerateEvent(request_id=rid, done=True))
         except StrataError as exc:
             await send(GenerateEvent(request_id=rid, done=True, error=exc.info(),

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from nats.aio.client import Client as NATS
@@ -66,7 +66,9 @@ class Pipeline:
         self.degrade_level = 0
         self.down: set[str] = set()
         self._watchers: dict[str, set[asyncio.Queue]] = {}
+        self._cancel_cbs: dict[str, Callable[[bytes], None]] = {}
         self._sub = None
+        self._cancel_sub = None
 
     async def start(self) -> None:
         async def on_state(msg) -> None:
@@ -80,7 +82,28 @@ class Pipeline:
                 for q in self._watchers.get(inst, ()):
                     q.put_nowait(_DOWN)
 
+        async def on_cancel(msg) -> None:
+            cb = self._cancel_cbs.get(msg.subject.split(".")[2])  # strata.req.<id>.cancel
+            if cb is not None:
+                cb(msg.data)
+
         self._sub = await self.nc.subscribe(subjects.SCHED_STATE, cb=on_state)
+        # One subscription for every request's cancel subject (cancels are rare; a per-request
+        # SUB/UNSUB pair would sit on every request's path).
+        self._cancel_sub = await self.nc.subscribe(subjects.REQ_CANCEL_ALL, cb=on_cancel)
+
+    async def stop(self) -> None:
+        for sub in (self._sub, self._cancel_sub):
+            if sub is not None:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+
+    def watch_cancel(self, rid: str, cb: Callable[[bytes], None]) -> None:
+        """Call ``cb(payload)`` when something publishes ``strata.req.<rid>.cancel``."""
+        self._cancel_cbs[rid] = cb
+
+    def unwatch_cancel(self, rid: str) -> None:
+        self._cancel_cbs.pop(rid, None)
 
     async def healthy(self) -> bool:
         """True when the scheduler knows a live decode instance."""
@@ -146,30 +169,31 @@ class Pipeline:
         """Index-ordered chunks of one request, surviving decode failures (see module doc)."""
         q: asyncio.Queue = asyncio.Queue()
 
-        async def on_chunk(msg) -> None:
+        async def on_msg(msg) -> None:
             q.put_nowait(msg)
 
-        sub = await self.nc.subscribe(subjects.req_out(rid), cb=on_chunk)
+        # One subscription for the request's chunks (.out) and its submit ack (.ack); taken
+        # before the route request goes out, in the same write to the server.
+        sub = await self.nc.subscribe(subjects.req_any(rid), cb=on_msg)
         sent: list[int] = []
         exclude: list[str] = []
         finished = False
         watched: list[str] = []
         try:
             while True:
-                route = await self._route(rid, p, spec, exclude)
+                route = await self._route(rid, p, spec, exclude, sent)
                 watched = [i for i in (route.decode_instance, route.prefill_instance) if i]
                 for inst in watched:
                     self._watchers.setdefault(inst, set()).add(q)
-                why = await self._submit(rid, p, spec, route, sent)
-                if why is None:
-                    async for chunk in self._drain(q, sent, exclude):
-                        if isinstance(chunk, str):
-                            why = chunk
-                            break
-                        yield chunk
-                        if chunk.finish_reason is not None:
-                            finished = True
-                            return
+                why = None
+                async for chunk in self._drain(rid, q, sent, exclude, route):
+                    if isinstance(chunk, str):
+                        why = chunk
+                        break
+                    yield chunk
+                    if chunk.finish_reason is not None:
+                        finished = True
+                        return
                 self._unwatch(q, watched)
                 if len(exclude) >= self.cfg.max_failovers:
                     raise StrataError("unavailable", f"request {rid} failed on {len(exclude) + 1} "
@@ -191,12 +215,18 @@ class Pipeline:
             if not self._watchers.get(inst):
                 self._watchers.pop(inst, None)
 
-    async def _route(self, rid: str, p: Prepared, spec: GenerateSpec,
-                     exclude: list[str]) -> RouteReply:  # fmt: skip
+    async def _route(self, rid: str, p: Prepared, spec: GenerateSpec, exclude: list[str],
+                     sent: list[int]) -> RouteReply:  # fmt: skip
+        """Route and submit in one hop: the scheduler forwards the `WorkItem` to the instance it
+        chose, which acks on ``strata.req.<rid>.ack`` (read by `_drain`)."""
+        item = WorkItem(request_id=rid, prompt_token_ids=p.prompt_token_ids, sampling=p.sampling,
+                        priority=spec.priority, slo_class=spec.slo_class, images=p.images,
+                        output_token_ids=list(sent))  # fmt: skip
         req = RouteRequest(request_id=rid, num_prompt_tokens=len(p.prompt_token_ids),
                            block_hashes=p.block_hashes, priority=spec.priority,
                            slo_class=spec.slo_class, max_tokens=p.sampling.max_tokens,
-                           exclude=list(exclude), ttft_slo_ms=spec.ttft_slo_ms)  # fmt: skip
+                           exclude=list(exclude), ttft_slo_ms=spec.ttft_slo_ms,
+                           submit=item)  # fmt: skip
         # Scheduler replicas share a queue group; one that dies mid-request leaves the request
         # unanswered, so a timed-out route is asked once more (another replica answers).
         for attempt in (0, 1):
@@ -215,23 +245,13 @@ class Pipeline:
             raise StrataError("unavailable", "no decode instance is available")
         return route
 
-    async def _submit(self, rid: str, p: Prepared, spec: GenerateSpec, route: RouteReply,
-                      sent: list[int]) -> str | None:  # fmt: skip
-        """Send the WorkItem; returns a failover reason when the instance cannot take it."""
-        sampling = p.sampling
-        if route.max_tokens_cap and sampling.max_tokens > route.max_tokens_cap:
-            sampling = sampling.model_copy(update={"max_tokens": route.max_tokens_cap,
-                                                   "min_tokens": min(sampling.min_tokens,
-                                                                     route.max_tokens_cap)})  # fmt: skip
-        item = WorkItem(request_id=rid, prompt_token_ids=p.prompt_token_ids, sampling=sampling,
-                        priority=spec.priority, slo_class=spec.slo_class, images=p.images,
-                        output_token_ids=list(sent), decode_instance=route.decode_instance,
-                        decode_addr=route.decode_addr,
-                        transfer_mode="pool" if route.transfer_mode == "pool" else "direct")  # fmt: skip
-        target = (subjects.prefill_submit(route.prefill_instance) if route.prefill_instance
-                  else subjects.decode_submit(route.decode_instance))  # fmt: skip
+    def _ack_problem(self, msg, route: RouteReply) -> str | None:
+        """A failover reason when the forwarded submit was not taken; None when it was."""
+        target = route.prefill_instance or route.decode_instance
+        if msg.headers and msg.headers.get("Status") == "503":  # the server: no responders
+            return f"submit: no service is listening on {target}'s submit subject"
         try:
-            ack = await bus.request(self.nc, target, item, SubmitAck, self.cfg.bus_timeout)
+            ack = decode(msg.data, SubmitAck)
         except StrataError as exc:
             if exc.code in ("unavailable", "timeout"):
                 return f"submit: {exc.message}"
@@ -240,19 +260,41 @@ class Pipeline:
             return f"submit: {ack.instance_id or target} refused the request"
         return None
 
-    async def _drain(self, q: asyncio.Queue, sent: list[int],
-                     exclude: list[str]) -> AsyncIterator[TokenChunk | str]:  # fmt: skip
+    async def _drain(self, rid: str, q: asyncio.Queue, sent: list[int], exclude: list[str],
+                     route: RouteReply) -> AsyncIterator[TokenChunk | str]:  # fmt: skip
         """Chunks from the queue in order; a str item means "fail over, because ..."."""
+        ack_subject = subjects.req_ack(rid)
+        target = route.prefill_instance or route.decode_instance
+        acked = False
         while True:
-            timeout = self.cfg.first_token_timeout if not sent else self.cfg.stall_timeout
+            if not acked and not sent:
+                timeout = self.cfg.bus_timeout  # the instance's ack
+            else:
+                timeout = self.cfg.first_token_timeout if not sent else self.cfg.stall_timeout
             try:
                 msg = await asyncio.wait_for(q.get(), timeout)
             except TimeoutError:
-                yield f"stall: no tokens for {timeout:.1f}s"
+                what = "submit: no ack" if not acked and not sent else "stall: no tokens"
+                yield f"{what} for {timeout:.1f}s"
                 return
             if msg is _DOWN:
                 yield "down: instance declared down"
                 return
+            if msg.subject == ack_subject:
+                if acked:
+                    continue
+                why = self._ack_problem(msg, route)
+                if why is not None:
+                    yield why
+                    return
+                with contextlib.suppress(Exception):
+                    if decode(msg.data, SubmitAck).instance_id not in ("", target):
+                        continue  # a late ack from an instance we failed away from
+                acked = True
+                continue
+            if not msg.subject.endswith(".out"):
+                continue  # .cancel: handled by the run
+            acked = True  # a chunk implies the submit was taken
             try:
                 chunk = decode(msg.data, TokenChunk)
             except Exception:  # noqa: BLE001 - a malformed chunk is a peer bug; skip it

@@ -22,11 +22,11 @@ from services.gateway.core import GenerateSpec, admit, build_spec
 from services.gateway.images import load_image
 from services.gateway.pipeline import Pipeline, Prepared
 from services.gateway.responses import ChoiceState, Formatter, usage
-from shared.protocol import subjects
 from shared.protocol.codec import decode
 from shared.protocol.stream import Cancel, TokenChunk
 
-_CANCELLED = object()
+_CANCELLED = object()  # queue item: the request was cancelled on the bus
+_CLOSED = object()  # queue item: close() was called
 
 
 class GatewayService:
@@ -54,11 +54,20 @@ class GatewayService:
         self.auth.charge(policy, sum(len(p.prompt_token_ids) + p.sampling.max_tokens
                                      for p in prepared))  # fmt: skip
         fmt = Formatter(kind, rid, self.served_model, self.token_str, spec.logprobs)
-        return Run(self.pipeline, spec, rid, prepared, fmt, arrival)
+        run = Run(self.pipeline, spec, rid, prepared, fmt, arrival)
+        run.start()  # no await after this: the caller owns the run (and closes it)
+        return run
 
 
 class Run:
-    """An admitted request: ``len(prompts) * n`` choices streaming on the bus."""
+    """An admitted request: ``len(prompts) * n`` choices streaming on the bus.
+
+    `start` (called by `GatewayService.open`) sets every choice's stream going at once, so the
+    route and submit round trips overlap the response start; `events` / `complete` consume what
+    the streams produced. `close` is synchronous and idempotent: it cancels every open stream
+    (each publishes its bus cancel) and ends the consumer; whoever opened the run calls it when
+    the response is over, however it ended.
+    """
 
     def __init__(self, pipeline: Pipeline, spec: GenerateSpec, rid: str,
                  prepared: list[Prepared], fmt: Formatter, arrival: float):  # fmt: skip
@@ -72,81 +81,111 @@ class Run:
         self.choices = [ChoiceState(i, len(prepared[i // n].prompt_token_ids))
                         for i in range(len(prepared) * n)]  # fmt: skip
         self.first_token_at: float | None = None
+        self._last: float | None = None
+        self.closed = False  # close() was called: the consumer stops, no more events
+        self._q: asyncio.Queue = asyncio.Queue()
+        self._tasks: list[asyncio.Task] = []
+        self._open = 0  # choices whose stream has not ended yet
+        self._done = False  # no more chunks will come (see _take)
+        self._began = False  # next_events returned its first batch
+        self._ended = False  # next_events returned its last batch
+        self._offsets = [0] * len(self.choices)  # text offset per choice (logprobs)
 
     def _sub_id(self, i: int) -> str:
         return self.request_id if len(self.choices) == 1 else f"{self.request_id}-{i}"
 
-    async def _merged(self) -> AsyncIterator[tuple[int, TokenChunk]]:
-        """Chunks of every choice as they arrive; all streams are closed on exit."""
-        q: asyncio.Queue = asyncio.Queue()
-        n = self.spec.n
-
-        async def pump(i: int) -> None:
-            try:
-                async for c in self.pipeline.stream(self._sub_id(i), self.prepared[i // n],
-                                                    self.spec):  # fmt: skip
-                    q.put_nowait((i, c))
-                q.put_nowait((i, None))
-            except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer
-                q.put_nowait((i, exc))
-
-        async def on_cancel(msg) -> None:
-            with contextlib.suppress(Exception):
-                if decode(msg.data, Cancel).reason.startswith("failover"):
-                    return  # our own failover notice to a dead instance, not a user cancel
-            q.put_nowait((-1, _CANCELLED))
-
-        cancel_sub = await self.pipeline.nc.subscribe(subjects.req_cancel(self.request_id),
-                                                      cb=on_cancel)  # fmt: skip
+    def start(self) -> None:
+        """Start every choice's stream (route, submit, chunks) in its own task; idempotent."""
+        if self._tasks or self.closed:
+            return
+        self.pipeline.watch_cancel(self.request_id, self._on_cancel)
         m.QUEUE.observe(time.perf_counter() - self.arrival)
         m.WAITING.inc()
-        waiting = True
-        tasks = [asyncio.create_task(pump(i)) for i in range(len(self.choices))]
-        open_ = len(tasks)
-        last = None
+        self._tasks = [asyncio.create_task(self._pump(i)) for i in range(len(self.choices))]
+        self._open = len(self._tasks)
+
+    async def _pump(self, i: int) -> None:
+        q = self._q
         try:
-            while open_:
-                i, item = await q.get()
-                if item is _CANCELLED:  # cancelled on the bus: end every open choice cleanly
-                    for c in self.choices:
-                        if c.finish_reason is None:
-                            abort = TokenChunk(
-                                request_id=self._sub_id(c.index),
-                                index=len(c.token_ids),
-                                finish_reason="abort",
-                            )
-                            c.add(abort)
-                            yield c.index, abort
-                    return
-                if item is None:
-                    open_ -= 1
-                    continue
-                if isinstance(item, BaseException):
-                    raise item
-                now = time.perf_counter()
-                if self.first_token_at is None:
-                    self.first_token_at = now
-                    m.TTFT.observe(now - self.arrival)
-                    m.WAITING.dec()
-                    m.RUNNING.inc()
-                    waiting = False
-                elif last is not None and item.token_ids:
-                    m.ITL.observe(now - last)
-                last = now
-                self.choices[i].add(item)
-                yield i, item
-        finally:
-            with contextlib.suppress(Exception):
-                await cancel_sub.unsubscribe()
-            for t in tasks:
-                t.cancel()
-            with contextlib.suppress(BaseException):
-                await asyncio.gather(*tasks, return_exceptions=True)
-            if waiting:
-                m.WAITING.dec()
+            async for c in self.pipeline.stream(self._sub_id(i), self.prepared[i // self.spec.n],
+                                                self.spec):  # fmt: skip
+                q.put_nowait((i, c))
+            q.put_nowait((i, None))
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer
+            q.put_nowait((i, exc))
+
+    def _on_cancel(self, data: bytes) -> None:
+        with contextlib.suppress(Exception):
+            if decode(data, Cancel).reason.startswith("failover"):
+                return  # our own failover notice to a dead instance, not a user cancel
+        self._q.put_nowait((-1, _CANCELLED))
+
+    def close(self) -> None:
+        """End the run now (see the class doc); a no-op the second time."""
+        if self.closed:
+            return
+        self.closed = True
+        self.pipeline.unwatch_cancel(self.request_id)
+        for t in self._tasks:
+            t.cancel()  # no await: each stream publishes its bus cancel on its own
+        self._q.put_nowait((-1, _CLOSED))
+        if self._tasks:
+            (m.WAITING if self.first_token_at is None else m.RUNNING).dec()
+        self._record()
+
+    async def _take(self, timeout: float | None = None) -> list[tuple[int, TokenChunk]] | None:
+        """Every chunk that is ready now, waiting for the first up to ``timeout`` (None: no
+        limit; ``[]`` when it passed); None once every choice ended, the run was cancelled on
+        the bus or closed. A stream's error is raised (and the run closed)."""
+        self.start()
+        if self._done:
+            return None
+        try:
+            if timeout is None:
+                item = await self._q.get()
             else:
-                m.RUNNING.dec()
-            self._record()
+                item = await asyncio.wait_for(self._q.get(), timeout)
+        except TimeoutError:
+            return []
+        out: list[tuple[int, TokenChunk]] = []
+        while True:
+            self._add(*item, out)
+            if self._done or self._q.empty():
+                break
+            item = self._q.get_nowait()
+        if self._done:
+            self.close()
+        return out if out or not self._done else None
+
+    def _add(self, i: int, item: Any, out: list[tuple[int, TokenChunk]]) -> None:
+        if item is _CLOSED:
+            self._done = True
+        elif item is _CANCELLED:  # cancelled on the bus: end every open choice cleanly
+            self._done = True
+            for c in self.choices:
+                if c.finish_reason is None:
+                    abort = TokenChunk(request_id=self._sub_id(c.index),
+                                       index=len(c.token_ids), finish_reason="abort")  # fmt: skip
+                    c.add(abort)
+                    out.append((c.index, abort))
+        elif item is None:
+            self._open -= 1
+            self._done = self._open == 0
+        elif isinstance(item, BaseException):
+            self.close()
+            raise item
+        else:
+            now = time.perf_counter()
+            if self.first_token_at is None:
+                self.first_token_at = now
+                m.TTFT.observe(now - self.arrival)
+                m.WAITING.dec()
+                m.RUNNING.inc()
+            elif self._last is not None and item.token_ids:
+                m.ITL.observe(now - self._last)
+            self._last = now
+            self.choices[i].add(item)
+            out.append((i, item))
 
     def _record(self) -> None:
         done = [c for c in self.choices if c.finish_reason is not None]
@@ -163,25 +202,51 @@ class Run:
         for c in done:
             m.REQUESTS.labels(c.finish_reason).inc()
 
+    @property
+    def ended(self) -> bool:
+        """`next_events` returned the last batch."""
+        return self._ended
+
+    def _finished(self) -> bool:
+        """Every choice ended (not cut short by `close`)."""
+        return all(c.finish_reason is not None for c in self.choices)
+
     def _prompt_lens(self) -> list[int]:
         return [len(p.prompt_token_ids) for p in self.prepared]
 
-    async def events(self) -> AsyncIterator[dict[str, Any]]:
-        """OpenAI stream chunks; a usage chunk last when ``stream_options.include_usage``."""
-        offsets = [0] * len(self.choices)
-        if self.spec.kind == "chat":
-            for i in range(len(self.choices)):
-                yield self.fmt.role_chunk(i)
-        async for i, c in self._merged():
+    async def next_events(self, timeout: float | None = None) -> list[dict[str, Any]] | None:
+        """The OpenAI stream chunks ready now, in order (the chat role chunks come first, at
+        once; a usage chunk with the last tokens when ``stream_options.include_usage``); waits
+        for at least one up to ``timeout`` (``[]`` when it passed); None when the stream is over.
+        Batches let the SSE writer send what is ready in one write."""
+        if not self._began:
+            self._began = True
+            if self.spec.kind == "chat":
+                return [self.fmt.role_chunk(i) for i in range(len(self.choices))]
+        if self._ended:
+            return None
+        got = await self._take(timeout)
+        out = []
+        for i, c in got or ():
             if not c.token_ids and not c.text and c.finish_reason is None:
                 continue
-            yield self.fmt.chunk(i, c, offsets[i])
-            offsets[i] += len(c.text)
-        if self.spec.include_usage:
-            yield self.fmt.usage_chunk(usage(self.choices, self._prompt_lens()))
+            out.append(self.fmt.chunk(i, c, self._offsets[i]))
+            self._offsets[i] += len(c.text)
+        if self._done:
+            self._ended = True
+            if self.spec.include_usage and self._finished():
+                out.append(self.fmt.usage_chunk(usage(self.choices, self._prompt_lens())))
+            return out or None
+        return out
+
+    async def events(self) -> AsyncIterator[dict[str, Any]]:
+        """`next_events`, one chunk at a time."""
+        while (batch := await self.next_events()) is not None:
+            for ev in batch:
+                yield ev
 
     async def complete(self) -> dict[str, Any]:
-        async for _ in self._merged():
+        while await self._take() is not None:
             pass
         echo = None
         req = self.spec.request

@@ -3,8 +3,9 @@
 Subscribes load reports (`strata.load.>`), replays then follows KV events from the JetStream
 stream `STRATA_KV_EVENTS` (so a restarted scheduler rebuilds its prefix index), watches the
 registry bucket, answers `strata.sched.route` and `strata.sched.instances` (queue group
-"scheduler": any number of active replicas), and publishes `SchedulerState` on
-`strata.sched.state` every ``state_interval``.
+"scheduler": any number of active replicas; a route request that carries its `WorkItem` is
+also submitted to the chosen instance from here, see `RouteRequest.submit`), and publishes
+`SchedulerState` on `strata.sched.state` every ``state_interval``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from shared.kv_stream import ensure_kv_events_stream
 from shared.logs import setup_logging
 from shared.metrics import SERVICE_INFO, serve_metrics
 from shared.protocol import subjects
-from shared.protocol.codec import decode
+from shared.protocol.codec import decode, encode
 from shared.protocol.errors import StrataError
 from shared.protocol.kv import KVEvent
 from shared.protocol.load import LoadReport
@@ -36,6 +37,7 @@ from shared.protocol.sched import (
     InstancesRequest,
     RouteReply,
     RouteRequest,
+    routed_submit,
 )
 from shared.registry import registry_bucket
 
@@ -140,7 +142,12 @@ async def run_scheduler(
             log.warning("bad load report on %s", m.subject, exc_info=True)
 
     async def route(req: RouteRequest) -> RouteReply:
-        return core.route(req)
+        reply = core.route(req)
+        # One hop: the item goes on to the chosen instance, which acks to the gateway directly.
+        if req.submit is not None and reply.decode_instance:
+            target, item = routed_submit(req.submit, reply)
+            await nc.publish(target, encode(item), reply=subjects.req_ack(item.request_id))
+        return reply
 
     async def instances(req: InstancesRequest) -> InstancesReply:
         return core.instances(req.role)

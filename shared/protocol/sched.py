@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from shared.protocol import subjects
 from shared.protocol.base import Msg
+from shared.protocol.work import WorkItem
 
 
 class RouteRequest(Msg):
@@ -15,6 +17,11 @@ class RouteRequest(Msg):
     exclude: list[str] = []  # instances to avoid (failover)
     # Time-to-first-token target in ms; 0 = the scheduler's default for ``slo_class``.
     ttft_slo_ms: float = 0.0
+    # Route and submit in one hop: the scheduler fills in the route fields (`routed_submit`) and
+    # publishes this item to the chosen instance's submit subject with reply subject
+    # `strata.req.<id>.ack`, so the instance acks to the gateway directly. The RouteReply still
+    # comes back as usual (the gateway needs the chosen instances for failover).
+    submit: WorkItem | None = None
 
 
 class RouteReply(Msg):
@@ -73,3 +80,20 @@ class InstanceRecord(Msg):
     model: str = ""
     capacity: dict[str, float] = {}  # e.g. kv_blocks, max_num_seqs, max_model_len
     ts: float = 0.0
+
+
+def routed_submit(item: WorkItem, route: RouteReply) -> tuple[str, WorkItem]:
+    """The submit subject and the `WorkItem` as the routed instance gets it: where the KV goes
+    after prefill, the transfer mode, and ``max_tokens`` capped by the degradation level."""
+    sampling = item.sampling
+    if route.max_tokens_cap and sampling.max_tokens > route.max_tokens_cap:
+        sampling = sampling.model_copy(update={
+            "max_tokens": route.max_tokens_cap,
+            "min_tokens": min(sampling.min_tokens, route.max_tokens_cap)})  # fmt: skip
+    item = item.model_copy(update={
+        "sampling": sampling, "decode_instance": route.decode_instance,
+        "decode_addr": route.decode_addr,
+        "transfer_mode": "pool" if route.transfer_mode == "pool" else "direct"})  # fmt: skip
+    target = (subjects.prefill_submit(route.prefill_instance) if route.prefill_instance
+              else subjects.decode_submit(route.decode_instance))  # fmt: skip
+    return target, item

@@ -41,6 +41,17 @@ def req_cancel(request_id: str) -> str:
     return f"{PREFIX}.req.{request_id}.cancel"
 
 
+def req_ack(request_id: str) -> str:
+    """Reply subject of a submit the scheduler forwarded (`RouteRequest.submit`): the instance's
+    `SubmitAck` or error, or the server's no-responders status, straight to the gateway."""
+    return f"{PREFIX}.req.{request_id}.ack"
+
+
+def req_any(request_id: str) -> str:
+    """Every subject of one request (out, ack, cancel): the gateway's one subscription."""
+    return f"{PREFIX}.req.{request_id}.*"
+
+
 REQ_CANCEL_ALL = f"{PREFIX}.req.*.cancel"
 
 

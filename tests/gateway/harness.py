@@ -39,5 +39,5 @@ async def gateway(nats_url: str, decodes=("dec-0",), peers_kw=None, **cfg):
         await task
         await api_sub.unsubscribe()
         await peers.stop()
-        await service.pipeline._sub.unsubscribe()
+        await service.pipeline.stop()
         await nc.drain()

@@ -11,13 +11,14 @@ import time
 
 from shared import bus
 from shared.protocol import subjects
-from shared.protocol.codec import decode
+from shared.protocol.codec import decode, encode
 from shared.protocol.sched import (
     InstanceInfo,
     InstancesReply,
     InstancesRequest,
     RouteReply,
-    RouteRequest,  # fmt: skip
+    RouteRequest,
+    routed_submit,  # fmt: skip
 )
 from shared.protocol.stream import Cancel, TokenChunk, Usage
 from shared.protocol.tok import ImageSpan, TokenizeReply, TokenizeRequest
@@ -58,12 +59,14 @@ class Peers:
             await sub.unsubscribe()
 
     async def add_decode(self, inst: str, stall_after: int | None = None, resend: bool = False,
-                         gap: float = 0.0) -> None:  # fmt: skip
+                         gap: float = 0.0, refuse: bool = False) -> None:  # fmt: skip
         self.decodes[inst] = {"stall_after": stall_after, "resend": resend, "gap": gap}
         self.alive.append(inst)
 
         async def submit(item: WorkItem) -> SubmitAck:
             self.items.append(item)
+            if refuse:
+                return SubmitAck(instance_id=inst, accepted=False)
             asyncio.get_running_loop().create_task(self.generate(inst, item))
             return SubmitAck(instance_id=inst)
 
@@ -98,10 +101,17 @@ class Peers:
         return VisionEncodeReply(images=infos, instance_id="vis", source_addr="127.0.0.1:1")
 
     async def route(self, req: RouteRequest) -> RouteReply:
+        """First live instance not excluded; like the real scheduler, a request that carries its
+        WorkItem is submitted there (ack to ``strata.req.<id>.ack``)."""
         self.routes.append(req)
         for inst in self.alive:
             if inst not in req.exclude:
-                return RouteReply(decode_instance=inst, decode_addr="127.0.0.1:2")
+                reply = RouteReply(decode_instance=inst, decode_addr="127.0.0.1:2")
+                if req.submit is not None:
+                    target, item = routed_submit(req.submit, reply)
+                    await self.nc.publish(target, encode(item),
+                                          reply=subjects.req_ack(item.request_id))  # fmt: skip
+                return reply
         return RouteReply(decode_instance="", decode_addr="")
 
     async def insts(self, req: InstancesRequest) -> InstancesReply:

@@ -129,6 +129,37 @@ async def test_failover_dedupes_indices(nats_url):
         assert peers.items[0].request_id in peers.cancels  # the stalled instance is told to stop
 
 
+async def test_route_and_submit_in_one_hop(nats_url):
+    """The scheduler submits the WorkItem it routed (route fields filled in there); the gateway
+    reads the instance's ack and chunks without a submit round trip of its own."""
+    async with gateway(nats_url) as (url, peers, _):
+        async with httpx.AsyncClient(base_url=url) as c:
+            r = await c.post("/v1/completions", json={"model": "tiny", "prompt": "ab",
+                                                      "max_tokens": 2})  # fmt: skip
+        assert r.json()["choices"][0]["text"] == "t0 t1 "
+        assert len(peers.routes) == 1 and peers.routes[0].submit is not None
+        item = peers.items[0]
+        assert item.decode_instance == "dec-0" and item.decode_addr == "127.0.0.1:2"
+        assert item.request_id == peers.routes[0].request_id
+
+
+@pytest.mark.parametrize("how", ["no_subscriber", "refused"])
+async def test_failover_when_the_routed_instance_does_not_take_the_submit(nats_url, how):
+    """A forwarded submit nobody listens for (the server's no-responders status reaches the
+    gateway on the ack subject) or that the instance refuses fails over at once, excluding it."""
+    async with gateway(nats_url, decodes=(), bus_timeout=30.0) as (url, peers, _):
+        if how == "no_subscriber":
+            peers.alive.append("dec-a")  # routable, but nothing serves its submit subject
+        else:
+            await peers.add_decode("dec-a", refuse=True)
+        await peers.add_decode("dec-b")
+        async with httpx.AsyncClient(base_url=url, timeout=10) as c:
+            r = await c.post("/v1/completions", json={"model": "tiny", "prompt": "ab",
+                                                      "max_tokens": 3})  # fmt: skip
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "t0 t1 t2 "
+        assert [rt.exclude for rt in peers.routes] == [[], ["dec-a"]]
+
+
 async def test_failover_on_down_state(nats_url):
     from shared.protocol import subjects
     from shared.protocol.sched import SchedulerState

@@ -15,7 +15,9 @@ import pytest
 from services.scheduler.app import run_scheduler
 from services.scheduler.config import SchedulerConfig
 from shared import bus
+from shared.engine.params import SamplingParams
 from shared.protocol import subjects
+from shared.protocol.codec import decode
 from shared.protocol.errors import StrataError
 from shared.protocol.kv import KVEvent
 from shared.protocol.load import LoadReport
@@ -26,7 +28,9 @@ from shared.protocol.sched import (
     RouteReply,
     RouteRequest,
     SchedulerState,
+    routed_submit,
 )
+from shared.protocol.work import SubmitAck, WorkItem
 from shared.registry import deregister_instance, read_registry, register_instance
 
 
@@ -136,6 +140,56 @@ async def test_no_decode_is_unavailable_then_routes_and_self_prefills(nc, nats_u
 
         rep = await eventually(disagg)
         assert rep.decode_instance == d and rep.policy == "least_loaded"
+
+
+async def test_route_with_submit_forwards_the_item_and_the_instance_acks_the_requester(
+    nc, nats_url
+):
+    """`RouteRequest.submit`: the scheduler submits the routed item itself; the instance's ack
+    goes to ``strata.req.<id>.ack`` (the requester), the route reply to the requester as usual."""
+    async with scheduler(nats_url, policy="least_loaded"):
+        d = uid("decode")
+        got: list[WorkItem] = []
+
+        async def submit(item: WorkItem) -> SubmitAck:
+            got.append(item)
+            return SubmitAck(instance_id=d)
+
+        sub = await bus.serve(nc, subjects.decode_submit(d), WorkItem, submit)
+        await report(nc, d, "decode", kv_blocks_total=100, kv_blocks_free=100)
+        await eventually(lambda: route(nc))
+        rid = uid("r")
+        acks: asyncio.Queue = asyncio.Queue()
+
+        async def on_ack(msg) -> None:
+            acks.put_nowait(decode(msg.data, SubmitAck))
+
+        ack_sub = await nc.subscribe(subjects.req_ack(rid), cb=on_ack)
+        item = WorkItem(request_id=rid, prompt_token_ids=[1, 2, 3],
+                        sampling=SamplingParams(max_tokens=4))  # fmt: skip
+        req = RouteRequest(request_id=rid, num_prompt_tokens=3, submit=item)
+        rep = await bus.request(nc, subjects.SCHED_ROUTE, req, RouteReply, timeout=5)
+        assert rep.decode_instance == d
+        assert (await asyncio.wait_for(acks.get(), 5)).instance_id == d
+        assert [(i.request_id, i.decode_instance, i.decode_addr) for i in got] == [
+            (rid, d, rep.decode_addr)
+        ]
+        await ack_sub.unsubscribe()
+        await sub.unsubscribe()
+
+
+def test_routed_submit_fills_route_fields_and_caps_max_tokens():
+    item = WorkItem(request_id="r", prompt_token_ids=[1],
+                    sampling=SamplingParams(max_tokens=100, min_tokens=80))  # fmt: skip
+    route = RouteReply(decode_instance="d1", decode_addr="h:1", prefill_instance="p1",
+                       transfer_mode="pool", max_tokens_cap=50)  # fmt: skip
+    target, out = routed_submit(item, route)
+    assert target == subjects.prefill_submit("p1")
+    assert (out.decode_instance, out.decode_addr, out.transfer_mode) == ("d1", "h:1", "pool")
+    assert (out.sampling.max_tokens, out.sampling.min_tokens) == (50, 50)
+    target, out = routed_submit(item, RouteReply(decode_instance="d2", decode_addr="h:2"))
+    assert target == subjects.decode_submit("d2") and out.sampling.max_tokens == 100
+    assert out.transfer_mode == "direct" and item.decode_instance == ""  # the input is unchanged
 
 
 async def test_least_loaded_and_round_robin_routes(nc, nats_url):
