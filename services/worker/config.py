@@ -18,6 +18,11 @@ class WorkerConfig(ModelServiceConfig):
     enable_prefix_caching: bool = Field(True, description="Reuse cached prefix blocks")
     num_speculative_tokens: int = Field(0, ge=0, le=16, description="n-gram draft tokens (0 = off)")
     quantization: str = Field("", description="Weight quantization: '' or 'int8'")
+    async_scheduling: str = Field(
+        "auto",
+        pattern="^(auto|true|false)$",
+        description="Prepare the next decode step during the forward: auto = on for CUDA only",
+    )
     transfer_timeout: float = Field(30.0, gt=0, description="Seconds to wait for a KV transfer")
     frame_merge_bytes: int = Field(
         256 << 10, ge=0, description="Merge layer frames below this size into one (direct mode)"
@@ -43,4 +48,5 @@ class WorkerConfig(ModelServiceConfig):
             device=self.device,
             dtype=self.dtype or None,
             collect_evicted_kv=bool(self.kvstore_addrs.strip()),
+            async_scheduling=None if self.async_scheduling == "auto" else self.async_scheduling == "true",
         )

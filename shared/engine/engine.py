@@ -84,10 +84,11 @@ class LLMEngine(KVTransferMixin):
         self._last_end: float | None = None
         self._fwd_end: float | None = None
         self._flight: tuple[SchedulerOutput, object, Future] | None = None
+        overlap = config.async_scheduling
+        if overlap is None:
+            overlap = torch.device(config.device).type == "cuda"
         self._forward_thread = (
-            ThreadPoolExecutor(1, thread_name_prefix="strata-forward")
-            if config.async_scheduling
-            else None
+            ThreadPoolExecutor(1, thread_name_prefix="strata-forward") if overlap else None
         )
         self._spec = [0, 0]  # drafted, accepted
 

@@ -75,9 +75,10 @@ class EngineConfig:
     """KV cache dtype name (e.g. "float32"); None follows the model dtype."""
     collect_evicted_kv: bool = False
     """Copy evicted cached blocks out for the KV pool (``LLMEngine.drain_evicted_kv``)."""
-    async_scheduling: bool = True
+    async_scheduling: bool | None = None
     """Schedule and prepare decode step i+1 while the forward of step i runs (see
-    ``LLMEngine.step``); False runs every step strictly in sequence."""
+    ``LLMEngine.step``); False runs every step strictly in sequence; None: on for CUDA, off on
+    CPU, where the thread hand-offs cost about what the overlap hides (docs/ENGINE.md)."""
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> None:

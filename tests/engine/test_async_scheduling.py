@@ -6,6 +6,8 @@ ahead path in steady decode, and never hand out a block that a forward in flight
 
 from __future__ import annotations
 
+import pytest
+
 from shared.engine.engine import LLMEngine
 from shared.engine.params import EngineConfig, SamplingParams
 from shared.model.loader import load_model
@@ -13,7 +15,8 @@ from tests.engine.conftest import prompts
 
 
 def _engine(path, **kw) -> LLMEngine:
-    cfg = dict(kv_cache_bytes=2 << 20, block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
+    cfg = dict(kv_cache_bytes=2 << 20, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
+               async_scheduling=True)  # fmt: skip
     cfg.update(kw)
     return LLMEngine(load_model(path), EngineConfig(**cfg))
 
@@ -46,6 +49,7 @@ def test_same_tokens_as_sequential_and_ahead_path_taken(qwen_ckpt):
     assert sync.stats().ahead_steps == 0
     assert pipe.stats().ahead_steps > 20  # steady decode took the overlapped path
     assert pipe.stats().steps == sync.stats().steps
+    assert _engine(path, async_scheduling=None)._forward_thread is None  # auto: off on CPU
     for eng in (sync, pipe):  # every block back (no leak through deferred frees)
         assert eng.bm.num_free_blocks == eng.bm.num_blocks
         eng.close()
@@ -91,3 +95,13 @@ def test_new_arrival_is_scheduled_next_step(qwen_ckpt):
     while eng.has_unfinished_requests():
         eng.step()
     eng.close()
+
+
+def test_worker_setting_maps_to_the_engine():
+    from services.worker.config import WorkerConfig
+
+    assert WorkerConfig().engine_config().async_scheduling is None  # auto
+    assert WorkerConfig(async_scheduling="true").engine_config().async_scheduling is True
+    assert WorkerConfig(async_scheduling="false").engine_config().async_scheduling is False
+    with pytest.raises(ValueError, match="async_scheduling"):
+        WorkerConfig(async_scheduling="maybe")
