@@ -137,6 +137,39 @@ asyncio.run(main())
 """
 
 
+# The HTTP floor: a bare ASGI app under the same uvicorn + httptools stack that reads the body
+# and streams one OpenAI-shaped chunk and [DONE] at once. Client TTFT against it is what any
+# HTTP server costs this client (connection handling, request parse, one SSE write), so
+# "gateway-added" = TTFT through the gateway minus this, measured alternately in one run.
+_FLOOR = """
+import json, sys, uvicorn
+
+CHUNK = json.dumps({"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "tiny",
+                    "choices": [{"index": 0, "delta": {"content": "a"}, "finish_reason": None}]})
+
+async def app(scope, receive, send):
+    if scope["type"] != "http":
+        return
+    body = b""
+    while True:
+        m = await receive()
+        body += m.get("body", b"")
+        if not m.get("more_body"):
+            break
+    if scope["path"] == "/health":
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+        return
+    json.loads(body)
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"text/event-stream")]})
+    await send({"type": "http.response.body",
+                "body": f"data: {CHUNK}\\n\\ndata: [DONE]\\n\\n".encode()})
+
+uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning", http="httptools")
+"""
+
+
 def _wait_http(url: str, timeout: float = 60.0) -> None:
     import httpx
 
@@ -171,26 +204,40 @@ def latency(n: int) -> list[str]:
                               stdout=subprocess.PIPE),
              subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "gateway"],
                               env=env, stdout=subprocess.DEVNULL)]  # fmt: skip
+    floor_port = free_port()
+    procs.append(subprocess.Popen([sys.executable, "-c", _FLOOR, str(floor_port)], env=env))
     url = f"http://127.0.0.1:{port}"
+    floor_url = f"http://127.0.0.1:{floor_port}"
     rows = [
         f"Gateway-added latency (real gateway process, instant fake peers in another "
-        f"process, {n} requests each, ~200-token prompt, 1 output token, client TTFT):"
+        f"process, {n} requests per round, 3 rounds alternating with a bare HTTP server, "
+        f"~200-token prompt, 1 output token, client TTFT):"
     ]
     try:
         procs[0].stdout.readline()
         _wait_http(url)
-        cfg = RunConfig(url, "tiny", request_timeout=30, deadline=300, progress=False)
+        _wait_http(floor_url)
         text = " ".join(["word"] * 40)  # the fake tokenizer: one token per character
         for conc in (1, 16):
             jobs = [Job(i, 1, messages=[{"role": "user", "content": text}])
                     for i in range(n)]  # fmt: skip
-            asyncio.run(run_jobs(jobs[:50], cfg, concurrency=conc))  # warm-up
-            res, _ = asyncio.run(run_jobs(jobs, cfg, concurrency=conc))
-            ttft = [r.ttft for r in res if r.ok]
-            assert len(ttft) == n, [r.error for r in res if not r.ok][:3]
-            q = statistics.quantiles(ttft, n=100)
-            rows.append(f"- concurrency {conc}: median {statistics.median(ttft) * 1e3:.2f} ms, "
-                        f"p90 {q[89] * 1e3:.2f} ms, p99 {q[98] * 1e3:.2f} ms")  # fmt: skip
+            got: dict[str, list[float]] = {url: [], floor_url: []}
+            for _ in range(3):
+                for u in (url, floor_url):
+                    cfg = RunConfig(u, "tiny", request_timeout=30, deadline=300, progress=False)
+                    asyncio.run(run_jobs(jobs[:50], cfg, concurrency=conc))  # warm-up
+                    res, _ = asyncio.run(run_jobs(jobs, cfg, concurrency=conc))
+                    ttft = [r.ttft for r in res if r.ok]
+                    assert len(ttft) == n, [r.error for r in res if not r.ok][:3]
+                    got[u] += ttft
+            gw, fl = got[url], got[floor_url]
+            q = statistics.quantiles(gw, n=100)
+            med = statistics.median(gw) - statistics.median(fl)
+            rows.append(f"- concurrency {conc}: through the gateway median "
+                        f"{statistics.median(gw) * 1e3:.2f} ms, p90 {q[89] * 1e3:.2f} ms, "
+                        f"p99 {q[98] * 1e3:.2f} ms; bare HTTP server median "
+                        f"{statistics.median(fl) * 1e3:.2f} ms -> gateway-added median "
+                        f"{med * 1e3:.2f} ms")  # fmt: skip
     finally:
         for p in procs:
             p.terminate()
