@@ -32,16 +32,134 @@ _SOURCE = r"""
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+/* lane i of the result = sum of the 16 lanes of v[i] */
+static inline __m512 sum16x16(const __m512 *v) {
+    __m512 s2[8], s4[4], u[2];
+    for (int i = 0; i < 8; i++)
+        s2[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                              _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        __m512d a = _mm512_castps_pd(s2[2 * i]), b = _mm512_castps_pd(s2[2 * i + 1]);
+        s4[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                              _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    for (int i = 0; i < 2; i++)
+        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s4[2 * i], s4[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(s4[2 * i], s4[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88),
+                         _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+}
+
+/* e^x for x <= 0 (arguments below -87 give ~0): 2^(x log2 e) as 2^f * 2^i, f in [0, 1) by
+ * a degree-6 polynomial (relative error ~2e-7, like expf's last bit or two). */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 fi = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, fi);
+    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, fi);
+}
+
+/* The AVX-512 path (D a multiple of 16), per sequence and KV head: scores of 16 tokens at a
+ * time as 16 vector accumulators folded by one transpose-add (no per-token horizontal sum),
+ * a vectorised softmax, then the weighted V sum with the output row held in registers. */
+static void attn_avx512(const float *q, const float *k, const float *v, const int64_t *tables,
+                        const int64_t *ctx, int64_t max_blocks, int64_t B, int64_t H,
+                        int64_t KVH, int64_t D, int64_t BS, float scale, float *out) {
+    const int64_t G = H / KVH, C = D / 16;
+    const int64_t tok_stride = KVH * D, blk_stride = BS * tok_stride;
+    int64_t cap = 0;
+    for (int64_t b = 0; b < B; b++) if (ctx[b] > cap) cap = ctx[b];
+    float *s = (float *)aligned_alloc(64, sizeof(float) * (size_t)(G * (cap + 16)));
+    const float **rows = (const float **)malloc(sizeof(float *) * (size_t)(cap + 16));
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t n = ctx[b];
+        const int64_t *tab = tables + b * max_blocks;
+        for (int64_t kh = 0; kh < KVH; kh++) {
+            for (int64_t t = 0; t < n; t++)
+                rows[t] = k + tab[t / BS] * blk_stride + (t % BS) * tok_stride + kh * D;
+            for (int64_t g = 0; g < G; g++) {
+                const float *qq = q + (b * H + kh * G + g) * D;
+                float *sg = s + g * (cap + 16);
+                for (int64_t t0 = 0; t0 < n; t0 += 16) {
+                    __m512 acc[16];
+                    const int64_t m = n - t0 < 16 ? n - t0 : 16;
+                    for (int64_t j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
+                    if (m == 16) {
+                        for (int64_t c = 0; c < C; c++) {
+                            const __m512 qc = _mm512_loadu_ps(qq + 16 * c);
+                            for (int j = 0; j < 16; j++)
+                                acc[j] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(rows[t0 + j] + 16 * c), acc[j]);
+                        }
+                    } else {
+                        for (int64_t c = 0; c < C; c++) {
+                            const __m512 qc = _mm512_loadu_ps(qq + 16 * c);
+                            for (int64_t j = 0; j < m; j++)
+                                acc[j] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(rows[t0 + j] + 16 * c), acc[j]);
+                        }
+                    }
+                    _mm512_storeu_ps(sg + t0, _mm512_mul_ps(sum16x16(acc), _mm512_set1_ps(scale)));
+                }
+                /* softmax over sg[0..n); lanes past n are masked out */
+                __m512 vm = _mm512_set1_ps(-INFINITY);
+                for (int64_t t = 0; t < n; t += 16) {
+                    const __mmask16 km = n - t >= 16 ? 0xFFFF : (__mmask16)((1u << (n - t)) - 1);
+                    vm = _mm512_mask_max_ps(vm, km, vm, _mm512_loadu_ps(sg + t));
+                }
+                const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vm));
+                __m512 vs = _mm512_setzero_ps();
+                for (int64_t t = 0; t < n; t += 16) {
+                    const __mmask16 km = n - t >= 16 ? 0xFFFF : (__mmask16)((1u << (n - t)) - 1);
+                    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + t), mx));
+                    vs = _mm512_mask_add_ps(vs, km, vs, e);
+                    _mm512_storeu_ps(sg + t, e);
+                }
+                const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(vs));
+                for (int64_t t = 0; t < n; t += 16)
+                    _mm512_storeu_ps(sg + t, _mm512_mul_ps(_mm512_loadu_ps(sg + t), inv));
+            }
+            for (int64_t t = 0; t < n; t++)
+                rows[t] = v + tab[t / BS] * blk_stride + (t % BS) * tok_stride + kh * D;
+            for (int64_t g = 0; g < G; g++) {
+                const float *sg = s + g * (cap + 16);
+                float *o = out + (b * H + kh * G + g) * D;
+                for (int64_t c0 = 0; c0 < C; c0 += 8) {  /* 8 x 16 floats of o in registers */
+                    const int64_t cn = C - c0 < 8 ? C - c0 : 8;
+                    __m512 acc[8];
+                    for (int64_t c = 0; c < cn; c++) acc[c] = _mm512_setzero_ps();
+                    for (int64_t t = 0; t < n; t++) {
+                        const __m512 p = _mm512_set1_ps(sg[t]);
+                        for (int64_t c = 0; c < cn; c++)
+                            acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(rows[t] + 16 * (c0 + c)), acc[c]);
+                    }
+                    for (int64_t c = 0; c < cn; c++) _mm512_storeu_ps(o + 16 * (c0 + c), acc[c]);
+                }
+            }
+        }
+    }
+    free(rows);
+    free(s);
+}
+#endif
 
 /* out[b, h, :] = softmax(q[b, h] . K[b]^T * scale) V[b] for one decode token per sequence.
  * q, out: [B, H, D] contiguous; k, v: one layer of the cache, [NB, BS, KVH, D] contiguous;
  * tables: [B, max_blocks] int64; ctx: [B] int64. Query head h reads KV head h / (H / KVH),
  * as transformers' repeat_kv does. Two passes per (sequence, KV head): scores of the whole
  * group, then the weighted sum of V. Scores in float32 like SDPA's CPU kernel. */
-void strata_decode_attn_f32(const float *q, const float *k, const float *v,
-                            const int64_t *tables, const int64_t *ctx, int64_t max_blocks,
-                            int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS,
-                            float scale, float *out) {
+static inline __attribute__((always_inline)) void attn(
+        const float *q, const float *k, const float *v, const int64_t *tables,
+        const int64_t *ctx, int64_t max_blocks, int64_t B, int64_t H, int64_t KVH,
+        const int64_t D, int64_t BS, float scale, float *out) {
     const int64_t G = H / KVH;
     const int64_t tok_stride = KVH * D;
     const int64_t blk_stride = BS * tok_stride;
@@ -86,6 +204,23 @@ void strata_decode_attn_f32(const float *q, const float *k, const float *v,
         }
     }
     free(s);
+}
+
+/* Entry point: AVX-512 when the CPU has it and D is a multiple of 16; otherwise the portable
+ * body, compiled separately for the common head sizes (constant D: unrolled loops). */
+void strata_decode_attn_f32(const float *q, const float *k, const float *v,
+                            const int64_t *tables, const int64_t *ctx, int64_t max_blocks,
+                            int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS,
+                            float scale, float *out) {
+#ifdef __AVX512F__
+    if (D % 16 == 0) {
+        attn_avx512(q, k, v, tables, ctx, max_blocks, B, H, KVH, D, BS, scale, out);
+        return;
+    }
+#endif
+    if (D == 64) attn(q, k, v, tables, ctx, max_blocks, B, H, KVH, 64, BS, scale, out);
+    else if (D == 128) attn(q, k, v, tables, ctx, max_blocks, B, H, KVH, 128, BS, scale, out);
+    else attn(q, k, v, tables, ctx, max_blocks, B, H, KVH, D, BS, scale, out);
 }
 """
 

@@ -35,7 +35,8 @@ def _kernel():
         (8, 4, 64, 16, [256] * 8),  # equal contexts
         (8, 8, 64, 16, [1, 2, 15, 16, 17, 100]),  # MHA, block-boundary lengths
         (16, 2, 128, 8, [3000, 40, 700, 2500]),  # GQA 8, long contexts (threaded split)
-        (6, 3, 80, 32, [33, 64, 65]),  # odd head dim
+        (6, 3, 80, 32, [33, 64, 65]),  # head dim 5 x 16
+        (4, 2, 72, 16, [5, 300, 17]),  # head dim not a multiple of 16: portable path
     ],
 )
 @pytest.mark.parametrize("threads", [1, 2])
