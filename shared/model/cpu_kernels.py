@@ -21,7 +21,6 @@ import platform
 import subprocess
 import tempfile
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -69,9 +68,11 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(p, fi);
 }
 
-/* The AVX-512 path (D a multiple of 16), per sequence and KV head: scores of 16 tokens at a
- * time as 16 vector accumulators folded by one transpose-add (no per-token horizontal sum),
- * a vectorised softmax, then the weighted V sum with the output row held in registers. */
+/* The AVX-512 path (D a multiple of 16), per sequence, walking its context block by block so
+ * each 16-token stretch of K (then V) is read from memory once for every head: scores of 16
+ * tokens at a time as 16 vector accumulators folded by one transpose-add (no per-token
+ * horizontal sum), a vectorised softmax per head, then the weighted V sums into the output
+ * rows (L1-resident). */
 static void attn_avx512(const float *q, const float *k, const float *v, const int64_t *tables,
                         const int64_t *ctx, int64_t max_blocks, int64_t B, int64_t H,
                         int64_t KVH, int64_t D, int64_t BS, float scale, float *out) {
@@ -79,70 +80,78 @@ static void attn_avx512(const float *q, const float *k, const float *v, const in
     const int64_t tok_stride = KVH * D, blk_stride = BS * tok_stride;
     int64_t cap = 0;
     for (int64_t b = 0; b < B; b++) if (ctx[b] > cap) cap = ctx[b];
-    float *s = (float *)aligned_alloc(64, sizeof(float) * (size_t)(G * (cap + 16)));
-    const float **rows = (const float **)malloc(sizeof(float *) * (size_t)(cap + 16));
+    const int64_t pitch = cap + 16;  /* s[h * pitch + t] */
+    float *s = (float *)aligned_alloc(64, sizeof(float) * (size_t)(H * pitch));
+    const float **rows = (const float **)malloc(sizeof(float *) * (size_t)pitch);
+    const __m512 vscale = _mm512_set1_ps(scale);
     for (int64_t b = 0; b < B; b++) {
         const int64_t n = ctx[b];
         const int64_t *tab = tables + b * max_blocks;
-        for (int64_t kh = 0; kh < KVH; kh++) {
-            for (int64_t t = 0; t < n; t++)
-                rows[t] = k + tab[t / BS] * blk_stride + (t % BS) * tok_stride + kh * D;
-            for (int64_t g = 0; g < G; g++) {
-                const float *qq = q + (b * H + kh * G + g) * D;
-                float *sg = s + g * (cap + 16);
-                for (int64_t t0 = 0; t0 < n; t0 += 16) {
-                    __m512 acc[16];
-                    const int64_t m = n - t0 < 16 ? n - t0 : 16;
-                    for (int64_t j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
+        const float *qb = q + b * H * D;
+        float *ob = out + b * H * D;
+        for (int64_t t = 0; t < n; t++)
+            rows[t] = k + tab[t / BS] * blk_stride + (t % BS) * tok_stride;
+        for (int64_t t0 = 0; t0 < n; t0 += 16) {
+            const int64_t m = n - t0 < 16 ? n - t0 : 16;
+            /* the cache is cold here (other layers ran in between) and the block table breaks
+             * the hardware prefetcher's stream: fetch the next 16 tokens' rows now */
+            for (int64_t j = t0 + 16; j < t0 + 32 && j < n; j++)
+                for (int64_t l = 0; l < tok_stride; l += 16)
+                    _mm_prefetch((const char *)(rows[j] + l), _MM_HINT_T0);
+            for (int64_t h = 0; h < H; h++) {
+                const float *qq = qb + h * D;
+                const int64_t off = (h / G) * D;
+                __m512 acc[16];
+                for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
+                for (int64_t c = 0; c < C; c++) {
+                    const __m512 qc = _mm512_loadu_ps(qq + 16 * c);
                     if (m == 16) {
-                        for (int64_t c = 0; c < C; c++) {
-                            const __m512 qc = _mm512_loadu_ps(qq + 16 * c);
-                            for (int j = 0; j < 16; j++)
-                                acc[j] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(rows[t0 + j] + 16 * c), acc[j]);
-                        }
+                        for (int j = 0; j < 16; j++)
+                            acc[j] = _mm512_fmadd_ps(
+                                qc, _mm512_loadu_ps(rows[t0 + j] + off + 16 * c), acc[j]);
                     } else {
-                        for (int64_t c = 0; c < C; c++) {
-                            const __m512 qc = _mm512_loadu_ps(qq + 16 * c);
-                            for (int64_t j = 0; j < m; j++)
-                                acc[j] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(rows[t0 + j] + 16 * c), acc[j]);
-                        }
+                        for (int64_t j = 0; j < m; j++)
+                            acc[j] = _mm512_fmadd_ps(
+                                qc, _mm512_loadu_ps(rows[t0 + j] + off + 16 * c), acc[j]);
                     }
-                    _mm512_storeu_ps(sg + t0, _mm512_mul_ps(sum16x16(acc), _mm512_set1_ps(scale)));
                 }
-                /* softmax over sg[0..n); lanes past n are masked out */
-                __m512 vm = _mm512_set1_ps(-INFINITY);
-                for (int64_t t = 0; t < n; t += 16) {
-                    const __mmask16 km = n - t >= 16 ? 0xFFFF : (__mmask16)((1u << (n - t)) - 1);
-                    vm = _mm512_mask_max_ps(vm, km, vm, _mm512_loadu_ps(sg + t));
-                }
-                const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vm));
-                __m512 vs = _mm512_setzero_ps();
-                for (int64_t t = 0; t < n; t += 16) {
-                    const __mmask16 km = n - t >= 16 ? 0xFFFF : (__mmask16)((1u << (n - t)) - 1);
-                    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + t), mx));
-                    vs = _mm512_mask_add_ps(vs, km, vs, e);
-                    _mm512_storeu_ps(sg + t, e);
-                }
-                const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(vs));
-                for (int64_t t = 0; t < n; t += 16)
-                    _mm512_storeu_ps(sg + t, _mm512_mul_ps(_mm512_loadu_ps(sg + t), inv));
+                _mm512_storeu_ps(s + h * pitch + t0, _mm512_mul_ps(sum16x16(acc), vscale));
             }
-            for (int64_t t = 0; t < n; t++)
-                rows[t] = v + tab[t / BS] * blk_stride + (t % BS) * tok_stride + kh * D;
-            for (int64_t g = 0; g < G; g++) {
-                const float *sg = s + g * (cap + 16);
-                float *o = out + (b * H + kh * G + g) * D;
-                for (int64_t c0 = 0; c0 < C; c0 += 8) {  /* 8 x 16 floats of o in registers */
-                    const int64_t cn = C - c0 < 8 ? C - c0 : 8;
-                    __m512 acc[8];
-                    for (int64_t c = 0; c < cn; c++) acc[c] = _mm512_setzero_ps();
-                    for (int64_t t = 0; t < n; t++) {
-                        const __m512 p = _mm512_set1_ps(sg[t]);
-                        for (int64_t c = 0; c < cn; c++)
-                            acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(rows[t] + 16 * (c0 + c)), acc[c]);
-                    }
-                    for (int64_t c = 0; c < cn; c++) _mm512_storeu_ps(o + 16 * (c0 + c), acc[c]);
-                }
+        }
+        for (int64_t h = 0; h < H; h++) {  /* softmax over s[h][0..n); lanes past n masked */
+            float *sg = s + h * pitch;
+            __m512 vm = _mm512_set1_ps(-INFINITY);
+            for (int64_t t = 0; t < n; t += 16) {
+                const __mmask16 km = n - t >= 16 ? 0xFFFF : (__mmask16)((1u << (n - t)) - 1);
+                vm = _mm512_mask_max_ps(vm, km, vm, _mm512_loadu_ps(sg + t));
+            }
+            const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vm));
+            __m512 vs = _mm512_setzero_ps();
+            for (int64_t t = 0; t < n; t += 16) {
+                const __mmask16 km = n - t >= 16 ? 0xFFFF : (__mmask16)((1u << (n - t)) - 1);
+                const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + t), mx));
+                vs = _mm512_mask_add_ps(vs, km, vs, e);
+                _mm512_storeu_ps(sg + t, e);
+            }
+            const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(vs));
+            for (int64_t t = 0; t < n; t += 16)
+                _mm512_storeu_ps(sg + t, _mm512_mul_ps(_mm512_loadu_ps(sg + t), inv));
+        }
+        for (int64_t i = 0; i < H * D; i++) ob[i] = 0.f;
+        for (int64_t t = 0; t < n; t++) {
+            const float *vt = v + tab[t / BS] * blk_stride + (t % BS) * tok_stride;
+            if (t + 8 < n) {
+                const float *nx = v + tab[(t + 8) / BS] * blk_stride + ((t + 8) % BS) * tok_stride;
+                for (int64_t l = 0; l < tok_stride; l += 16)
+                    _mm_prefetch((const char *)(nx + l), _MM_HINT_T0);
+            }
+            for (int64_t h = 0; h < H; h++) {
+                const __m512 p = _mm512_set1_ps(s[h * pitch + t]);
+                const float *vv = vt + (h / G) * D;
+                float *o = ob + h * D;
+                for (int64_t c = 0; c < C; c++)
+                    _mm512_storeu_ps(o + 16 * c, _mm512_fmadd_ps(
+                        p, _mm512_loadu_ps(vv + 16 * c), _mm512_loadu_ps(o + 16 * c)));
             }
         }
     }
@@ -206,12 +215,12 @@ static inline __attribute__((always_inline)) void attn(
     free(s);
 }
 
-/* Entry point: AVX-512 when the CPU has it and D is a multiple of 16; otherwise the portable
- * body, compiled separately for the common head sizes (constant D: unrolled loops). */
-void strata_decode_attn_f32(const float *q, const float *k, const float *v,
-                            const int64_t *tables, const int64_t *ctx, int64_t max_blocks,
-                            int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS,
-                            float scale, float *out) {
+/* One call for rows [0, B): AVX-512 when the CPU has it and D is a multiple of 16; otherwise
+ * the portable body, compiled separately for the common head sizes (constant D: unrolled). */
+static void attn_rows(const float *q, const float *k, const float *v,
+                      const int64_t *tables, const int64_t *ctx, int64_t max_blocks,
+                      int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS,
+                      float scale, float *out) {
 #ifdef __AVX512F__
     if (D % 16 == 0) {
         attn_avx512(q, k, v, tables, ctx, max_blocks, B, H, KVH, D, BS, scale, out);
@@ -222,9 +231,22 @@ void strata_decode_attn_f32(const float *q, const float *k, const float *v,
     else if (D == 128) attn(q, k, v, tables, ctx, max_blocks, B, H, KVH, 128, BS, scale, out);
     else attn(q, k, v, tables, ctx, max_blocks, B, H, KVH, D, BS, scale, out);
 }
+
+/* Sequences are shared out over ``nthreads`` OpenMP threads. The library links libgomp.so.1,
+ * which resolves to the copy torch already loaded, so this is torch's own thread team (no
+ * second pool competing for the cores with torch's spinning workers). */
+void strata_decode_attn_f32(const float *q, const float *k, const float *v,
+                            const int64_t *tables, const int64_t *ctx, int64_t max_blocks,
+                            int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS,
+                            float scale, float *out, int64_t nthreads) {
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (nthreads > 1 && B > 1)
+    for (int64_t b = 0; b < B; b++)
+        attn_rows(q + b * H * D, k, v, tables + b * max_blocks, ctx + b, max_blocks, 1, H, KVH,
+                  D, BS, scale, out + b * H * D);
+}
 """
 
-_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=fast", "-shared", "-fPIC"]
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-shared", "-fPIC"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None | bool = None  # False: tried and unavailable
 
@@ -257,7 +279,8 @@ def _build() -> ctypes.CDLL | bool:
         return False
     f = lib.strata_decode_attn_f32
     f.restype = None
-    f.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_void_p]
+    f.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_void_p,
+                                                               ctypes.c_int64]
     return lib
 
 
@@ -302,49 +325,8 @@ def decode_attention(
     b, h, d = q.shape
     _, bs, kvh, _ = k_cache.shape
     out = torch.empty_like(q)
-    mb = tables.shape[1]
-
-    def run(lo: int, hi: int) -> None:  # rows [lo, hi): pointer offsets into q/tables/ctx/out
-        _lib.strata_decode_attn_f32(
-            q.data_ptr() + lo * h * d * 4, k_cache.data_ptr(), v_cache.data_ptr(),
-            tables.data_ptr() + lo * mb * 8, ctx.data_ptr() + lo * 8, mb, hi - lo, h, kvh, d,
-            bs, scale, out.data_ptr() + lo * h * d * 4,
-        )  # fmt: skip
-
-    parts = _split(ctx.tolist(), min(torch.get_num_threads(), b))
-    if len(parts) == 1:
-        run(0, b)
-        return out
-    # ctypes drops the GIL for the call, so threads run the row groups on separate cores
-    futs = [_pool().submit(run, lo, hi) for lo, hi in parts[1:]]
-    run(*parts[0])
-    for f in futs:
-        f.result()
+    _lib.strata_decode_attn_f32(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), ctx.data_ptr(),
+        tables.shape[1], b, h, kvh, d, bs, scale, out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
     return out
-
-
-def _split(ctx: list[int], n: int) -> list[tuple[int, int]]:
-    """``n`` contiguous row ranges with about equal total context (the kernel's work)."""
-    if n <= 1 or sum(ctx) < _MIN_PARALLEL_TOKENS:
-        return [(0, len(ctx))]
-    total, acc, cuts = sum(ctx), 0, [0]
-    for i, c in enumerate(ctx):
-        acc += c
-        if acc >= total * len(cuts) / n and len(cuts) < n and i + 1 < len(ctx):
-            cuts.append(i + 1)
-    cuts.append(len(ctx))
-    return list(zip(cuts[:-1], cuts[1:], strict=True))
-
-
-_MIN_PARALLEL_TOKENS = 2048  # below this a thread hand-off costs more than it saves
-_executor: ThreadPoolExecutor | None = None
-
-
-def _pool() -> ThreadPoolExecutor:
-    global _executor
-    if _executor is None:
-        with _lock:
-            if _executor is None:
-                _executor = ThreadPoolExecutor(max(1, (os.cpu_count() or 2) - 1),
-                                               thread_name_prefix="strata-attn")  # fmt: skip
-    return _executor

@@ -66,12 +66,6 @@ def test_matches_sdpa(heads, kv_heads, head_dim, block_size, ctx, threads):
     assert (got - want).abs().max().item() < 1e-5
 
 
-def test_split_balances_context():
-    assert cpu_kernels._split([100] * 4, 2) == [(0, 4)]  # too little work to hand off
-    assert cpu_kernels._split([3000, 10, 10, 3000], 2) == [(0, 2), (2, 4)]
-    assert cpu_kernels._split([1000] * 6, 3) == [(0, 2), (2, 4), (4, 6)]
-
-
 def test_not_applicable_returns_none():
     q = torch.randn(2, 4, 64, dtype=torch.bfloat16)
     cache = torch.randn(4, 16, 2, 64, dtype=torch.bfloat16)
