@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -23,10 +24,15 @@ from services.gateway.images import load_image
 from services.gateway.pipeline import Pipeline, Prepared
 from services.gateway.responses import ChoiceState, Formatter, usage
 from shared.protocol.codec import decode
+from shared.protocol.errors import StrataError
 from shared.protocol.stream import Cancel, TokenChunk
 
 _CANCELLED = object()  # queue item: the request was cancelled on the bus
 _CLOSED = object()  # queue item: close() was called
+
+# A caller-chosen id (REST ``x-request-id``, NATS API ``request_id``) is used in subject names
+# (``strata.req.<id>.*``): a dot or a wildcard would reach other requests' subjects.
+_REQUEST_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
 
 class GatewayService:
@@ -47,6 +53,9 @@ class GatewayService:
         policy = self.auth.authenticate(api_key, model)
         spec = build_spec(kind, body, self.cfg, self.served_model, headers)
         admit(spec, self.pipeline.degrade_level, self.cfg)
+        if request_id and not _REQUEST_ID.fullmatch(request_id):
+            raise StrataError("bad_request", "request id must be 1-128 characters from "
+                              "[A-Za-z0-9_-] (it becomes part of NATS subjects)")  # fmt: skip
         rid = request_id or uuid.uuid4().hex
         images = await asyncio.gather(*(load_image(u, self.cfg) for u in spec.image_urls))
         prepared = await asyncio.gather(*(self.pipeline.prepare(spec, p, list(images), rid)

@@ -109,6 +109,12 @@ async def test_nats_api_request_stream_cancel_errors(nats_url, nc):
         assert ev.done and ev.status == 404 and ev.error.code == "not_found"
         rep = await nc.request(subjects.API_GENERATE, b"\xc1junk", timeout=5)
         assert decode(rep.data, GenerateEvent).status == 400
+        # a caller-chosen id becomes part of subjects: dots and wildcards are refused
+        for bad in ("a.b", "*", ">", "x" * 129):
+            rep = await nc.request(subjects.API_GENERATE, encode(GenerateRequest(
+                body=body, request_id=bad)), timeout=5)  # fmt: skip
+            ev = decode(rep.data, GenerateEvent)
+            assert ev.status == 400 and "request id" in ev.error.message, bad
 
 
 async def test_auth_statuses(nats_url, tmp_path):

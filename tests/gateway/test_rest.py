@@ -85,6 +85,20 @@ async def test_errors(nats_url, payload, status, needle):
             assert needle in err["message"] and set(err) == {"message", "type", "param", "code"}
 
 
+async def test_caller_request_id(nats_url):
+    async with gateway(nats_url) as (url, peers, _s):
+        async with httpx.AsyncClient(base_url=url) as c:
+            r = await c.post("/v1/chat/completions", json=CHAT,
+                             headers={"x-request-id": "my-req_1"})  # fmt: skip
+            assert r.status_code == 200, r.text
+            assert [i.request_id for i in peers.items] == ["my-req_1"]
+            for bad in ("a.b", "x*", "y>", "sp ace"):  # would reach other requests' subjects
+                r = await c.post("/v1/chat/completions", json=CHAT,
+                                 headers={"x-request-id": bad})  # fmt: skip
+                assert r.status_code == 400 and "request id" in r.json()["error"]["message"]
+            assert len(peers.items) == 1  # nothing was tokenized, routed or submitted
+
+
 async def test_body_limit_and_no_decode_is_fast_503(nats_url):
     async with gateway(nats_url, decodes=(), max_body_bytes=2048) as (url, _, _s):
         async with httpx.AsyncClient(base_url=url) as c:
