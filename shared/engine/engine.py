@@ -3,8 +3,8 @@
 One ``step()`` = schedule -> move KV that must move (swap out/in, evicted cached blocks) ->
 prepare inputs -> forward -> sample (or verify drafts) -> postprocess -> detokenize. With
 ``EngineConfig.async_scheduling`` the forward runs on a forward thread and the next decode step
-is scheduled and prepared while it runs (see ``step``). The
-disaggregation and KV-pool hooks live in :class:`~shared.engine.kv_io.KVTransferMixin`.
+is scheduled and prepared while it runs (see ``step``). The disaggregation and KV-pool hooks
+live in :class:`~shared.engine.kv_io.KVTransferMixin`.
 """
 
 from __future__ import annotations

@@ -89,10 +89,7 @@ class ModelRunner:
                 lo, hi = max(start, m.offset), min(start + n, m.offset + m.length)
                 if lo < hi:
                     splices.append((base + lo - start, m.embeds[lo - m.offset : hi - m.offset]))
-        max_blocks = max(len(s.seq.block_table) for s in out.scheduled)
-        tables = torch.zeros(len(out.scheduled), max_blocks, dtype=torch.long)
-        for i, s in enumerate(out.scheduled):
-            tables[i, : len(s.seq.block_table)] = torch.tensor(s.seq.block_table)
+        tables = _block_tables(out)
         dev = self.device
         meta = AttentionMetadata(
             query_start_loc=torch.tensor(qsl, dtype=torch.long, device=dev),
@@ -123,13 +120,10 @@ class ModelRunner:
         ``input_ids`` later by :meth:`fill_ahead_tokens`)."""
         bs, dev = self.block_size, self.device
         pos = [s.seq.num_tokens for s in out.scheduled]
-        max_blocks = max(len(s.seq.block_table) for s in out.scheduled)
-        tables = torch.zeros(len(pos), max_blocks, dtype=torch.long)
-        slots = []
-        for i, s in enumerate(out.scheduled):
-            table = s.seq.block_table
-            tables[i, : len(table)] = torch.tensor(table)
-            slots.append(table[pos[i] // bs] * bs + pos[i] % bs)
+        tables = _block_tables(out)
+        slots = [
+            s.seq.block_table[p // bs] * bs + p % bs for s, p in zip(out.scheduled, pos, strict=True)
+        ]
         n = len(pos)
         ctx = [p + 1 for p in pos]
         meta = AttentionMetadata(
@@ -208,3 +202,12 @@ class ModelRunner:
         slots = slots.to(self.device)
         self.kv.k.view(L, nb * bs, h, d)[layer, slots] = k.to(self.device, self.kv.k.dtype)
         self.kv.v.view(L, nb * bs, h, d)[layer, slots] = v.to(self.device, self.kv.v.dtype)
+
+
+def _block_tables(out: SchedulerOutput) -> torch.Tensor:
+    """``[num_seqs, max_blocks]`` block ids of the scheduled sequences, zero-padded."""
+    max_blocks = max(len(s.seq.block_table) for s in out.scheduled)
+    tables = torch.zeros(len(out.scheduled), max_blocks, dtype=torch.long)
+    for i, s in enumerate(out.scheduled):
+        tables[i, : len(s.seq.block_table)] = torch.tensor(s.seq.block_table)
+    return tables
