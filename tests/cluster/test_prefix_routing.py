@@ -1,10 +1,10 @@
 """prefix_aware vs round_robin on a real cluster of 4 prefill instances with a multi-tenant
 workload (tenants share long system prompts; engine-tier hits only: no kvstore). prefix_aware
 reaches >= 0.9 of the single-instance hit rate (the same requests on one in-process engine that
-caches everything), round_robin about 1/4 of it, and prefix_aware's P99 TTFT is >= 2x better.
-
-The full-size comparison with its numbers is `python -m loadtests.simulator.realcluster`
-(docs/benchmarks/scheduler.md); this is a smaller run of the same code."""
+caches everything), and round_robin about 1/4 of it. Only behaviour is asserted (hit rates,
+every request served): what the hits are worth in TTFT is speed, and speed is measured by the
+benchmark, `python -m loadtests.simulator.realcluster` (docs/benchmarks/scheduler.md), of which
+this is a smaller run of the same code."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ WORKLOAD = TenantWorkload(requests=40, tenants=16, system_words=768, user_words=
                           max_tokens=2, rate=8.0, seed=0)  # fmt: skip
 
 
-def test_prefix_aware_beats_round_robin_on_hits_and_p99_ttft(default_model_dir):
+def test_prefix_aware_beats_round_robin_on_prefix_hits(default_model_dir):
     jobs, warm = WORKLOAD.jobs(), WORKLOAD.warmup_jobs()
     ref = reference_hit_rate(default_model_dir, jobs, warm)
     assert ref > 0.9  # after the warm-up, every system prompt is cached on a single instance
@@ -28,4 +28,3 @@ def test_prefix_aware_beats_round_robin_on_hits_and_p99_ttft(default_model_dir):
     assert pa.hit_rate >= 0.9 * ref, (pa.hit_rate, ref)
     # round robin: a tenant's prefix is on a random one of 4 caches that each hold ~1/4 of them
     assert rr.hit_rate <= 0.5 * ref, (rr.hit_rate, ref)
-    assert pa.ttft_p99_s * 2 <= rr.ttft_p99_s, (pa.ttft_p99_s, rr.ttft_p99_s)

@@ -10,10 +10,10 @@ from loadtests.simulator.cluster import SimConfig
 from loadtests.simulator.run import run_all, table
 from loadtests.simulator.trace import DEFAULT_TRACE, load_trace
 
-REL = os.path.join("..", "shared", "data", "mooncake", "conversation_trace.jsonl")
+REL = os.path.join("loadtests", "data", "mooncake", "conversation_trace.jsonl")
 
 
-def test_trace_is_found_relative_to_repo_root():
+def test_trace_is_vendored_in_the_repo():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert os.path.samefile(DEFAULT_TRACE, os.path.join(root, REL))
     tr = load_trace(limit=5)
