@@ -55,6 +55,10 @@ class SchedulerCore:
         if obs.restarted:
             # A new incarnation: the old process's cache is gone.
             self.index.new_incarnation(report.instance_id, report.incarnation)
+        if obs.connection_changed:
+            log.warning("instance %s %s", report.instance_id,
+                        "reconnected to the bus: routable again" if report.connected else
+                        "lost its main bus connection: not routable until it reconnects")  # fmt: skip
         if obs.new or obs.restarted:
             view = self.members.members[report.instance_id].view
             view.cached_blocks = self.index.blocks_of(report.instance_id)
@@ -82,6 +86,8 @@ class SchedulerCore:
         """Down detection and degradation; returns the state to publish and the newly down."""
         now = time.monotonic() if now is None else now
         newly_down = self.members.tick(now)
+        if newly_down:
+            metrics.DECLARED_DOWN.inc(len(newly_down))
         pre = self.members.live("prefill")
         dec = self.members.live("decode")
         self.load = cluster_load(

@@ -3,6 +3,8 @@
 An instance is live from its first load report until ``down_after`` report intervals pass without
 one; then it is declared down (once). A report with a new incarnation means the process restarted:
 it is a new member and the old member's state is dropped (the caller drops its cache blocks).
+A report that says the instance's main bus connection is down (``LoadReport.connected``) keeps it
+a member (not down) but takes it out of `live` (routing) until a report says it reconnected.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ class Member:
     incarnation: str
     last_seen: float
     alive: bool = True
+    connected: bool = True  # its main bus connection, as its last report said
     record: InstanceRecord | None = None
 
 
@@ -34,6 +37,7 @@ class Observed:
     new: bool = False
     restarted: bool = False
     revived: bool = False
+    connection_changed: bool = False  # ``connected`` differs from the previous report's
 
 
 @dataclass
@@ -77,6 +81,10 @@ class Membership:
             self._live.clear()
         m.alive = True
         m.last_seen = now
+        if m.connected != r.connected:
+            m.connected = r.connected
+            out.connection_changed = True
+            self._live.clear()
         v = m.view
         rec = self.records.get(r.instance_id)
         v.grpc_addr = r.grpc_addr or (rec.grpc_addr if rec else "")
@@ -129,12 +137,14 @@ class Membership:
         return t
 
     def live(self, role: str) -> list[InstanceView]:
-        """Live instances of ``role`` sorted by id (cached until membership changes; callers
-        must not mutate the list)."""
+        """Routable instances of ``role`` (alive and connected) sorted by id (cached until
+        membership changes; callers must not mutate the list)."""
         cached = self._live.get(role)
         if cached is None:
             cached = [
-                m.view for _, m in sorted(self.members.items()) if m.alive and m.view.role == role
+                m.view
+                for _, m in sorted(self.members.items())
+                if m.alive and m.connected and m.view.role == role
             ]
             self._live[role] = cached
         return cached

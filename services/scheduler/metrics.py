@@ -13,6 +13,9 @@ DECISION_LATENCY = Histogram(
 )
 LIVE_INSTANCES = Gauge("strata_scheduler_live_instances", "Live instances", ["role"])
 DOWN_INSTANCES = Gauge("strata_scheduler_down_instances", "Instances declared down")
+DECLARED_DOWN = Counter(
+    "strata_scheduler_declared_down", "Times an instance was declared down (missed load reports)"
+)
 PREFIX_INDEX_BLOCKS = Gauge(
     "strata_scheduler_prefix_index_blocks", "Distinct KV block hashes in the global prefix index"
 )

@@ -10,7 +10,13 @@ from dataclasses import dataclass
 from nats.aio.client import Client as NATS
 
 from services.worker.config import WorkerConfig
-from services.worker.runtime import ModelRuntime, heartbeat, subscribe_cancels
+from services.worker.heartbeat import Heartbeat
+from services.worker.runtime import (
+    ModelRuntime,
+    housekeeping,
+    start_heartbeat,
+    subscribe_cancels,
+)
 from shared import bus, metrics
 from shared.kvtransfer.client import close_clients
 from shared.kvtransfer.server import KVTransferHandler, start_kv_server
@@ -34,10 +40,13 @@ class Worker:
     server: object
     addr: str
     tasks: list[asyncio.Task]
+    heartbeat: Heartbeat | None = None
 
     async def stop(self) -> None:
         for t in self.tasks:
             t.cancel()
+        if self.heartbeat is not None:
+            await asyncio.to_thread(self.heartbeat.stop)
         with contextlib.suppress(Exception):
             await deregister_instance(self.nc.jetstream(), self.rt.cfg.instance_id)
         for t in list(self.svc.tasks.values()):
@@ -72,8 +81,10 @@ async def start_worker(
             "max_num_seqs": cfg.max_num_seqs, "max_model_len": m.max_position_embeddings,
         },
     ))
-    beat = asyncio.create_task(heartbeat(nc, rt, addr, stop or asyncio.Event()))
-    return Worker(rt, svc, nc, server, addr, [beat])
+    # Liveness from its own thread and connection; engine-bound chores on the main loop.
+    hb = await asyncio.to_thread(start_heartbeat, rt, nc, addr)
+    chores = asyncio.create_task(housekeeping(nc, rt, stop or asyncio.Event()))
+    return Worker(rt, svc, nc, server, addr, [chores], hb)
 
 
 def run_worker(role: str, argv: list[str], make_service) -> None:

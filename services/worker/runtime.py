@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from nats.aio.client import Client as NATS
 
 from services.worker.config import WorkerConfig
 from services.worker.cost import CostModel
+from services.worker.heartbeat import Heartbeat
 from services.worker.metrics import EngineMetrics
 from services.worker.pool_link import PoolLink
 from shared import bus, metrics
@@ -26,6 +28,12 @@ from shared.protocol.load import LoadReport
 from shared.protocol.stream import Cancel, TokenChunk
 
 log = logging.getLogger(__name__)
+
+LONGEST_FORWARD = metrics.Gauge(
+    "strata:engine_longest_forward_seconds",
+    "Longest single forward seen (the last forward's duration, sampled every load interval)",
+    ["role", "instance"],
+)
 
 
 @dataclass
@@ -44,6 +52,7 @@ class ModelRuntime:
     metrics: EngineMetrics | None = None
     prefilled_tokens: int = 0  # prompt tokens this instance computed (cached ones excluded)
     _rate_mark: tuple[int, float] = (0, 0.0)
+    _longest_forward: float = 0.0
     decode_rate: RateMeter = field(default_factory=lambda: RateMeter(5.0))
     _pool: PoolLink | None = None
 
@@ -96,13 +105,10 @@ class ModelRuntime:
 
         return self.cfg.model_name or os.path.basename(os.path.normpath(self.cfg.model))
 
-    def load_report(self, grpc_addr: str) -> LoadReport:
+    def load_report(self, grpc_addr: str, connected: bool = True) -> LoadReport:
+        """The load report (heartbeat). Runs on the heartbeat thread while a forward may be
+        running: lock-free reads of engine counters only, nothing that waits for the engine."""
         s = self.engine.stats()
-        if self.metrics is None:
-            self.metrics = EngineMetrics(self.role, self.cfg.instance_id)
-        self.metrics.update(s)
-        if self.role == "prefill":
-            self._observe_prefill_rate(s)
         return LoadReport(
             instance_id=self.cfg.instance_id, role=self.role, incarnation=self.incarnation,
             grpc_addr=grpc_addr, model=self.model_name, ts=time.time(),
@@ -112,8 +118,20 @@ class ModelRuntime:
             prefill_tokens_per_s=1.0 / self.cost.prefill_s_per_token,
             decode_tokens_per_s=self.decode_rate.per_second(),
             max_model_len=self.loaded.config.max_position_embeddings,
-            block_size=self.cfg.block_size,
+            block_size=self.cfg.block_size, connected=connected,
         )
+
+    def observe_stats(self) -> None:
+        """Engine metrics and the measured prefill rate (main loop, `housekeeping`)."""
+        s = self.engine.stats()
+        if self.metrics is None:
+            self.metrics = EngineMetrics(self.role, self.cfg.instance_id)
+        self.metrics.update(s)
+        if s.last_forward_s > self._longest_forward:
+            self._longest_forward = s.last_forward_s
+            LONGEST_FORWARD.labels(self.role, self.cfg.instance_id).set(s.last_forward_s)
+        if self.role == "prefill":
+            self._observe_prefill_rate(s)
 
     def _waiting_tokens(self) -> int:
         """Tokens queued but not yet computed, including the rest of prompts being prefilled now
@@ -132,9 +150,10 @@ class ModelRuntime:
             self.cost.observe_prefill(tokens, seconds)
             self._rate_mark = (self.prefilled_tokens, s.forward_time_s)
 
-    def kv_events(self) -> list[KVEvent]:
+    async def kv_events(self) -> list[KVEvent]:
+        """The engine's block events since the last call (drained on the engine thread)."""
         out = []
-        for ev in self.engine.drain_kv_events():
+        for ev in await self.async_engine.call(lambda e: e.drain_kv_events()):
             self.kv_seq += 1
             hashes = [h.hex() if isinstance(h, bytes) else h for h in ev.hashes]
             out.append(KVEvent(
@@ -145,29 +164,47 @@ class ModelRuntime:
 
 
 class RateMeter:
-    """Events per second over a sliding window (token rates for load reports)."""
+    """Events per second over a sliding window (token rates for load reports). Thread-safe:
+    added to on the event loop, read by the heartbeat thread."""
 
     def __init__(self, window_s: float):
         self.window_s = window_s
         self._events: deque[tuple[float, int]] = deque()
+        self._lock = threading.Lock()
 
     def add(self, n: int) -> None:
-        self._events.append((time.monotonic(), n))
+        with self._lock:
+            self._events.append((time.monotonic(), n))
 
     def per_second(self) -> float:
         cutoff = time.monotonic() - self.window_s
-        while self._events and self._events[0][0] < cutoff:
-            self._events.popleft()
-        return sum(n for _, n in self._events) / self.window_s
+        with self._lock:
+            while self._events and self._events[0][0] < cutoff:
+                self._events.popleft()
+            return sum(n for _, n in self._events) / self.window_s
 
 
-async def heartbeat(nc: NATS, rt: ModelRuntime, grpc_addr: str, stop: asyncio.Event) -> None:
-    """Load reports double as heartbeats; KV events ride along at the same cadence."""
+def start_heartbeat(rt: ModelRuntime, nc: NATS, grpc_addr: str) -> Heartbeat:
+    """Start the load-report thread (see `services.worker.heartbeat`): its own loop and NATS
+    connection, reporting whether ``nc`` (the main connection) is connected. Blocks until its
+    connection is up: call it with ``asyncio.to_thread``."""
+    iid = rt.cfg.instance_id
+    hb = Heartbeat(rt.cfg.nats_url, f"{rt.role}:{iid}:heartbeat",
+                   subjects.load_report(rt.role, iid),
+                   lambda: rt.load_report(grpc_addr, connected=nc.is_connected),
+                   rt.cfg.load_interval, labels=(rt.role, iid))  # fmt: skip
+    hb.start()
+    return hb
 
-    async def beat() -> None:
-        await bus.publish(nc, subjects.load_report(rt.role, rt.cfg.instance_id),
-                          rt.load_report(grpc_addr))
-        for ev in rt.kv_events():
+
+async def housekeeping(nc: NATS, rt: ModelRuntime, stop: asyncio.Event) -> None:
+    """Every ``load_interval`` on the main loop: engine metrics, KV events, evicted blocks to the
+    pool. These wait for the engine thread (up to one forward); liveness does not depend on
+    them, the heartbeat thread reports load meanwhile."""
+
+    async def once() -> None:
+        rt.observe_stats()
+        for ev in await rt.kv_events():
             await bus.publish(nc, subjects.kv_events(rt.cfg.instance_id), ev)
         pool = rt.pool_link()
         if pool is not None:
@@ -175,7 +212,7 @@ async def heartbeat(nc: NATS, rt: ModelRuntime, grpc_addr: str, stop: asyncio.Ev
 
     from shared.service import periodic
 
-    await periodic(rt.cfg.load_interval, beat, stop)
+    await periodic(rt.cfg.load_interval, once, stop)
 
 
 async def publish_error(nc: NATS, request_id: str, err: Exception, instance_id: str) -> None:

@@ -347,11 +347,14 @@ class LLMEngine(KVTransferMixin):
         return [got[rid] for rid in ids]
 
     def stats(self) -> EngineStats:
+        """Counters, readable from another thread while a step runs (the worker's heartbeat):
+        the waiting queue is copied in one C call, so no Python iteration sees it change."""
         s = self.scheduler
+        waiting = list(s.waiting)
         return EngineStats(
             running=len(s.running),
-            waiting=sum(1 for q in s.waiting if q.status == SequenceStatus.WAITING),
-            swapped=sum(1 for q in s.waiting if q.status == SequenceStatus.SWAPPED),
+            waiting=sum(1 for q in waiting if q.status == SequenceStatus.WAITING),
+            swapped=sum(1 for q in waiting if q.status == SequenceStatus.SWAPPED),
             kv_blocks_total=self.bm.num_blocks,
             kv_blocks_free=self.bm.num_free_blocks,
             kv_usage=self.bm.usage,

@@ -22,3 +22,7 @@ class LoadReport(Msg):
     block_size: int = 16
     # Prompt tokens queued and not yet prefilled (the scheduler's queue-time estimate).
     waiting_tokens: int = 0
+    # Whether the instance's main NATS connection (submits, token streams) is up. The report
+    # itself travels on a connection of its own, so a reconnecting instance still reports; the
+    # scheduler keeps it a member but does not route to it. Default True: older senders parse.
+    connected: bool = True

@@ -39,13 +39,15 @@ def scrape(c: Cluster, name: str, metric: str) -> dict[str, float]:
 
 
 class StateWatcher:
-    """Records every `SchedulerState` (time, degrade level) published on NATS, in a thread."""
+    """Records every `SchedulerState` (time, degrade level) published on NATS, in a thread, and
+    every instance any of them listed as down (``down_seen``)."""
 
     def __init__(self, nats_url: str) -> None:
         import time
 
         self._time = time.monotonic
         self.levels: list[tuple[float, int]] = []
+        self.down_seen: set[str] = set()
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=lambda: asyncio.run(self._run(nats_url)),
@@ -59,7 +61,9 @@ class StateWatcher:
         nc = await connect(url, name="test-state-watcher")
 
         async def on_state(msg) -> None:
-            self.levels.append((self._time(), decode(msg.data, SchedulerState).degrade_level))
+            st = decode(msg.data, SchedulerState)
+            self.levels.append((self._time(), st.degrade_level))
+            self.down_seen.update(st.down)
 
         await nc.subscribe(subjects.SCHED_STATE, cb=on_state)
         await nc.flush()
