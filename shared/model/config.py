@@ -7,24 +7,16 @@ Handles what transformers 4.x and 5.x write: ``torch_dtype`` vs ``dtype``, ``rop
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from shared.model.archs import LLAVA_ARCHITECTURE, TEXT_ARCHITECTURES, architecture_of
+from shared.model.archs import TEXT_FAMILIES as _TEXT_FAMILIES
 from shared.model.errors import CheckpointError
-
-# model_type -> (causal LM architecture, defaults that differ between families)
-_TEXT_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
-    "llama": ("LlamaForCausalLM", {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048}),
-    "mistral": ("MistralForCausalLM", {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768}),
-    "qwen2": ("Qwen2ForCausalLM", {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768}),
-    "qwen3": ("Qwen3ForCausalLM", {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768}),
-}
-TEXT_ARCHITECTURES = {arch: mt for mt, (arch, _) in _TEXT_FAMILIES.items()}
-LLAVA_ARCHITECTURE = "LlavaForConditionalGeneration"
+from shared.model.validate import read_config_json
 
 _DTYPES = {
     "float32": torch.float32,
@@ -233,11 +225,7 @@ def _vision_config(cfg: dict) -> VisionConfig:
 
 def config_from_dict(cfg: dict, source: str = "config.json") -> ModelConfig:
     """Normalise a parsed ``config.json``; ``source`` names the file in error messages."""
-    archs = cfg.get("architectures") or []
-    arch = archs[0] if archs else None
-    if arch is None:
-        mt = cfg.get("model_type")
-        arch = LLAVA_ARCHITECTURE if mt == "llava" else _TEXT_FAMILIES.get(mt, (None,))[0]
+    arch = architecture_of(cfg)
     if arch != LLAVA_ARCHITECTURE and arch not in TEXT_ARCHITECTURES:
         raise CheckpointError(f"{source}: unknown architecture {arch!r}")
     if arch == LLAVA_ARCHITECTURE:
@@ -281,10 +269,10 @@ def load_config(path: str | Path) -> ModelConfig:
     """Read ``<path>/config.json`` (or a config.json path) into a ``ModelConfig``."""
     p = Path(path)
     file = p / "config.json" if p.is_dir() else p
+    raw = read_config_json(file)
     try:
-        raw = json.loads(file.read_text())
-    except FileNotFoundError as e:
-        raise CheckpointError(f"{file}: config.json not found") from e
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{file}: invalid JSON ({e})") from e
-    return config_from_dict(raw, source=str(file))
+        return config_from_dict(raw, source=str(file))
+    except (TypeError, ValueError, KeyError) as e:
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(f"{file}: bad value ({type(e).__name__}: {e})") from e

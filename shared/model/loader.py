@@ -14,7 +14,6 @@ machines, and it costs at most ~``SAMPLE_CHUNKS`` MiB of reads per big shard.
 from __future__ import annotations
 
 import hashlib
-import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,13 +25,14 @@ from torch import nn
 from shared.model.config import LLAVA_ARCHITECTURE, ModelConfig, load_config
 from shared.model.errors import CheckpointError
 from shared.model.models import model_class
+from shared.model.validate import INDEX as _INDEX
+from shared.model.validate import checkpoint_files
 
 __all__ = ["CheckpointError", "LoadedModel", "load_model", "weights_digest", "checkpoint_files"]
 
 FULL_HASH_LIMIT = 256 << 20
 SAMPLE_CHUNKS = 32
 _CHUNK = 1 << 20
-_INDEX = "model.safetensors.index.json"
 
 # Newer on-disk LLaVA layout (transformers 4.52-4.x) -> the layout 5.x writes, which we use.
 _LLAVA_RENAMES = (
@@ -51,21 +51,6 @@ class LoadedModel:
     config: ModelConfig
     fingerprint: str  # hex sha256 over architecture, weights digest and dtype
     path: Path
-
-
-def checkpoint_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
-    """The safetensors files of a checkpoint and, when sharded, the tensor -> file map."""
-    index = path / _INDEX
-    if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise CheckpointError(f"{index}: malformed index ({e})") from e
-        return [path / f for f in sorted(set(weight_map.values()))], weight_map
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{path}: no model.safetensors or {_INDEX}")
-    return files, None
 
 
 def _file_digest(file: Path, h) -> None:

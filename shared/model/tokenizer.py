@@ -17,6 +17,8 @@ from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+from shared.model.errors import CheckpointError
+
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
                  "mask_token")  # fmt: skip
 
@@ -114,7 +116,14 @@ class Tokenizer:
         """Load ``tokenizer.json``, ``tokenizer_config.json`` and (for EOS ids)
         ``generation_config.json`` from a checkpoint directory."""
         path = Path(path)
-        tok = HFTokenizer.from_file(str(path / "tokenizer.json"))
+        file = path / "tokenizer.json"
+        if not file.is_file():
+            raise CheckpointError(f"{path}: no tokenizer.json (Strata needs the fast tokenizer "
+                                  "file; save it with tokenizer.save_pretrained(dir))")  # fmt: skip
+        try:
+            tok = HFTokenizer.from_file(str(file))
+        except Exception as e:  # tokenizers raises a bare Exception for a bad file
+            raise CheckpointError(f"{file}: cannot be loaded ({e}); re-save the tokenizer") from e
         cfg_file = path / "tokenizer_config.json"
         cfg = json.loads(cfg_file.read_text()) if cfg_file.exists() else {}
         eos: tuple[int, ...] = ()

@@ -9,7 +9,9 @@ the gateway serves ``/health`` and ``/v1/models`` on ``STRATA_HOST:STRATA_PORT``
 
 from __future__ import annotations
 
+import json
 import os
+import struct
 from pathlib import Path
 
 from services.launcher import ROLES
@@ -67,6 +69,18 @@ def write_fake_apps(root: str | os.PathLike) -> str:
         (pkg / role / "app.py").write_text(APP.format(role=role))
     (pkg / "__init__.py").write_text("")
     return str(root)
+
+
+def write_fake_checkpoint(model: str | os.PathLike, arch: str = "LlamaForCausalLM") -> str:
+    """A checkpoint dir that passes `validate_checkpoint` (config.json naming ``arch``, an empty
+    but well-formed model.safetensors, tokenizer.json) and holds no real weights."""
+    d = Path(model)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps({"architectures": [arch]}))
+    header = b"{}"
+    (d / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    (d / "tokenizer.json").write_text("{}")
+    return str(d)
 
 
 def pid_alive(pid: int) -> bool:

@@ -1,0 +1,135 @@
+"""Check a checkpoint directory without loading it (torch-free, well under a second).
+
+`validate_checkpoint` is what `strata up` runs before it starts any process, and what a model
+service runs before it connects to NATS: ``config.json`` parses, its architecture is one Strata
+serves, the safetensors weights (every shard an index lists) and ``tokenizer.json`` are there.
+Each failure is a `CheckpointError` whose one-line message names the file, the problem and the
+fix. Tensor names and shapes are checked later, by the loader.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from shared.model.archs import LLAVA_ARCHITECTURE, SUPPORTED, TEXT_FAMILIES, architecture_of
+from shared.model.errors import CheckpointError
+
+INDEX = "model.safetensors.index.json"
+TOKENIZER_FILE = "tokenizer.json"
+_MAX_HEADER = 100 << 20  # a safetensors header larger than this is a corrupt length field
+_WHAT = "a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json)"
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What the light check learned about a checkpoint."""
+
+    path: Path
+    architecture: str
+    multimodal: bool  # takes images (LLaVA): the cluster needs a vision encoder for them
+    weight_files: tuple[Path, ...]
+
+
+def read_config_json(file: Path) -> dict:
+    """``config.json`` parsed; `CheckpointError` when it is missing, unreadable or not a JSON
+    object."""
+    try:
+        raw = json.loads(file.read_text(encoding="utf-8"))
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{file.parent}: no config.json there; pass {_WHAT}") from e
+    except (OSError, UnicodeDecodeError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise CheckpointError(f"{file}: cannot be read ({why}); check the file") from e
+    except json.JSONDecodeError as e:
+        raise CheckpointError(
+            f"{file}: invalid JSON ({e}); re-save the checkpoint with save_pretrained"
+        ) from e
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{file}: expected a JSON object, got {type(raw).__name__}")
+    return raw
+
+
+def check_architecture(cfg: dict, file: Path) -> str:
+    """The declared architecture, or `CheckpointError` when Strata does not serve it."""
+    arch = architecture_of(cfg)
+    if arch not in SUPPORTED:
+        raise CheckpointError(
+            f"{file}: unsupported architecture {arch!r} (Strata serves {', '.join(SUPPORTED)})"
+        )
+    if arch == LLAVA_ARCHITECTURE:
+        text = cfg.get("text_config") or {}
+        mt = text.get("model_type", "llama") if isinstance(text, dict) else None
+        if mt not in TEXT_FAMILIES:
+            raise CheckpointError(f"{file}: unsupported LLaVA text model_type {mt!r} "
+                                  f"(Strata serves {', '.join(TEXT_FAMILIES)})")  # fmt: skip
+    return arch
+
+
+def checkpoint_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
+    """The safetensors files of a checkpoint and, when sharded, the tensor -> file map."""
+    index = path / INDEX
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = [path / f for f in sorted(set(weight_map.values()))]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{index}: malformed index ({type(e).__name__}: {e}); "
+                                  "re-save the checkpoint with save_pretrained") from e  # fmt: skip
+        return files, weight_map
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: no model.safetensors or {INDEX} (Strata loads "
+                              "safetensors weights; save with safe_serialization=True)")  # fmt: skip
+    return files, None
+
+
+def check_safetensors_header(file: Path) -> None:
+    """The file exists and starts with a well-formed safetensors header (8-byte length + JSON)."""
+    if not file.exists():
+        raise CheckpointError(f"{file}: weights shard listed in {INDEX} is missing; "
+                              "copy the complete checkpoint")  # fmt: skip
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            head = f.read(8)
+            n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+            ok = 0 < n <= min(size - 8, _MAX_HEADER)
+            ok = ok and isinstance(json.loads(f.read(n)), dict)
+    except OSError as e:
+        raise CheckpointError(f"{file}: cannot be read ({e.strerror or e}); check the file") from e
+    except (ValueError, UnicodeDecodeError):
+        ok = False
+    if not ok:
+        raise CheckpointError(f"{file}: not a valid safetensors file (truncated or corrupt "
+                              "header); copy or re-save the weights")  # fmt: skip
+
+
+def validate_checkpoint(path: str | Path) -> CheckpointInfo:
+    """The whole light check (see the module doc); returns what it learned."""
+    p = Path(path)
+    if not p.is_dir():
+        what = "does not exist" if not p.exists() else "is not a directory"
+        raise CheckpointError(f"{p}: {what}; pass {_WHAT}")
+    file = p / "config.json"
+    cfg = read_config_json(file)
+    arch = check_architecture(cfg, file)
+    files, _ = checkpoint_files(p)
+    for f in files:
+        check_safetensors_header(f)
+    if not (p / TOKENIZER_FILE).is_file():
+        raise CheckpointError(f"{p}: no {TOKENIZER_FILE} (Strata needs the fast tokenizer file; "
+                              "save it with tokenizer.save_pretrained(dir))")  # fmt: skip
+    return CheckpointInfo(p, arch, arch == LLAVA_ARCHITECTURE, tuple(files))
+
+
+def takes_images(path: str | Path) -> bool:
+    """True when the checkpoint at ``path`` is multimodal (False when unreadable: the model
+    services report that themselves)."""
+    try:
+        cfg = read_config_json(Path(path) / "config.json")
+    except CheckpointError:
+        return False
+    return architecture_of(cfg) == LLAVA_ARCHITECTURE
