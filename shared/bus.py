@@ -21,8 +21,10 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from pydantic import BaseModel, ValidationError
 
 from shared import metrics
+from shared.protocol import subjects
 from shared.protocol.codec import decode, encode, encode_error
 from shared.protocol.errors import StrataError
+from shared.protocol.health import Ping, Pong
 
 log = logging.getLogger(__name__)
 
@@ -58,13 +60,18 @@ async def connect(url: str, name: str) -> NATS:
 async def request(
     nc: NATS, subject: str, msg: BaseModel, reply_type: type[Rep], timeout: float = 10.0
 ) -> Rep:
-    """Request/reply with typed errors: no responder -> ``unavailable``, timeout -> ``timeout``."""
+    """Request/reply with typed errors: no responder -> ``unavailable``, timeout -> ``timeout``.
+
+    The messages name the role (`subjects.describe`: "tokenizer not available"), never the
+    subject: they reach HTTP clients, and subject names are internal."""
     try:
         reply = await nc.request(subject, encode(msg), timeout=timeout)
     except NoRespondersError as exc:
-        raise StrataError("unavailable", f"no service is listening on {subject}") from exc
+        raise StrataError("unavailable", f"{subjects.describe(subject)} not available") from exc
     except (TimeoutError, NatsTimeoutError) as exc:
-        raise StrataError("timeout", f"no reply on {subject} within {timeout:.1f}s") from exc
+        raise StrataError(
+            "timeout", f"{subjects.describe(subject)} did not answer within {timeout:.1f}s"
+        ) from exc
     return decode(reply.data, reply_type)
 
 
@@ -116,6 +123,17 @@ async def serve(
         t.add_done_callback(tasks.discard)
 
     return await nc.subscribe(subject, queue=queue, cb=cb)
+
+
+async def serve_ping(nc: NATS, subject: str, role: str, instance_id: str, queue: str = ""):
+    """Answer `Ping` on ``subject`` (``strata.<role>.ping``) with this instance's `Pong`: the
+    gateway's readiness probe of a queue-group role. Returns the subscription."""
+    pong = Pong(role=role, instance_id=instance_id)
+
+    async def handle(_: Ping) -> Pong:
+        return pong
+
+    return await serve(nc, subject, Ping, handle, queue=queue)
 
 
 async def _reply_error(m: NatsMsg, err: StrataError) -> None:

@@ -14,9 +14,11 @@ from services.gateway.config import GatewayConfig
 from services.gateway.http import build_app
 from services.gateway.nats_api import serve_api
 from services.gateway.pipeline import Pipeline
+from services.gateway.readiness import Readiness
 from services.gateway.service import GatewayService
 from shared import bus, metrics
 from shared.logs import setup_logging
+from shared.model.validate import takes_images
 from shared.service import announce_ready, run
 
 log = logging.getLogger(__name__)
@@ -36,11 +38,19 @@ def token_speller(model_dir: str):
     return functools.lru_cache(maxsize=65536)(lambda i: tok.decode([i], skip_special_tokens=False))
 
 
+def needs_vision(cfg: GatewayConfig) -> bool:
+    """Readiness waits for a vision encoder only when the model takes images and the gateway
+    accepts them (``max_images`` > 0; `strata up --vision 0` sets it to 0)."""
+    return bool(cfg.model) and cfg.max_images > 0 and takes_images(cfg.model)
+
+
 async def build_service(nc, cfg: GatewayConfig) -> GatewayService:
     pipeline = Pipeline(nc, cfg)
     await pipeline.start()
     auth = Auth.from_config(cfg.api_keys, cfg.api_key_file)
-    return GatewayService(pipeline, cfg, served_name(cfg), auth, token_speller(cfg.model))
+    readiness = Readiness(nc, cfg, needs_vision(cfg))
+    return GatewayService(pipeline, cfg, served_name(cfg), auth, token_speller(cfg.model),
+                          readiness)  # fmt: skip
 
 
 def main(argv: list[str]) -> None:

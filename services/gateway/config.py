@@ -34,7 +34,13 @@ class GatewayConfig(ServiceConfig):
     first_token_timeout: float = Field(60.0, gt=0, description="Seconds to wait for token one")
     stall_timeout: float = Field(15.0, gt=0, description="Seconds without tokens -> failover")
     max_failovers: int = Field(2, ge=0, description="Re-routes of one stream before giving up")
-    health_timeout: float = Field(1.0, gt=0, description="Seconds /health waits for the scheduler")
+    health_timeout: float = Field(1.0, gt=0, description="Seconds a readiness probe waits per role")
+    ready_cache_s: float = Field(
+        1.0, ge=0, description="Seconds a readiness verdict is reused (/health, request path)"
+    )
+    unready_retry_after: float = Field(
+        2.0, gt=0, description="Retry-After seconds on 503 while the cluster cannot serve"
+    )
     sse_header_hold: float = Field(
         0.05, ge=0, description="Seconds a stream's headers wait for token one (one write for both)"
     )

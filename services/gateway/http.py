@@ -93,7 +93,7 @@ class _CountStatus:
             await send(msg)
 
         path = scope.get("path", "")
-        route = path if path.startswith("/v1/") or path in ("/health", "/metrics") else "other"
+        route = path if path.startswith(("/v1/", "/health")) or path == "/metrics" else "other"
         try:
             await self.app(scope, receive, send_status)
         finally:
@@ -150,11 +150,26 @@ def build_app(service: GatewayService) -> FastAPI:
                                             "created": int(time.time()),
                                             "owned_by": "strata"}]}  # fmt: skip
 
+    async def ready() -> Response:
+        st = await service.readiness.state()
+        if st.ready:
+            return JSONResponse(st.body())
+        retry = str(max(1, int(cfg.unready_retry_after + 0.999)))
+        return JSONResponse(st.body(), status_code=503, headers={"Retry-After": retry})
+
     @app.get("/health")
     async def health() -> Response:
-        if await service.pipeline.healthy():
-            return JSONResponse({"status": "ok"})
-        return error_response(StrataError("unavailable", "no decode instance is routable"))
+        """Readiness with every dependency's state: 200 when ready, else 503."""
+        return await ready()
+
+    @app.get("/health/ready")
+    async def health_ready() -> Response:
+        return await ready()
+
+    @app.get("/health/live")
+    async def health_live() -> dict[str, str]:
+        """The process is up and serving HTTP (no bus traffic)."""
+        return {"status": "live"}
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:

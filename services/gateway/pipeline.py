@@ -27,13 +27,7 @@ from shared.engine.params import SamplingParams
 from shared.protocol import subjects
 from shared.protocol.codec import decode
 from shared.protocol.errors import StrataError
-from shared.protocol.sched import (
-    InstancesReply,
-    InstancesRequest,
-    RouteReply,
-    RouteRequest,
-    SchedulerState,  # fmt: skip
-)
+from shared.protocol.sched import RouteReply, RouteRequest, SchedulerState
 from shared.protocol.stream import Cancel, TokenChunk
 from shared.protocol.tok import TokenizeReply, TokenizeRequest
 from shared.protocol.vision import VisionEncodeReply, VisionEncodeRequest
@@ -104,16 +98,6 @@ class Pipeline:
 
     def unwatch_cancel(self, rid: str) -> None:
         self._cancel_cbs.pop(rid, None)
-
-    async def healthy(self) -> bool:
-        """True when the scheduler knows a live decode instance."""
-        try:
-            rep = await bus.request(self.nc, subjects.SCHED_INSTANCES,
-                                    InstancesRequest(role="decode"), InstancesReply,
-                                    timeout=self.cfg.health_timeout)  # fmt: skip
-        except StrataError:
-            return False
-        return any(i.alive and i.role == "decode" for i in rep.instances)
 
     async def prepare(self, spec: GenerateSpec, prompt: object, images: list[bytes],
                       rid: str) -> Prepared:  # fmt: skip

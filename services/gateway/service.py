@@ -1,5 +1,5 @@
 """One request end to end, shared by REST and the NATS API: validate -> auth -> admit ->
-images -> tokenize+encode -> route/submit -> OpenAI chunks or a full response.
+ready? -> images -> tokenize+encode -> route/submit -> OpenAI chunks or a full response.
 
 `GatewayService.open` does every step that can fail with a 4xx/5xx *before* a response starts;
 `Run.events()` then yields OpenAI stream chunks and `Run.complete()` the whole response. Closing
@@ -22,6 +22,7 @@ from services.gateway.config import GatewayConfig
 from services.gateway.core import GenerateSpec, admit, build_spec
 from services.gateway.images import load_image
 from services.gateway.pipeline import Pipeline, Prepared
+from services.gateway.readiness import Readiness
 from services.gateway.responses import ChoiceState, Formatter, usage
 from shared.protocol.codec import decode
 from shared.protocol.errors import StrataError
@@ -39,12 +40,13 @@ class GatewayService:
     """Validation, auth and admission in front of a `Pipeline`."""
 
     def __init__(self, pipeline: Pipeline, cfg: GatewayConfig, served_model: str,
-                 auth: Auth, token_str: Callable[[int], str]):  # fmt: skip
+                 auth: Auth, token_str: Callable[[int], str], readiness: Readiness):  # fmt: skip
         self.pipeline = pipeline
         self.cfg = cfg
         self.served_model = served_model
         self.auth = auth
         self.token_str = token_str
+        self.readiness = readiness
 
     async def open(self, kind: str, body: dict[str, Any], headers: dict[str, str],
                    api_key: str | None, request_id: str = "") -> Run:  # fmt: skip
@@ -56,6 +58,7 @@ class GatewayService:
         if request_id and not _REQUEST_ID.fullmatch(request_id):
             raise StrataError("bad_request", "request id must be 1-128 characters from "
                               "[A-Za-z0-9_-] (it becomes part of NATS subjects)")  # fmt: skip
+        await self.readiness.require()  # 503 naming what is missing while the cluster starts
         rid = request_id or uuid.uuid4().hex
         images = await asyncio.gather(*(load_image(u, self.cfg) for u in spec.image_urls))
         prepared = await asyncio.gather(*(self.pipeline.prepare(spec, p, list(images), rid)

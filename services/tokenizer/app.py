@@ -47,6 +47,8 @@ def main(argv: list[str]) -> None:
         metrics.SERVICE_INFO.labels("tokenizer", cfg.instance_id).set(1)
         nc = await bus.connect(cfg.nats_url, f"tokenizer-{cfg.instance_id}")
         await serve_tokenizer(nc, core)
+        await bus.serve_ping(nc, subjects.TOK_PING, "tokenizer", cfg.instance_id,
+                             queue=subjects.QUEUE_TOKENIZER)  # fmt: skip
         await nc.flush()
         announce_ready("tokenizer", cfg.instance_id)
         await stop.wait()

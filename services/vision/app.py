@@ -50,6 +50,8 @@ def main(argv: list[str]) -> None:
         metrics.SERVICE_INFO.labels("vision", cfg.instance_id).set(1)
         nc = await bus.connect(cfg.nats_url, f"vision-{cfg.instance_id}")
         await serve_vision(nc, core, cfg.instance_id, addr)
+        await bus.serve_ping(nc, subjects.VISION_PING, "vision", cfg.instance_id,
+                             queue=subjects.QUEUE_VISION)  # fmt: skip
         await nc.flush()
         announce_ready("vision", cfg.instance_id, f"grpc={addr}")
         await stop.wait()

@@ -13,6 +13,8 @@ VISION_ENCODE = f"{PREFIX}.vision.encode"  # queue group "vision"
 SCHED_ROUTE = f"{PREFIX}.sched.route"  # queue group "scheduler"
 SCHED_STATE = f"{PREFIX}.sched.state"  # scheduler -> everyone: degradation level, down instances
 SCHED_INSTANCES = f"{PREFIX}.sched.instances"  # request: the scheduler's view of the registry
+TOK_PING = f"{PREFIX}.tok.ping"  # queue group "tokenizer": health.Ping -> health.Pong
+VISION_PING = f"{PREFIX}.vision.ping"  # queue group "vision": health.Ping -> health.Pong
 
 LOAD_ALL = f"{PREFIX}.load.>"
 KV_EVENTS_ALL = f"{PREFIX}.kv.events.>"
@@ -66,3 +68,21 @@ def kv_events(instance: str) -> str:
 def admin(role: str, instance: str) -> str:
     """Per-instance admin/introspection requests (stats, leak checks)."""
     return f"{PREFIX}.admin.{role}.{instance}"
+
+
+_ROLE_NAMES = {"tok": "tokenizer", "vision": "vision encoder", "sched": "scheduler",
+               "api": "gateway"}  # fmt: skip
+
+
+def describe(subject: str) -> str:
+    """The role behind ``subject`` in words, for error messages a client may see (subject names
+    are internal): ``strata.tok.encode`` -> "tokenizer", ``strata.decode.d0.submit`` ->
+    "decode instance d0"."""
+    parts = subject.split(".")
+    if len(parts) < 2 or parts[0] != PREFIX:
+        return "service"
+    if parts[1] in ("prefill", "decode") and len(parts) >= 3:
+        return f"{parts[1]} instance {parts[2]}"
+    if parts[1] == "admin" and len(parts) >= 4:
+        return f"{parts[2]} instance {parts[3]}"
+    return _ROLE_NAMES.get(parts[1], f"{parts[1]} service")

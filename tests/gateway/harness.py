@@ -12,13 +12,14 @@ from services.gateway.config import GatewayConfig
 from services.gateway.http import build_app
 from services.gateway.nats_api import serve_api
 from shared import bus
-from tests.gateway.peers import Peers
+from tests.gateway.peers import ROLES, Peers
 
 
 @contextlib.asynccontextmanager
-async def gateway(nats_url: str, decodes=("dec-0",), peers_kw=None, **cfg):
+async def gateway(nats_url: str, decodes=("dec-0",), peers_kw=None, roles=ROLES, **cfg):
+    """Yields (base URL, peers, service); ``roles``: the fake peers serving from the start."""
     nc = await bus.connect(nats_url, "gw-test")
-    peers = await Peers(nc, **(peers_kw or {})).start()
+    peers = await Peers(nc, **(peers_kw or {})).start(roles)
     for d in decodes:
         await peers.add_decode(d)
     defaults = dict(nats_url=nats_url, port=0, model_name="tiny", bus_timeout=2.0,

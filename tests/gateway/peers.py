@@ -26,6 +26,7 @@ from shared.protocol.vision import ImageInfo, VisionEncodeReply, VisionEncodeReq
 from shared.protocol.work import SubmitAck, WorkItem
 
 IMG_TOKENS = 4
+ROLES = ("tokenizer", "vision", "scheduler")
 
 
 class Peers:
@@ -40,21 +41,40 @@ class Peers:
         self.cancels: list[str] = []
         self.windows: dict[str, tuple[float, float]] = {}
         self.subs = []
+        self.role_subs: dict[str, list] = {}
 
-    async def start(self) -> Peers:
-        s = self.subs
-        s.append(await bus.serve(self.nc, subjects.TOK_ENCODE, TokenizeRequest, self.tok))
-        s.append(await bus.serve(self.nc, subjects.VISION_ENCODE, VisionEncodeRequest, self.vis))
-        s.append(await bus.serve(self.nc, subjects.SCHED_ROUTE, RouteRequest, self.route))
-        s.append(await bus.serve(self.nc, subjects.SCHED_INSTANCES, InstancesRequest, self.insts))
+    async def start(self, roles: tuple[str, ...] = ROLES) -> Peers:
+        for role in roles:
+            await self.start_role(role)
 
         async def on_cancel(msg):
             self.cancels.append(decode(msg.data, Cancel).request_id)
 
-        s.append(await self.nc.subscribe(subjects.REQ_CANCEL_ALL, cb=on_cancel))
+        self.subs.append(await self.nc.subscribe(subjects.REQ_CANCEL_ALL, cb=on_cancel))
         return self
 
+    async def start_role(self, role: str) -> None:
+        """Serve one of `ROLES` (its requests and, like the real services, its readiness)."""
+        nc, s = self.nc, self.role_subs.setdefault(role, [])
+        if role == "tokenizer":
+            s.append(await bus.serve(nc, subjects.TOK_ENCODE, TokenizeRequest, self.tok))
+            s.append(await bus.serve_ping(nc, subjects.TOK_PING, "tokenizer", "tok"))
+        elif role == "vision":
+            s.append(await bus.serve(nc, subjects.VISION_ENCODE, VisionEncodeRequest, self.vis))
+            s.append(await bus.serve_ping(nc, subjects.VISION_PING, "vision", "vis"))
+        else:
+            s.append(await bus.serve(nc, subjects.SCHED_ROUTE, RouteRequest, self.route))
+            s.append(await bus.serve(nc, subjects.SCHED_INSTANCES, InstancesRequest, self.insts))
+        await nc.flush()
+
+    async def stop_role(self, role: str) -> None:
+        for sub in self.role_subs.pop(role, []):
+            await sub.unsubscribe()
+        await self.nc.flush()
+
     async def stop(self) -> None:
+        for role in list(self.role_subs):
+            await self.stop_role(role)
         for sub in self.subs:
             await sub.unsubscribe()
 
