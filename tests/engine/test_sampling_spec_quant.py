@@ -106,7 +106,7 @@ def test_spec_decode_equals_greedy(qwen_ckpt):
     spec_eng = LLMEngine(load_model(path), EngineConfig(**CFG, num_speculative_tokens=3))
     assert spec_eng.generate(base, sp) == plain
     st = spec_eng.stats()
-    assert st.spec_draft_tokens > 0 and 0.0 <= st.spec_acceptance_rate <= 1.0
+    assert st.spec_draft_tokens > 0  # exact acceptance counts: tests/engine/test_spec_accept.py
     assert spec_eng.bm.num_free_blocks == spec_eng.bm.num_blocks
 
 
