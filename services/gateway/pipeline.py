@@ -2,10 +2,12 @@
 
 `Pipeline.prepare` turns one validated prompt into a `Prepared` (token ids, image refs, block
 hashes, sampling); `Pipeline.stream` routes it, submits the `WorkItem` and yields the request's
-`TokenChunk`s in index order with duplicates dropped. When the decode instance is declared down
-(`SchedulerState.down`) or its stream stalls, the request is re-routed (``exclude``) and
-resubmitted with the tokens already sent, so the caller sees one uninterrupted stream. Closing
-the stream before it finished publishes `strata.req.<id>.cancel`.
+`TokenChunk`s in index order with duplicates dropped. When an instance serving the request is
+declared down (`SchedulerState.down`), refuses the submit or its stream stalls, the request is
+re-routed with that instance excluded (`Failover`: a dead prefill instance is excluded, not the
+decode one, so the scheduler picks another prefill or lets decode prefill) and resubmitted with
+the tokens already sent, so the caller sees one uninterrupted stream. Closing the stream before
+it finished publishes `strata.req.<id>.cancel`.
 """
 
 from __future__ import annotations
@@ -35,7 +37,38 @@ from shared.protocol.work import ImageRef, SubmitAck, WorkItem
 
 log = logging.getLogger(__name__)
 
-_DOWN = object()  # queue sentinel: the serving instance was declared down
+@dataclass(frozen=True)
+class _Down:
+    """Queue item: the scheduler declared ``instance_id`` (watched by this request) down."""
+
+    instance_id: str
+
+
+@dataclass(frozen=True)
+class Failover:
+    """A route given up: ``instance`` (the one that failed) is excluded from the next route."""
+
+    instance: str
+    why: str
+
+
+def owing_instance(route: RouteReply, got_chunk: bool) -> str:
+    """The instance that owes the request's next chunk: a disaggregated route's prefill instance
+    until any chunk of this route arrived (it publishes the first token), then decode."""
+    if route.prefill_instance and not got_chunk:
+        return route.prefill_instance
+    return route.decode_instance
+
+
+def down_failover(route: RouteReply, down: str, decode_streamed: bool) -> Failover | None:
+    """What an instance declared down means for a request on ``route``: None when it does not
+    matter (not one of this route's instances, e.g. a late notice about an earlier route's, or
+    the prefill instance once decode streamed: the request lives on decode then)."""
+    if not down or down not in (route.prefill_instance, route.decode_instance):
+        return None
+    if down == route.prefill_instance and decode_streamed:
+        return None
+    return Failover(down, "down: declared down by the scheduler")
 
 
 @dataclass
@@ -74,7 +107,7 @@ class Pipeline:
             self.down = set(st.down)
             for inst in st.down:
                 for q in self._watchers.get(inst, ()):
-                    q.put_nowait(_DOWN)
+                    q.put_nowait(_Down(inst))
 
         async def on_cancel(msg) -> None:
             cb = self._cancel_cbs.get(msg.subject.split(".")[2])  # strata.req.<id>.cancel
@@ -169,23 +202,24 @@ class Pipeline:
                 watched = [i for i in (route.decode_instance, route.prefill_instance) if i]
                 for inst in watched:
                     self._watchers.setdefault(inst, set()).add(q)
-                why = None
+                fo = None
                 async for chunk in self._drain(rid, q, sent, exclude, route):
-                    if isinstance(chunk, str):
-                        why = chunk
+                    if isinstance(chunk, Failover):
+                        fo = chunk
                         break
                     yield chunk
                     if chunk.finish_reason is not None:
                         finished = True
                         return
                 self._unwatch(q, watched)
+                assert fo is not None  # _drain ends with a finished chunk or a Failover
                 if len(exclude) >= self.cfg.max_failovers:
                     raise StrataError("unavailable", f"request {rid} failed on {len(exclude) + 1} "
-                                      f"instances (last: {why})")  # fmt: skip
-                log.warning("rid=%s failover from %s: %s", rid, route.decode_instance, why)
-                m.FAILOVERS.labels(why.split(":")[0]).inc()
-                await self.cancel(rid, f"failover: {why}")
-                exclude.append(route.decode_instance)
+                                      f"instances (last: {fo.instance}: {fo.why})")  # fmt: skip
+                log.warning("rid=%s failover from %s: %s", rid, fo.instance, fo.why)
+                m.FAILOVERS.labels(fo.why.split(":")[0]).inc()
+                await self.cancel(rid, f"failover from {fo.instance}: {fo.why}")
+                exclude.append(fo.instance)
         finally:
             self._unwatch(q, watched)
             with contextlib.suppress(Exception):
@@ -245,11 +279,12 @@ class Pipeline:
         return None
 
     async def _drain(self, rid: str, q: asyncio.Queue, sent: list[int], exclude: list[str],
-                     route: RouteReply) -> AsyncIterator[TokenChunk | str]:  # fmt: skip
-        """Chunks from the queue in order; a str item means "fail over, because ..."."""
+                     route: RouteReply) -> AsyncIterator[TokenChunk | Failover]:  # fmt: skip
+        """Chunks from the queue in order; a `Failover` item ends the route."""
         ack_subject = subjects.req_ack(rid)
         target = route.prefill_instance or route.decode_instance
         acked = False
+        got_chunk = decode_streamed = False  # this route's chunks so far
         while True:
             if not acked and not sent:
                 timeout = self.cfg.bus_timeout  # the instance's ack
@@ -258,18 +293,24 @@ class Pipeline:
             try:
                 msg = await asyncio.wait_for(q.get(), timeout)
             except TimeoutError:
-                what = "submit: no ack" if not acked and not sent else "stall: no tokens"
-                yield f"{what} for {timeout:.1f}s"
+                if not acked and not sent:
+                    yield Failover(target, f"submit: no ack for {timeout:.1f}s")
+                else:
+                    yield Failover(owing_instance(route, got_chunk),
+                                   f"stall: no tokens for {timeout:.1f}s")  # fmt: skip
                 return
-            if msg is _DOWN:
-                yield "down: instance declared down"
+            if isinstance(msg, _Down):
+                fo = down_failover(route, msg.instance_id, decode_streamed)
+                if fo is None:
+                    continue
+                yield fo
                 return
             if msg.subject == ack_subject:
                 if acked:
                     continue
                 why = self._ack_problem(msg, route)
                 if why is not None:
-                    yield why
+                    yield Failover(target, why)
                     return
                 with contextlib.suppress(Exception):
                     if decode(msg.data, SubmitAck).instance_id not in ("", target):
@@ -288,6 +329,8 @@ class Pipeline:
                 continue  # a straggler from an instance we failed away from
             if chunk.error is not None:
                 raise chunk.error.to_exception()
+            got_chunk = True
+            decode_streamed = decode_streamed or chunk.instance_id == route.decode_instance
             start = len(sent)
             if chunk.index + len(chunk.token_ids) <= start and chunk.finish_reason is None:
                 continue  # duplicate

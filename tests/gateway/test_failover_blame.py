@@ -1,0 +1,208 @@
+"""A failover excludes the instance that failed. `Pipeline.stream` against a real nats-server
+with a fake scheduler (honours ``exclude``; routes to a prefill instance while one is left, else
+lets decode prefill, as the real one does) and fake prefill / decode instances: a prefill instance
+declared down before decode streamed is excluded (not the decode one) and the request completes
+on decode; a prefill declared down once decode streams is ignored; a dead decode is excluded.
+Plus the pure rules (`owing_instance`, `down_failover`) at toy size."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from types import SimpleNamespace
+
+import pytest
+
+from services.gateway.config import GatewayConfig
+from services.gateway.pipeline import Pipeline, Prepared, down_failover, owing_instance
+from shared import bus
+from shared.engine.params import SamplingParams
+from shared.protocol import subjects
+from shared.protocol.codec import encode
+from shared.protocol.sched import RouteReply, RouteRequest, SchedulerState, routed_submit
+from shared.protocol.stream import TokenChunk
+from shared.protocol.work import SubmitAck, WorkItem
+
+DISAGG = RouteReply(decode_instance="dec-a", decode_addr="h:1", prefill_instance="pre-a")
+SELF = RouteReply(decode_instance="dec-a", decode_addr="h:1")
+
+
+def test_owing_instance_is_prefill_until_a_chunk_then_decode():
+    assert owing_instance(DISAGG, got_chunk=False) == "pre-a"
+    assert owing_instance(DISAGG, got_chunk=True) == "dec-a"
+    assert owing_instance(SELF, got_chunk=False) == "dec-a"
+
+
+def test_down_failover_names_the_dead_instance():
+    assert down_failover(DISAGG, "pre-a", decode_streamed=False).instance == "pre-a"
+    assert down_failover(DISAGG, "dec-a", decode_streamed=False).instance == "dec-a"
+    assert down_failover(DISAGG, "dec-a", decode_streamed=True).instance == "dec-a"
+    assert down_failover(DISAGG, "pre-a", decode_streamed=True) is None  # lives on decode now
+    assert down_failover(DISAGG, "dec-z", decode_streamed=False) is None  # not this route's
+    assert down_failover(SELF, "", decode_streamed=False) is None
+
+
+class Fleet:
+    """Fake scheduler + instances. Prefill modes: "hang" (acks, never answers: a long forward
+    that then dies), "handoff" (first token, then the request goes to its decode instance).
+    A decode instance streams one token every ``gap`` s, and stops after ``stall_after``."""
+
+    def __init__(self, nc) -> None:
+        self.nc = nc
+        self.prefills: dict[str, str] = {}
+        self.decodes: dict[str, dict] = {}
+        self.routes: list[tuple[RouteRequest, RouteReply]] = []
+        self.submits: list[tuple[str, WorkItem]] = []  # (instance, item)
+        self.subs = []
+
+    async def start(self) -> Fleet:
+        self.subs.append(await bus.serve(self.nc, subjects.SCHED_ROUTE, RouteRequest, self.route))
+        return self
+
+    async def stop(self) -> None:
+        for s in self.subs:
+            await s.unsubscribe()
+
+    async def route(self, req: RouteRequest) -> RouteReply:
+        pre = next((p for p in self.prefills if p not in req.exclude), "")
+        dec = next((d for d in self.decodes if d not in req.exclude), "")
+        reply = RouteReply(decode_instance=dec, decode_addr="h:1", prefill_instance=pre)
+        self.routes.append((req, reply))
+        if dec:
+            target, item = routed_submit(req.submit, reply)
+            await self.nc.publish(target, encode(item), reply=subjects.req_ack(req.request_id))
+        return reply
+
+    async def add_prefill(self, inst: str, mode: str) -> None:
+        self.prefills[inst] = mode
+
+        async def submit(item: WorkItem) -> SubmitAck:
+            self.submits.append((inst, item))
+            if mode == "handoff":
+                asyncio.get_running_loop().create_task(self._handoff(inst, item))
+            return SubmitAck(instance_id=inst)
+
+        self.subs.append(await bus.serve(self.nc, subjects.prefill_submit(inst), WorkItem, submit))
+
+    async def add_decode(self, inst: str, gap: float = 0.0, stall_after: int | None = None):
+        self.decodes[inst] = {"gap": gap, "stall_after": stall_after}
+
+        async def submit(item: WorkItem) -> SubmitAck:
+            self.submits.append((inst, item))
+            asyncio.get_running_loop().create_task(self._generate(inst, item))
+            return SubmitAck(instance_id=inst)
+
+        self.subs.append(await bus.serve(self.nc, subjects.decode_submit(inst), WorkItem, submit))
+
+    async def _chunk(self, inst: str, item: WorkItem, i: int) -> None:
+        last = i == item.sampling.max_tokens - 1
+        await bus.publish(self.nc, subjects.req_out(item.request_id), TokenChunk(
+            request_id=item.request_id, index=i, token_ids=[100 + i], text=f"t{i} ",
+            finish_reason="length" if last else None, instance_id=inst))  # fmt: skip
+
+    async def _handoff(self, inst: str, item: WorkItem) -> None:
+        i = len(item.output_token_ids)
+        await self._chunk(inst, item, i)
+        nxt = item.model_copy(update={"output_token_ids": [*item.output_token_ids, 100 + i]})
+        self.submits.append((item.decode_instance, nxt))
+        await self._generate(item.decode_instance, nxt)
+
+    async def _generate(self, inst: str, item: WorkItem) -> None:
+        b = self.decodes[inst]
+        for i in range(len(item.output_token_ids), item.sampling.max_tokens):
+            if b["stall_after"] is not None and i >= b["stall_after"]:
+                return
+            await asyncio.sleep(b["gap"])
+            await self._chunk(inst, item, i)
+
+
+async def _run(nats_url: str, setup, during, max_tokens: int = 6):
+    """Stream one request through a real `Pipeline`; ``during(fleet, got)`` runs alongside.
+    Returns (token ids, fleet)."""
+    nc = await bus.connect(nats_url, "failover-blame-test")
+    fleet = await Fleet(nc).start()
+    await setup(fleet)
+    cfg = GatewayConfig.load([], role="gateway", nats_url=nats_url, bus_timeout=5.0,
+                             first_token_timeout=20.0, stall_timeout=20.0)  # fmt: skip
+    pipe = Pipeline(nc, cfg)
+    await pipe.start()
+    got: list[int] = []
+    prep = Prepared(prompt_token_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=max_tokens))
+    spec = SimpleNamespace(priority=0, slo_class="interactive", ttft_slo_ms=0.0)
+
+    async def consume() -> None:
+        async for chunk in pipe.stream("rid-1", prep, spec):
+            got.extend(chunk.token_ids)
+
+    try:
+        task = asyncio.create_task(consume())
+        await during(fleet, got)
+        await asyncio.wait_for(task, 20)
+    finally:
+        await pipe.stop()
+        await fleet.stop()
+        await nc.drain()
+    return got, fleet
+
+
+async def _down(fleet: Fleet, inst: str) -> None:
+    await bus.publish(fleet.nc, subjects.SCHED_STATE, SchedulerState(down=[inst]))
+
+
+async def _until(cond, what: str) -> None:
+    for _ in range(500):
+        if cond():
+            return
+        await asyncio.sleep(0.01)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+async def test_prefill_declared_down_mid_forward_is_excluded_and_decode_prefills(nats_url, caplog):
+    async def setup(f: Fleet) -> None:
+        await f.add_prefill("pre-a", "hang")
+        await f.add_decode("dec-a")
+
+    async def during(f: Fleet, got: list[int]) -> None:
+        await _until(lambda: f.submits, "the prefill submit")
+        await _down(f, "pre-a")
+
+    with caplog.at_level(logging.WARNING, logger="services.gateway.pipeline"):
+        got, f = await _run(nats_url, setup, during)
+    assert got == [100, 101, 102, 103, 104, 105]  # no client-visible error, nothing repeated
+    assert [r.exclude for r, _ in f.routes] == [[], ["pre-a"]]  # the prefill, not dec-a
+    assert f.routes[1][1].prefill_instance == "" and f.routes[1][1].decode_instance == "dec-a"
+    assert [inst for inst, _ in f.submits] == ["pre-a", "dec-a"]  # re-prefilled on decode
+    assert any("failover from pre-a: down" in r.getMessage() for r in caplog.records)
+    assert not any("failover from dec-a" in r.getMessage() for r in caplog.records)
+
+
+async def test_prefill_declared_down_after_decode_streamed_is_ignored(nats_url):
+    async def setup(f: Fleet) -> None:
+        await f.add_prefill("pre-a", "handoff")
+        await f.add_decode("dec-a", gap=0.05)
+
+    async def during(f: Fleet, got: list[int]) -> None:
+        await _until(lambda: len(got) >= 3, "decode streaming")  # token 0 from pre-a, 1+ dec-a
+        await _down(f, "pre-a")
+
+    got, f = await _run(nats_url, setup, during, max_tokens=12)
+    assert got == [100 + i for i in range(12)]
+    assert len(f.routes) == 1  # the request lives on decode: no failover
+
+
+async def test_decode_declared_down_is_excluded(nats_url, caplog):
+    async def setup(f: Fleet) -> None:
+        await f.add_prefill("pre-a", "handoff")
+        await f.add_decode("dec-a", stall_after=3)
+        await f.add_decode("dec-b")
+
+    async def during(f: Fleet, got: list[int]) -> None:
+        await _until(lambda: len(got) >= 3, "decode streaming")
+        await _down(f, "dec-a")
+
+    with caplog.at_level(logging.WARNING, logger="services.gateway.pipeline"):
+        got, f = await _run(nats_url, setup, during)
+    assert got == [100, 101, 102, 103, 104, 105]
+    assert [r.exclude for r, _ in f.routes] == [[], ["dec-a"]]
+    assert f.routes[1][1].decode_instance == "dec-b"
+    assert any("failover from dec-a: down" in r.getMessage() for r in caplog.records)
