@@ -40,6 +40,11 @@ class TokenizerCore:
         if self.image_token_id is None:
             self.image_token_id = self.tokenizer.image_token_id
         self.image_text = self.tokenizer.image_token
+        multimodal = self.config.is_multimodal
+        if self.image_text is None and multimodal and self.image_token_id is not None:
+            self.image_text = self.tokenizer.id_to_token(self.image_token_id)  # config names it
+        if not multimodal:
+            self.image_text = None  # a text-only checkpoint: image parts are refused
         eos = set(self.config.eos_token_ids) | set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = sorted(eos)
 
@@ -101,7 +106,8 @@ class TokenizerCore:
                         pieces.append(str(part.get("text") or ""))
                     elif kind in _IMAGE_PART_TYPES:
                         if self.image_text is None:
-                            raise StrataError("bad_request", "this model does not accept images")
+                            raise StrataError("bad_request", "this model does not accept images "
+                                              "(text-only checkpoint)")  # fmt: skip
                         pieces.append(self.image_text)
                         n_images += 1
                     else:

@@ -1,4 +1,7 @@
-"""Image preprocessing for LLaVA-style checkpoints, following ``preprocessor_config.json``.
+"""Image preprocessing for LLaVA-style checkpoints, following the checkpoint's image processor.
+
+The settings come from ``processor_config.json`` (its nested ``"image_processor"``, as
+transformers 5 writes) or ``preprocessor_config.json`` (older layout), in transformers' order.
 
 Matches transformers' PIL-backend image processors: optional RGB conversion, resize with PIL
 (CLIP: shortest edge to ``size.shortest_edge`` keeping aspect ratio; SigLIP: to
@@ -16,6 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
+
+from shared.model.errors import CheckpointError
 
 _CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 _CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -46,7 +51,7 @@ def expand_image_placeholders(
 
 @dataclass(frozen=True)
 class ImageProcessor:
-    """Preprocessing settings read from ``preprocessor_config.json``."""
+    """Preprocessing settings of a checkpoint's image processor (see `image_processor_dict`)."""
 
     resize_shortest_edge: int | None  # CLIP style: scale so the short side has this length
     resize_hw: tuple[int, int] | None  # SigLIP style: resize to exactly (height, width)
@@ -83,7 +88,8 @@ class ImageProcessor:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ImageProcessor:
-        return cls.from_dict(json.loads((Path(path) / "preprocessor_config.json").read_text()))
+        """Settings of the checkpoint in ``path``; `CheckpointError` when it has none."""
+        return cls.from_dict(image_processor_dict(path))
 
     def _resize(self, img: Image.Image) -> Image.Image:
         w, h = img.size
@@ -117,3 +123,30 @@ class ImageProcessor:
     def preprocess(self, images: list[Image.Image]) -> torch.Tensor:
         """PIL images -> float32 pixel values ``[N, 3, H, W]``."""
         return torch.from_numpy(np.stack([self._one(im) for im in images]))
+
+
+def _read_json(file: Path) -> dict:
+    try:
+        data = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{file}: invalid JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{file}: expected a JSON object")
+    return data
+
+
+def image_processor_dict(path: str | Path) -> dict:
+    """The image processor settings of a checkpoint directory, in transformers' order: the
+    ``"image_processor"`` nested in ``processor_config.json`` (what ``save_pretrained`` of a
+    transformers 5 processor writes), else ``preprocessor_config.json``."""
+    path = Path(path)
+    processor = path / "processor_config.json"
+    if processor.is_file():
+        nested = _read_json(processor).get("image_processor")
+        if isinstance(nested, dict):
+            return nested
+    legacy = path / "preprocessor_config.json"
+    if legacy.is_file():
+        return _read_json(legacy)
+    raise CheckpointError(f"{path}: no image processor settings (neither processor_config.json "
+                          "with an 'image_processor' entry nor preprocessor_config.json)")  # fmt: skip

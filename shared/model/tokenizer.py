@@ -71,7 +71,9 @@ def _clean_up_tokenization(text: str) -> str:
     return text
 
 
-def _load_template(path: Path, cfg: dict) -> str | None:
+def _load_template(path: Path, cfg: dict, processor: dict) -> str | None:
+    """The chat template wherever transformers saved it: ``chat_template.jinja`` (4.5x+),
+    ``tokenizer_config.json``, a processor's ``chat_template.json``, ``processor_config.json``."""
     jinja_file = path / "chat_template.jinja"
     if jinja_file.exists():
         return jinja_file.read_text()
@@ -81,6 +83,8 @@ def _load_template(path: Path, cfg: dict) -> str | None:
         return named.get("default")
     if template is None and (path / "chat_template.json").exists():
         return json.loads((path / "chat_template.json").read_text()).get("chat_template")
+    if template is None and isinstance(processor.get("chat_template"), str):
+        return processor["chat_template"]
     return template
 
 
@@ -113,8 +117,8 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
-        """Load ``tokenizer.json``, ``tokenizer_config.json`` and (for EOS ids)
-        ``generation_config.json`` from a checkpoint directory."""
+        """Load ``tokenizer.json``, ``tokenizer_config.json``, the chat template, the image token
+        (also from ``processor_config.json``) and (for EOS ids) ``generation_config.json``."""
         path = Path(path)
         file = path / "tokenizer.json"
         if not file.is_file():
@@ -126,12 +130,16 @@ class Tokenizer:
             raise CheckpointError(f"{file}: cannot be loaded ({e}); re-save the tokenizer") from e
         cfg_file = path / "tokenizer_config.json"
         cfg = json.loads(cfg_file.read_text()) if cfg_file.exists() else {}
+        proc_file = path / "processor_config.json"  # a multimodal processor's own settings
+        processor = json.loads(proc_file.read_text()) if proc_file.exists() else {}
+        if not cfg.get("image_token") and processor.get("image_token"):
+            cfg = {**cfg, "image_token": processor["image_token"]}
         eos: tuple[int, ...] = ()
         gen_file = path / "generation_config.json"
         if gen_file.exists():
             value = json.loads(gen_file.read_text()).get("eos_token_id")
             eos = (value,) if isinstance(value, int) else tuple(value or ())
-        return cls(tok, cfg, _load_template(path, cfg), eos)
+        return cls(tok, cfg, _load_template(path, cfg, processor), eos)
 
     @property
     def vocab_size(self) -> int:
@@ -140,6 +148,9 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
