@@ -121,9 +121,11 @@ class PrefillService(RequestTasks):
         if done:
             usage = Usage(prompt_tokens=len(item.prompt_token_ids), completion_tokens=n_prev + 1,
                           cached_tokens=out.num_cached_tokens)
+        # A stream that goes on at decode leaves out the text the engine released only because
+        # this stage ended (an incomplete character): decode emits it once it is complete.
         chunk = TokenChunk(
             request_id=item.request_id, index=n_prev, token_ids=out.new_token_ids[:1],
-            text=out.text_delta, logprobs=out.new_logprobs,
+            text=out.text_delta if done else out.handoff_text, logprobs=out.new_logprobs,
             finish_reason=("stop" if out.finish_reason == "stop" else "length") if done else None,
             usage=usage, instance_id=self.instance_id,
         )

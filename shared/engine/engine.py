@@ -294,7 +294,7 @@ class LLMEngine(KVTransferMixin):
 
     def _emit(self, seq: Sequence, before: int, lps) -> RequestOutput:
         new = seq.token_ids[before:]
-        text = ""
+        text = held = ""
         tracker = self.trackers.get(seq.request_id)
         if tracker is not None:
             for n, t in enumerate(new):
@@ -306,10 +306,11 @@ class LLMEngine(KVTransferMixin):
                     self.scheduler.finish(seq, "stop")
                     break
             if seq.is_finished:
-                text += tracker.flush()
+                held = tracker.flush()
+                text += held
         if lps is not None:
             lps = lps[: len(new)]
-        out = self._output(seq, new, lps, text, seq.is_finished)
+        out = self._output(seq, new, lps, text, seq.is_finished, held)
         if seq.is_finished:
             self.trackers.pop(seq.request_id, None)
             if not seq.hold_kv:
@@ -317,7 +318,8 @@ class LLMEngine(KVTransferMixin):
         return out
 
     @staticmethod
-    def _output(seq: Sequence, new, lps, text: str, finished: bool) -> RequestOutput:
+    def _output(seq: Sequence, new, lps, text: str, finished: bool,
+                held: str = "") -> RequestOutput:  # fmt: skip
         return RequestOutput(
             request_id=seq.request_id,
             new_token_ids=list(new),
@@ -327,6 +329,7 @@ class LLMEngine(KVTransferMixin):
             finish_reason=seq.finish_reason if finished else None,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
+            held_text=held,
         )
 
     # ----- convenience -----------------------------------------------------------------------

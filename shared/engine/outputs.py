@@ -17,6 +17,16 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    # The tail of text_delta released only because the request ended (bytes of an incomplete
+    # character, a possible stop-string prefix). A stage that hands the request on (prefill)
+    # publishes `handoff_text`: whoever continues emits this text once it is complete.
+    held_text: str = ""
+
+    @property
+    def handoff_text(self) -> str:
+        """``text_delta`` without `held_text`: what a stream that continues elsewhere has shown
+        (the next stage's detokenizer, fed the same ids, holds back the same text)."""
+        return self.text_delta[: len(self.text_delta) - len(self.held_text)]
 
 
 @dataclass

@@ -1,0 +1,61 @@
+"""`Heartbeat` against a real nats-server: load reports keep flowing while the main event loop is
+blocked (as a forward run on it, or a wait for one, would block it), a failing ``build`` costs
+one beat and not the thread, and ``connected`` carries what the builder reads."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from prometheus_client import REGISTRY
+
+from services.worker.heartbeat import Heartbeat
+from shared import bus
+from shared.protocol.codec import decode
+from shared.protocol.load import LoadReport
+
+SUBJECT = "strata.load.prefill.hb-test"
+
+
+async def test_beats_while_the_main_loop_is_blocked(nats_url):
+    nc = await bus.connect(nats_url, "hb-test-sub")
+    got: list[LoadReport] = []
+
+    async def on_msg(msg) -> None:
+        got.append(decode(msg.data, LoadReport))
+
+    await nc.subscribe(SUBJECT, cb=on_msg)
+    await nc.flush()
+    state = {"connected": True, "calls": 0}
+
+    def build() -> LoadReport:
+        state["calls"] += 1
+        if state["calls"] == 2:
+            raise ValueError("engine counters unreadable")  # one beat lost, not the thread
+        return LoadReport(instance_id="hb-test", role="prefill", incarnation="i", ts=time.time(),
+                          connected=state["connected"])  # fmt: skip
+
+    def failures() -> float:
+        labels = {"role": "prefill", "instance": "hb-test"}
+        return REGISTRY.get_sample_value("strata_worker_heartbeat_failures_total", labels) or 0.0
+
+    failed_before = failures()
+    hb = Heartbeat(
+        nats_url, "hb-test", SUBJECT, build, interval=0.05, labels=("prefill", "hb-test")
+    )
+    await asyncio.to_thread(hb.start)
+    try:
+        t0 = time.time()
+        time.sleep(1.0)  # the main loop is stuck: no coroutine here can publish
+        t1 = time.time()
+        state["connected"] = False
+        await asyncio.sleep(0.3)
+        await nc.flush()
+        await asyncio.sleep(0.1)
+    finally:
+        await asyncio.to_thread(hb.stop)
+        await nc.drain()
+    during = [r for r in got if t0 <= r.ts <= t1]
+    assert len(during) >= 3, [r.ts - t0 for r in got]  # built and sent by the thread meanwhile
+    assert failures() == failed_before + 1
+    assert got[0].connected and not got[-1].connected
