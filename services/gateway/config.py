@@ -44,9 +44,5 @@ class GatewayConfig(ServiceConfig):
     sse_header_hold: float = Field(
         0.05, ge=0, description="Seconds a stream's headers wait for token one (one write for both)"
     )
-    # degradation
-    degrade_batch_max_tokens: int = Field(64, ge=1, description="Batch max_tokens cap at level 1")
-    degrade_top_priority: int = Field(
-        0, description="Level 3 admits only priority <= this (lower = more important)"
-    )
-    retry_after: float = Field(2.0, gt=0, description="Retry-After seconds on 429 from overload")
+    # Degradation: the level and its rules (caps, top priority, Retry-After) come from the
+    # scheduler's state (`SchedulerState.rules`); the gateway has no numbers of its own.

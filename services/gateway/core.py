@@ -19,6 +19,7 @@ from services.gateway.schemas import ChatCompletionRequest, CompletionRequest, b
 from shared.engine.hashing import hash_blocks, mm_extra_keys, model_salt, to_hex
 from shared.engine.params import SamplingParams
 from shared.protocol.errors import StrataError
+from shared.protocol.sched import DegradeRules
 
 
 class ApiError(StrataError):
@@ -108,6 +109,9 @@ def build_spec(
             raise ApiError("bad_request", "messages must not be empty", param="messages")
         urls = [_url(p.image_url) for m in req.messages if isinstance(m.content, list)
                 for p in m.content if p.type == "image_url"]  # fmt: skip
+        if urls and cfg.max_images == 0:  # a text-only model (see app.build_service)
+            raise ApiError("bad_request", f"model '{served_model}' does not accept images",
+                           param="messages")  # fmt: skip
         if len(urls) > cfg.max_images:
             raise ApiError("bad_request", f"at most {cfg.max_images} images per request",
                            param="messages")  # fmt: skip
@@ -159,19 +163,20 @@ def _scheduling(req: Any, headers: dict[str, str]) -> tuple[int, str, float]:
     return priority, slo, ttft
 
 
-def admit(spec: GenerateSpec, degrade_level: int, cfg: GatewayConfig) -> None:
-    """Enforce the scheduler's degradation level: 2 refuses batch, 3 keeps top priority only."""
-    if degrade_level >= 3 and spec.priority > cfg.degrade_top_priority:
+def admit(spec: GenerateSpec, degrade_level: int, rules: DegradeRules) -> None:
+    """Apply the scheduler's degradation level and rules before routing: 2 refuses batch, 3
+    keeps top priority only (the scheduler enforces the same rules on route)."""
+    if degrade_level >= 3 and spec.priority > rules.top_priority:
         raise ApiError("overloaded", "server overloaded: only top-priority requests are admitted",
-                       retry_after=cfg.retry_after)  # fmt: skip
+                       retry_after=rules.retry_after_s)  # fmt: skip
     if degrade_level >= 2 and spec.slo_class == "batch":
         raise ApiError("overloaded", "server overloaded: batch requests are refused for now",
-                       retry_after=cfg.retry_after)  # fmt: skip
+                       retry_after=rules.retry_after_s)  # fmt: skip
 
 
 def sampling_for(
     spec: GenerateSpec, prompt_len: int, max_model_len: int, cfg: GatewayConfig,
-    degrade_level: int = 0, eos_ids: list[int] | None = None,
+    degrade_level: int = 0, rules: DegradeRules | None = None,
 ) -> SamplingParams:  # fmt: skip
     """SamplingParams for one prompt of ``prompt_len`` tokens (context length checked here)."""
     r = spec.request
@@ -182,7 +187,8 @@ def sampling_for(
     room = (max_model_len - prompt_len) if max_model_len else cfg.max_tokens_limit
     asked = _max_tokens(r)
     if degrade_level >= 1 and spec.slo_class == "batch":  # level 1 trims batch work first
-        asked = min(asked or cfg.default_max_tokens, cfg.degrade_batch_max_tokens)
+        cap = (rules or DegradeRules()).batch_max_tokens_cap
+        asked = min(asked or cfg.default_max_tokens, cap)
     if asked is not None and asked > room:
         raise ApiError("context_length_exceeded", f"prompt ({prompt_len} tokens) + max_tokens "
                        f"({asked}) exceeds the context length {max_model_len}",

@@ -29,7 +29,7 @@ from shared.engine.params import SamplingParams
 from shared.protocol import subjects
 from shared.protocol.codec import decode
 from shared.protocol.errors import StrataError
-from shared.protocol.sched import RouteReply, RouteRequest, SchedulerState
+from shared.protocol.sched import DegradeRules, RouteReply, RouteRequest, SchedulerState
 from shared.protocol.stream import Cancel, TokenChunk
 from shared.protocol.tok import TokenizeReply, TokenizeRequest
 from shared.protocol.vision import VisionEncodeReply, VisionEncodeRequest
@@ -91,6 +91,7 @@ class Pipeline:
         self.nc = nc
         self.cfg = cfg
         self.degrade_level = 0
+        self.degrade_rules = DegradeRules()  # replaced by the scheduler's with its first state
         self.down: set[str] = set()
         self._watchers: dict[str, set[asyncio.Queue]] = {}
         self._cancel_cbs: dict[str, Callable[[bytes], None]] = {}
@@ -104,6 +105,7 @@ class Pipeline:
             except StrataError:
                 return
             self.degrade_level = st.degrade_level
+            self.degrade_rules = st.rules
             self.down = set(st.down)
             for inst in st.down:
                 for q in self._watchers.get(inst, ()):
@@ -171,7 +173,7 @@ class Pipeline:
                              source_addr=vis.source_addr)
                     for s, i in zip(tok.image_spans, vis.images, strict=True)]  # fmt: skip
         sampling = sampling_for(spec, len(tok.token_ids), tok.max_model_len, self.cfg,
-                                self.degrade_level)  # fmt: skip
+                                self.degrade_level, self.degrade_rules)  # fmt: skip
         hashes = block_hashes(tok.token_ids, [(r.offset, r.length, r.hash) for r in refs],
                               tok.model_fingerprint, tok.kv_dtype or "float32", tok.block_size)  # fmt: skip
         return Prepared(tok.token_ids, sampling, refs, hashes, tok_win, vis_win)

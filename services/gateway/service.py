@@ -54,7 +54,7 @@ class GatewayService:
         model = body.get("model") if isinstance(body.get("model"), str) else ""
         policy = self.auth.authenticate(api_key, model)
         spec = build_spec(kind, body, self.cfg, self.served_model, headers)
-        admit(spec, self.pipeline.degrade_level, self.cfg)
+        admit(spec, self.pipeline.degrade_level, self.pipeline.degrade_rules)
         if request_id and not _REQUEST_ID.fullmatch(request_id):
             raise StrataError("bad_request", "request id must be 1-128 characters from "
                               "[A-Za-z0-9_-] (it becomes part of NATS subjects)")  # fmt: skip

@@ -20,6 +20,7 @@ from shared.protocol.errors import StrataError
 from shared.protocol.kv import KVEvent
 from shared.protocol.load import LoadReport
 from shared.protocol.sched import (
+    DegradeRules,
     InstanceInfo,
     InstanceRecord,
     InstancesReply,
@@ -111,8 +112,16 @@ class SchedulerCore:
             live=live,
             cluster_load=round(self.load, 4),
             scheduler_id=self.cfg.instance_id,
+            rules=self.rules,
         )
         return state, newly_down
+
+    @property
+    def rules(self) -> DegradeRules:
+        """The degradation rules this scheduler enforces and publishes for the gateways."""
+        return DegradeRules(batch_max_tokens_cap=self.cfg.batch_max_tokens_cap,
+                            top_priority=self.cfg.top_priority,
+                            retry_after_s=self.cfg.retry_after_s)  # fmt: skip
 
     # --- decisions ------------------------------------------------------------------------------
     def route(self, req: RouteRequest) -> RouteReply:

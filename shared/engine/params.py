@@ -27,6 +27,9 @@ class SamplingParams(BaseModel):
     ignore_eos: bool = Field(False, description="Do not stop at the model's EOS ids.")
     logprobs: int | None = Field(None, ge=0, le=20, description="None off, 0 chosen, n top-n.")
     skip_special_tokens: bool = Field(True, description="Detokenizer drops special tokens.")
+    speculation: bool = Field(
+        True, description="Draft tokens allowed (the scheduler turns this off from level 1)."
+    )
 
     @model_validator(mode="after")
     def _check(self) -> SamplingParams:

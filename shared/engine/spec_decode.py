@@ -50,6 +50,7 @@ def eligible(seq: Sequence) -> bool:
     p = seq.params
     return (
         p.greedy
+        and p.speculation
         and p.logprobs is None
         and p.repetition_penalty == 1.0
         and p.presence_penalty == 0.0

@@ -24,6 +24,18 @@ class RouteRequest(Msg):
     submit: WorkItem | None = None
 
 
+class DegradeRules(Msg):
+    """What each degradation level trims, owned by the scheduler and published with its state;
+    the gateway applies the same rules before it routes (one owner, one set of numbers)."""
+
+    # Level >= 1: max_tokens cap of the batch class (speculation is off for every class).
+    batch_max_tokens_cap: int = 256
+    # Level 3: only priorities <= this are admitted (lower number = more urgent).
+    top_priority: int = 0
+    # Retry-After of the 429 that levels 2 and 3 answer.
+    retry_after_s: float = 5.0
+
+
 class RouteReply(Msg):
     decode_instance: str
     decode_addr: str
@@ -68,6 +80,7 @@ class SchedulerState(Msg):
     live: list[str] = []
     cluster_load: float = 0.0
     scheduler_id: str = ""
+    rules: DegradeRules = DegradeRules()
 
 
 class InstanceRecord(Msg):
@@ -84,12 +97,15 @@ class InstanceRecord(Msg):
 
 def routed_submit(item: WorkItem, route: RouteReply) -> tuple[str, WorkItem]:
     """The submit subject and the `WorkItem` as the routed instance gets it: where the KV goes
-    after prefill, the transfer mode, and ``max_tokens`` capped by the degradation level."""
+    after prefill, the transfer mode, ``max_tokens`` capped and speculation turned off by the
+    degradation level."""
     sampling = item.sampling
     if route.max_tokens_cap and sampling.max_tokens > route.max_tokens_cap:
         sampling = sampling.model_copy(update={
             "max_tokens": route.max_tokens_cap,
             "min_tokens": min(sampling.min_tokens, route.max_tokens_cap)})  # fmt: skip
+    if not route.speculation and sampling.speculation:
+        sampling = sampling.model_copy(update={"speculation": False})
     item = item.model_copy(update={
         "sampling": sampling, "decode_instance": route.decode_instance,
         "decode_addr": route.decode_addr,

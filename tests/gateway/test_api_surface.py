@@ -18,7 +18,7 @@ from shared import bus
 from shared.protocol import subjects
 from shared.protocol.api import GenerateEvent, GenerateRequest
 from shared.protocol.codec import decode, encode
-from shared.protocol.sched import SchedulerState
+from shared.protocol.sched import DegradeRules, SchedulerState
 from tests.gateway.harness import gateway
 
 MSG = [{"role": "user", "content": "hi"}]
@@ -193,8 +193,12 @@ async def test_degradation_levels(nats_url, nc):
     async with gateway(nats_url, peers_kw={"max_model_len": 256}) as (url, peers, service):
         async with httpx.AsyncClient(base_url=url) as c:
 
+            # the scheduler's rules, deliberately unlike any default: the gateway must apply these
+            rules = DegradeRules(batch_max_tokens_cap=40, top_priority=0, retry_after_s=7.0)
+
             async def set_level(level):
-                await bus.publish(nc, subjects.SCHED_STATE, SchedulerState(degrade_level=level))
+                await bus.publish(nc, subjects.SCHED_STATE,
+                                  SchedulerState(degrade_level=level, rules=rules))  # fmt: skip
                 for _ in range(100):
                     if service.pipeline.degrade_level == level:
                         return
@@ -204,11 +208,11 @@ async def test_degradation_levels(nats_url, nc):
             await set_level(1)
             assert (await c.post("/v1/chat/completions", json=body)).status_code == 200
             assert (
-                peers.items[-1].sampling.max_tokens == 64 and peers.items[-1].slo_class == "batch"
+                peers.items[-1].sampling.max_tokens == 40 and peers.items[-1].slo_class == "batch"
             )
             await set_level(2)
             r = await c.post("/v1/chat/completions", json=body)
-            assert r.status_code == 429 and r.headers["Retry-After"] == "2"
+            assert r.status_code == 429 and r.headers["Retry-After"] == "7"
             inter = {**body, "slo_class": "interactive", "max_tokens": 2}
             assert (await c.post("/v1/chat/completions", json=inter)).status_code == 200
             await set_level(3)

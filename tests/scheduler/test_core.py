@@ -9,7 +9,7 @@ from services.scheduler.core import SchedulerCore
 from shared.protocol.errors import StrataError
 from shared.protocol.kv import KVEvent
 from shared.protocol.load import LoadReport
-from shared.protocol.sched import RouteRequest
+from shared.protocol.sched import DegradeRules, RouteRequest
 
 
 def core(**kw) -> SchedulerCore:
@@ -88,6 +88,9 @@ def test_degradation_levels_gate_admission():
         return c.tick(now=t)[0].degrade_level
 
     assert level_at(500, 1.0) == 0
+    # the scheduler owns the rules and publishes them with its state (the gateway applies them)
+    assert c.tick(now=1.0)[0].rules == DegradeRules(batch_max_tokens_cap=64, top_priority=0,
+                                                    retry_after_s=5.0)  # fmt: skip
     r = c.route(req(slo_class="batch"))
     assert (r.degrade_level, r.max_tokens_cap, r.speculation) == (0, 0, True)
     assert level_at(850, 2.0) == 1
