@@ -80,6 +80,7 @@ def test_long_forwards_do_not_make_instances_look_dead():
         failovers = scrape(c, "gateway-0", "strata:stream_failovers_total")
         down_total = scrape(c, "scheduler-0", "strata_scheduler_declared_down_total")
         bad = [r for r in results if r["errors"] or r["status"] != 200 or r["tokens"] != 8]
+        print(f"longest prefill forward {longest:.2f}s, down timeout {timeout_s:.2f}s")
         # precondition: a real forward outlasted the down timeout (else this proves nothing)
         assert longest > timeout_s, (longest, timeout_s, bad[:2])
         assert not bad, bad[:3]
