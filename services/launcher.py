@@ -84,6 +84,20 @@ def ensure_model(path: str = "", benchmark: bool = False) -> str:
     return os.path.abspath(str(build(out)))
 
 
+
+def vision_replicas(model_dir: str, requested: int) -> tuple[int, str]:
+    """Vision replicas to start for the checkpoint in ``model_dir``, and why (one line) when
+    that is not ``requested``: a checkpoint without a vision tower gets none."""
+    if requested == 0:
+        return 0, ""
+    from shared.model.validate import text_only_reason
+
+    why = text_only_reason(model_dir)
+    if why is None:
+        return requested, ""
+    return 0, f"vision role off: {why}; requests with images get a 400"
+
+
 class Cluster:
     """A local cluster: `start()` / `stop()`, `gateway_url`, `kill()` / `restart()` a service."""
 
@@ -154,6 +168,9 @@ class Cluster:
                                      die_with_parent=self.cfg.die_with_parent)
             self.minio.start(self._infra_log("minio"))
         counts = {r: getattr(self.cfg, r) for r in ROLES if r != "gateway"}
+        counts["vision"], why = vision_replicas(self.model_dir, self.cfg.vision)
+        if why:
+            self.sup.sink.write("strata", why)
         self._kvstore_addrs = [f"{self.cfg.host}:{free_port()}" for _ in range(counts["kvstore"])]
         counts["gateway"] = 1
         for role in ROLES:  # all at once: each needs only NATS to become ready

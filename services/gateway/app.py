@@ -45,6 +45,10 @@ def needs_vision(cfg: GatewayConfig) -> bool:
 
 
 async def build_service(nc, cfg: GatewayConfig) -> GatewayService:
+    if cfg.model and cfg.max_images and not takes_images(cfg.model):
+        # a text-only checkpoint: an image is a 400 naming the model (`core.build_spec`), not a
+        # wait on a vision service that is not there
+        cfg = cfg.model_copy(update={"max_images": 0})
     pipeline = Pipeline(nc, cfg)
     await pipeline.start()
     auth = Auth.from_config(cfg.api_keys, cfg.api_key_file)

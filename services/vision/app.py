@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 
 import torch
 from pydantic import Field
@@ -14,6 +15,7 @@ from shared import bus, metrics
 from shared.config import ModelServiceConfig
 from shared.kvtransfer.server import start_kv_server
 from shared.logs import setup_logging
+from shared.model.validate import text_only_reason
 from shared.protocol import subjects
 from shared.protocol.vision import VisionEncodeReply, VisionEncodeRequest
 from shared.service import announce_ready, run
@@ -40,6 +42,8 @@ async def serve_vision(nc, core: VisionCore, instance_id: str, source_addr: str)
 
 def main(argv: list[str]) -> None:
     cfg = VisionConfig.load(argv, role="vision")
+    if why := text_only_reason(cfg.model):
+        sys.exit(f"strata serve vision: {why}; it needs no vision service")
     setup_logging("vision", cfg.instance_id, cfg.log_level)
     torch.set_num_threads(cfg.torch_threads)
 

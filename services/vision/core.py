@@ -18,6 +18,7 @@ from prometheus_client import Counter
 
 from shared import metrics
 from shared.model.config import parse_dtype
+from shared.model.errors import CheckpointError
 from shared.model.image import ImageProcessor, image_content_hash
 from shared.model.loader import load_model
 from shared.protocol.errors import StrataError
@@ -82,7 +83,7 @@ class VisionCore:
         torch_dtype = parse_dtype(dtype) if dtype else None
         self.loaded = load_model(model_dir, dtype=torch_dtype, device=device)
         if not self.loaded.config.is_multimodal:
-            raise ValueError(f"{model_dir}: not a multimodal checkpoint (no vision tower)")
+            raise CheckpointError(f"{model_dir}: not a multimodal checkpoint (no vision tower)")
         self.processor = ImageProcessor.from_dir(model_dir)
         self.cache = EmbeddingCache(cache_bytes)
         self.max_pixels = max_pixels

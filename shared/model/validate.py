@@ -133,3 +133,16 @@ def takes_images(path: str | Path) -> bool:
     except CheckpointError:
         return False
     return architecture_of(cfg) == LLAVA_ARCHITECTURE
+
+
+def text_only_reason(path: str | Path) -> str | None:
+    """One line saying why the checkpoint at ``path`` takes no images (its architecture has no
+    vision tower), or None when it takes images or config.json cannot be read (the checks above
+    report that)."""
+    try:
+        arch = architecture_of(read_config_json(Path(path) / "config.json"))
+    except CheckpointError:
+        return None
+    if arch == LLAVA_ARCHITECTURE:
+        return None
+    return f"{path} is a text-only checkpoint ({arch}, no vision tower)"
