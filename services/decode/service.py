@@ -13,13 +13,9 @@ import logging
 from nats.aio.client import Client as NATS
 
 from services.worker.images import fetch_mm_inputs
-from services.worker.kv_wire import KVReceiver, PagedSink
-from services.worker.runtime import (
-    KV_TRANSFER_FALLBACKS,
-    REQUESTS_FAILED,
-    ModelRuntime,
-    publish_error,
-)
+from services.worker.kv_metrics import KV_RECEIVED_BYTES, count_fallback
+from services.worker.kv_wire import KVReceiver, PagedSink, TransferFailed
+from services.worker.runtime import REQUESTS_FAILED, ModelRuntime, publish_error
 from services.worker.service import RequestTasks
 from shared import bus
 from shared.protocol import subjects
@@ -91,7 +87,10 @@ class DecodeService(RequestTasks):
         rid = item.request_id
         if item.kv_pushed and item.first_token_id is not None:
             try:
-                await self.receiver.take(rid, item.kv_num_tokens, self.rt.cfg.transfer_timeout)
+                nbytes = await self.receiver.take(rid, item.kv_num_tokens,
+                                                  self.rt.cfg.transfer_timeout)
+                mode = "layerwise" if item.kv_layerwise else "after_prefill"
+                KV_RECEIVED_BYTES.labels(mode).inc(nbytes)
                 context = list(item.prompt_token_ids) + list(item.output_token_ids)
                 # A resumed stream (failover): the engine takes the tokens already sent as part
                 # of the prompt, so only the rest of max_tokens / min_tokens is still due.
@@ -102,7 +101,7 @@ class DecodeService(RequestTasks):
                 return ae.generate_prefilled(rid, context, item.first_token_id, sampling,
                                              None, priority=item.priority, mm_inputs=mm), True
             except StrataError as exc:
-                KV_TRANSFER_FALLBACKS.inc()
+                count_fallback(exc.reason if isinstance(exc, TransferFailed) else "broken")
                 log.warning("KV transfer for %s failed (%s); recomputing locally", rid, exc)
         await self.receiver.drop(rid)  # whatever part of a transfer arrived is not used
         pool = self.rt.pool_link()
@@ -110,9 +109,10 @@ class DecodeService(RequestTasks):
         if item.kv_block_hashes and pool is not None:
             # Pool mode: pull the full blocks prefill stored; the tail (< 1 block) and anything
             # the pool lost are recomputed by the engine's normal prefix-cached prefill.
-            loaded = await pool.load_blocks(item.kv_block_hashes)
+            loaded, nbytes = await pool.load_blocks(item.kv_block_hashes)
+            KV_RECEIVED_BYTES.labels("pool").inc(nbytes)
             if loaded < len(item.kv_block_hashes):
-                KV_TRANSFER_FALLBACKS.inc()
+                count_fallback("pool_miss")
             else:
                 pooled = True
         stream = ae.generate(rid, item.prompt_token_ids, item.sampling, priority=item.priority,

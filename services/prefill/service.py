@@ -17,13 +17,14 @@ from nats.aio.client import Client as NATS
 
 from services.worker import kv_wire
 from services.worker.images import fetch_mm_inputs
-from services.worker.layerwise import LayerTap, merged_frames
-from services.worker.runtime import (
-    KV_TRANSFER_FALLBACKS,
-    REQUESTS_FAILED,
-    ModelRuntime,
-    publish_error,
+from services.worker.kv_metrics import (
+    KV_SENT_BYTES,
+    count_fallback,
+    counted_frames,
+    fallback_reason,
 )
+from services.worker.layerwise import LayerTap, merged_frames
+from services.worker.runtime import REQUESTS_FAILED, ModelRuntime, publish_error
 from services.worker.service import RequestTasks
 from shared import bus
 from shared.kvtransfer.client import get_client
@@ -86,12 +87,14 @@ class PrefillService(RequestTasks):
                 "num_cached_tokens": out.num_cached_tokens,
             })
             if item.transfer_mode == "pool" and self.pool is not None:
-                await self.pool.store_blocks(new_blocks)  # decode pulls them: store first
+                # decode pulls them: store first (the blocks the pool holds already stay)
+                KV_SENT_BYTES.labels("pool").inc(await self.pool.store_blocks(new_blocks))
                 work = work.model_copy(update={"kv_block_hashes": hashes})
             else:
                 if await self._pushed(rid, pushing, len(context), item.decode_addr):
                     work = work.model_copy(update={"kv_pushed": True,
-                                                   "kv_num_tokens": len(context)})
+                                                   "kv_num_tokens": len(context),
+                                                   "kv_layerwise": pushing is not None})
                 self._store_later(new_blocks)
             await bus.request(self.nc, subjects.decode_submit(item.decode_instance), work,
                               SubmitAck, timeout=10.0)
@@ -144,8 +147,10 @@ class PrefillService(RequestTasks):
         except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001 - any broken transfer
             if isinstance(exc, asyncio.CancelledError) and asyncio.current_task().cancelling():
                 raise  # this request itself was cancelled, not just its transfer
-            KV_TRANSFER_FALLBACKS.inc()
-            log.warning("KV push of %s to %s failed (%s); decode will recompute", rid, addr, exc)
+            reason = fallback_reason(exc)
+            count_fallback(reason)
+            log.warning("KV push of %s to %s failed (%s: %s); decode will recompute", rid, addr,
+                        reason, exc)
             return False
 
     def _store_later(self, blocks) -> None:
@@ -165,7 +170,7 @@ class PrefillService(RequestTasks):
                                int8=self.rt.cfg.kv_int8)
         # No deadline on the stream itself: it lives as long as the prefill computes. Once the
         # prefill is done, `_pushed` gives the rest `transfer_timeout` to land.
-        await get_client(addr).push(frames, timeout=None)
+        await get_client(addr).push(counted_frames(frames, "layerwise"), timeout=None)
 
     async def _push_kv(self, rid: str, num_tokens: int, addr: str) -> None:
         """Read the held prompt KV and stream it to the decode instance, layer group by group."""
@@ -189,4 +194,5 @@ class PrefillService(RequestTasks):
                                            int8=self.rt.cfg.kv_int8):
                     yield f
 
-        await get_client(addr).push(frames(), timeout=self.rt.cfg.transfer_timeout)
+        await get_client(addr).push(counted_frames(frames(), "after_prefill"),
+                                    timeout=self.rt.cfg.transfer_timeout)

@@ -43,11 +43,21 @@ def kv_frames(
     )
 
 
+class TransferFailed(StrataError):
+    """Pushed KV that cannot be used; ``reason`` is the fallback counter's label (see
+    `services.worker.kv_metrics.FALLBACK_REASONS`)."""
+
+    def __init__(self, reason: str, code: str, message: str):
+        super().__init__(code, message)
+        self.reason = reason
+
+
 @dataclass
 class _Pending:
     num_tokens: int
     num_layers: int
     covered: int = 0  # layer x token cells written so far
+    nbytes: int = 0  # payload bytes written so far (after the frame checks)
     done: asyncio.Event = field(default_factory=asyncio.Event)
     created: float = field(default_factory=time.monotonic)
 
@@ -157,6 +167,7 @@ class KVReceiver(KVTransferHandler):
         t = frame_to_tensor(f, dtype=self.dtype, shape=want)
         await self.sink.write(f.request_id, layers, t0, t)
         p.covered += len(layers) * n
+        p.nbytes += frame_nbytes(f)
         if f.last:
             need = p.num_layers * p.num_tokens
             if p.covered < need:
@@ -164,25 +175,28 @@ class KVReceiver(KVTransferHandler):
                                   f"({p.covered}/{need} layer-token cells)")
             p.done.set()
 
-    async def take(self, request_id: str, num_tokens: int, timeout: float) -> None:
+    async def take(self, request_id: str, num_tokens: int, timeout: float) -> int:
         """Wait until the KV of ``request_id`` is complete in the engine's reserved blocks (up to
-        ``timeout``); the caller then commits the reservation. Raises and frees it otherwise."""
+        ``timeout``); the caller then commits the reservation. Returns the payload bytes written.
+        Raises `TransferFailed` and frees the reservation otherwise."""
         deadline = time.monotonic() + timeout
         while request_id not in self._pending:
             if time.monotonic() > deadline:
-                raise StrataError("timeout", f"KV for {request_id} never arrived")
+                raise TransferFailed("no_kv", "timeout", f"KV for {request_id} never arrived")
             await asyncio.sleep(0.005)
         p = self._pending[request_id]
         try:
             await asyncio.wait_for(p.done.wait(), max(0.0, deadline - time.monotonic()))
         except TimeoutError:
             await self.drop(request_id)
-            raise StrataError("timeout", f"KV for {request_id} incomplete after {timeout}s") from None
+            raise TransferFailed("timeout", "timeout",
+                                 f"KV for {request_id} incomplete after {timeout}s") from None
         self._pending.pop(request_id, None)
         if p.num_tokens != num_tokens:
             await self.sink.cancel(request_id)
-            raise StrataError("bad_request", f"KV for {request_id} covers {p.num_tokens} tokens, "
-                              f"prompt has {num_tokens}")
+            raise TransferFailed("bad_frame", "bad_request", f"KV for {request_id} covers "
+                                 f"{p.num_tokens} tokens, prompt has {num_tokens}")
+        return p.nbytes
 
     async def drop(self, request_id: str) -> None:
         if self._pending.pop(request_id, None) is not None:

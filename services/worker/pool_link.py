@@ -3,6 +3,7 @@
 - `load_prefix`: before a prefill, find the longest reusable prefix (own memory first, then the
   pool), load what the cost model says is cheaper to load than to recompute, and insert it into
   the engine as cached blocks, so the engine computes only the rest.
+- `load_blocks`: pull given blocks (decode in pool mode), reporting the payload bytes written.
 - `store_blocks`: after a prefill, offer the full blocks the pool does not hold yet.
 - `offer_evicted`: blocks the engine evicts go to the pool instead of being dropped.
 """
@@ -16,6 +17,7 @@ import torch
 from prometheus_client import Counter
 
 from services.worker.cost import CostModel
+from shared.kvtransfer.frames import frame_nbytes, frame_to_tensor, payload_nbytes
 from shared.kvtransfer.pool import PoolClient
 
 log = logging.getLogger(__name__)
@@ -46,28 +48,37 @@ class PoolLink:
         k = self.cost.blocks_to_load(rest)
         if k == 0:
             return hashes, tiers, 0
-        n = await self.load_blocks(hashes[own:own + k], rest[:k])
+        n, _ = await self.load_blocks(hashes[own:own + k], rest[:k])
         return hashes, tiers, n
 
-    async def load_blocks(self, want: list[str], tiers: list[str | None] | None = None) -> int:
+    async def load_blocks(
+        self, want: list[str], tiers: list[str | None] | None = None
+    ) -> tuple[int, int]:
         """Pull ``want`` from the pool and insert its present leading run into the engine as
-        cached blocks; returns how many blocks were loaded."""
+        cached blocks. Returns (blocks loaded, payload bytes of the blocks written into the
+        engine: blocks it already held are skipped and not counted)."""
         t0 = time.perf_counter()
-        got = await self.pool.get(want, self.fingerprint, dtype=self.dtype)
+        frames = await self.pool.get_frames(want, self.fingerprint)
         n = 0
-        while n < len(want) and want[n] in got:
+        while n < len(want) and want[n] in frames:
             n += 1
         if n == 0:
-            return 0
-        kv = torch.stack([got[h] for h in want[:n]], dim=2)  # [L, 2, n, bs, kvh, hd]
-        await self.ae.call(lambda e: e.insert_cached_blocks(want[:n], kv))
+            return 0, 0
+        run = [frames[h] for h in want[:n]]
+        kv = torch.stack([frame_to_tensor(f, dtype=self.dtype) for f in run], dim=2)
+
+        def insert(e) -> list[int]:  # [L, 2, n, bs, kvh, hd]: one block at a time, to know which
+            return [e.insert_cached_blocks([h], kv[:, :, i:i + 1]) for i, h in enumerate(want[:n])]
+
+        written = await self.ae.call(insert)
+        nbytes = sum(frame_nbytes(f) for f, w in zip(run, written, strict=True) if w)
         elapsed = time.perf_counter() - t0
         tiers = list(tiers or ["dram"] * n)[:n]
         for tier in set(tiers):
             cnt = sum(1 for t in tiers if t == tier)
             self.cost.observe_load(tier or "dram", cnt, elapsed * cnt / n)
             POOL_HIT_BLOCKS.labels(tier or "dram").inc(cnt)
-        return n
+        return n, nbytes
 
     async def read_new_blocks(
         self, request_id: str, hashes: list[str], tiers: list[str | None]
@@ -85,11 +96,12 @@ class PoolLink:
         return [(hashes[i], kv[:, :, j].contiguous()) for j, i in enumerate(idx)]
 
     async def store_blocks(self, blocks: list[tuple[str, torch.Tensor]]) -> int:
+        """Offer ``blocks`` to the pool; returns the payload bytes of those it accepted."""
         if not blocks:
             return 0
-        stored = await self.pool.put(blocks, self.fingerprint, int8=self.int8)
+        stored = set(await self.pool.put(blocks, self.fingerprint, int8=self.int8))
         POOL_STORED_BLOCKS.inc(len(stored))
-        return len(stored)
+        return sum(payload_nbytes(t, self.int8) for h, t in blocks if h in stored)
 
     async def offer_evicted(self) -> int:
         evicted = await self.ae.call(lambda e: e.drain_evicted_kv())

@@ -237,6 +237,3 @@ async def subscribe_cancels(nc: NATS, on_cancel) -> None:
 REQUESTS_FAILED = metrics.Counter(
     "strata_worker_requests_failed_total", "Requests that failed on this instance", ["role"]
 )
-KV_TRANSFER_FALLBACKS = metrics.Counter(
-    "strata_kv_transfer_fallback_total", "Decode recomputed a prompt because KV did not arrive"
-)

@@ -292,3 +292,12 @@ def frames_to_tensor(
 def frame_nbytes(frame: BlockFrame) -> int:
     """Payload bytes of a frame (data + scales)."""
     return len(frame.data) + len(frame.scales)
+
+
+def payload_nbytes(t: torch.Tensor, int8: bool = False) -> int:
+    """Payload bytes (data + scales) of the frames `tensor_to_frames` makes of ``t``, without
+    making them: int8 is one byte per element plus a float32 scale per last-dim row."""
+    if int8:
+        rows = t.numel() // t.shape[-1] if t.dim() > 0 and t.shape[-1] else 1
+        return t.numel() + 4 * rows
+    return t.numel() * t.element_size()

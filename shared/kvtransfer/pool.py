@@ -17,6 +17,7 @@ import torch
 import xxhash
 from prometheus_client import Counter
 
+from protos.kv_transfer_pb2 import BlockFrame
 from shared.kvtransfer.client import KVClient, get_client
 from shared.kvtransfer.frames import frame_to_tensor, tensor_to_frames
 from shared.protocol.errors import StrataError
@@ -88,17 +89,25 @@ class PoolClient:
         self, hashes: Sequence[str], fingerprint: str = "", *, dtype: torch.dtype | None = None
     ) -> dict[str, torch.Tensor]:
         """``hash -> tensor`` for the hashes some instance holds (int8 dequantized to ``dtype``)."""
+        frames = await self.get_frames(hashes, fingerprint)
+        return {h: frame_to_tensor(f, dtype=dtype) for h, f in frames.items()}
 
-        async def one(addr: str, keys: list[str]) -> dict[str, torch.Tensor]:
-            out: dict[str, torch.Tensor] = {}
+    async def get_frames(
+        self, hashes: Sequence[str], fingerprint: str = ""
+    ) -> dict[str, BlockFrame]:
+        """``hash -> assembled frame`` for the hashes some instance holds (the wire form: its
+        payload size is what the transfer moved)."""
+
+        async def one(addr: str, keys: list[str]) -> dict[str, BlockFrame]:
+            out: dict[str, BlockFrame] = {}
             try:
                 async for f in self._client(addr).pull(keys, fingerprint, timeout=self.timeout):
-                    out[f.key] = frame_to_tensor(f, dtype=dtype)
+                    out[f.key] = f
             except StrataError as exc:
                 self._failed("get", addr, exc)
             return out
 
-        result: dict[str, torch.Tensor] = {}
+        result: dict[str, BlockFrame] = {}
         for part in await asyncio.gather(*(one(a, ks) for a, ks in self._group(hashes).items())):
             result.update(part)
         return result

@@ -37,6 +37,7 @@ class WorkItem(Msg):
     first_logprobs: dict[int, float] | None = None
     kv_pushed: bool = False
     kv_num_tokens: int = 0
+    kv_layerwise: bool = False  # the pushed KV left layer by layer (labels decode's byte counter)
     kv_block_hashes: list[str] = []  # pool mode: decode pulls these from the kvstore
     num_cached_tokens: int = 0
 

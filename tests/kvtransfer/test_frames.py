@@ -9,8 +9,10 @@ from shared.kvtransfer.frames import (
     FrameAssembler,
     FrameError,
     dequantize_int8,
+    frame_nbytes,
     frame_to_tensor,
     frames_to_tensor,
+    payload_nbytes,
     quantize_int8,
     split_frame,
     tensor_to_frames,
@@ -104,3 +106,13 @@ def test_split_frame_rechunks_a_logical_frame():
     assert len(parts) == 4 and parts[-1].last and not parts[0].last
     assert split_frame(whole, 1000) == [whole]
     assert torch.equal(frames_to_tensor(parts), t)
+
+
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_payload_nbytes_is_what_the_frames_carry(int8, dtype):
+    t = torch.randn(4, 2, 16, 2, 64).to(dtype)  # a KV block: [L, 2, block, kvh, hd]
+    frames = tensor_to_frames(t, key="b", int8=int8, max_frame_bytes=1000)
+    assert len(frames) > 1  # chunked: only the first chunk carries the scales
+    want = 4 * 2 * 16 * 2 * (64 + 4) if int8 else t.numel() * t.element_size()
+    assert payload_nbytes(t, int8) == sum(frame_nbytes(f) for f in frames) == want

@@ -2,7 +2,8 @@
 
 Greedy output through the disaggregated path equals a single in-process engine; a decode
 instance that prefills itself gives the same; a transfer that never arrives is recovered by
-recompute with the same output and no leaked blocks.
+recompute with the same output and no leaked blocks. Since recompute gives the same tokens, every
+test also asserts on the KV transfer counters which path moved how many bytes (`kv_counters`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from shared.protocol import subjects
 from shared.protocol.codec import decode
 from shared.protocol.stream import TokenChunk
 from shared.protocol.work import SubmitAck, WorkItem
+from tests.worker.kv_counters import Transfers, assert_moved, kv_bytes
 
 MAX_TOKENS = 10
 
@@ -98,10 +100,17 @@ def _item(rid, prompt_ids, **kw) -> WorkItem:
                                             ignore_eos=True), **kw)
 
 
+def _mode(prefill) -> str:
+    return "layerwise" if prefill.rt.cfg.layerwise_transfer else "after_prefill"
+
+
 async def test_prefill_then_decode_equals_single_engine(pd, nc, prompt_ids, reference):
     p, d = pd
     item = _item("r-pd", prompt_ids, decode_instance="d-test", decode_addr=d.addr)
+    t = Transfers()
     chunks = await _run(nc, subjects.prefill_submit("p-test"), item)
+    # the whole prompt's KV (partial last block included) went by this path, nothing fell back
+    assert_moved(t.moved(), _mode(p), kv_bytes(d.rt, len(prompt_ids)))
     assert chunks[0].instance_id == "p-test" and chunks[0].index == 0  # TTFT comes from prefill
     assert _tokens(chunks) == reference
     last = max(chunks, key=lambda c: c.index)
@@ -117,8 +126,10 @@ async def test_prefill_then_decode_equals_single_engine(pd, nc, prompt_ids, refe
 
 async def test_decode_prefills_itself(pd, nc, prompt_ids, reference):
     _, d = pd
+    t = Transfers()
     chunks = await _run(nc, subjects.decode_submit("d-test"), _item("r-self", prompt_ids))
     assert _tokens(chunks) == reference
+    assert t.moved() == {}  # no transfer was due, so none moved and none fell back
 
 
 async def test_missing_transfer_is_recomputed(pd, nc, prompt_ids, reference):
@@ -127,7 +138,9 @@ async def test_missing_transfer_is_recomputed(pd, nc, prompt_ids, reference):
     first = reference[0]
     item = _item("r-lost", prompt_ids, first_token_id=first, kv_pushed=True,
                  kv_num_tokens=len(prompt_ids))
+    t = Transfers()
     chunks = await _run(nc, subjects.decode_submit("d-test"), item)
+    assert t.moved() == {"fallback:no_kv": 1}
     assert chunks[0].index == 1  # the first token was already emitted by "prefill"
     assert [first] + _tokens_from(chunks, 1) == reference
     assert d.svc.receiver.num_pending == 0
@@ -204,16 +217,17 @@ async def _aiter(frames):
 async def test_transfer_cut_mid_stream_is_recomputed(pd, nc, prompt_ids, reference, monkeypatch):
     """No client error, same tokens, and no partial state left on either side."""
     import services.prefill.service as prefill_mod
-    from services.worker.runtime import KV_TRANSFER_FALLBACKS
 
     p, d = pd
     real_get = prefill_mod.get_client
     monkeypatch.setattr(prefill_mod, "get_client", lambda addr: _CuttingClient(real_get(addr)))
-    before = KV_TRANSFER_FALLBACKS._value.get()
+    t = Transfers()
     item = _item("r-cut", prompt_ids, decode_instance="d-test", decode_addr=d.addr)
     chunks = await _run(nc, subjects.prefill_submit("p-test"), item)
     assert _tokens(chunks) == reference
-    assert KV_TRANSFER_FALLBACKS._value.get() == before + 1
+    moved = t.moved()
+    assert moved.pop(f"sent:{_mode(p)}") > 0  # the first frame left before the cut
+    assert moved == {"fallback:broken": 1}  # and decode wrote nothing it used
     await asyncio.sleep(0.2)
     assert d.svc.receiver.num_pending == 0
     for w in (p, d):
@@ -226,9 +240,10 @@ async def test_repeated_prompt_hits_the_prefill_prefix_cache(pd, nc, prompt_ids,
     as cached tokens, and still gives the same tokens."""
     from services.worker.metrics import PREFIX_HITS
 
-    _, d = pd
+    p, d = pd
     hits = PREFIX_HITS.labels("prefill", "p-test")
     before = hits._value.get()
+    t = Transfers()
     usages = []
     for rid in ("r-rep-1", "r-rep-2"):
         item = _item(rid, prompt_ids, decode_instance="d-test", decode_addr=d.addr)
@@ -237,5 +252,46 @@ async def test_repeated_prompt_hits_the_prefill_prefix_cache(pd, nc, prompt_ids,
         usages.append(max(chunks, key=lambda c: c.index).usage)
     full = len(prompt_ids) // 16 * 16
     assert usages[1].cached_tokens >= full > 0
+    # the cached prefix is pushed too (layer-wise: all its layers at once), so both runs moved
+    # the whole prompt's KV
+    assert_moved(t.moved(), _mode(p), 2 * kv_bytes(d.rt, len(prompt_ids)))
     await asyncio.sleep(0.5)  # the next load report carries the engine counters to /metrics
     assert hits._value.get() - before >= full
+
+
+class _ForgingClient:
+    """Pushes every frame with another model's fingerprint (KV the receiver must refuse)."""
+
+    def __init__(self, real):
+        self.real = real
+
+    async def push(self, frames, timeout=None):
+        async def forged():
+            async for f in _aiter(frames):
+                f.fingerprint = "0" * 64
+                yield f
+
+        return await self.real.push(forged(), timeout=timeout)
+
+
+async def test_broken_transfer_is_caught_by_the_byte_counters(pd, nc, prompt_ids, reference,
+                                                              monkeypatch):
+    """The counters' assertions catch a broken transfer that the tokens hide: decode refuses the
+    forged frames and recomputes (tokens still right), no byte reaches its engine, so the
+    byte assertion the other tests make fails here, and the fallback counter moved."""
+    import services.prefill.service as prefill_mod
+
+    p, d = pd
+    real_get = prefill_mod.get_client
+    monkeypatch.setattr(prefill_mod, "get_client", lambda addr: _ForgingClient(real_get(addr)))
+    t = Transfers()
+    item = _item("r-forged", prompt_ids, decode_instance="d-test", decode_addr=d.addr)
+    chunks = await _run(nc, subjects.prefill_submit("p-test"), item)
+    assert _tokens(chunks) == reference  # recompute: tokens alone cannot tell
+    moved = t.moved()
+    with pytest.raises(AssertionError, match="KV transfer counters moved"):
+        assert_moved(moved, _mode(p), kv_bytes(d.rt, len(prompt_ids)))
+    assert moved["fallback:bad_frame"] == 1
+    assert not any(k.startswith("received:") for k in moved)
+    await asyncio.sleep(0.2)
+    assert d.svc.receiver.num_pending == 0

@@ -2,7 +2,8 @@
 
 A prefix computed on prefill A is reused by prefill B through the pool: B computes only the new
 tokens and its output equals a cold run's. Pool-mode transfer (decode pulls from the kvstore)
-gives the same tokens as direct transfer.
+gives the same tokens as direct transfer. Each step asserts on the transfer counters which path
+moved how many bytes (`kv_counters`): recompute would give the same tokens.
 """
 
 from __future__ import annotations
@@ -12,37 +13,16 @@ import asyncio
 import pytest
 
 from services.decode.service import DecodeService
-from services.kvstore.app import run_kvstore
-from services.kvstore.config import KVStoreConfig
 from services.prefill.service import PrefillService
 from services.worker.app import start_worker
 from services.worker.config import WorkerConfig
 from shared.engine.params import SamplingParams
 from shared.protocol import subjects
+from shared.protocol.work import WorkItem
+from tests.worker.kv_counters import Transfers, assert_moved, kv_bytes
 from tests.worker.test_pd import _run, _tokens
 
 MAX_TOKENS = 8
-
-
-@pytest.fixture(scope="module")
-def model_dir():
-    from services.launcher import ensure_model
-
-    return ensure_model("")
-
-
-@pytest.fixture
-async def kvstore(nats_url, minio_server):
-    cfg = KVStoreConfig.load([], role="kvstore", instance_id="kv-test", nats_url=nats_url,
-                             minio_endpoint=minio_server.endpoint, minio_bucket="strata-kv-pool-test",
-                             dram_bytes=64 << 20)
-    stop = asyncio.Event()
-    ready: asyncio.Future = asyncio.get_running_loop().create_future()
-    task = asyncio.create_task(run_kvstore(cfg, stop, on_ready=lambda s, a: ready.set_result((s, a))))
-    store, addr = await asyncio.wait_for(ready, 30)
-    yield store, addr
-    stop.set()
-    await task
 
 
 @pytest.fixture
@@ -71,6 +51,7 @@ async def _wait_stored(link, hashes: list[str], timeout: float = 10.0) -> None:
 
 
 async def test_prefix_computed_on_a_is_reused_on_b(cluster, nc, model_dir):
+    from services.worker.pool_link import POOL_HIT_BLOCKS
     from shared.engine.engine import LLMEngine
     from shared.engine.params import EngineConfig
     from shared.model.loader import load_model
@@ -79,27 +60,50 @@ async def test_prefix_computed_on_a_is_reused_on_b(cluster, nc, model_dir):
     shared_prefix = [(i * 37 + 11) % 2000 + 10 for i in range(160)]  # 10 full blocks
     p1 = shared_prefix + [5, 6, 7, 8, 9]
     p2 = shared_prefix + [21, 22, 23]
+    p3 = [(i * 53 + 7) % 2000 + 10 for i in range(100)]  # 6 full blocks, new to everyone
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 
     def item(rid, prompt, **kw):
-        from shared.protocol.work import WorkItem
-
         return WorkItem(request_id=rid, prompt_token_ids=prompt, sampling=params,
                         decode_instance="dd", decode_addr=dd.addr, **kw)
 
+    t = Transfers()
     await _run(nc, subjects.prefill_submit("pa"), item("r-a", p1))
+    assert_moved(t.moved(), "layerwise", kv_bytes(dd.rt, len(p1)))
     link = pa.svc.pool
     hashes = await pa.rt.async_engine.call(lambda e: e.block_hashes_for(shared_prefix))
     assert len(hashes) == 10
     await _wait_stored(link, hashes)
 
+    t, pool_hits = Transfers(), POOL_HIT_BLOCKS.labels("dram")._value.get()
     chunks = await _run(nc, subjects.prefill_submit("pb"), item("r-b", p2))
     last = max(chunks, key=lambda c: c.index)
     assert last.usage.cached_tokens == 160  # B computed only the 3 new tokens
+    # B loaded the 10 prefix blocks from the kvstore's DRAM tier, then pushed the whole prompt
+    assert POOL_HIT_BLOCKS.labels("dram")._value.get() - pool_hits == 10
+    assert_moved(t.moved(), "layerwise", kv_bytes(dd.rt, len(p2)), kvstore_hits_dram=10)
     cold = LLMEngine(load_model(model_dir), EngineConfig(kv_cache_bytes=8 << 20))
     assert _tokens(chunks) == cold.generate([p2], params)[0]
 
-    # Pool mode: decode pulls the blocks from the kvstore instead of a direct push.
-    chunks = await _run(nc, subjects.prefill_submit("pb"),
-                        item("r-pool", p1, transfer_mode="pool"))
-    assert _tokens(chunks) == cold.generate([p1], params)[0]
+    # Pool mode: decode pulls the full blocks from the kvstore instead of a direct push; the
+    # partial tail (4 tokens) is recomputed there, so only full blocks move.
+    t = Transfers()
+    chunks = await _run(nc, subjects.prefill_submit("pb"), item("r-pool", p3, transfer_mode="pool"))
+    assert _tokens(chunks) == cold.generate([p3], params)[0]
+    assert_moved(t.moved(), "pool", kv_bytes(dd.rt, 6 * 16), kvstore_hits_dram=6)
+
+
+async def test_pool_blocks_missing_fall_back_to_recompute(cluster, nc, model_dir):
+    """Decode told to pull blocks the pool never had: it recomputes and the fallback counter
+    says why, with no byte counted as received."""
+    *_, dd = cluster
+    prompt = [(i * 29 + 3) % 2000 + 10 for i in range(40)]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    t = Transfers()
+    work = WorkItem(request_id="r-miss", prompt_token_ids=prompt, sampling=params,
+                    kv_block_hashes=["ab" * 16, "cd" * 16])
+    chunks = await _run(nc, subjects.decode_submit("dd"), work)
+    assert t.moved() == {"fallback:pool_miss": 1}
+    ref = await _run(nc, subjects.decode_submit("dd"),
+                     WorkItem(request_id="r-miss-ref", prompt_token_ids=prompt, sampling=params))
+    assert _tokens(chunks) == _tokens(ref) and len(_tokens(ref)) == 4
