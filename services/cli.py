@@ -17,7 +17,12 @@ import sys
 import time
 import urllib.request
 
+from pydantic import ValidationError
+
 from services.launcher import ROLES, ClusterConfig
+from shared.config import ConfigError
+from shared.model.errors import CheckpointError
+from shared.service import FATAL_LINE, StartupError
 
 APP_PACKAGE_ENV = "STRATA_APP_PACKAGE"
 """Package holding ``<role>/app.py`` (default ``services``); tests point it at dummy apps."""
@@ -46,7 +51,13 @@ def serve(role: str, argv: list[str]) -> int:
     if not callable(main):
         say(f"{module} has no main(argv) function")
         return 1
-    main(list(argv))
+    try:
+        main(list(argv))
+    except (ConfigError, CheckpointError, StartupError) as exc:
+        # One line, no traceback: the problem and the fix (`strata up` reports this line).
+        msg = str(exc.code if isinstance(exc, ConfigError) else exc)
+        print(f"{FATAL_LINE} {role}: {msg}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 
@@ -100,7 +111,13 @@ def up(argv: list[str]) -> int:
     from services.launcher_procs import ServiceFailed
 
     args = up_parser().parse_args(argv)
-    cfg = config_from_args(args)
+    try:
+        cfg = config_from_args(args)
+    except ValidationError as exc:
+        e = exc.errors()[0]
+        flag = "--" + str(e["loc"][0]).replace("_", "-") if e["loc"] else "a flag"
+        say(f"bad setting {flag}: {e['msg']} (got {e.get('input')!r})")
+        return 2
     if not cfg.model:
         say(f"no --model: serving the built-in default model ({default_model_dir()}, "
             "generated on first use)")
@@ -131,6 +148,9 @@ def up(argv: list[str]) -> int:
         say("stopping...")
     except ServiceFailed as exc:
         say(f"start-up failed: {exc}")
+        rc = 1
+    except CheckpointError as exc:
+        say(f"start-up failed: bad --model checkpoint: {exc}")
         rc = 1
     except (RuntimeError, TimeoutError, OSError) as exc:
         say(f"start-up failed: {exc}")

@@ -23,10 +23,11 @@ from typing import IO, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from services.infra.minio_server import MinioServer
+from services.infra.minio_server import MinioServer, minio_binary
 from services.infra.nats_server import NatsServer
 from services.infra.procs import cache_dir, free_port, port_open, repo_root
 from services.launcher_procs import LogSink, ProcSpec, Supervisor, wait_for
+from shared.model.validate import validate_checkpoint
 
 ROLES = ("scheduler", "tokenizer", "vision", "kvstore", "prefill", "decode", "gateway")
 """Every role `strata serve` knows, in start-up order."""
@@ -72,8 +73,7 @@ def default_model_dir() -> str:
 def ensure_model(path: str = "", benchmark: bool = False) -> str:
     """The checkpoint to serve: ``path`` as given, else the default model (built once)."""
     if path:
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            raise RuntimeError(f"--model {path!r}: no config.json there")
+        validate_checkpoint(path)  # CheckpointError: one line naming file, problem and fix
         return os.path.abspath(path)
     try:
         from shared.model import default_model
@@ -82,7 +82,6 @@ def ensure_model(path: str = "", benchmark: bool = False) -> str:
     out = os.path.join(cache_dir(), "models", "benchmark" if benchmark else "default")
     build = default_model.build_benchmark_model if benchmark else default_model.build_default_model
     return os.path.abspath(str(build(out)))
-
 
 
 def vision_replicas(model_dir: str, requested: int) -> tuple[int, str]:
@@ -151,10 +150,31 @@ class Cluster:
             raise
         return self
 
-    def _start(self) -> None:
+    def _preflight(self) -> None:
+        """What can fail before any process starts, checked in well under a second: ports, the
+        checkpoint (`validate_checkpoint`), the MinIO binary. Raises one-line errors."""
         if port_open(self.cfg.host, self.port):
-            raise RuntimeError(f"port {self.port} is already in use (pass --port)")
+            raise RuntimeError(f"gateway port {self.port} is already in use (pass --port)")
+        for what, port, flag in (("nats-server", self.cfg.nats_port, "--nats-port"),
+                                 ("MinIO", self.cfg.minio_port if self.cfg.minio else 0,
+                                  "--minio-port")):  # fmt: skip
+            if port and port_open("127.0.0.1", port):
+                raise RuntimeError(f"{what} port {port} is already in use (pass {flag} with a "
+                                   "free port, or 0 for any)")  # fmt: skip
         self.model_dir = ensure_model(self.cfg.model)
+        if self.cfg.minio:
+            given = os.environ.get("STRATA_MINIO_BIN")
+            if given and not os.path.isfile(given):
+                raise RuntimeError(f"STRATA_MINIO_BIN={given}: no such file (fix the path, or "
+                                   "pass --no-minio: the KV pool then stays in DRAM)")  # fmt: skip
+            try:
+                minio_binary(build=False)
+            except RuntimeError as exc:
+                raise RuntimeError(f"{exc}; or pass --no-minio (the KV pool then stays in "
+                                   "DRAM)") from None  # fmt: skip
+
+    def _start(self) -> None:
+        self._preflight()
         if not self.data_dir:
             self.data_dir = tempfile.mkdtemp(prefix="strata-cluster-")
         os.makedirs(self.log_dir, exist_ok=True)
@@ -185,6 +205,7 @@ class Cluster:
         return f
 
     def healthy(self) -> bool:
+        """The gateway's /health answers 200: the cluster is ready to serve (see readiness)."""
         try:
             with urllib.request.urlopen(self.gateway_url + "/health", timeout=1.0) as r:
                 return r.status == 200
@@ -192,7 +213,8 @@ class Cluster:
             return False
 
     def wait_healthy(self, timeout: float = 60.0) -> None:
-        """Wait until the gateway's /health answers 200 (a decode instance is routable)."""
+        """Wait until the gateway's /health answers 200 (tokenizer, scheduler and a live decode
+        instance answer; vision too for a model that takes images)."""
         wait_for(self.healthy, timeout, f"gateway {self.gateway_url}/health", self.sup)
 
     def stop(self) -> None:
@@ -239,6 +261,8 @@ class Cluster:
                          STRATA_MINIO_SECRET_KEY=self.minio.secret_key)
         if role == "gateway":
             e.update(STRATA_HOST=self.cfg.host, STRATA_PORT=str(self.port))
+            if not self.cfg.vision:  # text only: refuse images, readiness needs no vision
+                e["STRATA_MAX_IMAGES"] = "0"
         e.update(self.cfg.env)
         e.update(env or {})
         argv = [sys.executable, "-m", "services.cli", "serve", role,

@@ -20,15 +20,22 @@ from typing import IO
 from services.infra.procs import preexec
 
 READY_LINE = "STRATA_READY"  # same constant as shared.service.READY_LINE (kept import-free)
+FATAL_LINE = "STRATA_FATAL"  # same as shared.service.FATAL_LINE: a service's one-line reason
 COLORS = (36, 33, 32, 35, 34, 91, 92, 93, 94, 95, 96)  # ANSI foreground codes, cycled
 TAIL_LINES = 40
 
 
 class ServiceFailed(RuntimeError):
-    """A supervised process exited (or never became ready); carries its last log lines."""
+    """A supervised process exited (or never became ready); carries its last log lines.
 
-    def __init__(self, name: str, reason: str, tail: list[str]):
-        self.name, self.reason, self.tail = name, reason, tail
+    When the process printed a ``STRATA_FATAL`` line (a start-up error it understood), the
+    message is that one line (``fatal``); otherwise it shows the last log lines."""
+
+    def __init__(self, name: str, reason: str, tail: list[str], fatal: str = ""):
+        self.name, self.reason, self.tail, self.fatal = name, reason, tail, fatal
+        if fatal:
+            super().__init__(f"{name}: {fatal}")
+            return
         lines = "\n".join(f"  | {line}" for line in tail) or "  | (no output)"
         super().__init__(f"{name} {reason}; last log lines:\n{lines}")
 
@@ -96,6 +103,7 @@ class Supervised:
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self.ready = threading.Event()
         self.ready_detail = ""
+        self.fatal = ""  # the text after the process's STRATA_FATAL line, if it printed one
         self._eof = threading.Event()
         self._finished = False
         env = dict(os.environ, PYTHONUNBUFFERED="1", **spec.env)
@@ -135,6 +143,8 @@ class Supervised:
                 with contextlib.suppress(ValueError, OSError):
                     self._log.write(line + "\n")
                     self._log.flush()
+            if line.startswith(FATAL_LINE) and not self.fatal:
+                self.fatal = line[len(FATAL_LINE):].strip()
             if line.startswith(READY_LINE) and not self.ready.is_set():
                 self.ready_detail = line[len(READY_LINE):].strip()
                 self.ready.set()
@@ -150,7 +160,7 @@ class Supervised:
                 if self.ready.is_set():
                     break
                 raise ServiceFailed(self.name, f"exited with code {self.proc.returncode} "
-                                    "before it was ready", list(self.tail))
+                                    "before it was ready", list(self.tail), self.fatal)
             if time.monotonic() > deadline:
                 raise ServiceFailed(self.name, f"not ready after {timeout:.0f}s", list(self.tail))
 
@@ -225,7 +235,8 @@ class Supervisor:
         for p in self.procs.values():
             if p.name not in self._expected_exit and not p.alive():
                 p._eof.wait(2.0)
-                raise ServiceFailed(p.name, f"exited with code {p.returncode}", list(p.tail))
+                raise ServiceFailed(p.name, f"exited with code {p.returncode}", list(p.tail),
+                                    p.fatal)
 
     def exited(self) -> list[Supervised]:
         """Processes that died unexpectedly (each reported once)."""

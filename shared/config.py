@@ -17,7 +17,8 @@ ENV_PREFIX = "STRATA_"
 
 
 class ConfigError(SystemExit):
-    """Raised at start-up when a setting is invalid; exits with the message."""
+    """Raised at start-up when a setting is invalid; exits with the message (one line naming
+    every bad setting's env var and flag, what is wrong and the value given)."""
 
 
 class ServiceConfig(BaseModel):
@@ -54,12 +55,12 @@ class ServiceConfig(BaseModel):
 
 
 def _describe(exc: ValidationError) -> str:
-    lines = ["invalid configuration:"]
+    parts = []
     for e in exc.errors():
         name = str(e["loc"][0]) if e["loc"] else "?"
         flag = "--" + name.replace("_", "-")
-        lines.append(f"  {ENV_PREFIX}{name.upper()} ({flag}): {e['msg']} (got {e.get('input')!r})")
-    return "\n".join(lines)
+        parts.append(f"{ENV_PREFIX}{name.upper()} ({flag}): {e['msg']} (got {e.get('input')!r})")
+    return "invalid setting " + "; ".join(parts)
 
 
 class ModelServiceConfig(ServiceConfig):

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
+from shared.service import StartupError
+
 HANDLER_REQUESTS = Counter(
     "strata_handler_requests_total", "Bus requests handled", ["subject", "status"]
 )
@@ -24,6 +26,10 @@ def latency_histogram(name: str, doc: str, labels: tuple[str, ...] = ()) -> Hist
 
 
 def serve_metrics(port: int) -> None:
-    """Expose /metrics on ``port`` (0 disables)."""
+    """Expose /metrics on ``port`` (0 disables); a busy port is a `StartupError`."""
     if port:
-        start_http_server(port)
+        try:
+            start_http_server(port)
+        except OSError as exc:
+            raise StartupError(f"metrics port {port} cannot be bound ({exc.strerror or exc}); "
+                               "set STRATA_METRICS_PORT (--metrics-port) to a free port or 0") from exc  # fmt: skip

@@ -11,6 +11,13 @@ from collections.abc import Awaitable, Callable
 log = logging.getLogger(__name__)
 
 READY_LINE = "STRATA_READY"
+FATAL_LINE = "STRATA_FATAL"
+"""Prefix of the one line a service prints when it cannot start (`strata serve` prints it for
+a `StartupError`, a `CheckpointError` or a bad setting); `strata up` reports that line."""
+
+
+class StartupError(RuntimeError):
+    """A service cannot start; the message is one line naming the problem and the fix."""
 
 
 def run(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:

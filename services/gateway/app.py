@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import socket
 from pathlib import Path
 
 import uvicorn
@@ -19,7 +20,7 @@ from services.gateway.service import GatewayService
 from shared import bus, metrics
 from shared.logs import setup_logging
 from shared.model.validate import takes_images
-from shared.service import announce_ready, run
+from shared.service import StartupError, announce_ready, run
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,22 @@ def token_speller(model_dir: str):
 
     tok = Tokenizer.from_dir(model_dir)
     return functools.lru_cache(maxsize=65536)(lambda i: tok.decode([i], skip_special_tokens=False))
+
+
+def bind_http(host: str, port: int) -> socket.socket:
+    """The listening socket for uvicorn; a `StartupError` naming the port when it is taken."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise StartupError(f"gateway port {port} on {host} cannot be bound "
+                           f"({exc.strerror or exc}); pass --port (STRATA_PORT) with a free "
+                           "port, or 0 for any") from None  # fmt: skip
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
 
 
 def needs_vision(cfg: GatewayConfig) -> bool:
@@ -61,6 +78,8 @@ def main(argv: list[str]) -> None:
     cfg = GatewayConfig.load(argv, role="gateway")
     setup_logging("gateway", cfg.instance_id, cfg.log_level)
 
+    sock = bind_http(cfg.host, cfg.port)  # a busy port fails before anything else starts
+
     async def amain(stop: asyncio.Event) -> None:
         nc = await bus.connect(cfg.nats_url, f"gateway-{cfg.instance_id}")
         service = await build_service(nc, cfg)
@@ -68,7 +87,7 @@ def main(argv: list[str]) -> None:
         metrics.serve_metrics(cfg.metrics_port)
         server = uvicorn.Server(uvicorn.Config(build_app(service), host=cfg.host, port=cfg.port,
                                                log_level="warning", lifespan="off"))  # fmt: skip
-        task = asyncio.create_task(server.serve())
+        task = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started and not task.done():
             await asyncio.sleep(0.05)
         if task.done():

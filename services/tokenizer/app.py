@@ -11,6 +11,7 @@ from services.tokenizer.core import TokenizerCore
 from shared import bus, metrics
 from shared.config import ServiceConfig
 from shared.logs import setup_logging
+from shared.model.validate import validate_checkpoint
 from shared.protocol import subjects
 from shared.protocol.tok import TokenizeReply, TokenizeRequest
 from shared.service import announce_ready, run
@@ -39,6 +40,7 @@ async def serve_tokenizer(nc, core: TokenizerCore):
 
 def main(argv: list[str]) -> None:
     cfg = TokenizerConfig.load(argv, role="tokenizer")
+    validate_checkpoint(cfg.model)  # a bad checkpoint: one line (CheckpointError), before NATS
     setup_logging("tokenizer", cfg.instance_id, cfg.log_level)
 
     async def amain(stop: asyncio.Event) -> None:

@@ -21,11 +21,12 @@ from shared import bus, metrics
 from shared.kvtransfer.client import close_clients
 from shared.kvtransfer.server import KVTransferHandler, start_kv_server
 from shared.logs import setup_logging
+from shared.model.validate import validate_checkpoint
 from shared.protocol import subjects
 from shared.protocol.sched import InstanceRecord
 from shared.protocol.work import WorkItem
 from shared.registry import deregister_instance, register_instance
-from shared.service import announce_ready, run
+from shared.service import StartupError, announce_ready, run
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +92,8 @@ def run_worker(role: str, argv: list[str], make_service) -> None:
     """`strata serve <role>` for a model instance whose logic is ``make_service``."""
     cfg = WorkerConfig.load(argv, role=role)
     if not cfg.model:
-        raise SystemExit(f"strata serve {role}: --model (STRATA_MODEL) is required")
+        raise StartupError("no model: pass --model DIR (STRATA_MODEL), a checkpoint directory")
+    validate_checkpoint(cfg.model)  # a bad checkpoint fails here, before NATS or torch work
     setup_logging(role, cfg.instance_id, cfg.log_level)
     metrics.serve_metrics(cfg.metrics_port)
 

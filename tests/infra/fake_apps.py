@@ -4,6 +4,7 @@
 ``STRATA_APP_PACKAGE=fakeapps`` and PYTHONPATH at ``dir`` and `strata serve <role>` runs them.
 Each one writes its pid (and its grandchild's) under ``FAKE_PID_DIR``, prints the ready line,
 and waits for SIGTERM; ``FAKE_CRASH=<role or instance>`` makes it fail before it is ready;
+``FAKE_LOAD_CONFIG=1`` makes it read the common ``STRATA_*`` settings (a bad one stops it);
 the gateway serves ``/health`` and ``/v1/models`` on ``STRATA_HOST:STRATA_PORT``.
 """
 
@@ -36,6 +37,10 @@ class Handler(BaseHTTPRequestHandler):
 
 
 def main(argv):
+    if os.environ.get("FAKE_LOAD_CONFIG"):  # read STRATA_* settings as real services do
+        from shared.config import ServiceConfig
+
+        ServiceConfig.load([], role=ROLE)
     inst = os.environ.get("STRATA_INSTANCE_ID", ROLE)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *a: stop.set())

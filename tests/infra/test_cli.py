@@ -159,10 +159,14 @@ def test_model_commands_build_into_the_given_dir_or_the_cache(tmp_path, monkeypa
         cli.model_cmd(["build-everything"])
 
 
-def test_ensure_model_rejects_a_dir_without_config(tmp_path):
+def test_ensure_model_validates_the_checkpoint(tmp_path):
     from services.launcher import ensure_model
+    from shared.model.errors import CheckpointError
+    from tests.infra.fake_apps import write_fake_checkpoint
 
-    with pytest.raises(RuntimeError, match="no config.json there"):
+    with pytest.raises(CheckpointError, match="no config.json there"):
         ensure_model(str(tmp_path))
     (tmp_path / "config.json").write_text("{}")
-    assert ensure_model(str(tmp_path)) == str(tmp_path)
+    with pytest.raises(CheckpointError, match="unsupported architecture None"):
+        ensure_model(str(tmp_path))
+    assert ensure_model(write_fake_checkpoint(tmp_path)) == str(tmp_path)

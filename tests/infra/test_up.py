@@ -16,7 +16,12 @@ import pytest
 from services.infra.procs import free_port, port_open, repo_root
 from services.launcher import Cluster
 from services.launcher_procs import ServiceFailed
-from tests.infra.fake_apps import pid_alive, recorded_pids, write_fake_apps
+from tests.infra.fake_apps import (
+    pid_alive,
+    recorded_pids,
+    write_fake_apps,
+    write_fake_checkpoint,
+)
 
 
 @pytest.fixture
@@ -25,12 +30,10 @@ def fake(tmp_path):
     root = write_fake_apps(tmp_path / "apps")
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
+    model = write_fake_checkpoint(tmp_path / "model", "LlavaForConditionalGeneration")
     env = {"STRATA_APP_PACKAGE": "fakeapps", "FAKE_PID_DIR": str(pid_dir),
            "PYTHONPATH": os.pathsep.join([repo_root(), root])}
-    return {"env": env, "pid_dir": pid_dir, "model": str(model), "tmp": tmp_path}
+    return {"env": env, "pid_dir": pid_dir, "model": model, "tmp": tmp_path}
 
 
 def all_dead(pids: list[int], timeout: float = 10.0) -> bool:
