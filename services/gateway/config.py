@@ -27,8 +27,14 @@ class GatewayConfig(ServiceConfig):
     max_image_pixels: int = Field(4096 * 4096, ge=1, description="Most pixels per image")
     image_formats: str = Field("PNG,JPEG,WEBP,GIF,BMP", description="Accepted image formats")
     image_dir: str = Field("", description="Folder local image paths must be under ('' = none)")
-    allow_remote_images: bool = Field(False, description="Fetch http(s) image URLs (SSRF risk)")
-    remote_image_hosts: str = Field("", description="Comma-separated hosts allowed for fetching")
+    allow_remote_images: bool = Field(
+        False, description="Fetch http(s) image URLs (only from public addresses, see ssrf.py)"
+    )
+    remote_image_hosts: str = Field(
+        "",
+        description="Comma-separated hosts allowed for fetching ('' = any public host); a "
+        "host named here may be private",
+    )
     # timeouts
     bus_timeout: float = Field(10.0, gt=0, description="Seconds to wait for a bus reply")
     first_token_timeout: float = Field(60.0, gt=0, description="Seconds to wait for token one")
