@@ -55,6 +55,41 @@ def metric(cluster: Cluster, name: str, sample: str, **labels: str) -> float:
     )
 
 
+def transfer_counters(cluster: Cluster) -> dict[str, float]:
+    """The KV transfer counters of every prefill and decode service, summed: ``"sent:<mode>"``,
+    ``"received:<mode>"`` (bytes) and ``"fallback:<reason>"``, as in `tests.worker.kv_counters`."""
+    from services.worker.kv_metrics import FALLBACK_REASONS, TRANSFER_MODES
+
+    names = [n for n in cluster.specs if n.startswith(("prefill-", "decode-"))]
+    samples = {}
+    for n in names:
+        for key, v in metrics(cluster, n).items():
+            samples[key] = samples.get(key, 0.0) + v
+    out = {}
+    for m in TRANSFER_MODES:
+        for kind in ("sent", "received"):
+            key = (f"strata_kv_transfer_{kind}_bytes_total", (("mode", m),))
+            out[f"{kind}:{m}"] = samples.get(key, 0.0)
+    for r in FALLBACK_REASONS:
+        out[f"fallback:{r}"] = samples.get(("strata_kv_transfer_fallback_total", (("reason", r),)), 0.0)
+    return out
+
+
+def moved_since(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:
+    return {k: int(v - before[k]) for k, v in after.items() if v != before[k]}
+
+
+def kv_bytes_per_token(model_dir: str) -> int:
+    """Float32-engine KV payload bytes of one token: layers x 2 x kv_heads x head_dim x 4."""
+    import torch
+
+    from shared.model.loader import load_model
+
+    m = load_model(model_dir).model
+    elem = torch.empty((), dtype=m.dtype).element_size()
+    return m.num_layers * 2 * m.num_kv_heads * m.head_dim * elem
+
+
 def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not check():

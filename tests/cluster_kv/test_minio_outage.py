@@ -1,6 +1,7 @@
 """MinIO stopped under load: requests keep succeeding (engine / DRAM / recompute), the failed
 SSD writes are counted, and writing behind resumes when MinIO returns on the same port and
-data dir."""
+data dir. The KV of every request reaches decode by the layer-wise push throughout (transfer
+byte counters; nothing falls back to recompute), which the same text alone would not show."""
 
 from __future__ import annotations
 
@@ -10,7 +11,15 @@ import threading
 import openai
 import pytest
 
-from tests.cluster_kv.conftest import SHARED_PREFIX, metric, start_cluster, wait_until
+from tests.cluster_kv.conftest import (
+    SHARED_PREFIX,
+    kv_bytes_per_token,
+    metric,
+    moved_since,
+    start_cluster,
+    transfer_counters,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -63,7 +72,13 @@ def test_minio_down_under_load_then_back(model_dir):
     try:
         client, model = client_of(c)
         known = SHARED_PREFIX + "What survives a MinIO outage?"
-        expected = ask(client, model, known)
+        t0 = transfer_counters(c)
+        r = client.completions.create(model=model, prompt=known, max_tokens=4, temperature=0.0)
+        expected = r.choices[0].text
+        known_bytes = r.usage.prompt_tokens * kv_bytes_per_token(model_dir)
+        assert moved_since(t0, transfer_counters(c)) == {
+            "sent:layerwise": known_bytes, "received:layerwise": known_bytes,
+        }  # fmt: skip
 
         def kv(sample: str, **labels) -> float:
             return metric(c, "kvstore-0", sample, **labels)
@@ -80,7 +95,10 @@ def test_minio_down_under_load_then_back(model_dir):
                 "failed SSD writes counted",
             )
             assert kv("strata_kvstore_ssd_online") == 0
+            t_down = transfer_counters(c)
             assert ask(client, model, known) == expected  # served while MinIO is down
+            down = moved_since(t_down, transfer_counters(c))
+            assert down.get("received:layerwise", 0) >= known_bytes  # pushed, not recomputed
             wait_until(lambda: load.ok >= down_at + 3, 60, "requests while MinIO is down")
             # new blocks wait in DRAM for their SSD write (the gauge moves at the next report)
             wait_until(lambda: kv("strata_kvstore_blocks", tier="write_behind") > 0, 60,
@@ -100,6 +118,12 @@ def test_minio_down_under_load_then_back(model_dir):
         )
         assert kv("strata_kvstore_persists_total") >= persisted + queued
         assert ask(client, model, known) == expected
+        moved = moved_since(t0, transfer_counters(c))
+        assert not any(k.startswith("fallback:") for k in moved), moved  # no KV lost all along
+        # every byte decode used was pushed by prefill (a push is only cut short, never received,
+        # when a request ends at its first token)
+        assert 0 < moved["received:layerwise"] <= moved["sent:layerwise"]
+        assert set(moved) == {"sent:layerwise", "received:layerwise"}, moved
         c.check()  # no service died
     finally:
         c.stop()

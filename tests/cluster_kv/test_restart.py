@@ -1,12 +1,22 @@
 """Cluster restart keeps the KV pool: blocks written behind to MinIO serve the first request of
-a fresh cluster (same NATS/MinIO data dir, every Strata service restarted)."""
+a fresh cluster (same NATS/MinIO data dir, every Strata service restarted). Every request's
+prompt KV reaches decode by the layer-wise push, asserted on the transfer byte counters (a
+recompute would give the same text)."""
 
 from __future__ import annotations
 
 import openai
 import pytest
 
-from tests.cluster_kv.conftest import SHARED_PREFIX, metric, start_cluster, wait_until
+from tests.cluster_kv.conftest import (
+    SHARED_PREFIX,
+    kv_bytes_per_token,
+    metric,
+    moved_since,
+    start_cluster,
+    transfer_counters,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -21,12 +31,24 @@ def complete(cluster, prompt: str):
     )
 
 
+def pushed(cluster, prompt: str):
+    """`complete`, asserting its whole prompt's KV moved to decode by the layer-wise push and
+    nothing fell back."""
+    t0 = transfer_counters(cluster)
+    r = complete(cluster, prompt)
+    n = r.usage.prompt_tokens * kv_bytes_per_token(cluster.model_dir)
+    assert moved_since(t0, transfer_counters(cluster)) == {
+        "sent:layerwise": n, "received:layerwise": n,
+    }  # fmt: skip
+    return r
+
+
 def test_restarted_cluster_is_served_from_minio(model_dir, tmp_path):
     data = str(tmp_path / "cluster")
     first = start_cluster(model_dir, data_dir=data)
     try:
-        before = complete(first, SHARED_PREFIX + "Which tier survives a restart?")
-        again = complete(first, SHARED_PREFIX + "Which tier is fastest?")
+        before = pushed(first, SHARED_PREFIX + "Which tier survives a restart?")
+        again = pushed(first, SHARED_PREFIX + "Which tier is fastest?")
         assert again.usage.prompt_tokens_details.cached_tokens >= 64  # engine prefix reuse
         # every pool block is written behind to MinIO (no eviction needed)
         wait_until(
@@ -44,7 +66,7 @@ def test_restarted_cluster_is_served_from_minio(model_dir, tmp_path):
     second = start_cluster(model_dir, data_dir=data)  # fresh processes, same MinIO data
     try:
         assert metric(second, "kvstore-0", "strata_kvstore_hits_total", tier="ssd") == 0
-        after = complete(second, SHARED_PREFIX + "Which tier survives a restart?")
+        after = pushed(second, SHARED_PREFIX + "Which tier survives a restart?")
         assert after.choices[0].text == before.choices[0].text
         assert after.usage.prompt_tokens == before.usage.prompt_tokens
         cached = after.usage.prompt_tokens_details.cached_tokens

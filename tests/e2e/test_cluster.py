@@ -1,5 +1,6 @@
 """The whole cluster end to end: the official openai client against the REST gateway, greedy
-output equal to an in-process run, an image request, clean errors, and no process left behind."""
+output equal to an in-process run (with the prompt's KV pushed prefill -> decode, per the
+transfer byte counters), an image request, clean errors, and no process left behind."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
+from tests.cluster_kv.conftest import kv_bytes_per_token, moved_since, transfer_counters
 from tests.e2e.conftest import start_cluster
 
 openai = pytest.importorskip("openai")
@@ -60,13 +62,19 @@ def _model_id(client) -> str:
     return client.models.list().data[0].id
 
 
-def test_chat_completion_matches_in_process_greedy(client, reference_text):
+def test_chat_completion_matches_in_process_greedy(cluster, client, reference_text):
+    t0 = transfer_counters(cluster)
     r = client.chat.completions.create(
         model=_model_id(client), messages=PROMPT, max_tokens=MAX_TOKENS, temperature=0.0
     )
     assert r.choices[0].message.content == reference_text
     assert r.usage.completion_tokens <= MAX_TOKENS
     assert r.usage.prompt_tokens > 0
+    # the same text would come from a decode that recomputed: the counters show the push worked
+    n = r.usage.prompt_tokens * kv_bytes_per_token(cluster.model_dir)
+    assert moved_since(t0, transfer_counters(cluster)) == {
+        "sent:layerwise": n, "received:layerwise": n,
+    }  # fmt: skip
 
 
 def test_streamed_chat_completion_matches_in_process_greedy(client, reference_text):
