@@ -33,8 +33,9 @@ class ServiceFailed(RuntimeError):
 
     def __init__(self, name: str, reason: str, tail: list[str], fatal: str = ""):
         self.name, self.reason, self.tail, self.fatal = name, reason, tail, fatal
-        if fatal:
-            super().__init__(f"{name}: {fatal}")
+        if fatal:  # "decode: <why>" from decode-0 reads "decode-0: <why>"
+            role = name.rsplit("-", 1)[0] + ": "
+            super().__init__(f"{name}: {fatal.removeprefix(role)}")
             return
         lines = "\n".join(f"  | {line}" for line in tail) or "  | (no output)"
         super().__init__(f"{name} {reason}; last log lines:\n{lines}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -114,7 +115,8 @@ def test_up_reports_a_service_bad_setting_in_one_line(tmp_path, model):
     res = up(tmp_path, model, "--no-minio", "--env", "STRATA_METRICS_PORT=abc", env=env)
     assert res.returncode == 1
     line = one_failure_line(res.stderr)
-    assert "invalid setting STRATA_METRICS_PORT (--metrics-port): " in line, line
+    assert re.search(r"start-up failed: [a-z]+-0: invalid setting STRATA_METRICS_PORT "
+                     r"\(--metrics-port\): ", line), line  # fmt: skip
     assert "(got 'abc')" in line and "last log lines" not in res.stderr
 
 
@@ -157,7 +159,7 @@ def test_supervisor_reports_the_fatal_line_not_the_tail():
     sup.start(ProcSpec("decode-0", [sys.executable, "-c", code]))
     with pytest.raises(ServiceFailed) as err:
         sup.wait_ready(["decode-0"], 30)
-    assert str(err.value) == "decode-0: decode: bad thing; fix it"
+    assert str(err.value) == "decode-0: bad thing; fix it"
     assert err.value.fatal == "decode: bad thing; fix it" and "loading..." in err.value.tail
     sup.stop_all(1)
 
