@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import resource
 import statistics
 import time
@@ -42,7 +43,7 @@ def rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def p1(lm, path, n: int, out_len: int) -> list[str]:
+def p1(lm, path, n: int, out_len: int, repeats: int = 3) -> list[str]:
     from transformers import AutoModelForCausalLM
 
     ps = workload(n)
@@ -62,23 +63,26 @@ def p1(lm, path, n: int, out_len: int) -> list[str]:
                 mask = torch.tensor([[0] * (m - len(p)) + [1] * len(p) for p in chunk])
                 hf.generate(ids, attention_mask=mask, **gen)
 
-    t_ours = t_batch = float("inf")
-    for _ in range(2):  # alternate the two fast sides, best of two (shared, loaded box)
+    def hf_single() -> list:
+        with torch.no_grad():
+            return [hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                **gen)[0, len(p) :] for p in ps]  # fmt: skip
+
+    times: dict[str, list[float]] = {"strata": [], "batched": [], "single": []}
+    for _ in range(repeats):  # every side the same number of runs, alternated
         eng = engine(lm)  # fresh: no prefix-cache hits from the previous round
         eng.generate(workload(1, seed=99), SamplingParams(temperature=0, max_tokens=2))
         t = time.perf_counter()
         ours = eng.generate(ps, sp)
-        t_ours = min(t_ours, time.perf_counter() - t)
+        times["strata"].append(time.perf_counter() - t)
         t = time.perf_counter()
         hf_batched()
-        t_batch = min(t_batch, time.perf_counter() - t)
-    t = time.perf_counter()
-    single = []
-    with torch.no_grad():
-        for p in ps:
-            ids = torch.tensor([p])
-            single.append(hf.generate(ids, attention_mask=torch.ones_like(ids), **gen)[0, len(p) :])
-    t_single = time.perf_counter() - t
+        times["batched"].append(time.perf_counter() - t)
+        t = time.perf_counter()
+        single = hf_single()
+        times["single"].append(time.perf_counter() - t)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    best = {k: min(v) for k, v in times.items()}
     agree = sum(o == s.tolist() for o, s in zip(ours, single, strict=True))
     toks = n * out_len
     st = eng.stats()
@@ -89,10 +93,14 @@ def p1(lm, path, n: int, out_len: int) -> list[str]:
     ]
     return [
         f"P1 throughput ({n} prompts 64-480 tok, {out_len} out, concurrency 16):",
-        f"- strata engine: {t_ours:.2f} s, {toks / t_ours:.1f} out tok/s",
-        f"- transformers one-at-a-time: {t_single:.2f} s -> ratio {t_single / t_ours:.2f}x",
-        f"- transformers batched (16, left pad): {t_batch:.2f} s -> ratio {t_batch / t_ours:.2f}x"
-        " (strata and this side: best of 2, alternated)",
+        f"- {repeats} runs per side, alternated; load average (1 min) now {os.getloadavg()[0]:.2f}",
+        f"- strata engine: median {med['strata']:.2f} s ({toks / med['strata']:.1f} out tok/s), "
+        f"best {best['strata']:.2f} s, spread {min(times['strata']):.2f}-{max(times['strata']):.2f} s",
+        f"- transformers one-at-a-time: median {med['single']:.2f} s, best {best['single']:.2f} s "
+        f"-> ratio {med['single'] / med['strata']:.2f}x (medians), {best['single'] / best['strata']:.2f}x (bests)",
+        f"- transformers batched (16, left pad): median {med['batched']:.2f} s, best "
+        f"{best['batched']:.2f} s -> ratio {med['batched'] / med['strata']:.2f}x (medians), "
+        f"{best['batched'] / best['strata']:.2f}x (bests)",
         f"- greedy outputs identical to transformers: {agree}/{n}",
         *diverged,
         f"- engine: {st.steps} steps, forward {st.forward_time_s:.2f} s, step {st.step_time_s:.2f} s"
@@ -320,6 +328,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="16 prompts x 32 tokens for P1 etc.")
     ap.add_argument("--only", default="p1,p3,overlap,tbt,spec,int8")
     ap.add_argument("--threads", type=int, default=2, help="torch threads, both sides")
+    ap.add_argument("--repeats", type=int, default=3, help="P1 runs per side, alternated")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     path = build_benchmark_model(MODEL_DIR)
@@ -327,7 +336,7 @@ def main() -> None:
     VOCAB[0] = lm.config.vocab_size - 64  # stay clear of special and padding ids
     n, out_len = (16, 32) if args.quick else (64, 64)
     parts = {
-        "p1": lambda: p1(lm, path, n, out_len),
+        "p1": lambda: p1(lm, path, n, out_len, args.repeats),
         "p3": lambda: p3(lm),
         "overlap": lambda: overlap(lm, n, out_len),
         "tbt": lambda: tbt(lm, 1 if args.quick else 2),

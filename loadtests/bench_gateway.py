@@ -3,11 +3,13 @@ the gateway adds per request, and 500 concurrent streams.
 
     .venv/bin/python -m loadtests.bench_gateway [--quick] [--only p2,latency,streams]
 
-P2 runs both sides in this one invocation on the standard benchmark model
+P2 runs every side in this one invocation on the standard benchmark model
 (``build_benchmark_model``): the same prompts (64 of 64-480 tokens, made of one-token words),
-64 output tokens, greedy, ignore_eos, concurrency 16. The engine side runs in this process with
-``--threads`` torch threads; the cluster sides get the same threads in total (see the report).
-Prints a markdown report.
+64 output tokens, greedy, ignore_eos, concurrency 16; ``--repeats`` runs per side, alternated.
+Sides: the in-process engine (``--threads`` torch threads, the whole 2-core box at 2), the
+cluster as `strata up` starts it by default (prefill + decode + kvstore + MinIO, 1 thread per
+model process), and the flattering decode-only cluster as a second row. Prints a markdown table
+with median, best, spread and the load average.
 """
 
 from __future__ import annotations
@@ -46,14 +48,17 @@ def p2_prompts(n: int, seed: int = 0, lo: int = 64, hi: int = 480) -> list[str]:
     return [" ".join(words(rng, rng.randint(lo, hi))) for _ in range(n)]
 
 
-def engine_side(model_dir: str, prompts: list[str], out_len: int, conc: int) -> dict:
-    """The in-process engine on the same token ids the tokenizer service produces."""
+def engine_side(model_dir: str, prompts: list[str], out_len: int, conc: int,
+                threads: int) -> dict:  # fmt: skip
+    """The in-process engine on the same token ids the tokenizer service produces, all prompts
+    offered at once with at most ``conc`` running (the cluster's concurrency)."""
     from services.worker.config import WorkerConfig
     from shared.engine.engine import LLMEngine
     from shared.engine.params import SamplingParams
     from shared.model.loader import load_model
     from shared.model.tokenizer import Tokenizer
 
+    torch.set_num_threads(threads)
     tok = Tokenizer.from_dir(model_dir)
     ids = [tok.encode(p) for p in prompts]
     cfg = WorkerConfig.load([], role="decode", max_num_seqs=conc).engine_config()
@@ -64,17 +69,19 @@ def engine_side(model_dir: str, prompts: list[str], out_len: int, conc: int) -> 
         t, cpu = time.perf_counter(), time.process_time()
         out = eng.generate(ids, sp)
         wall, cpu = time.perf_counter() - t, time.process_time() - cpu
-    return {"wall": wall, "cpu": cpu, "tokens": sum(map(len, out)),
-            "prompt_tokens": sum(map(len, ids))}  # fmt: skip
+    eng.close()
+    return {"wall": wall, "cpu": cpu, "tokens": sum(map(len, out)), "errors": 0,
+            "prompt_tokens": sum(map(len, ids)), "ttft_p50": float("nan")}  # fmt: skip
 
 
 def cluster_side(model_dir: str, prompts: list[str], out_len: int, conc: int,
                  **cluster_kw) -> dict:  # fmt: skip
+    """A fresh `Cluster` (as `strata up` starts it, with ``cluster_kw`` on top), driven through
+    the gateway by the load generator; CPU is summed over every service process."""
     from services.launcher import Cluster
 
     jobs = [Job(i, out_len, prompt=p) for i, p in enumerate(prompts)]
-    with open(os.devnull, "w") as sink, Cluster(model_dir, vision=0, kvstore=0, minio=False,
-                                               log_stream=sink, die_with_parent=True,
+    with open(os.devnull, "w") as sink, Cluster(model_dir, log_stream=sink, die_with_parent=True,
                                                log_level="WARNING", **cluster_kw) as c:  # fmt: skip
         cfg = RunConfig(c.gateway_url, os.path.basename(model_dir), request_timeout=600,
                         deadline=1800, progress=False)  # fmt: skip
@@ -89,35 +96,48 @@ def cluster_side(model_dir: str, prompts: list[str], out_len: int, conc: int,
             "errors": s.requests - s.ok, "ttft_p50": s.ttft.p50, "tbt_p50": s.tbt.p50}  # fmt: skip
 
 
-def p2(n: int, out_len: int, threads: int) -> list[str]:
+P2_SIDES = {
+    # What `strata up --model CK` starts: prefill 1 + decode 1 + kvstore + MinIO, 1 torch thread
+    # per model process (both cores used by the two model processes).
+    "cluster default (strata up)": dict(),
+    # The flattering variant: decode prefills itself, no kvstore/MinIO, 2 threads in one process.
+    "cluster decode-only, 2 threads": dict(prefill=0, kvstore=0, minio=False, torch_threads=2),
+}
+
+
+def p2(n: int, out_len: int, threads: int, repeats: int) -> list[str]:
+    """Each side ``repeats`` times, alternated (engine, cluster default, cluster decode-only,
+    engine, ...), on the same box: median, best and spread of out tok/s per side, and the ratio
+    of the cluster medians to the engine median. The engine gets ``threads`` torch threads (the
+    whole box at 2); the clusters get the same box."""
     from shared.model.default_model import build_benchmark_model
 
     model_dir = str(build_benchmark_model(os.path.join(".cache", "models", "benchmark")))
     prompts = p2_prompts(n)
     conc = 16
-    torch.set_num_threads(threads)
-    eng = engine_side(model_dir, prompts, out_len, conc)
-    rows = [f"P2 ({n} prompts of 64-480 tokens, {out_len} out, greedy, ignore_eos, "
-            f"concurrency {conc}, benchmark model):",
-            f"- in-process LLMEngine, {threads} torch threads: {eng['wall']:.2f} s, "
-            f"{eng['tokens'] / eng['wall']:.1f} out tok/s, CPU {eng['cpu']:.1f} s -> "
-            f"{eng['tokens'] / eng['cpu']:.1f} out tok per CPU-s"]  # fmt: skip
-    sides = [("cluster prefill=0 decode=1", dict(prefill=0, decode=1, torch_threads=threads))]
-    if threads >= 2:
-        sides.append(("cluster PD prefill=1 decode=1",
-                      dict(prefill=1, decode=1, torch_threads=threads // 2)))  # fmt: skip
-    for name, kw in sides:
-        c = cluster_side(model_dir, prompts, out_len, conc, **kw)
-        ratio = (c["tokens"] / c["wall"]) / (eng["tokens"] / eng["wall"])
-        cpu_ratio = (c["tokens"] / c["cpu"]) / (eng["tokens"] / eng["cpu"])
-        rows.append(
-            f"- {name}, {kw['torch_threads']} torch threads per model process: "
-            f"{c['wall']:.2f} s, {c['tokens'] / c['wall']:.1f} out tok/s -> ratio {ratio:.2f} "
-            f"(errors {c['errors']}, prompt tokens {c['prompt_tokens']} vs engine "
-            f"{eng['prompt_tokens']}, TTFT p50 {c['ttft_p50'] * 1e3:.0f} ms, "
-            f"TBT p50 {c['tbt_p50'] * 1e3:.1f} ms); cluster CPU {c['cpu']:.1f} s (all services) "
-            f"-> {c['tokens'] / c['cpu']:.1f} out tok per CPU-s, ratio {cpu_ratio:.2f}"
-        )
+    runs: dict[str, list[dict]] = {"in-process engine": [], **{k: [] for k in P2_SIDES}}
+    load = [os.getloadavg()[0]]
+    for _ in range(repeats):
+        runs["in-process engine"].append(engine_side(model_dir, prompts, out_len, conc, threads))
+        for name, kw in P2_SIDES.items():
+            runs[name].append(cluster_side(model_dir, prompts, out_len, conc, **kw))
+        load.append(os.getloadavg()[0])
+    rates = {k: [r["tokens"] / r["wall"] for r in v] for k, v in runs.items()}
+    base = statistics.median(rates["in-process engine"])
+    rows = [f"P2: {n} prompts of 64-480 tokens, {out_len} out, greedy, ignore_eos, concurrency "
+            f"{conc}, benchmark model; {repeats} runs per side, alternated; engine {threads} torch "
+            f"threads; load average (1 min) {min(load):.2f}-{max(load):.2f}", "",
+            "| side | out tok/s median | best | spread (min-max) | ratio (median / engine median)"
+            " | TTFT p50 median | out tok per CPU-s | errors |",
+            "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    for name, rs in runs.items():
+        r = rates[name]
+        per_cpu = statistics.median(x["tokens"] / x["cpu"] for x in rs)
+        ttft = statistics.median(x["ttft_p50"] for x in rs) * 1e3
+        rows.append(f"| {name} | {statistics.median(r):.1f} | {max(r):.1f} | {min(r):.1f}-"
+                    f"{max(r):.1f} | {statistics.median(r) / base:.2f} | "
+                    f"{'-' if ttft != ttft else f'{ttft:.0f} ms'} | {per_cpu:.1f} | "
+                    f"{sum(x['errors'] for x in rs)} |")  # fmt: skip
     return rows
 
 
@@ -273,7 +293,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="16 P2 prompts, 200 latency samples")
     ap.add_argument("--only", default="p2,latency,streams")
-    ap.add_argument("--threads", type=int, default=2, help="torch threads per side (P2)")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads of the engine (P2)")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per side, alternated (P2)")
     a = ap.parse_args()
     only = set(a.only.split(","))
     if "latency" in only:
@@ -281,7 +302,7 @@ def main() -> None:
     if "streams" in only:
         print("\n".join(streams(500, 8)) + "\n", flush=True)
     if "p2" in only:
-        print("\n".join(p2(16 if a.quick else 64, 64, a.threads)) + "\n", flush=True)
+        print("\n".join(p2(16 if a.quick else 64, 64, a.threads, a.repeats)) + "\n", flush=True)
 
 
 if __name__ == "__main__":
