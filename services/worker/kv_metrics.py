@@ -62,6 +62,7 @@ def fallback_reason(exc: BaseException) -> str:
 
 
 def count_fallback(reason: str) -> None:
+    """One prompt decode recomputes because its KV did not arrive, for ``reason``."""
     if reason not in FALLBACK_REASONS:
         raise ValueError(
             f"unknown KV fallback reason {reason!r}; expected one of {FALLBACK_REASONS}"
