@@ -79,6 +79,15 @@ class Auth:
 
     def authenticate(self, header: str | None, model: str) -> KeyPolicy | None:
         """The caller's policy (None when auth is off); 401 / 403 otherwise."""
+        policy = self.check_key(header)
+        if policy is not None and "*" not in policy.models and model not in policy.models:
+            raise ApiError("forbidden", f"this API key may not use model '{model}'",
+                           param="model")  # fmt: skip
+        return policy
+
+    def check_key(self, header: str | None) -> KeyPolicy | None:
+        """The policy of the key in an ``Authorization`` header (None when auth is off); 401
+        when it is missing or unknown. Model permissions are `authenticate`'s."""
         if not self.enabled:
             return None
         token = (header or "").strip()
@@ -92,9 +101,6 @@ class Auth:
                 policy = pol
         if policy is None:
             raise ApiError("unauthorized", "invalid API key")
-        if "*" not in policy.models and model not in policy.models:
-            raise ApiError("forbidden", f"this API key may not use model '{model}'",
-                           param="model")  # fmt: skip
         return policy
 
     def charge(self, policy: KeyPolicy | None, tokens: int) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,15 +61,46 @@ class GenerateSpec:
         return r.logprobs
 
 
+# A ``\uD800``-``\uDFFF`` escape: the only way a lone surrogate gets into a decoded body
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
 def parse_json(raw: bytes) -> dict[str, Any]:
-    """Decode a request body; malformed JSON or a non-object names the problem."""
+    """Decode a request body; malformed JSON, nesting too deep for the parser, a lone UTF-16
+    surrogate (it cannot be encoded for the bus) or a non-object names the problem."""
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ApiError("bad_request", f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ApiError("bad_request", "request body is not valid JSON: nested too deeply") from None
     if not isinstance(body, dict):
         raise ApiError("bad_request", "request body must be a JSON object")
+    if _SURROGATE_ESCAPE.search(raw):
+        check_text(body)
     return body
+
+
+def check_text(obj: Any, where: str = "body") -> None:
+    """Raise a 400 naming the field when a string in ``obj`` (keys too) holds a lone UTF-16
+    surrogate such as ``"\\ud800"``: valid JSON, but not text UTF-8 (and msgpack) can carry."""
+    stack: list[tuple[Any, str]] = [(obj, where)]
+    while stack:
+        o, path = stack.pop()
+        if isinstance(o, str):
+            if not o.isascii():
+                try:
+                    o.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise ApiError("bad_request", f"invalid text in '{path}': a lone UTF-16 "
+                                   "surrogate (\\ud800-\\udfff) is not a character",
+                                   param=path) from None  # fmt: skip
+        elif isinstance(o, dict):
+            for k, v in o.items():
+                stack.append((k, path))
+                stack.append((v, f"{path}.{k}" if path != "body" else str(k)))
+        elif isinstance(o, list):
+            stack.extend((v, f"{path}.{i}") for i, v in enumerate(o))
 
 
 def validation_error(exc: ValidationError) -> ApiError:

@@ -18,33 +18,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.gateway import metrics as m
+from services.gateway import openapi
+from services.gateway.auth import Auth
 from services.gateway.core import ApiError, error_body, parse_json
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from services.gateway.service import GatewayService
 from shared.protocol.errors import StrataError
 
 log = logging.getLogger(__name__)
-
-
-def _body_doc(model: type) -> dict[str, Any]:
-    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
-    schema.pop("$defs", None)  # added to components by `_openapi`
-    return {"requestBody": {"required": True,
-                            "content": {"application/json": {"schema": schema}}}}  # fmt: skip
-
-
-def _openapi(app: FastAPI):
-    def build() -> dict[str, Any]:
-        if app.openapi_schema is None:
-            schema = FastAPI.openapi(app)
-            comps = schema.setdefault("components", {}).setdefault("schemas", {})
-            for model in (ChatCompletionRequest, CompletionRequest):
-                js = model.model_json_schema(ref_template="#/components/schemas/{model}")
-                comps.update(js.get("$defs", {}))
-            app.openapi_schema = schema
-        return app.openapi_schema
-
-    return build
 
 
 def error_response(err: StrataError) -> JSONResponse:
@@ -75,9 +56,35 @@ async def _race(coro, request: Request):
             t.cancel()  # no await: the task cleans up (bus cancel) on its own
 
 
+OPEN_PATHS = frozenset({"/health", "/health/live", "/health/ready"})
+"""Routes that need no API key when keys are on (probes); every other route needs one."""
+
+
+class _RequireKey:
+    """Pure ASGI middleware: with API keys on, every route but `OPEN_PATHS` answers 401 without
+    a valid key (``/v1/*``, ``/metrics``, ``/docs``, ``/openapi.json``, unknown paths). The
+    generation routes check the key's model permission again in `GatewayService.open`."""
+
+    def __init__(self, app, auth: Auth):
+        self.app = app
+        self.auth = auth
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and self.auth.enabled and scope["path"] not in OPEN_PATHS:
+            header = next((v.decode("latin-1") for k, v in scope["headers"]
+                           if k == b"authorization"), None)  # fmt: skip
+            try:
+                self.auth.check_key(header)
+            except StrataError as exc:
+                return await error_response(exc)(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
 class _CountStatus:
     """Pure ASGI middleware counting responses by route and status (no body buffering, so
-    streaming and disconnect detection are untouched)."""
+    streaming and disconnect detection are untouched). An unexpected error before the response
+    started becomes a 500 body here, so the connection stays usable (raised further, the server
+    would log it again and close the keep-alive connection)."""
 
     def __init__(self, app):
         self.app = app
@@ -94,8 +101,20 @@ class _CountStatus:
 
         path = scope.get("path", "")
         route = path if path.startswith(("/v1/", "/health")) or path == "/metrics" else "other"
+        started = [False]
+
+        async def send_started(msg):
+            started[0] = started[0] or msg["type"] == "http.response.start"
+            await send_status(msg)
+
         try:
-            await self.app(scope, receive, send_status)
+            await self.app(scope, receive, send_started)
+        except Exception as exc:  # noqa: BLE001 - last line of defence, see the class doc
+            log.error("unhandled %s on %s: %s", type(exc).__name__, path, exc, exc_info=exc)
+            if started[0]:
+                raise
+            err = StrataError("internal", f"{type(exc).__name__}: {exc}")
+            await error_response(err)(scope, receive, send_status)
         finally:
             m.HTTP.labels(route, str(status[0])).inc()
 
@@ -113,6 +132,7 @@ def build_app(service: GatewayService) -> FastAPI:
         log.error("unhandled %s: %s", type(exc).__name__, exc, exc_info=exc)
         return error_response(StrataError("internal", f"{type(exc).__name__}: {exc}"))
 
+    app.add_middleware(_RequireKey, auth=service.auth)
     app.add_middleware(_CountStatus)
 
     async def handle(kind: str, request: Request) -> Response:
@@ -136,11 +156,11 @@ def build_app(service: GatewayService) -> FastAPI:
                 run.close()
         return _SSEResponse(run, cfg.sse_header_hold)
 
-    @app.post("/v1/chat/completions", openapi_extra=_body_doc(ChatCompletionRequest))
+    @app.post("/v1/chat/completions", openapi_extra=openapi.body_doc(ChatCompletionRequest))
     async def chat(request: Request) -> Response:
         return await handle("chat", request)
 
-    @app.post("/v1/completions", openapi_extra=_body_doc(CompletionRequest))
+    @app.post("/v1/completions", openapi_extra=openapi.body_doc(CompletionRequest))
     async def completions(request: Request) -> Response:
         return await handle("completion", request)
 
@@ -175,7 +195,7 @@ def build_app(service: GatewayService) -> FastAPI:
     async def metrics_endpoint() -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
-    app.openapi = _openapi(app)
+    openapi.install(app)
     return app
 
 
@@ -184,7 +204,9 @@ _DONE = b"data: [DONE]\n\n"
 
 class _SSEResponse(StreamingResponse):
     """A run streamed as server-sent events: ``data: <chunk>`` lines ending in ``data: [DONE]``;
-    an error mid-stream is sent as an error object.
+    an error after tokens were sent is sent as an error object. An error that comes before the
+    headers went out (no token yet: overload 429, no instance 503, ...) gets its real status and
+    the OpenAI error body instead, as a non-streaming request would.
 
     Written in as few socket writes as the stream allows: the status line and headers wait for
     the first token (at most ``hold`` seconds), so headers, the chat role chunk and the first
@@ -211,6 +233,7 @@ class _SSEResponse(StreamingResponse):
 
         disc = asyncio.create_task(watch())
         body, started = b"", False
+        failed: StrataError | None = None
         try:
             try:
                 while True:
@@ -231,12 +254,20 @@ class _SSEResponse(StreamingResponse):
                                     "more_body": True})  # fmt: skip
                         body = b""
             except StrataError as exc:
-                body += _line(error_body(exc))
+                failed = exc
             except Exception as exc:  # noqa: BLE001 - reported to the client as a 500 object
                 log.exception("stream %s failed", run.request_id)
-                body += _line(error_body(StrataError("internal", f"{type(exc).__name__}: {exc}")))
+                failed = StrataError("internal", f"{type(exc).__name__}: {exc}")
             if disc.done():
                 return  # client gone
+            if failed is not None and not started:  # nothing sent yet: the real status
+                resp = error_response(failed)
+                await send({"type": "http.response.start", "status": resp.status_code,
+                            "headers": resp.raw_headers})  # fmt: skip
+                await send({"type": "http.response.body", "body": resp.body})
+                return
+            if failed is not None:
+                body += _line(error_body(failed))
             if not started:
                 await send({"type": "http.response.start", "status": self.status_code,
                             "headers": self.raw_headers})  # fmt: skip

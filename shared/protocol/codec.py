@@ -36,5 +36,10 @@ def encode_error(err: StrataError) -> bytes:
 def _unpack(data: bytes) -> Any:
     try:
         return msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except msgpack.StackError:
+        raise StrataError(
+            "bad_request", "message is not valid msgpack: nested too deeply"
+        ) from None
     except Exception as exc:  # msgpack raises several unrelated types
-        raise StrataError("bad_request", f"message is not valid msgpack: {exc}") from exc
+        why = str(exc) or type(exc).__name__
+        raise StrataError("bad_request", f"message is not valid msgpack: {why}") from exc
