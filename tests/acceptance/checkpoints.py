@@ -1,0 +1,148 @@
+"""Checkpoints as a user brings them: written by today's ``transformers`` ``save_pretrained``
+(model, tokenizer and, for LLaVA, the processor), random weights, offline.
+
+Each builder returns a `Checkpoint`: the directory and the transformers objects that serve as the
+oracle. The tokenizer is Strata's small byte-level BPE handed to ``PreTrainedTokenizerFast``, so
+transformers writes its own tokenizer files (``tokenizer.json``, ``tokenizer_config.json``,
+``chat_template.jinja``) the way it does for any hub model.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from shared.model.default_model import CHAT_TEMPLATE, train_tokenizer
+
+transformers = __import__("pytest").importorskip("transformers")
+
+VOCAB = 4096  # the trained tokenizer's size (special tokens included), a multiple of 64
+IMAGE_TOKEN = "<image>"
+_CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
+_CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
+
+
+@dataclass
+class Checkpoint:
+    name: str
+    path: Path
+    model: object  # transformers model, eval mode
+    tokenizer: object  # transformers tokenizer
+    processor: object | None = None  # transformers processor (LLaVA)
+
+
+@functools.lru_cache(maxsize=1)
+def _bpe():
+    return train_tokenizer()
+
+
+def hf_tokenizer():
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=_bpe(), eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        extra_special_tokens={"image_token": IMAGE_TOKEN},
+    )  # fmt: skip
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def _rope(theta: float, scaling: dict | None = None) -> dict:
+    return {"rope_parameters": {"rope_type": "default", **(scaling or {}), "rope_theta": theta}}
+
+
+def _text_config(kind: str, tok) -> object:
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    common = dict(vocab_size=VOCAB, intermediate_size=128, num_hidden_layers=2,
+                  initializer_range=0.5, max_position_embeddings=4096, eos_token_id=eos,
+                  bos_token_id=None, pad_token_id=tok.pad_token_id)  # fmt: skip
+    if kind == "llama":  # llama3 rope scaling, GQA 6:2, head_dim 16
+        return transformers.LlamaConfig(
+            hidden_size=96, num_attention_heads=6, num_key_value_heads=2, head_dim=16,
+            tie_word_embeddings=False, **_rope(500000.0, dict(
+                rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                original_max_position_embeddings=64)), **common,
+        )  # fmt: skip
+    if kind == "qwen2":  # tied embeddings, qkv bias (Qwen2 always has it), GQA 4:2
+        return transformers.Qwen2Config(
+            hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+            tie_word_embeddings=True, **_rope(1e6), **common,
+        )  # fmt: skip
+    if kind == "qwen3":  # odd GQA ratio 3:1, head_dim 16 != hidden / heads, q/k norm
+        return transformers.Qwen3Config(
+            hidden_size=64, num_attention_heads=6, num_key_value_heads=2, head_dim=16,
+            tie_word_embeddings=False, **_rope(1e6), **common,
+        )  # fmt: skip
+    raise ValueError(kind)
+
+
+def build_text(kind: str, path: Path) -> Checkpoint:
+    """``kind``: llama | qwen2 | qwen3 (shapes above)."""
+    tok = hf_tokenizer()
+    cfg = _text_config(kind, tok)
+    cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
+           "qwen3": transformers.Qwen3ForCausalLM}[kind]  # fmt: skip
+    torch.manual_seed(0)
+    model = cls(cfg).eval()
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return Checkpoint(kind, Path(path), model, tok)
+
+
+def build_llava(path: Path) -> Checkpoint:
+    """CLIP ViT (32 px, 8 px patches: 16 image tokens) + projector + Qwen2, saved with today's
+    ``LlavaProcessor.save_pretrained`` (``processor_config.json`` with the image processor
+    nested, no ``preprocessor_config.json``)."""
+    tok = hf_tokenizer()
+    vc = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, image_size=32, patch_size=8)  # fmt: skip
+    cfg = transformers.LlavaConfig(
+        vision_config=vc, text_config=_text_config("qwen2", tok),
+        image_token_index=tok.convert_tokens_to_ids(IMAGE_TOKEN), vision_feature_layer=-2,
+        vision_feature_select_strategy="default", image_seq_length=16,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlavaForConditionalGeneration(cfg).eval()
+    with torch.no_grad():  # make images matter: projector output on the scale of embeddings
+        model.model.multi_modal_projector.linear_2.weight.mul_(20)
+    model.save_pretrained(path)
+    image_processor = transformers.CLIPImageProcessor(
+        size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32},
+        image_mean=_CLIP_MEAN, image_std=_CLIP_STD,
+    )  # fmt: skip
+    processor = transformers.LlavaProcessor(
+        image_processor=image_processor, tokenizer=tok, patch_size=8,
+        vision_feature_select_strategy="default", num_additional_image_tokens=1,
+        image_token=IMAGE_TOKEN, chat_template=CHAT_TEMPLATE,
+    )  # fmt: skip
+    processor.save_pretrained(path)
+    return Checkpoint("llava", Path(path), model, tok, processor)
+
+
+def test_image(seed: int = 3, size: tuple[int, int] = (45, 37)) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+
+
+test_image.__test__ = False  # a helper, not a pytest test
+
+
+def greedy(ck: Checkpoint, ids: list[int], n: int, pixel_values=None):
+    """``n`` greedy tokens (no stop rule) and each step's log-probabilities, with transformers'
+    own KV cache."""
+    out, logprobs, past = [], [], None
+    inp = torch.tensor([ids])
+    extra = {} if pixel_values is None else {"pixel_values": pixel_values}
+    with torch.no_grad():
+        for _ in range(n):
+            res = ck.model(input_ids=inp, past_key_values=past, use_cache=True, **extra)
+            extra = {}
+            past = res.past_key_values
+            lp = torch.log_softmax(res.logits[0, -1].float(), -1)
+            out.append(int(lp.argmax()))
+            logprobs.append(lp)
+            inp = torch.tensor([[out[-1]]])
+    return out, logprobs
