@@ -1,0 +1,119 @@
+"""Micro-benchmarks behind docs/benchmarks/model.md: the GEMM and decode-attention numbers.
+
+    .venv/bin/python -m loadtests.bench_kernels [--threads 1,2] [--repeats 50]
+
+GEMM: ``F.linear`` (MKL) against `shared.model.layers.Gemm` (oneDNN, weight prepacked) at the
+benchmark model's shapes, median ms, and the max error of each against a float64 product.
+Decode attention: one layer, 16 and 64 sequences with contexts 64-544, block 16, 8 heads over 4 KV
+heads of 64: the torch path (per-sequence gather + SDPA on one thread, what `paged_attention` runs
+without the kernel) against the native kernel (`shared.model.cpu_kernels.decode_attention`).
+Both sides alternate call by call; the report gives the median and the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from shared.model import cpu_kernels
+from shared.model.attention import _context, _serial
+from shared.model.layers import Gemm
+
+GEMM_SHAPES = [(16, 512, 2816), (16, 1408, 512), (64, 512, 2816), (1024, 512, 2816),
+               (1024, 1408, 512)]  # fmt: skip
+
+
+def alternate(fns: dict, repeats: int) -> dict[str, float]:
+    """Median ms of each callable, called in turn ``repeats`` times (after one warm-up each)."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            times[k].append((time.perf_counter() - t) * 1e3)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def gemm(repeats: int) -> list[str]:
+    rows = ["| rows x in -> out | F.linear (MKL) ms | oneDNN prepacked ms | speed-up | max err MKL"
+            " | max err oneDNN |", "| --- | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    for m, k, n in GEMM_SHAPES:
+        x = torch.randn(m, k, generator=g)
+        w = torch.randn(n, k, generator=g) * k**-0.5
+        packed = Gemm(w, None)
+        ms = alternate({"mkl": lambda: F.linear(x, w), "onednn": lambda: packed(x)}, repeats)
+        exact = (x.double() @ w.double().T).float()
+        err_mkl = (F.linear(x, w) - exact).abs().max().item()
+        err_dnn = (packed(x) - exact).abs().max().item()
+        rows.append(f"| {m} x {k} -> {n} | {ms['mkl']:.3f} | {ms['onednn']:.3f} | "
+                    f"{ms['mkl'] / ms['onednn']:.2f}x | {err_mkl:.1e} | {err_dnn:.1e} |")  # fmt: skip
+    return rows
+
+
+def decode_attention(repeats: int) -> list[str]:
+    heads, kvh, dim, bs = 8, 4, 64, 16
+    rows = ["| sequences | torch path ms | native kernel ms | speed-up |",
+            "| ---: | ---: | ---: | ---: |"]  # fmt: skip
+    for n_seq in (16, 64):
+        rng = random.Random(n_seq)
+        ctx = [rng.randint(64, 544) for _ in range(n_seq)]
+        nblocks = [-(-c // bs) for c in ctx]
+        g = torch.Generator().manual_seed(n_seq)
+        total = sum(nblocks) + 8
+        k_cache = torch.randn(total, bs, kvh, dim, generator=g)
+        v_cache = torch.randn(total, bs, kvh, dim, generator=g)
+        perm = torch.randperm(total, generator=g)
+        tables = torch.zeros(n_seq, max(nblocks), dtype=torch.long)
+        used = 0
+        for i, nb in enumerate(nblocks):
+            tables[i, :nb] = perm[used : used + nb]
+            used += nb
+        q = torch.randn(n_seq, heads, dim, generator=g)
+        lens = torch.tensor(ctx)
+        scale = dim**-0.5
+        qg = q.view(n_seq, kvh, heads // kvh, dim)
+
+        def torch_path() -> None:
+            with _serial(q.device):
+                for j, c in enumerate(ctx):
+                    blocks = tables[j, : nblocks[j]]
+                    kd, vd = _context(k_cache, blocks, c), _context(v_cache, blocks, c)
+                    F.scaled_dot_product_attention(qg[j], kd, vd, scale=scale)
+
+        def native() -> None:
+            cpu_kernels.decode_attention(q, k_cache, v_cache, tables, lens, scale)
+
+        fns = {"torch": torch_path}
+        if cpu_kernels.available():
+            fns["native"] = native
+        ms = alternate(fns, repeats)
+        nat = ms.get("native", float("nan"))
+        rows.append(f"| {n_seq} | {ms['torch']:.2f} | {nat:.2f} | {ms['torch'] / nat:.2f}x |")
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", default="1,2", help="torch thread counts to run (comma list)")
+    ap.add_argument("--repeats", type=int, default=50, help="timed calls per side")
+    a = ap.parse_args()
+    for threads in (int(t) for t in a.threads.split(",")):
+        torch.set_num_threads(threads)
+        print(f"## {threads} torch thread(s); load average (1 min) {os.getloadavg()[0]:.2f}\n")
+        print("GEMM, benchmark-model shapes:\n")
+        print("\n".join(gemm(a.repeats)) + "\n")
+        print("Decode attention, one layer, contexts 64-544, block 16, 8 heads / 4 KV heads x 64:\n")
+        print("\n".join(decode_attention(a.repeats)) + "\n", flush=True)
+
+
+if __name__ == "__main__":
+    main()
