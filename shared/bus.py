@@ -21,6 +21,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from pydantic import BaseModel, ValidationError
 
 from shared import metrics
+from shared.badmsg import BadMessages, one_line
 from shared.protocol import subjects
 from shared.protocol.codec import decode, encode, encode_error
 from shared.protocol.errors import StrataError
@@ -88,16 +89,28 @@ async def serve(
     req_type: type[Req],
     handler: Callable[[Req], Awaitable[BaseModel | None]],
     queue: str = "",
+    bad: BadMessages | None = None,
 ):
     """Subscribe ``handler``; each message is handled in its own task so one slow or bad request
-    never blocks or kills the others."""
+    never blocks or kills the others. A message that does not decode to ``req_type`` gets a
+    ``bad_request`` reply and is counted in ``bad`` (default: ``strata_bad_messages_total``)
+    with a rate-limited one-line warning, never a traceback."""
     tasks: set[asyncio.Task] = set()
+    bad = bad or _BAD
 
     async def handle(m: NatsMsg) -> None:
         start = time.perf_counter()
         status = "ok"
         try:
-            req = decode(m.data, req_type)
+            try:
+                req = decode(m.data, req_type)
+            except (ValidationError, StrataError) as exc:  # garbage, or an error map as request
+                status = "error"
+                why = one_line(exc)
+                bad.report(_family(subject), m.subject, why)
+                await _reply_error(m, StrataError("bad_request", f"invalid {req_type.__name__}: "
+                                                  f"{why}"))  # fmt: skip
+                return
             rep = await handler(req)
             if m.reply and rep is not None:
                 await m.respond(encode(rep))
@@ -123,6 +136,9 @@ async def serve(
         t.add_done_callback(tasks.discard)
 
     return await nc.subscribe(subject, queue=queue, cb=cb)
+
+
+_BAD = BadMessages(metrics.BAD_MESSAGES, log)
 
 
 async def serve_ping(nc: NATS, subject: str, role: str, instance_id: str, queue: str = ""):

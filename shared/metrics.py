@@ -16,6 +16,11 @@ HANDLER_LATENCY = Histogram(
     "strata_handler_latency_seconds", "Bus handler latency", ["subject"],
     buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30),
 )
+BAD_MESSAGES = Counter(
+    "strata_bad_messages",
+    "Bus requests dropped because they do not decode (per subscription)",
+    ["subject"],
+)
 SERVICE_INFO = Gauge("strata_service_up", "1 while the service runs", ["role", "instance"])
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)

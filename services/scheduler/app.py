@@ -17,12 +17,15 @@ import time
 
 from nats.aio.client import Client as NATS
 from nats.js.api import ConsumerConfig, DeliverPolicy
+from pydantic import ValidationError
 
 from services.scheduler import metrics
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import SchedulerCore
+from services.scheduler.prefix_index import event_problem
 from services.scheduler.snapshots import load_snapshot, save_snapshot
 from shared import bus, service
+from shared.badmsg import BadMessages, one_line
 from shared.kv_stream import ensure_kv_events_stream
 from shared.logs import setup_logging
 from shared.metrics import SERVICE_INFO, serve_metrics
@@ -44,23 +47,45 @@ from shared.registry import registry_bucket
 log = logging.getLogger(__name__)
 
 
+BAD = BadMessages(metrics.BAD_MESSAGES, log)
+"""Bad KV events, load reports and requests: ``strata_scheduler_bad_messages_total{subject}``
+and rate-limited one-line warnings."""
+
+
+def checked_kv_event(data: bytes, subject: str) -> KVEvent | None:
+    """The event in ``data`` when it decodes and passes `event_problem`; else None (counted)."""
+    try:
+        ev = decode(data, KVEvent)
+    except (StrataError, ValidationError) as exc:
+        BAD.report(subjects.KV_EVENTS_ALL, subject, one_line(exc))
+        return None
+    why = event_problem(ev, subject)
+    if why is not None:
+        BAD.report(subjects.KV_EVENTS_ALL, subject, why)
+        return None
+    return ev
+
+
 async def follow_kv_events(
     js, core: SchedulerCore, start_seq: int = 1
 ) -> tuple[object, asyncio.Event]:
     """Replay the stream from ``start_seq`` (1: the start; after a snapshot: the sequence after
     it), then keep following it (one ordered consumer, so replay and live events never overlap).
     The event is set once the replay reached the stream's end. ``core.kv_seq`` tracks the last
-    stream sequence applied (what a snapshot records)."""
+    stream sequence applied (what a snapshot records). Events that fail validation are
+    skipped and counted (`checked_kv_event`)."""
     last = await ensure_kv_events_stream(js)
     replayed = asyncio.Event()
     if last < start_seq:
         replayed.set()
 
     async def on_event(m) -> None:
-        try:
-            core.on_kv_event(decode(m.data, KVEvent))
-        except Exception:  # noqa: BLE001 - one bad event must not stop the index
-            log.warning("bad kv event on %s", m.subject, exc_info=True)
+        ev = checked_kv_event(m.data, m.subject)
+        if ev is not None:
+            try:
+                core.on_kv_event(ev)
+            except Exception as exc:  # noqa: BLE001 - one bad event must not stop the index
+                BAD.report(subjects.KV_EVENTS_ALL, m.subject, f"not applied: {one_line(exc)}")
         core.kv_seq = m.metadata.sequence.stream
         if not replayed.is_set() and m.metadata.sequence.stream >= last:
             replayed.set()
@@ -138,8 +163,8 @@ async def run_scheduler(
     async def on_load(m) -> None:
         try:
             core.on_load(decode(m.data, LoadReport))
-        except Exception:  # noqa: BLE001
-            log.warning("bad load report on %s", m.subject, exc_info=True)
+        except Exception as exc:  # noqa: BLE001 - garbage on strata.load.> costs one count
+            BAD.report(subjects.LOAD_ALL, m.subject, one_line(exc))
 
     async def route(req: RouteRequest) -> RouteReply:
         reply = core.route(req)
@@ -187,7 +212,7 @@ async def run_scheduler(
     await wait_for_members(core, cfg.load_interval * cfg.down_after)
     subs.append(
         await bus.serve(
-            nc, subjects.SCHED_ROUTE, RouteRequest, route, queue=subjects.QUEUE_SCHEDULER
+            nc, subjects.SCHED_ROUTE, RouteRequest, route, queue=subjects.QUEUE_SCHEDULER, bad=BAD
         )
     )
     subs.append(
@@ -197,6 +222,7 @@ async def run_scheduler(
             InstancesRequest,
             instances,
             queue=subjects.QUEUE_SCHEDULER,
+            bad=BAD,
         )
     )
     await _wait_routable(nc)

@@ -22,6 +22,12 @@ PREFIX_INDEX_BLOCKS = Gauge(
 DEGRADE_LEVEL = Gauge("strata_scheduler_degrade_level", "Degradation level (0..3)")
 CLUSTER_LOAD = Gauge("strata_scheduler_cluster_load", "Cluster load driving degradation")
 KV_EVENTS = Counter("strata_scheduler_kv_events_total", "KV events applied", ["status"])
+BAD_MESSAGES = Counter(
+    "strata_scheduler_bad_messages",
+    "Messages dropped because they failed validation (KV events, load reports, requests), "
+    "per subscription",
+    ["subject"],
+)
 PREFIX_INDEX_DIGEST = Gauge(
     "strata_scheduler_prefix_index_digest",
     "Order-independent 48-bit digest of the prefix index contents (equal on replicas in sync)",

@@ -11,15 +11,39 @@ into DRAM and SSD by the fastest tier holding each). Pure Python: no NATS.
 
 from __future__ import annotations
 
+import re
 from collections import deque
 from dataclasses import dataclass, field
 
 import xxhash
 
 from shared.protocol.kv import KVEvent
+from shared.protocol.subjects import kv_events
 
 ENGINE, DRAM, SSD = 1, 2, 4
 _TIER_BIT = {"engine": ENGINE, "dram": DRAM, "ssd": SSD}
+_HASH = re.compile(r"[0-9a-f]{32}")  # a block hash on the wire (`hashing.to_hex`: 16 bytes)
+MAX_EVENT_HASHES = 65536
+"""Most hashes one event may carry (publishers split far below this)."""
+
+
+def event_problem(ev: KVEvent, subject: str) -> str | None:
+    """Why a decoded KV event received on ``subject`` must not be applied, or None. The schema
+    (tier, kind, types) is checked by decoding; this checks what it cannot: the event names the
+    instance whose subject it came on, a non-empty incarnation, a sequence number >= 0 and
+    block hashes in the wire format (32 lowercase hex digits)."""
+    if not ev.instance_id or subject != kv_events(ev.instance_id):
+        return f"instance_id {ev.instance_id[:64]!r} does not match the subject"
+    if not ev.incarnation or len(ev.incarnation) > 128:
+        return "incarnation must be 1-128 characters"
+    if ev.seq < 0:
+        return f"seq {ev.seq} is negative"
+    if len(ev.hashes) > MAX_EVENT_HASHES:
+        return f"{len(ev.hashes)} hashes in one event (at most {MAX_EVENT_HASHES})"
+    for h in ev.hashes:
+        if not _HASH.fullmatch(h):
+            return f"block hash {h[:40]!r} is not 32 lowercase hex digits"
+    return None
 
 
 @dataclass
