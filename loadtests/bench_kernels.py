@@ -7,6 +7,9 @@ benchmark model's shapes, median ms, and the max error of each against a float64
 Decode attention: one layer, 16 and 64 sequences with contexts 64-544, block 16, 8 heads over 4 KV
 heads of 64: the torch path (per-sequence gather + SDPA on one thread, what `paged_attention` runs
 without the kernel) against the native kernel (`shared.model.cpu_kernels.decode_attention`).
+int8: at the same shapes, the packed fp32 GEMM against fbgemm's dynamic W8A8 linear (int8 weights
+and per-row dynamically quantised activations) and ``aten._weight_int8pack_mm`` (int8 weights,
+float activations), with the max error of each against the fp32 product.
 Both sides alternate call by call; the report gives the median and the load average.
 """
 
@@ -17,6 +20,7 @@ import os
 import random
 import statistics
 import time
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -50,7 +54,7 @@ def gemm(repeats: int) -> list[str]:
         x = torch.randn(m, k, generator=g)
         w = torch.randn(n, k, generator=g) * k**-0.5
         packed = Gemm(w, None)
-        ms = alternate({"mkl": lambda: F.linear(x, w), "onednn": lambda: packed(x)}, repeats)
+        ms = alternate({"mkl": partial(F.linear, x, w), "onednn": partial(packed, x)}, repeats)
         exact = (x.double() @ w.double().T).float()
         err_mkl = (F.linear(x, w) - exact).abs().max().item()
         err_dnn = (packed(x) - exact).abs().max().item()
@@ -59,43 +63,75 @@ def gemm(repeats: int) -> list[str]:
     return rows
 
 
-def decode_attention(repeats: int) -> list[str]:
+def int8(repeats: int) -> list[str]:
+    import warnings
+
+    import torch.ao.nn.quantized.dynamic as nnqd
+
+    rows = ["| rows x in -> out | fp32 prepacked ms | fbgemm W8A8 dynamic ms | int8pack_mm ms |"
+            " max err W8A8 | max err int8pack |", "| --- | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    for m, k, n in GEMM_SHAPES:
+        x = torch.randn(m, k, generator=g)
+        w = torch.randn(n, k, generator=g) * k**-0.5
+        scale = w.abs().amax(1) / 127
+        w8 = torch.round(w / scale[:, None]).to(torch.int8)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dyn = nnqd.Linear(k, n, bias_=False, dtype=torch.qint8)
+            dyn.set_weight_bias(torch.quantize_per_channel(
+                w, scale, torch.zeros(n, dtype=torch.long), 0, torch.qint8), None)  # fmt: skip
+        packed = Gemm(w, None)
+        ms = alternate({"fp32": partial(packed, x), "w8a8": partial(dyn, x),
+                        "pack": partial(torch.ops.aten._weight_int8pack_mm, x, w8, scale)},
+                       repeats)  # fmt: skip
+        ref = F.linear(x, w)
+        e_dyn = (dyn(x) - ref).abs().max().item()
+        e_pack = (torch.ops.aten._weight_int8pack_mm(x, w8, scale) - ref).abs().max().item()
+        rows.append(f"| {m} x {k} -> {n} | {ms['fp32']:.3f} | {ms['w8a8']:.3f} | {ms['pack']:.3f}"
+                    f" | {e_dyn:.1e} | {e_pack:.1e} |")  # fmt: skip
+    return rows
+
+
+def _attention_case(n_seq: int, repeats: int) -> dict[str, float]:
     heads, kvh, dim, bs = 8, 4, 64, 16
+    rng = random.Random(n_seq)
+    ctx = [rng.randint(64, 544) for _ in range(n_seq)]
+    nblocks = [-(-c // bs) for c in ctx]
+    g = torch.Generator().manual_seed(n_seq)
+    total = sum(nblocks) + 8
+    k_cache = torch.randn(total, bs, kvh, dim, generator=g)
+    v_cache = torch.randn(total, bs, kvh, dim, generator=g)
+    perm = torch.randperm(total, generator=g)
+    tables = torch.zeros(n_seq, max(nblocks), dtype=torch.long)
+    used = 0
+    for i, nb in enumerate(nblocks):
+        tables[i, :nb] = perm[used : used + nb]
+        used += nb
+    q = torch.randn(n_seq, heads, dim, generator=g)
+    lens = torch.tensor(ctx)
+    scale = dim**-0.5
+    qg = q.view(n_seq, kvh, heads // kvh, dim)
+
+    def torch_path() -> None:
+        with _serial(q.device):
+            for j, c in enumerate(ctx):
+                blocks = tables[j, : nblocks[j]]
+                kd, vd = _context(k_cache, blocks, c), _context(v_cache, blocks, c)
+                F.scaled_dot_product_attention(qg[j], kd, vd, scale=scale)
+
+    fns = {"torch": torch_path}
+    if cpu_kernels.available():
+        fns["native"] = partial(cpu_kernels.decode_attention, q, k_cache, v_cache, tables, lens,
+                                scale)  # fmt: skip
+    return alternate(fns, repeats)
+
+
+def decode_attention(repeats: int) -> list[str]:
     rows = ["| sequences | torch path ms | native kernel ms | speed-up |",
             "| ---: | ---: | ---: | ---: |"]  # fmt: skip
     for n_seq in (16, 64):
-        rng = random.Random(n_seq)
-        ctx = [rng.randint(64, 544) for _ in range(n_seq)]
-        nblocks = [-(-c // bs) for c in ctx]
-        g = torch.Generator().manual_seed(n_seq)
-        total = sum(nblocks) + 8
-        k_cache = torch.randn(total, bs, kvh, dim, generator=g)
-        v_cache = torch.randn(total, bs, kvh, dim, generator=g)
-        perm = torch.randperm(total, generator=g)
-        tables = torch.zeros(n_seq, max(nblocks), dtype=torch.long)
-        used = 0
-        for i, nb in enumerate(nblocks):
-            tables[i, :nb] = perm[used : used + nb]
-            used += nb
-        q = torch.randn(n_seq, heads, dim, generator=g)
-        lens = torch.tensor(ctx)
-        scale = dim**-0.5
-        qg = q.view(n_seq, kvh, heads // kvh, dim)
-
-        def torch_path() -> None:
-            with _serial(q.device):
-                for j, c in enumerate(ctx):
-                    blocks = tables[j, : nblocks[j]]
-                    kd, vd = _context(k_cache, blocks, c), _context(v_cache, blocks, c)
-                    F.scaled_dot_product_attention(qg[j], kd, vd, scale=scale)
-
-        def native() -> None:
-            cpu_kernels.decode_attention(q, k_cache, v_cache, tables, lens, scale)
-
-        fns = {"torch": torch_path}
-        if cpu_kernels.available():
-            fns["native"] = native
-        ms = alternate(fns, repeats)
+        ms = _attention_case(n_seq, repeats)
         nat = ms.get("native", float("nan"))
         rows.append(f"| {n_seq} | {ms['torch']:.2f} | {nat:.2f} | {ms['torch'] / nat:.2f}x |")
     return rows
@@ -113,6 +149,8 @@ def main() -> None:
         print("\n".join(gemm(a.repeats)) + "\n")
         print("Decode attention, one layer, contexts 64-544, block 16, 8 heads / 4 KV heads x 64:\n")
         print("\n".join(decode_attention(a.repeats)) + "\n", flush=True)
+        print("int8 GEMM options, same shapes:\n")
+        print("\n".join(int8(a.repeats)) + "\n", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """How long does a restarted scheduler take to rebuild its prefix index by replay?
 
-Two measurements: (1) in-process, msgpack-decode + `PrefixIndex.apply` of ``--events`` KV events
-(the CPU floor of any replay); (2) a real JetStream replay: ``--js-events`` events published to
+Three measurements: (1) in-process, msgpack-decode + `PrefixIndex.apply` of ``--events`` KV events
+(the CPU floor of any replay); (2) the snapshot cost of the index that built (``state()`` +
+msgpack to save, msgpack + ``from_state()`` to load, and the snapshot's size); (3) a real
+JetStream replay: ``--js-events`` events published to
 the `STRATA_KV_EVENTS` stream of a private nats-server, then `follow_kv_events` into a fresh
 `SchedulerCore` until the replay reached the stream's end (what `run_scheduler` waits for before
 it is ready). Events look like live ones: 16 instances, each event storing 4 blocks or removing
@@ -45,21 +47,35 @@ def events(n: int, instances: int = 16, seed: int = 0) -> list[bytes]:
     return out
 
 
-def in_process(raw: list[bytes]) -> dict[str, float]:
+def in_process(raw: list[bytes]) -> tuple[dict[str, float], PrefixIndex]:
     idx = PrefixIndex()
     t0 = time.perf_counter()
     for b in raw:
         idx.apply(decode(b, KVEvent))
     dt = time.perf_counter() - t0
     return {"events": len(raw), "seconds": dt, "us_per_event": dt / len(raw) * 1e6,
-            "blocks": len(idx)}  # fmt: skip
+            "blocks": len(idx)}, idx  # fmt: skip
+
+
+def snapshot_cost(idx: PrefixIndex) -> dict[str, float]:
+    """Save and load of a snapshot the way `services.scheduler.snapshots` does (msgpack)."""
+    import msgpack
+
+    t0 = time.perf_counter()
+    blob = msgpack.packb(idx.state())
+    save_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    back = PrefixIndex.from_state(msgpack.unpackb(blob, strict_map_key=False))
+    load_s = time.perf_counter() - t0
+    assert back.digest() == idx.digest()
+    return {"save_s": save_s, "load_s": load_s, "mb": len(blob) / 1e6, "blocks": len(idx)}
 
 
 async def jetstream(raw: list[bytes]) -> dict[str, float]:
     from services.infra.nats_server import start_nats
     from services.scheduler.app import follow_kv_events
     from shared.bus import connect
-    from shared.kv_stream import ensure_kv_events_stream
+    from shared.kv_events_stream import ensure_kv_events_stream
     from shared.protocol import subjects
 
     server = start_nats()
@@ -91,9 +107,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--js-events", type=int, default=100_000)
     a = ap.parse_args(argv)
     raw = events(max(a.events, a.js_events))
-    r = in_process(raw[: a.events])
+    r, idx = in_process(raw[: a.events])
     print(f"in-process decode+apply: {r['events']} events in {r['seconds']:.2f}s "
           f"({r['us_per_event']:.1f} us/event), {r['blocks']} blocks")
+    c = snapshot_cost(idx)
+    print(f"snapshot of {c['blocks']} blocks: save (state + msgpack) {c['save_s']:.2f}s, "
+          f"load (msgpack + from_state) {c['load_s']:.2f}s, {c['mb']:.1f} MB")
     if a.js_events:
         j = asyncio.run(jetstream(raw[: a.js_events]))
         print(f"JetStream replay: {j['events']} events in {j['seconds']:.2f}s "
