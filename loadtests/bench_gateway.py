@@ -52,11 +52,11 @@ def engine_side(model_dir: str, prompts: list[str], out_len: int, conc: int,
                 threads: int) -> dict:  # fmt: skip
     """The in-process engine on the same token ids the tokenizer service produces, all prompts
     offered at once with at most ``conc`` running (the cluster's concurrency)."""
-    from services.worker.config import WorkerConfig
     from shared.engine.engine import LLMEngine
     from shared.engine.params import SamplingParams
     from shared.model.loader import load_model
     from shared.model.tokenizer import Tokenizer
+    from shared.worker.config import WorkerConfig
 
     torch.set_num_threads(threads)
     tok = Tokenizer.from_dir(model_dir)

@@ -27,14 +27,14 @@ from services.kvstore.app import run_kvstore
 from services.kvstore.config import KVStoreConfig
 from services.launcher import ensure_model
 from services.prefill.service import PrefillService
-from services.worker.app import start_worker
-from services.worker.config import WorkerConfig
 from shared import bus
 from shared.engine.params import SamplingParams
 from shared.protocol import subjects
 from shared.protocol.codec import decode
 from shared.protocol.stream import TokenChunk
 from shared.protocol.work import SubmitAck, WorkItem
+from shared.worker.app import start_worker
+from shared.worker.config import WorkerConfig
 
 
 class LastLayerClock:

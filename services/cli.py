@@ -107,8 +107,8 @@ def config_from_args(a: argparse.Namespace) -> ClusterConfig:
 
 def up(argv: list[str]) -> int:
     """Start everything, print the URL, wait for Ctrl-C/SIGTERM, stop everything."""
+    from services.infra.supervisor import ServiceFailed
     from services.launcher import Cluster, default_model_dir, ensure_model
-    from services.launcher_procs import ServiceFailed
 
     args = up_parser().parse_args(argv)
     try:

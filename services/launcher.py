@@ -25,8 +25,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from services.infra.minio_server import MinioServer, minio_binary
 from services.infra.nats_server import NatsServer
-from services.infra.procs import cache_dir, free_port, port_open, repo_root
-from services.launcher_procs import LogSink, ProcSpec, Supervisor, wait_for
+from services.infra.procs import cache_dir, free_port, port_open, repo_root, wait_until
+from services.infra.supervisor import LogSink, ProcSpec, Supervisor
 from shared.model.validate import validate_checkpoint
 
 ROLES = ("scheduler", "tokenizer", "vision", "kvstore", "prefill", "decode", "gateway")
@@ -215,7 +215,7 @@ class Cluster:
     def wait_healthy(self, timeout: float = 60.0) -> None:
         """Wait until the gateway's /health answers 200 (tokenizer, scheduler and a live decode
         instance answer; vision too for a model that takes images)."""
-        wait_for(self.healthy, timeout, f"gateway {self.gateway_url}/health", self.sup)
+        wait_until(self.healthy, timeout, f"gateway {self.gateway_url}/health", alive=self.sup.check)
 
     def stop(self) -> None:
         """Stop every service (SIGTERM, then SIGKILL after stop_timeout), then NATS and MinIO."""

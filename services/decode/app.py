@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from services.decode.service import DecodeService
-from services.worker.app import run_worker
+from shared.worker.app import run_worker
 
 
 def main(argv: list[str]) -> None:

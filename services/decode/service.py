@@ -12,16 +12,16 @@ import logging
 
 from nats.aio.client import Client as NATS
 
-from services.worker.images import fetch_mm_inputs
-from services.worker.kv_metrics import KV_RECEIVED_BYTES, count_fallback
-from services.worker.kv_wire import KVReceiver, PagedSink, TransferFailed
-from services.worker.runtime import REQUESTS_FAILED, ModelRuntime, publish_error
-from services.worker.service import RequestTasks
 from shared import bus
 from shared.protocol import subjects
 from shared.protocol.errors import StrataError
 from shared.protocol.stream import TokenChunk, Usage
 from shared.protocol.work import WorkItem
+from shared.worker.images import fetch_mm_inputs
+from shared.worker.kv_metrics import KV_RECEIVED_BYTES, count_fallback
+from shared.worker.kv_wire import KVReceiver, PagedSink, TransferFailed
+from shared.worker.runtime import REQUESTS_FAILED, ModelRuntime, publish_error
+from shared.worker.service import RequestTasks
 
 log = logging.getLogger(__name__)
 

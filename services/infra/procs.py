@@ -1,4 +1,5 @@
-"""Small process helpers shared by the infra launchers, `strata up` and the tests."""
+"""Small process helpers shared by the infra launchers, the supervisor behind `strata up`
+(`services.infra.supervisor`) and the tests: ports, polling, process-group signals."""
 
 from __future__ import annotations
 
@@ -25,29 +26,39 @@ def port_open(host: str, port: int, timeout: float = 0.2) -> bool:
     return False
 
 
-def wait_until(check: Callable[[], bool], timeout: float, what: str, proc=None) -> None:
-    """Poll ``check`` until true; fail early with the process's exit code if it died."""
+def wait_until(
+    check: Callable[[], bool], timeout: float, what: str, proc=None,
+    alive: Callable[[], None] | None = None,
+) -> None:
+    """Poll ``check`` until true; fail early with the process's exit code if ``proc`` died, or
+    with whatever ``alive()`` raises (`Supervisor.check`: a supervised process died)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if check():
             return
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"{what} exited with code {proc.returncode} before becoming ready")
+        if alive is not None:
+            alive()
         time.sleep(0.05)
     raise TimeoutError(f"{what} not ready after {timeout:.0f}s")
+
+
+def signal_group(pid: int, sig: int) -> None:
+    """Send ``sig`` to the process group led by ``pid`` (gone already: nothing to do)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
 
 
 def stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> None:
     """SIGTERM the process group, then SIGKILL whatever is left."""
     if proc.poll() is not None:
         return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
+    signal_group(proc.pid, signal.SIGTERM)
     try:
         proc.wait(timeout)
     except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        signal_group(proc.pid, signal.SIGKILL)
         proc.wait(5)
 
 

@@ -21,7 +21,7 @@ from services.kvstore.store import KVStore
 from services.kvstore.writer import WriterOptions
 from shared import bus, metrics
 from shared.config import new_incarnation
-from shared.kv_stream import ensure_kv_events_stream
+from shared.kv_events_stream import ensure_kv_events_stream
 from shared.kvtransfer.server import start_kv_server
 from shared.logs import setup_logging
 from shared.protocol import subjects

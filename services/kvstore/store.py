@@ -23,7 +23,7 @@ from services.kvstore import metrics as m
 from services.kvstore.chunks import ChunkFormatError, SsdLoc
 from services.kvstore.core import KVStoreCore, Tier
 from services.kvstore.dram import BlockKey
-from services.kvstore.fresh import MissCache
+from services.kvstore.miss_cache import MissCache
 from services.kvstore.ssd import MinioTier, ObjectStoreError
 from services.kvstore.writer import SsdWriter, WriterOptions
 from shared.protocol.errors import StrataError

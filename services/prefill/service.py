@@ -15,23 +15,23 @@ import logging
 
 from nats.aio.client import Client as NATS
 
-from services.worker import kv_wire
-from services.worker.images import fetch_mm_inputs
-from services.worker.kv_metrics import (
-    KV_SENT_BYTES,
-    count_fallback,
-    counted_frames,
-    fallback_reason,
-)
-from services.worker.layerwise import LayerTap, merged_frames
-from services.worker.runtime import REQUESTS_FAILED, ModelRuntime, publish_error
-from services.worker.service import RequestTasks
 from shared import bus
 from shared.kvtransfer.client import get_client
 from shared.protocol import subjects
 from shared.protocol.errors import StrataError
 from shared.protocol.stream import TokenChunk, Usage
 from shared.protocol.work import SubmitAck, WorkItem
+from shared.worker import kv_wire
+from shared.worker.images import fetch_mm_inputs
+from shared.worker.kv_metrics import (
+    KV_SENT_BYTES,
+    count_fallback,
+    counted_frames,
+    fallback_reason,
+)
+from shared.worker.layerwise import LayerTap, merged_frames
+from shared.worker.runtime import REQUESTS_FAILED, ModelRuntime, publish_error
+from shared.worker.service import RequestTasks
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from services.scheduler.prefix_index import event_problem
 from services.scheduler.snapshots import load_snapshot, save_snapshot
 from shared import bus, service
 from shared.badmsg import BadMessages, one_line
-from shared.kv_stream import ensure_kv_events_stream
+from shared.kv_events_stream import ensure_kv_events_stream
 from shared.logs import setup_logging
 from shared.metrics import SERVICE_INFO, serve_metrics
 from shared.protocol import subjects

@@ -1,7 +1,7 @@
 """Busy is not dead: 16 concurrent long prompts on a model whose one forward of a prefill chunk
 outlasts the scheduler's down timeout several times over. Every request completes, nobody is
 declared down and no stream fails over, because load reports (the heartbeat) come from a thread
-that no forward blocks (`services/worker/heartbeat.py`).
+that no forward blocks (`shared/worker/heartbeat.py`).
 
 The cluster runs a kvstore so that the instances' periodic pool work (`offer_evicted`, which
 waits for the engine thread) is live too: before the split, that wait sat on the heartbeat.

@@ -58,7 +58,7 @@ def metric(cluster: Cluster, name: str, sample: str, **labels: str) -> float:
 def transfer_counters(cluster: Cluster) -> dict[str, float]:
     """The KV transfer counters of every prefill and decode service, summed: ``"sent:<mode>"``,
     ``"received:<mode>"`` (bytes) and ``"fallback:<reason>"``, as in `tests.worker.kv_counters`."""
-    from services.worker.kv_metrics import FALLBACK_REASONS, TRANSFER_MODES
+    from shared.worker.kv_metrics import FALLBACK_REASONS, TRANSFER_MODES
 
     names = [n for n in cluster.specs if n.startswith(("prefill-", "decode-"))]
     samples = {}

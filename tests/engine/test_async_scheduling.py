@@ -98,7 +98,7 @@ def test_new_arrival_is_scheduled_next_step(qwen_ckpt):
 
 
 def test_worker_setting_maps_to_the_engine():
-    from services.worker.config import WorkerConfig
+    from shared.worker.config import WorkerConfig
 
     assert WorkerConfig().engine_config().async_scheduling is None  # auto
     assert WorkerConfig(async_scheduling="true").engine_config().async_scheduling is True

@@ -14,8 +14,8 @@ import sys
 import pytest
 
 from services.infra.procs import free_port, repo_root
+from services.infra.supervisor import ProcSpec, ServiceFailed, Supervisor
 from services.launcher import Cluster
-from services.launcher_procs import ProcSpec, ServiceFailed, Supervisor
 from tests.infra.fake_apps import write_fake_apps, write_fake_checkpoint
 
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from services.launcher_procs import LogSink, ProcSpec, ServiceFailed, Supervisor, stop_all
+from services.infra.supervisor import LogSink, ProcSpec, ServiceFailed, Supervisor, stop_all
 from tests.infra.fake_apps import pid_alive
 
 PY = sys.executable

@@ -14,8 +14,8 @@ import urllib.request
 import pytest
 
 from services.infra.procs import free_port, port_open, repo_root
+from services.infra.supervisor import ServiceFailed
 from services.launcher import Cluster
-from services.launcher_procs import ServiceFailed
 from tests.infra.fake_apps import (
     pid_alive,
     recorded_pids,

@@ -12,7 +12,7 @@ from services.kvstore.chunks import (
     pack_chunk,
     parse_index,
 )
-from services.kvstore.fresh import MissCache
+from services.kvstore.miss_cache import MissCache
 from services.kvstore.ssd import chunk_fingerprint, new_chunk_name, object_name, parse_name
 
 

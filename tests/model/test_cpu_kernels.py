@@ -74,3 +74,18 @@ def test_not_applicable_returns_none():
     strided = torch.randn(4, 16, 4, 64)[:, :, :2]
     assert cpu_kernels.decode_attention(q.float(), strided, strided, tables,
                                         torch.tensor([3, 4]), 0.1) is None  # fmt: skip
+
+
+def test_kernel_source_is_package_data():
+    """The C source is a file beside the module (a plain checkout finds it) and pyproject ships
+    it with the package (``pip install .`` finds it too)."""
+    import fnmatch
+    import tomllib
+    from pathlib import Path
+
+    src = Path(cpu_kernels.__file__).with_name("decode_attention.c")
+    assert src == cpu_kernels._SOURCE and "strata_decode_attn_f32" in src.read_text()
+    root = Path(cpu_kernels.__file__).parents[2]
+    data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    patterns = data["package-data"]["shared.model"]
+    assert any(fnmatch.fnmatch(src.name, p) for p in patterns)

@@ -2,7 +2,7 @@
 
 Decode recomputes a prompt whose KV does not arrive and produces the same tokens, so a test that
 compares tokens only passes with the transfer broken. These helpers read the counters that say
-which path moved the KV (`services.worker.kv_metrics`, and the kvstore's served blocks per
+which path moved the KV (`shared.worker.kv_metrics`, and the kvstore's served blocks per
 tier) straight from the Prometheus registry, and compute the bytes a path must move.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from prometheus_client import REGISTRY
 
-from services.worker.kv_metrics import FALLBACK_REASONS, TRANSFER_MODES
+from shared.worker.kv_metrics import FALLBACK_REASONS, TRANSFER_MODES
 
 
 def _value(name: str, **labels: str) -> float:

@@ -9,10 +9,10 @@ import time
 
 from prometheus_client import REGISTRY
 
-from services.worker.heartbeat import Heartbeat
 from shared import bus
 from shared.protocol.codec import decode
 from shared.protocol.load import LoadReport
+from shared.worker.heartbeat import Heartbeat
 
 SUBJECT = "strata.load.prefill.hb-test"
 

@@ -18,11 +18,11 @@ import pytest
 
 from services.decode.service import DecodeService
 from services.prefill.service import PrefillService
-from services.worker.app import start_worker
-from services.worker.config import WorkerConfig
 from shared.engine.params import SamplingParams
 from shared.protocol import subjects
 from shared.protocol.work import WorkItem
+from shared.worker.app import start_worker
+from shared.worker.config import WorkerConfig
 from tests.worker.kv_counters import Transfers, assert_moved, kv_bytes
 from tests.worker.test_pd import _run
 

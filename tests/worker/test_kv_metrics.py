@@ -7,14 +7,14 @@ import asyncio
 import pytest
 import torch
 
-from services.worker.kv_metrics import (
+from shared.kvtransfer.frames import tensor_to_frames
+from shared.protocol.errors import StrataError
+from shared.worker.kv_metrics import (
     FALLBACK_REASONS,
     count_fallback,
     counted_frames,
     fallback_reason,
 )
-from shared.kvtransfer.frames import tensor_to_frames
-from shared.protocol.errors import StrataError
 from tests.worker.kv_counters import Transfers
 
 

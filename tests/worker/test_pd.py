@@ -14,14 +14,14 @@ import pytest
 
 from services.decode.service import DecodeService
 from services.prefill.service import PrefillService
-from services.worker.app import start_worker
-from services.worker.config import WorkerConfig
 from shared import bus
 from shared.engine.params import SamplingParams
 from shared.protocol import subjects
 from shared.protocol.codec import decode
 from shared.protocol.stream import TokenChunk
 from shared.protocol.work import SubmitAck, WorkItem
+from shared.worker.app import start_worker
+from shared.worker.config import WorkerConfig
 from tests.worker.kv_counters import Transfers, assert_moved, kv_bytes
 
 MAX_TOKENS = 10
@@ -238,7 +238,7 @@ async def test_transfer_cut_mid_stream_is_recomputed(pd, nc, prompt_ids, referen
 async def test_repeated_prompt_hits_the_prefill_prefix_cache(pd, nc, prompt_ids, reference):
     """The second run of a prompt reuses the prefill instance's cached full blocks, reports them
     as cached tokens, and still gives the same tokens."""
-    from services.worker.metrics import PREFIX_HITS
+    from shared.worker.metrics import PREFIX_HITS
 
     p, d = pd
     hits = PREFIX_HITS.labels("prefill", "p-test")

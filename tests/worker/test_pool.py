@@ -14,11 +14,11 @@ import pytest
 
 from services.decode.service import DecodeService
 from services.prefill.service import PrefillService
-from services.worker.app import start_worker
-from services.worker.config import WorkerConfig
 from shared.engine.params import SamplingParams
 from shared.protocol import subjects
 from shared.protocol.work import WorkItem
+from shared.worker.app import start_worker
+from shared.worker.config import WorkerConfig
 from tests.worker.kv_counters import Transfers, assert_moved, kv_bytes
 from tests.worker.test_pd import _run, _tokens
 
@@ -51,10 +51,10 @@ async def _wait_stored(link, hashes: list[str], timeout: float = 10.0) -> None:
 
 
 async def test_prefix_computed_on_a_is_reused_on_b(cluster, nc, model_dir):
-    from services.worker.pool_link import POOL_HIT_BLOCKS
     from shared.engine.engine import LLMEngine
     from shared.engine.params import EngineConfig
     from shared.model.loader import load_model
+    from shared.worker.pool_link import POOL_HIT_BLOCKS
 
     pa, pb, dd = cluster
     shared_prefix = [(i * 37 + 11) % 2000 + 10 for i in range(160)]  # 10 full blocks

@@ -13,11 +13,10 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO
 
-from services.infra.procs import preexec
+from services.infra.procs import preexec, signal_group
 
 READY_LINE = "STRATA_READY"  # same constant as shared.service.READY_LINE (kept import-free)
 FATAL_LINE = "STRATA_FATAL"  # same as shared.service.FATAL_LINE: a service's one-line reason
@@ -167,8 +166,7 @@ class Supervised:
 
     def signal(self, sig: int) -> None:
         """Send ``sig`` to the child's whole process group."""
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, sig)
+        signal_group(self.proc.pid, sig)
 
     def finish(self) -> None:
         """After exit: reap stragglers of the group, join the reader, close the log file."""
@@ -260,14 +258,3 @@ class Supervisor:
     def stop_all(self, timeout: float = 10.0) -> None:
         self.stop(list(self.procs), timeout)
 
-
-def wait_for(check: Callable[[], bool], timeout: float, what: str,
-             supervisor: Supervisor | None = None) -> None:
-    """Poll ``check``; fail fast via ``supervisor.check()`` if a process died meanwhile."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        if supervisor is not None:
-            supervisor.check()
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} not ready after {timeout:.0f}s")
-        time.sleep(0.1)

@@ -14,11 +14,6 @@ from dataclasses import dataclass, field
 import torch
 from nats.aio.client import Client as NATS
 
-from services.worker.config import WorkerConfig
-from services.worker.cost import CostModel
-from services.worker.heartbeat import Heartbeat
-from services.worker.metrics import EngineMetrics
-from services.worker.pool_link import PoolLink
 from shared import bus, metrics
 from shared.config import new_incarnation
 from shared.protocol import subjects
@@ -26,6 +21,11 @@ from shared.protocol.errors import StrataError
 from shared.protocol.kv import KVEvent
 from shared.protocol.load import LoadReport
 from shared.protocol.stream import Cancel, TokenChunk
+from shared.worker.config import WorkerConfig
+from shared.worker.cost import CostModel
+from shared.worker.heartbeat import Heartbeat
+from shared.worker.metrics import EngineMetrics
+from shared.worker.pool_link import PoolLink
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +185,7 @@ class RateMeter:
 
 
 def start_heartbeat(rt: ModelRuntime, nc: NATS, grpc_addr: str) -> Heartbeat:
-    """Start the load-report thread (see `services.worker.heartbeat`): its own loop and NATS
+    """Start the load-report thread (see `shared.worker.heartbeat`): its own loop and NATS
     connection, reporting whether ``nc`` (the main connection) is connected. Blocks until its
     connection is up: call it with ``asyncio.to_thread``."""
     iid = rt.cfg.instance_id

@@ -9,14 +9,6 @@ from dataclasses import dataclass
 
 from nats.aio.client import Client as NATS
 
-from services.worker.config import WorkerConfig
-from services.worker.heartbeat import Heartbeat
-from services.worker.runtime import (
-    ModelRuntime,
-    housekeeping,
-    start_heartbeat,
-    subscribe_cancels,
-)
 from shared import bus, metrics
 from shared.kvtransfer.client import close_clients
 from shared.kvtransfer.server import KVTransferHandler, start_kv_server
@@ -27,6 +19,14 @@ from shared.protocol.sched import InstanceRecord
 from shared.protocol.work import WorkItem
 from shared.registry import deregister_instance, register_instance
 from shared.service import StartupError, announce_ready, run
+from shared.worker.config import WorkerConfig
+from shared.worker.heartbeat import Heartbeat
+from shared.worker.runtime import (
+    ModelRuntime,
+    housekeeping,
+    start_heartbeat,
+    subscribe_cancels,
+)
 
 log = logging.getLogger(__name__)
 

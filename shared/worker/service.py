@@ -6,9 +6,9 @@ import asyncio
 
 from nats.aio.client import Client as NATS
 
-from services.worker.runtime import ModelRuntime
 from shared.protocol.errors import StrataError
 from shared.protocol.work import SubmitAck, WorkItem
+from shared.worker.runtime import ModelRuntime
 
 
 class RequestTasks:

@@ -16,9 +16,9 @@ import time
 import torch
 from prometheus_client import Counter
 
-from services.worker.cost import CostModel
 from shared.kvtransfer.frames import frame_nbytes, frame_to_tensor, payload_nbytes
 from shared.kvtransfer.pool import PoolClient
+from shared.worker.cost import CostModel
 
 log = logging.getLogger(__name__)
 

@@ -45,7 +45,7 @@ def kv_frames(
 
 class TransferFailed(StrataError):
     """Pushed KV that cannot be used; ``reason`` is the fallback counter's label (see
-    `services.worker.kv_metrics.FALLBACK_REASONS`)."""
+    `shared.worker.kv_metrics.FALLBACK_REASONS`)."""
 
     def __init__(self, reason: str, code: str, message: str):
         super().__init__(code, message)
