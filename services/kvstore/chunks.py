@@ -3,8 +3,9 @@
 Small blocks (the default model's are ~32-64 KiB) are written together as one *chunk object*:
 per-object cost dominates below ~1 MiB (docs/benchmarks/kvpool.md). A chunk carries its own
 manifest in a header, so one PUT commits blocks and index together (no object without its
-index, no index without its object), a single block is read back with a ranged GET, and a
-restart rebuilds ``hash -> (object, offset, length)`` by reading each chunk's header::
+index, no index without its object), blocks are read back with ranged GETs (`plan_reads`:
+adjacent blocks of one request in one GET), and a restart rebuilds ``hash -> (object, offset,
+length)`` by reading each chunk's header::
 
     b"SKVC" | u32 little-endian index length | msgpack [[hash, length], ...] | block bytes...
 
@@ -78,3 +79,56 @@ def parse_index(obj: str, header: bytes) -> dict[str, SsdLoc]:
     except (ValueError, TypeError, msgpack.UnpackException) as exc:
         raise ChunkFormatError(f"chunk {obj}: bad index: {exc}") from exc
     return locs
+
+
+@dataclass(frozen=True)
+class RangeRead:
+    """One GET of the SSD tier: ``length`` bytes of ``obj`` from ``offset`` (the whole object
+    when not ``ranged``), carrying one or more requested blocks."""
+
+    obj: str
+    offset: int
+    length: int
+    ranged: bool
+    members: tuple[tuple[int, int, int], ...]
+    """Per block carried: (index in the request, offset in the read's bytes, length)."""
+
+    @property
+    def loc(self) -> SsdLoc:
+        return SsdLoc(self.obj, self.offset, self.length, self.ranged)
+
+
+def plan_reads(locs: list[SsdLoc], *, max_bytes: int, max_gap: int) -> list[RangeRead]:
+    """The fewest GETs that read every block of ``locs``: blocks of one chunk object whose byte
+    ranges are at most ``max_gap`` bytes apart are read with one ranged GET of at most
+    ``max_bytes`` (a block larger than that still gets its own; ``max_bytes`` 0 = one GET per
+    block); a per-block object is one GET, shared by repeats. Reads come in the order of their
+    first requested block, so a streamed reply can start before the last read ends."""
+    by_obj: dict[str, list[int]] = {}
+    for i, loc in enumerate(locs):
+        by_obj.setdefault(loc.obj, []).append(i)
+    reads: list[RangeRead] = []
+    for obj, idxs in by_obj.items():
+        if not locs[idxs[0]].ranged:
+            members = tuple((i, 0, locs[i].length) for i in idxs)
+            reads.append(RangeRead(obj, 0, locs[idxs[0]].length, False, members))
+            continue
+        run: list[int] = []
+        start = end = 0
+        for i in sorted(idxs, key=lambda j: (locs[j].offset, j)):
+            lo, hi = locs[i].offset, locs[i].offset + locs[i].length
+            if run and lo <= end + max_gap and max(end, hi) - start <= max_bytes:
+                run.append(i)
+                end = max(end, hi)
+                continue
+            if run:
+                reads.append(_ranged(obj, start, end, run, locs))
+            run, start, end = [i], lo, hi
+        reads.append(_ranged(obj, start, end, run, locs))
+    reads.sort(key=lambda r: min(m[0] for m in r.members))
+    return reads
+
+
+def _ranged(obj: str, start: int, end: int, run: list[int], locs: list[SsdLoc]) -> RangeRead:
+    members = tuple((i, locs[i].offset - start, locs[i].length) for i in sorted(run))
+    return RangeRead(obj, start, end - start, True, members)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 
 from protos.kv_transfer_pb2 import BlockFrame, PullRequest, PushReply, QueryReply, QueryRequest
@@ -12,8 +13,9 @@ from shared.protocol.errors import StrataError
 
 
 class KVStoreHandler(KVTransferHandler):
-    """Push stores content-addressed blocks (idempotent); Pull streams the present ones (leased
-    while they are sent, restored from the SSD tier when needed); Query reports tiers."""
+    """Push stores content-addressed blocks (idempotent); Pull streams the present ones in order
+    (leased while they are sent; those only in the SSD tier read ahead in parallel and restored);
+    Query reports tiers."""
 
     def __init__(self, store: KVStore):
         self.store = store
@@ -37,17 +39,17 @@ class KVStoreHandler(KVTransferHandler):
         return PushReply(frames=n, bytes=nbytes, stored=stored)
 
     async def pull(self, req: PullRequest) -> AsyncIterator[BlockFrame]:
-        for h in req.keys:
-            key = (req.fingerprint, h)
-            got = await self.store.acquire(key)
-            if got is None:
-                continue
-            frame, leased = got
-            try:
-                yield frame
-            finally:
-                if leased:
-                    self.store.release(key)
+        keys = [(req.fingerprint, h) for h in req.keys]
+        async with contextlib.aclosing(self.store.acquire_many(keys)) as run:
+            async for key, got in run:
+                if got is None:
+                    continue
+                frame, leased = got
+                try:
+                    yield frame
+                finally:
+                    if leased:
+                        self.store.release(key)
 
     async def query(self, req: QueryRequest) -> QueryReply:
         tiers = await self.store.query([(req.fingerprint, h) for h in req.keys])

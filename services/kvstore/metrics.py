@@ -31,6 +31,11 @@ REFRESH_FOUND = Counter(
 SSD_ONLINE = Gauge("strata_kvstore_ssd_online", "1 while the SSD tier answers, else 0")
 RESTORES = Counter("strata_kvstore_restores_total", "Blocks read back from the SSD tier")
 RESTORE_BYTES = Counter("strata_kvstore_restore_bytes_total", "Bytes read from the SSD tier")
+SSD_GETS = Counter(
+    "strata_kvstore_ssd_gets_total",
+    "GET requests for block reads from the SSD tier (one GET may carry many adjacent blocks)",
+)
+SSD_GET_BYTES = Counter("strata_kvstore_ssd_get_bytes_total", "Bytes those GETs returned")
 ERRORS = Counter("strata_kvstore_errors_total", "Failed operations, by op", ["op"])
 LATENCY = latency_histogram("strata_kvstore_op_latency_seconds", "kvstore op latency", ("op",))
 

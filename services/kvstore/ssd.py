@@ -1,6 +1,7 @@
 """The SSD tier in MinIO (S3): big blocks as one object each, ``<fingerprint>/<hash>``; small
 blocks batched into chunk objects, ``<fingerprint>/chunk/<id>``, each carrying its manifest in a
-header (format: `services.kvstore.chunks`), read back one block at a time with ranged GETs.
+header (format: `services.kvstore.chunks`), read back with ranged GETs (a pull's adjacent blocks in
+one GET, GETs in parallel: `services.kvstore.reader`).
 
 Blocking minio-SDK calls; the async `KVStore` runs them in worker threads. Calls fail fast
 (short timeouts, one retry) so a MinIO outage degrades the kvstore to DRAM-only instead of

@@ -1,6 +1,7 @@
 """`KVStore`: the async side of the kvstore. It drives `KVStoreCore` and does the I/O the core
 asks for: writes to the SSD tier (`SsdWriter`: spills of evicted blocks and write-behind of every
-committed block, small blocks batched into chunk objects), reads back from it, refreshes its view
+committed block, small blocks batched into chunk objects), reads back from it (`SsdReader`: the
+blocks of a pull read ahead with coalesced ranged GETs in parallel), refreshes its view
 of the bucket on a miss (blocks written by another instance or before a restart; `MissCache`),
 and publishes the core's events in order through an injected ``publish`` callable.
 
@@ -15,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import asdict
 
 from protos.kv_transfer_pb2 import BlockFrame
@@ -24,6 +25,7 @@ from services.kvstore.chunks import ChunkFormatError, SsdLoc
 from services.kvstore.core import KVStoreCore, Tier
 from services.kvstore.dram import BlockKey
 from services.kvstore.miss_cache import MissCache
+from services.kvstore.reader import Fetch, ReadOptions, SsdReader
 from services.kvstore.ssd import MinioTier, ObjectStoreError
 from services.kvstore.writer import SsdWriter, WriterOptions
 from shared.protocol.errors import StrataError
@@ -61,6 +63,7 @@ class KVStore:
         *,
         publish: Callable[[KVEvent], Awaitable[None]] | None = None,
         writer: WriterOptions | None = None,
+        reader: ReadOptions | None = None,
         refresh_interval: float = 1.0,
         negative_ttl: float = 1.0,
     ):
@@ -74,6 +77,7 @@ class KVStore:
         self.published_seq = 0
         self.misses = MissCache(refresh_interval, negative_ttl)
         self.writer = SsdWriter(core, ssd, self.opts, self)
+        self.reader = None if ssd is None else SsdReader(ssd, reader)
         self._event_wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._chunks_seen: set[str] = set()
@@ -97,6 +101,8 @@ class KVStore:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
         self._tasks = []
+        if self.reader is not None:
+            self.reader.close()
 
     def _kick(self) -> None:
         self.writer.wake()
@@ -140,6 +146,36 @@ class KVStore:
     async def acquire(self, key: BlockKey) -> tuple[BlockFrame, bool] | None:
         """``(block, leased)``: from memory, else read through the SSD tier and promote.
         A leased block must be handed back with ``release(key)``."""
+        async with contextlib.aclosing(self.acquire_many([key])) as run:
+            async for _, got in run:
+                return got
+        return None
+
+    async def acquire_many(
+        self, keys: Sequence[BlockKey]
+    ) -> AsyncIterator[tuple[BlockKey, tuple[BlockFrame, bool] | None]]:
+        """``(key, (block, leased) or None)`` for each of ``keys`` in order: memory hits at
+        once; the blocks only in the SSD tier are all read ahead when the run starts
+        (`SsdReader`: adjacent blocks in one ranged GET, GETs in parallel), so a caller
+        streaming them out sends early blocks while later ones download. Leased blocks must
+        be handed back with ``release(key)``. Close the iterator (``aclosing``) when stopping
+        early: it drops the reads nobody will take."""
+        if self.ssd is not None:  # keys unknown here: look in the bucket once per model
+            unknown = [k for k in keys if self.core.lookup(k) is None]
+            for fp in dict.fromkeys(k[0] for k in unknown):
+                await self.refresh(fp, [k for k in unknown if k[0] == fp])
+        fetch = None
+        if self.reader is not None:
+            want = {k: self.core.ssd[k] for k in keys if self.core.lookup(k) == "ssd"}
+            fetch = self.reader.fetch(want)
+        try:
+            for key in keys:
+                yield key, await self._acquire_one(key, fetch)
+        finally:
+            if fetch is not None:
+                fetch.cancel()
+
+    async def _acquire_one(self, key: BlockKey, fetch: Fetch | None):
         start = time.perf_counter()
         local = self.core.acquire_local(key)
         if local is not None:
@@ -147,20 +183,18 @@ class KVStore:
             m.LATENCY.labels("get_dram").observe(time.perf_counter() - start)
             return local
         loc = self.core.ssd.get(key)
-        if loc is None and self.ssd is not None:
-            await self.refresh(key[0], [key])
-            loc = self.core.ssd.get(key)
-        frame = None if loc is None else await self._read_ssd(key, loc)
+        frame = None if loc is None or fetch is None else await self._read_ssd(key, loc, fetch)
         if frame is None or loc is None:
             if loc is None:
                 self.core.missed(key, forget=False)
             m.MISSES.inc()
             return None
-        self.core.restored(key, frame, block_nbytes(frame), loc)
+        nbytes = block_nbytes(frame)  # once: reading .data copies the bytes
+        self.core.restored(key, frame, nbytes, loc)
         self._kick()
         m.HITS.labels("ssd").inc()
         m.RESTORES.inc()
-        m.RESTORE_BYTES.inc(block_nbytes(frame))
+        m.RESTORE_BYTES.inc(nbytes)
         m.LATENCY.labels("get_ssd").observe(time.perf_counter() - start)
         leased = self.core.dram.acquire(key) is not None
         return frame, leased
@@ -177,10 +211,9 @@ class KVStore:
             self.release(key)
         return frame
 
-    async def _read_ssd(self, key: BlockKey, loc: SsdLoc) -> BlockFrame | None:
-        assert self.ssd is not None
+    async def _read_ssd(self, key: BlockKey, loc: SsdLoc, fetch: Fetch) -> BlockFrame | None:
         try:
-            data = await asyncio.to_thread(self.ssd.get, loc)
+            data = await fetch.take(key, loc)
         except ObjectStoreError as exc:
             self.ssd_failed("get", exc)
             self.core.missed(key, forget=False)
