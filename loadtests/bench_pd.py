@@ -163,6 +163,8 @@ async def main_async(args) -> None:
         if minio is not None:
             kv_cfg = KVStoreConfig.load([], role="kvstore", instance_id="bkv", nats_url=nats.url,
                                         minio_endpoint=minio.endpoint,
+                                        minio_access_key=minio.kv_access_key,
+                                        minio_secret_key=minio.kv_secret_key,
                                         dram_bytes=args.kvstore_dram_bytes)
             ready = asyncio.get_running_loop().create_future()
             kv_task = asyncio.create_task(

@@ -257,8 +257,8 @@ class Cluster:
             e["STRATA_GRPC_PORT"] = self._kvstore_addrs[index].rsplit(":", 1)[1]
             if self.minio is not None:
                 e.update(STRATA_MINIO_ENDPOINT=self.minio.endpoint,
-                         STRATA_MINIO_ACCESS_KEY=self.minio.access_key,
-                         STRATA_MINIO_SECRET_KEY=self.minio.secret_key)
+                         STRATA_MINIO_ACCESS_KEY=self.minio.kv_access_key,
+                         STRATA_MINIO_SECRET_KEY=self.minio.kv_secret_key)
         if role == "gateway":
             e.update(STRATA_HOST=self.cfg.host, STRATA_PORT=str(self.port))
             if not self.cfg.vision:  # text only: refuse images, readiness needs no vision

@@ -1,8 +1,16 @@
-"""MinIO (the SSD tier): found on PATH or in the cache, else built with `go install`."""
+"""MinIO (the SSD tier): found on PATH or in the cache, else built with `go install`.
+
+No fixed credentials: the root user and password are generated once per data dir and kept
+beside it (``<data_dir>.credentials.json``, mode 0600), so a restart with the same data keeps
+working; the kvstore gets its own user whose policy reaches only the KV bucket (it cannot list
+or create other buckets). Tests and tools that administer MinIO use the root credentials.
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -12,8 +20,49 @@ from dataclasses import dataclass
 
 from services.infra.procs import cache_dir, free_port, preexec, stop_process, wait_until
 
-ACCESS_KEY = "strata"
-SECRET_KEY = "strata-secret-key"
+KV_BUCKET = "strata-kv"
+"""The kvstore's bucket (`KVStoreConfig.minio_bucket`'s default)."""
+KV_USER = "strata-kvstore"
+KV_POLICY = "strata-kv-bucket"
+
+
+@dataclass(frozen=True)
+class MinioCredentials:
+    """One install's MinIO secrets: the root account and the kvstore's bucket-limited user."""
+
+    root_user: str
+    root_password: str
+    kv_user: str
+    kv_password: str
+
+    @classmethod
+    def load_or_create(cls, path: str) -> MinioCredentials:
+        """The secrets stored at ``path``, else new random ones written there (0600)."""
+        try:
+            with open(path) as f:
+                return cls(**json.load(f))
+        except FileNotFoundError:
+            pass
+        creds = cls(root_user=f"strata-root-{secrets.token_hex(4)}",
+                    root_password=secrets.token_urlsafe(32), kv_user=KV_USER,
+                    kv_password=secrets.token_urlsafe(32))  # fmt: skip
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(creds.__dict__, f)
+        return creds
+
+
+def bucket_policy(bucket: str) -> dict:
+    """An IAM policy allowing object reads/writes and listing in ``bucket`` only."""
+    return {"Version": "2012-10-17", "Statement": [
+        {"Effect": "Allow", "Action": ["s3:GetBucketLocation", "s3:ListBucket",
+                                       "s3:ListBucketMultipartUploads"],
+         "Resource": [f"arn:aws:s3:::{bucket}"]},
+        {"Effect": "Allow", "Action": ["s3:GetObject", "s3:PutObject", "s3:DeleteObject",
+                                       "s3:AbortMultipartUpload", "s3:ListMultipartUploadParts"],
+         "Resource": [f"arn:aws:s3:::{bucket}/*"]},
+    ]}  # fmt: skip
 
 
 def minio_binary(build: bool = True) -> str:
@@ -38,17 +87,47 @@ def minio_binary(build: bool = True) -> str:
 
 @dataclass
 class MinioServer:
+    """A MinIO process on ``host:port`` storing ``data_dir``; `start` also creates the KV bucket
+    and the kvstore's user (``kv_access_key`` / ``kv_secret_key``)."""
+
     port: int
     data_dir: str
     proc: subprocess.Popen | None = None
     host: str = "127.0.0.1"
     die_with_parent: bool = False
-    access_key: str = ACCESS_KEY
-    secret_key: str = SECRET_KEY
+    kv_bucket: str = KV_BUCKET
+    creds: MinioCredentials | None = None
 
     @property
     def endpoint(self) -> str:
         return f"{self.host}:{self.port}"
+
+    @property
+    def credentials_file(self) -> str:
+        return os.path.abspath(self.data_dir).rstrip("/") + ".credentials.json"
+
+    def _creds(self) -> MinioCredentials:
+        if self.creds is None:
+            self.creds = MinioCredentials.load_or_create(self.credentials_file)
+        return self.creds
+
+    @property
+    def access_key(self) -> str:
+        """Root user (administration and tests only; services get ``kv_access_key``)."""
+        return self._creds().root_user
+
+    @property
+    def secret_key(self) -> str:
+        return self._creds().root_password
+
+    @property
+    def kv_access_key(self) -> str:
+        """The kvstore's user: reads, writes and lists ``kv_bucket``, nothing else."""
+        return self._creds().kv_user
+
+    @property
+    def kv_secret_key(self) -> str:
+        return self._creds().kv_password
 
     def healthy(self) -> bool:
         try:
@@ -69,7 +148,22 @@ class MinioServer:
             start_new_session=True, preexec_fn=preexec(self.die_with_parent),
         )
         wait_until(self.healthy, timeout, "minio", self.proc)
+        self._provision()
         return self
+
+    def _provision(self) -> None:
+        """Create the KV bucket and the kvstore's user limited to it (idempotent)."""
+        from minio import Minio, MinioAdmin
+        from minio.credentials import StaticProvider
+
+        root = StaticProvider(self.access_key, self.secret_key)
+        client = Minio(self.endpoint, credentials=root, secure=False)
+        if not client.bucket_exists(self.kv_bucket):
+            client.make_bucket(self.kv_bucket)
+        admin = MinioAdmin(endpoint=self.endpoint, credentials=root, secure=False)
+        admin.policy_add(KV_POLICY, policy=bucket_policy(self.kv_bucket))
+        admin.user_add(self.kv_access_key, self.kv_secret_key)
+        admin.policy_set(KV_POLICY, user=self.kv_access_key)
 
     def stop(self) -> None:
         if self.proc is not None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, ValidationInfo, field_validator
 
 from shared.config import ServiceConfig
 
@@ -18,8 +18,12 @@ class KVStoreConfig(ServiceConfig):
         "(0 = same as dram_bytes); beyond it the oldest are dropped",
     )
     minio_endpoint: str = Field("", description="MinIO host:port of the SSD tier ('' = DRAM only)")
-    minio_access_key: str = Field("strata", description="MinIO access key")
-    minio_secret_key: str = Field("strata-secret-key", description="MinIO secret key")
+    minio_access_key: str = Field(
+        "", description="MinIO access key (`strata up`: a user limited to the KV bucket)"
+    )
+    minio_secret_key: str = Field(
+        "", validate_default=True, description="MinIO secret key (no default credentials)"
+    )
     minio_bucket: str = Field(
         "strata-kv", description="Bucket of block objects (created if missing)"
     )
@@ -64,3 +68,11 @@ class KVStoreConfig(ServiceConfig):
     grpc_host: str = Field("127.0.0.1", description="Address the gRPC server binds and advertises")
     grpc_port: int = Field(0, ge=0, le=65535, description="gRPC port (0 = pick a free port)")
     load_interval: float = Field(0.5, gt=0, description="Seconds between load reports")
+
+    @field_validator("minio_secret_key")
+    @classmethod
+    def _credentials_with_endpoint(cls, v: str, info: ValidationInfo) -> str:
+        if info.data.get("minio_endpoint") and not (v and info.data.get("minio_access_key")):
+            raise ValueError("STRATA_MINIO_ENDPOINT needs STRATA_MINIO_ACCESS_KEY and "
+                             "STRATA_MINIO_SECRET_KEY (MinIO has no default credentials)")  # fmt: skip
+        return v

@@ -26,6 +26,8 @@ async def kvstore(nats_url, minio_server):
         instance_id="kv-test",
         nats_url=nats_url,
         minio_endpoint=minio_server.endpoint,
+        minio_access_key=minio_server.access_key,
+        minio_secret_key=minio_server.secret_key,
         minio_bucket="strata-kv-pool-test",
         dram_bytes=64 << 20,
     )
