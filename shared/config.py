@@ -28,6 +28,17 @@ class ServiceConfig(BaseModel):
     instance_id: str = Field("", description="Unique instance name (default: <role>-<random>)")
     log_level: str = Field("INFO", description="Python log level")
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics port (0 = off)")
+    metrics_host: str = Field(
+        "", description="Address /metrics binds ('' = the service's own: host or grpc_host, "
+        "else 127.0.0.1)"
+    )
+
+    @property
+    def metrics_bind(self) -> str:
+        """The address /metrics binds: ``metrics_host``, else the address the service itself
+        binds (``host``, ``grpc_host``), else loopback; never every interface by default."""
+        own = getattr(self, "host", "") or getattr(self, "grpc_host", "")
+        return self.metrics_host or own or "127.0.0.1"
 
     @classmethod
     def load(cls, argv: list[str] | None = None, role: str = "", **overrides: Any) -> Self:

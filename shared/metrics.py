@@ -30,11 +30,12 @@ def latency_histogram(name: str, doc: str, labels: tuple[str, ...] = ()) -> Hist
     return Histogram(name, doc, list(labels), buckets=_LATENCY_BUCKETS)
 
 
-def serve_metrics(port: int) -> None:
-    """Expose /metrics on ``port`` (0 disables); a busy port is a `StartupError`."""
+def serve_metrics(port: int, host: str = "127.0.0.1") -> None:
+    """Expose /metrics on ``host``:``port`` (0 disables; pass the service's own bind address,
+    see `ServiceConfig.metrics_bind`); a busy port is a `StartupError`."""
     if port:
         try:
-            start_http_server(port)
+            start_http_server(port, addr=host)
         except OSError as exc:
             raise StartupError(f"metrics port {port} cannot be bound ({exc.strerror or exc}); "
                                "set STRATA_METRICS_PORT (--metrics-port) to a free port or 0") from exc  # fmt: skip

@@ -84,7 +84,7 @@ def main(argv: list[str]) -> None:
         nc = await bus.connect(cfg.nats_url, f"gateway-{cfg.instance_id}")
         service = await build_service(nc, cfg)
         await serve_api(nc, service)
-        metrics.serve_metrics(cfg.metrics_port)
+        metrics.serve_metrics(cfg.metrics_port, cfg.metrics_bind)
         server = uvicorn.Server(uvicorn.Config(build_app(service), host=cfg.host, port=cfg.port,
                                                log_level="warning", lifespan="off"))  # fmt: skip
         task = asyncio.create_task(server.serve(sockets=[sock]))

@@ -128,7 +128,7 @@ async def run_kvstore(
         )
 
     beat = asyncio.create_task(periodic(cfg.load_interval, heartbeat, stop))
-    metrics.serve_metrics(cfg.metrics_port)
+    metrics.serve_metrics(cfg.metrics_port, cfg.metrics_bind)
     metrics.SERVICE_INFO.labels(ROLE, cfg.instance_id).set(1)
     announce_ready(ROLE, cfg.instance_id, f"grpc={addr} incarnation={incarnation}")
     if on_ready is not None:

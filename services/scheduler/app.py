@@ -277,6 +277,6 @@ async def _wait_routable(nc: NATS, timeout: float = 5.0) -> None:
 def main(argv: list[str]) -> None:
     cfg = SchedulerConfig.load(argv, role="scheduler")
     setup_logging("scheduler", cfg.instance_id, cfg.log_level)
-    serve_metrics(cfg.metrics_port)
+    serve_metrics(cfg.metrics_port, cfg.metrics_bind)
     SERVICE_INFO.labels(role="scheduler", instance=cfg.instance_id).set(1)
     service.run(lambda stop: run_scheduler(cfg, stop))

@@ -45,7 +45,7 @@ def main(argv: list[str]) -> None:
 
     async def amain(stop: asyncio.Event) -> None:
         core = TokenizerCore(cfg.model, cfg.dtype, cfg.block_size)
-        metrics.serve_metrics(cfg.metrics_port)
+        metrics.serve_metrics(cfg.metrics_port, cfg.metrics_bind)
         metrics.SERVICE_INFO.labels("tokenizer", cfg.instance_id).set(1)
         nc = await bus.connect(cfg.nats_url, f"tokenizer-{cfg.instance_id}")
         await serve_tokenizer(nc, core)

@@ -50,7 +50,7 @@ def main(argv: list[str]) -> None:
     async def amain(stop: asyncio.Event) -> None:
         core = VisionCore(cfg.model, cfg.device, cfg.dtype, cfg.cache_bytes, cfg.max_image_pixels)
         server, addr = await start_kv_server(EmbeddingHandler(core), cfg.grpc_host, cfg.grpc_port)
-        metrics.serve_metrics(cfg.metrics_port)
+        metrics.serve_metrics(cfg.metrics_port, cfg.metrics_bind)
         metrics.SERVICE_INFO.labels("vision", cfg.instance_id).set(1)
         nc = await bus.connect(cfg.nats_url, f"vision-{cfg.instance_id}")
         await serve_vision(nc, core, cfg.instance_id, addr)

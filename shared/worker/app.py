@@ -95,7 +95,7 @@ def run_worker(role: str, argv: list[str], make_service) -> None:
         raise StartupError("no model: pass --model DIR (STRATA_MODEL), a checkpoint directory")
     validate_checkpoint(cfg.model)  # a bad checkpoint fails here, before NATS or torch work
     setup_logging(role, cfg.instance_id, cfg.log_level)
-    metrics.serve_metrics(cfg.metrics_port)
+    metrics.serve_metrics(cfg.metrics_port, cfg.metrics_bind)
 
     async def main(stop: asyncio.Event) -> None:
         nc = await bus.connect(cfg.nats_url, f"{role}:{cfg.instance_id}")
