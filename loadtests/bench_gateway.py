@@ -142,16 +142,23 @@ def p2(n: int, out_len: int, threads: int, repeats: int) -> list[str]:
 
 
 _PEERS = """
-import asyncio, sys
+import asyncio, sys, time
 from shared import bus
-from tests.gateway.peers import Peers
+from shared.protocol import subjects
+from shared.protocol.load import LoadReport
+from tests.gateway.peers import ROLES, Peers
 
 async def main():
     nc = await bus.connect(sys.argv[1], "bench-peers")
-    peers = await Peers(nc, max_model_len=4096).start()
+    fakes = ROLES if sys.argv[2] == "all" else ()  # "decode": real tokenizer and scheduler
+    peers = await Peers(nc, max_model_len=4096).start(fakes)
     await peers.add_decode("dec-0")
     print("ready", flush=True)
-    await asyncio.Event().wait()
+    while True:  # load reports, so that a real scheduler sees the instant decode as live
+        await bus.publish(nc, subjects.load_report("decode", "dec-0"), LoadReport(
+            instance_id="dec-0", role="decode", incarnation="bench", ts=time.time(),
+            kv_blocks_total=4096, kv_blocks_free=4096, max_model_len=4096))
+        await asyncio.sleep(0.25)
 
 asyncio.run(main())
 """
@@ -204,40 +211,48 @@ def _wait_http(url: str, timeout: float = 60.0) -> None:
     raise TimeoutError(f"{url} not healthy after {timeout:.0f}s")
 
 
-def latency(n: int) -> list[str]:
-    """Client TTFT of a 1-token stream through a real gateway process whose bus peers
-    (tokenizer, scheduler, decode from tests/gateway/peers.py) answer at once from another
-    process: everything the gateway does for a request (HTTP parse, validation, tokenize, route
-    and submit bus round trips, first chunk relay) plus the peers' own msgpack handling."""
+def latency(n: int, real: bool) -> list[str]:
+    """Client TTFT of a 1-token stream through a real gateway process, minus a bare HTTP
+    server's, measured alternately. ``real``: the real tokenizer and scheduler services (default
+    model) are in the path and only decode is an instant fake; else every bus peer is an instant
+    fake (tests/gateway/peers.py) in another process — the gateway's own cost alone."""
     import subprocess
     import sys
 
     from services.infra.nats_server import start_nats
     from services.infra.procs import free_port
+    from services.launcher import ensure_model
 
     nats = start_nats(data_dir=tempfile.mkdtemp(prefix="bench-nats-"))
     port = free_port()
     env = {**os.environ, "STRATA_NATS_URL": nats.url, "STRATA_PORT": str(port),
            "STRATA_MODEL_NAME": "tiny", "STRATA_LOG_LEVEL": "WARNING",
            "STRATA_FIRST_TOKEN_TIMEOUT": "30", "PYTHONPATH": os.getcwd()}  # fmt: skip
-    procs = [subprocess.Popen([sys.executable, "-c", _PEERS, nats.url], env=env,
-                              stdout=subprocess.PIPE),
-             subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "gateway"],
-                              env=env, stdout=subprocess.DEVNULL)]  # fmt: skip
+    if real:  # text requests only: no vision service in this path
+        env.update(STRATA_MODEL=ensure_model(""), STRATA_MAX_IMAGES="0")
+    procs = [subprocess.Popen([sys.executable, "-c", _PEERS, nats.url, "decode" if real else "all"],
+                              env=env, stdout=subprocess.PIPE)]  # fmt: skip
+    for role in ("tokenizer", "scheduler") if real else ():
+        procs.append(subprocess.Popen([sys.executable, "-m", "services.cli", "serve", role],
+                                      env=env, stdout=subprocess.DEVNULL))  # fmt: skip
+    procs.append(subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "gateway"],
+                                  env=env, stdout=subprocess.DEVNULL))  # fmt: skip
     floor_port = free_port()
     procs.append(subprocess.Popen([sys.executable, "-c", _FLOOR, str(floor_port)], env=env))
     url = f"http://127.0.0.1:{port}"
     floor_url = f"http://127.0.0.1:{floor_port}"
+    peers = "real tokenizer + scheduler, instant fake decode" if real else "instant fake peers"
     rows = [
-        f"Gateway-added latency (real gateway process, instant fake peers in another "
-        f"process, {n} requests per round, 3 rounds alternating with a bare HTTP server, "
-        f"~200-token prompt, 1 output token, client TTFT):"
+        f"Gateway-added latency ({peers}, {n} requests per round, 3 rounds alternating with a "
+        f"bare HTTP server, ~40-word prompt, 1 output token, client TTFT; load average "
+        f"{os.getloadavg()[0]:.2f}):"
     ]
     try:
         procs[0].stdout.readline()
         _wait_http(url)
         _wait_http(floor_url)
-        text = " ".join(["word"] * 40)  # the fake tokenizer: one token per character
+        _wait_ready(url)
+        text = " ".join(["word"] * 40)
         for conc in (1, 16):
             jobs = [Job(i, 1, messages=[{"role": "user", "content": text}])
                     for i in range(n)]  # fmt: skip
@@ -264,6 +279,23 @@ def latency(n: int) -> list[str]:
             p.wait(10)
         nats.stop()
     return rows
+
+
+def _wait_ready(url: str, timeout: float = 120.0) -> None:
+    """Until the gateway's readiness says every role it needs answers."""
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url + "/health/ready", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} never became ready")
 
 
 def streams(n: int, out_len: int) -> list[str]:
@@ -297,8 +329,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="runs per side, alternated (P2)")
     a = ap.parse_args()
     only = set(a.only.split(","))
-    if "latency" in only:
-        print("\n".join(latency(200 if a.quick else 1000)) + "\n", flush=True)
+    if "latency" in only:  # the real path first; the gateway-alone figure is the second row
+        for real in (True, False):
+            print("\n".join(latency(200 if a.quick else 1000, real)) + "\n", flush=True)
     if "streams" in only:
         print("\n".join(streams(500, 8)) + "\n", flush=True)
     if "p2" in only:
