@@ -29,10 +29,10 @@ log = logging.getLogger(__name__)
 class DecodeService(RequestTasks):
     def __init__(self, rt: ModelRuntime, nc: NATS):
         super().__init__(rt, nc)
-        model = rt.loaded.model
+        spec = rt.port.kv_spec
         self.receiver = KVReceiver(
-            rt.fingerprint, PagedSink(rt.async_engine), model.num_layers,
-            (model.num_kv_heads, model.head_dim), rt.engine.runner.kv.k.dtype,
+            rt.fingerprint, PagedSink(rt.port), spec.num_layers, (spec.kv_heads, spec.head_dim),
+            spec.dtype,
         )
 
     async def cancel(self, request_id: str) -> None:
@@ -41,7 +41,7 @@ class DecodeService(RequestTasks):
 
     async def _run(self, item: WorkItem) -> None:
         rid = item.request_id
-        ae = self.rt.async_engine
+        port = self.rt.port
         emitted = list(item.output_token_ids)
         if item.first_token_id is not None:
             emitted.append(item.first_token_id)
@@ -71,19 +71,19 @@ class DecodeService(RequestTasks):
                 await bus.publish(self.nc, subjects.req_out(rid), chunk)
         except asyncio.CancelledError:
             log.info("decode of %s cancelled", rid)
-            ae.abort(rid)
+            port.abort(rid)
             await bus.publish(self.nc, subjects.req_out(rid), TokenChunk(
                 request_id=rid, index=index, finish_reason="abort", instance_id=self.instance_id))
         except Exception as exc:  # noqa: BLE001 - the request fails; the service does not
             REQUESTS_FAILED.labels("decode").inc()
             log.warning("decode of %s failed: %s", rid, exc)
-            ae.abort(rid)
+            port.abort(rid)
             await publish_error(self.nc, rid, exc, self.instance_id)
 
     async def _start(self, item: WorkItem, mm, emitted: list[int]):
         """(engine output stream, whether the prompt was prefilled elsewhere): from pushed KV
         when it checks out, from pool blocks, else by recompute."""
-        ae = self.rt.async_engine
+        port = self.rt.port
         rid = item.request_id
         if item.kv_pushed and item.first_token_id is not None:
             try:
@@ -95,11 +95,9 @@ class DecodeService(RequestTasks):
                 # A resumed stream (failover): the engine takes the tokens already sent as part
                 # of the prompt, so only the rest of max_tokens / min_tokens is still due.
                 sent = len(item.output_token_ids)
-                sampling = item.sampling if not sent else item.sampling.model_copy(update={
-                    "max_tokens": max(1, item.sampling.max_tokens - sent),
-                    "min_tokens": max(0, item.sampling.min_tokens - sent)})
-                return ae.generate_prefilled(rid, context, item.first_token_id, sampling,
-                                             None, priority=item.priority, mm_inputs=mm), True
+                sampling = item.sampling.resumed(sent)
+                return port.generate_prefilled(rid, context, item.first_token_id, sampling,
+                                               priority=item.priority, mm_inputs=mm), True
             except StrataError as exc:
                 count_fallback(exc.reason if isinstance(exc, TransferFailed) else "broken")
                 log.warning("KV transfer for %s failed (%s); recomputing locally", rid, exc)
@@ -115,6 +113,6 @@ class DecodeService(RequestTasks):
                 count_fallback("pool_miss")
             else:
                 pooled = True
-        stream = ae.generate(rid, item.prompt_token_ids, item.sampling, priority=item.priority,
+        stream = port.generate(rid, item.prompt_token_ids, item.sampling, priority=item.priority,
                              mm_inputs=mm, output_token_ids=emitted)
         return stream, pooled

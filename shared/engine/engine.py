@@ -3,8 +3,11 @@
 One ``step()`` = schedule -> move KV that must move (swap out/in, evicted cached blocks) ->
 prepare inputs -> forward -> sample (or verify drafts) -> postprocess -> detokenize. With
 ``EngineConfig.async_scheduling`` the forward runs on a forward thread and the next decode step
-is scheduled and prepared while it runs (see ``step``). The disaggregation and KV-pool hooks
-live in :class:`~shared.engine.kv_io.KVTransferMixin`.
+is scheduled and prepared while it runs (see ``step``). KV that moves in and out of the cache
+(swap, eviction to the pool, disaggregated prefill) is :class:`~shared.engine.kv_io.EngineKV`
+(``self.kv``); a :class:`~shared.engine.port_types.KVConnector` (``self.connector``) is handed
+each layer's new K/V. Services reach the engine only through
+:class:`~shared.engine.port.EnginePort`.
 """
 
 from __future__ import annotations
@@ -18,17 +21,19 @@ import torch
 from shared.engine.block_manager import BlockManager
 from shared.engine.detok import TextTracker
 from shared.engine.hashing import model_salt
-from shared.engine.kv_io import KVTransferMixin
+from shared.engine.kv_io import EngineKV
 from shared.engine.model_runner import ModelRunner, dtype_of
 from shared.engine.outputs import EngineStats, RequestOutput
 from shared.engine.params import EngineConfig, SamplingParams
+from shared.engine.port_types import KVConnector
 from shared.engine.sampler import Sampler, SampleRow
 from shared.engine.scheduler import Scheduler, SchedulerOutput
 from shared.engine.sequence import MMInput, Sequence, SequenceStatus
 from shared.engine.spec_decode import NgramProposer, Proposer, eligible, verify_greedy
+from shared.engine.structured import Constraint, GrammarCache, allocate_bitmask, tokenizer_info
 
 
-class LLMEngine(KVTransferMixin):
+class LLMEngine:
     def __init__(
         self,
         loaded_model,
@@ -77,7 +82,8 @@ class LLMEngine(KVTransferMixin):
         self.trackers: dict[str, TextTracker] = {}
         self.pending: list[RequestOutput] = []  # outputs produced outside step()
         self.current: SchedulerOutput | None = None  # the step being executed
-        self._init_kv_io()
+        self.kv = EngineKV(self.runner, self.bm, self.salt, config.collect_evicted_kv)
+        self.connector: KVConnector | None = None  # layer-wise KV saving
         self._t = {"forward": 0.0, "step": 0.0, "idle": 0.0, "last_fwd": 0.0, "last_step": 0.0,
                    "device_idle": 0.0, "ahead": 0}  # fmt: skip
         self._steps = 0
@@ -91,6 +97,18 @@ class LLMEngine(KVTransferMixin):
             ThreadPoolExecutor(1, thread_name_prefix="strata-forward") if overlap else None
         )
         self._spec = [0, 0]  # drafted, accepted
+        self._grammars: GrammarCache | None = None
+
+    @property
+    def grammars(self) -> GrammarCache:
+        """Compiled grammars of structured requests (built on first use; needs the tokenizer)."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("structured outputs need the engine's tokenizer")
+            info = tokenizer_info(self.tokenizer, self.loaded.config.vocab_size,
+                                  self.eos_token_ids)  # fmt: skip
+            self._grammars = GrammarCache(info)
+        return self._grammars
 
     # ----- intake ----------------------------------------------------------------------------
     def add_request(
@@ -119,6 +137,8 @@ class LLMEngine(KVTransferMixin):
         vocab = self.loaded.config.vocab_size
         if max(prompt) >= vocab or min(prompt) < 0:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if params is not None and params.structured is not None:
+            self.grammars.get(params.structured)  # GrammarError (a ValueError) when bad
         seq = Sequence(
             request_id,
             list(prompt),
@@ -155,6 +175,48 @@ class LLMEngine(KVTransferMixin):
         self.scheduler.finish(seq, "abort")
         self.pending.append(self._output(seq, [], None, "", True))
 
+    def _save_layer(self, layer: int) -> None:
+        self.kv.save_layer(self.connector, self.current, layer)
+
+    # ----- KV computed elsewhere -------------------------------------------------------------
+    def commit_prefilled(
+        self,
+        request_id: str,
+        prompt_token_ids: Seq[int],
+        first_token_id: int,
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        mm_inputs: Seq[MMInput] = (),
+    ) -> None:
+        """Turn a reserved, fully written request (``self.kv.reserve`` / ``write``) into a
+        running decode; ``first_token_id`` was emitted elsewhere, outputs start after it."""
+        if request_id in self.seqs:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        r = self.kv.take(request_id)
+        try:
+            seq = self._new_seq(request_id, prompt_token_ids, params, priority, mm_inputs, False)
+        except ValueError:
+            self.bm.free(r.block_table)
+            raise
+        seq.block_table = r.block_table
+        seq.num_computed_tokens = r.num_tokens
+        seq.num_cached_tokens = r.num_cached
+        self._track(seq)
+        self.scheduler.add_running(seq)
+        before = seq.num_tokens
+        self.scheduler.postprocess_prefilled(seq, first_token_id)
+        tracker = self.trackers.get(seq.request_id)
+        if tracker is not None:
+            tracker.add(first_token_id)  # emitted by the prefill side
+        if seq.is_finished:
+            self.pending.append(self._emit(seq, before + 1, None))
+
+    def release(self, request_id: str) -> None:
+        """Free a finished request's held blocks (``hold_kv=True``)."""
+        seq = self.seqs.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.release(seq)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.pending) or self._flight is not None
 
@@ -177,10 +239,12 @@ class LLMEngine(KVTransferMixin):
         t0 = time.perf_counter()
         if self._last_end is not None:
             self._t["idle"] += t0 - self._last_end
+        if layer_callback is None and self.connector is not None:
+            layer_callback = self._save_layer
         outputs, self.pending = self.pending, []
         if self._flight is None:
             sched = self.scheduler.schedule()
-            self._move_kv(sched)
+            self.kv.move(sched)
             self.current = sched
             if not sched.is_empty:
                 self._launch(sched, self.runner.prepare(sched), layer_callback)
@@ -210,6 +274,8 @@ class LLMEngine(KVTransferMixin):
         if self._fwd_end is not None:
             self._t["device_idle"] += t - self._fwd_end
         logits = self.runner.execute(batch, layer_callback)
+        if self.connector is not None:
+            self.connector.wait_for_save()
         self._fwd_end = end = time.perf_counter()
         self._t["last_fwd"] = end - t
         self._t["forward"] += end - t
@@ -222,7 +288,7 @@ class LLMEngine(KVTransferMixin):
         if self._forward_thread is not None and layer_callback is None and self.proposer is None:
             nxt = self.scheduler.schedule_decode_ahead(sched)
             if nxt is not None:
-                self._move_kv(nxt)  # blocks it evicted are read out before anyone writes them
+                self.kv.move(nxt)  # blocks it evicted are read out before anyone writes them
                 ahead = (nxt, self.runner.prepare_decode_ahead(nxt))
         try:
             sampled, lps = fut.result()
@@ -248,16 +314,23 @@ class LLMEngine(KVTransferMixin):
         rows: list[SampleRow] = []
         where: list[int] = []
         verify: dict[int, list[int]] = {}
+        constrained: list[tuple[int, Sequence]] = []  # (row, seq) of structured requests
         r = 0
         for i, (sch, k) in enumerate(zip(sched.scheduled, logit_rows, strict=True)):
             if k == 1:
                 s = sch.seq
+                if s.params.structured is not None:
+                    constrained.append((len(rows), s))
                 rows.append(SampleRow(s.params, s.token_ids, s.num_prompt_tokens))
                 where.append(r)
             elif k > 1:
                 verify[i] = logits[r : r + k].argmax(dim=-1).tolist()
             r += k
-        res = self.sampler(logits[where], rows) if rows else None
+        bitmask = self._fill_bitmask(constrained)
+        res = (self.sampler(logits[where], rows, bitmask, [j for j, _ in constrained])
+               if rows else None)  # fmt: skip
+        for j, s in constrained:
+            s.constraint.accept(res.token_ids[j])
         sampled: list[list[int]] = []
         lps: list[list | None] = []
         j = 0
@@ -278,11 +351,28 @@ class LLMEngine(KVTransferMixin):
                 lps.append(None)
         return sampled, lps
 
+    def _fill_bitmask(self, constrained: list[tuple[int, Sequence]]):
+        """The next-token bitmask of each structured row (its matcher built on first use by
+        replaying the outputs so far: a prefill hand-off's first token, a resume's tokens)."""
+        if not constrained:
+            return None
+        bitmask = allocate_bitmask(len(constrained), self.grammars.vocab_size)
+        for n, (_, s) in enumerate(constrained):
+            if s.constraint is None:
+                spec = s.params.structured
+                s.constraint = Constraint(self.grammars.get(spec))
+                s.constraint.replay(s.token_ids[s.num_prompt_tokens - spec.resumed_tokens :])
+            s.constraint.fill(bitmask, n)
+        return bitmask
+
     def _update(self, sched: SchedulerOutput, sampled, lps) -> list:
         """Advance the scheduler with a step's tokens; ``(seq, before, logprobs)`` for every
         sequence that got tokens or finished."""
         before = {id(s.seq): s.seq.num_tokens for s in sched.scheduled}
         touched = self.scheduler.postprocess(sched, sampled)
+        for seq in touched:  # a grammar that ended on a stop id the scheduler does not know
+            if seq.constraint is not None and seq.constraint.terminated and not seq.is_finished:
+                self.scheduler.finish(seq, "stop")
         lp_of = {id(s.seq): lp for s, lp in zip(sched.scheduled, lps, strict=True)}
         if self.proposer is not None:
             for seq in self.scheduler.running:

@@ -3,8 +3,24 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+StructuredKind = Literal["json", "json_schema", "regex", "choice", "grammar", "tool_calls"]
+
+
+class StructuredSpec(BaseModel):
+    """A decoding constraint (compiled by ``shared.engine.structured``); rides the bus as is."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: StructuredKind = Field(..., description="What ``spec`` is (see structured.py).")
+    spec: str = Field("", description="JSON schema / regex / JSON list of choices / EBNF.")
+    resumed_tokens: int = Field(
+        0, ge=0, description="Outputs counted into the prompt on a resume; the matcher replays "
+        "them too (decode's failover path passes prompt + sent tokens as the prompt)."
+    )
 
 
 class SamplingParams(BaseModel):
@@ -30,6 +46,12 @@ class SamplingParams(BaseModel):
     speculation: bool = Field(
         True, description="Draft tokens allowed (the scheduler turns this off from level 1)."
     )
+    structured: StructuredSpec | None = Field(
+        None, description="Grammar the output must follow (token bitmask in the sampler)."
+    )
+    logit_bias: dict[int, float] | None = Field(
+        None, description="OpenAI logit_bias: added to these token ids' logits (-100..100)."
+    )
 
     @model_validator(mode="after")
     def _check(self) -> SamplingParams:
@@ -39,7 +61,21 @@ class SamplingParams(BaseModel):
             )
         if any(s == "" for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.logit_bias and any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
+            raise ValueError("logit_bias values must be in [-100, 100]")
         return self
+
+    def resumed(self, sent: int) -> SamplingParams:
+        """These params for a stream resumed after ``sent`` outputs that the engine takes as part
+        of the prompt: only the rest of max_tokens / min_tokens is due, and the grammar matcher
+        replays the ``sent`` tokens too."""
+        if not sent:
+            return self
+        update: dict = {"max_tokens": max(1, self.max_tokens - sent),
+                        "min_tokens": max(0, self.min_tokens - sent)}  # fmt: skip
+        if self.structured is not None:
+            update["structured"] = self.structured.model_copy(update={"resumed_tokens": sent})
+        return self.model_copy(update=update)
 
     @property
     def greedy(self) -> bool:

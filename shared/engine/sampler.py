@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.engine.params import SamplingParams
+from shared.engine.structured import apply_bitmask
 
 _MASK64 = (1 << 64) - 1
 
@@ -53,9 +54,25 @@ class Sampler:
         self.eos_token_ids = list(eos_token_ids)
         self.generator = generator
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleResult:
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SampleRow],
+                 bitmask: torch.Tensor | None = None,
+                 mask_rows: Sequence[int] = ()) -> SampleResult:  # fmt: skip
+        """Pick one token per row. ``bitmask[j]`` (xgrammar layout, bit set = allowed) limits
+        row ``mask_rows[j]`` to its grammar's next tokens; other rows are free. Logprobs are
+        those of the model (before bias and mask)."""
         logits = logits.float()
         raw = logits
+        biased = [i for i, r in enumerate(rows) if r.params.logit_bias]
+        if biased or (bitmask is not None and mask_rows):
+            logits = logits.clone()
+            for i in biased:
+                bias = rows[i].params.logit_bias or {}
+                ids = torch.tensor(list(bias), device=logits.device)
+                ids_ok = ids < logits.shape[-1]
+                vals = torch.tensor(list(bias.values()), device=logits.device)
+                logits[i, ids[ids_ok]] += vals[ids_ok]
+            if bitmask is not None and mask_rows:
+                apply_bitmask(logits, bitmask, list(mask_rows))
         out = [0] * len(rows)
         plain = [i for i, r in enumerate(rows) if self._is_plain_greedy(r)]
         if plain:

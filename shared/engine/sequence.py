@@ -61,6 +61,9 @@ class Sequence:
     num_preemptions: int = 0
     # Tokens that were given as already emitted (failover resume); not re-emitted.
     num_resumed_outputs: int = 0
+    # Grammar state of a structured request (`shared.engine.structured.Constraint`), built at
+    # its first sampling by replaying the outputs so far.
+    constraint: Any = None
 
     def __post_init__(self) -> None:
         self.num_resumed_outputs = len(self.token_ids) - self.num_prompt_tokens

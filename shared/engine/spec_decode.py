@@ -3,7 +3,8 @@
 A ``Proposer`` looks at a running sequence and suggests the next few tokens; the target model
 scores the last real token plus the drafts in one forward and keeps the longest prefix of drafts
 that equals its own greedy choice, plus one bonus token. The output is therefore exactly the
-plain greedy output. Only greedy requests without penalties, logprobs or min_tokens get drafts.
+plain greedy output. Only greedy requests without penalties, logprobs, min_tokens or a structured
+output constraint get drafts.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ def eligible(seq: Sequence) -> bool:
     return (
         p.greedy
         and p.speculation
+        and p.structured is None  # drafts are not checked against a grammar: no speculation
         and p.logprobs is None
         and p.repetition_penalty == 1.0
         and p.presence_penalty == 0.0
