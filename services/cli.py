@@ -20,6 +20,7 @@ import urllib.request
 from pydantic import ValidationError
 
 from services.launcher import ROLES, ClusterConfig
+from services.shape import apply_affinity
 from shared.config import ConfigError
 from shared.model.errors import CheckpointError
 from shared.service import FATAL_LINE, StartupError
@@ -37,6 +38,11 @@ def serve(role: str, argv: list[str]) -> int:
     if role not in ROLES:
         say(f"unknown role {role!r}; roles: {', '.join(ROLES)}")
         return 2
+    try:  # pin before torch starts its thread pool (`strata up` fills STRATA_CPU_AFFINITY)
+        apply_affinity()
+    except (ValueError, OSError) as exc:
+        print(f"{FATAL_LINE} {role}: {exc}", file=sys.stderr, flush=True)
+        return 1
     package = os.environ.get(APP_PACKAGE_ENV) or "services"
     module = f"{package}.{role}.app"
     try:
@@ -72,11 +78,15 @@ def up_parser(prog: str = "strata up") -> argparse.ArgumentParser:
     p.add_argument("--no-minio", action="store_true", help="no MinIO (KV pool stays in DRAM)")
     p.add_argument("--data-dir", default=os.path.join(_root(), ".data"),
                    help="NATS/MinIO data and service logs (default: .data/)")
-    for role in ("scheduler", "tokenizer", "vision", "kvstore", "prefill", "decode"):
+    for role in ("scheduler", "tokenizer", "vision", "kvstore", "decode"):
         p.add_argument(f"--{role}", type=int, default=getattr(d, role), metavar="N",
                        help=f"{role} instances (default {getattr(d, role)})")
-    p.add_argument("--torch-threads", type=int, default=d.torch_threads,
-                   help="torch threads per model process (default 1)")
+    p.add_argument("--prefill", type=int, default=None, metavar="N",
+                   help="prefill instances; 0 = decode prefills (default: from the machine: "
+                   "0 below 8 cores, else 1)")
+    p.add_argument("--torch-threads", type=int, default=None, metavar="N",
+                   help="torch threads per prefill/decode process (default: its share of the "
+                   "cores)")
     p.add_argument("--device", default=d.device, help="torch device: cpu or cuda[:N]")
     p.add_argument("--log-level", default=d.log_level)
     p.add_argument("--metrics-port-base", type=int, default=0,
@@ -131,7 +141,8 @@ def up(argv: list[str]) -> int:
     rc = 0
     try:
         infra = "nats-server, MinIO" if cfg.minio else "nats-server"
-        say(f"starting {infra} and the services ({cfg.prefill} prefill, {cfg.decode} decode); "
+        say(f"starting {infra} and the services ({cluster.cfg.prefill} prefill, "
+            f"{cluster.cfg.decode} decode); "
             f"logs in {cluster.log_dir}")
         cluster.start()
         _banner(cluster)

@@ -52,9 +52,9 @@ def up_cmd(fake, *extra: str) -> list[str]:
 
 def test_strata_up_serves_then_stops_everything_on_sigterm(fake):
     env = dict(os.environ, **fake["env"])
-    proc = subprocess.Popen(up_cmd(fake, "--prefill", "1", "--decode", "2"), env=env, cwd=repo_root(), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = subprocess.Popen(up_cmd(fake, "--prefill", "1", "--decode", "2"), env=env,
+                            cwd=repo_root(), text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
     lines: list[str] = []
     try:
         deadline = time.monotonic() + 120

@@ -1,0 +1,141 @@
+"""The deployment shape: the pure decision from cores / accelerators / flags, the affinity
+setting, and a cluster of dummy apps (real nats-server) that starts the chosen shape pinned."""
+
+from __future__ import annotations
+
+import io
+import os
+
+import pytest
+
+import services.launcher as launcher
+from services import shape
+from services.infra.nats_server import NatsServer
+from services.launcher import Cluster
+from services.shape import choose_shape, format_cpus, parse_cpus
+from tests.infra.fake_apps import write_fake_apps, write_fake_checkpoint
+
+
+def test_two_cores_colocate_with_every_core_as_threads():
+    s = choose_shape([0, 1])
+    assert (s.prefill, s.decode, s.torch_threads, s.colocated) == (0, 1, 2, True)
+    assert s.model_cpus == {"decode-0": [0, 1]} and s.service_cpus == []
+    assert s.line == ("shape: colocated prefill+decode on 2 cores (1 decode x 2 torch threads); "
+                      "pass --prefill 1 to disaggregate")  # fmt: skip
+
+
+def test_few_cores_colocate_and_keep_a_core_for_services_from_four():
+    s = choose_shape([0, 1, 2, 3])
+    assert (s.prefill, s.torch_threads) == (0, 3)
+    assert s.model_cpus == {"decode-0": [0, 1, 2]} and s.service_cpus == [3]
+    s = choose_shape(list(range(6)), decode=2)  # the leftover core goes to decode-0
+    assert s.prefill == 0 and s.model_cpus == {"decode-0": [0, 1, 4], "decode-1": [2, 3]}
+    assert s.service_cpus == [5] and s.torch_threads == 2
+
+
+def test_enough_cores_disaggregate_on_separate_cores():
+    s = choose_shape(list(range(8)))
+    assert (s.prefill, s.decode, s.torch_threads, s.colocated) == (1, 1, 3, False)
+    assert s.model_cpus == {"prefill-0": [0, 1, 2], "decode-0": [3, 4, 5, 6]}
+    assert s.service_cpus == [7]
+    assert "disaggregated, 1 prefill + 1 decode on 8 cores" in s.line
+    s = choose_shape(list(range(32)), decode=2)
+    assert s.prefill == 1 and s.service_cpus == [28, 29, 30, 31]
+    assert [len(s.model_cpus[n]) for n in ("prefill-0", "decode-0", "decode-1")] == [9, 10, 9]
+    assert set().union(*map(set, s.model_cpus.values())).isdisjoint(s.service_cpus)
+
+
+def test_one_accelerator_per_model_process_disaggregates_on_few_cores():
+    assert choose_shape([0, 1], accelerators=2).prefill == 1
+    assert choose_shape([0, 1], accelerators=2).torch_threads == 1
+    assert choose_shape([0, 1], accelerators=1).prefill == 0  # one device for two processes
+    assert choose_shape([0, 1], accelerators=2, decode=2).prefill == 0
+
+
+def test_explicit_flags_win():
+    s = choose_shape([0, 1], prefill=1)
+    assert (s.prefill, s.torch_threads) == (1, 1)
+    assert s.model_cpus == {"prefill-0": [0], "decode-0": [1]}
+    assert "pass --prefill" not in s.line  # the user chose
+    s = choose_shape(list(range(16)), prefill=0, torch_threads=4)
+    assert (s.prefill, s.torch_threads, s.model_cpus["decode-0"]) == (0, 4, list(range(14)))
+    s = choose_shape([0, 1], prefill=0, torch_threads=4)  # more threads than cores: not pinned
+    assert (s.torch_threads, s.model_cpus) == (4, {})
+    s = choose_shape([0, 1], prefill=2, decode=2)  # more processes than cores: not pinned
+    assert (s.prefill, s.torch_threads, s.model_cpus) == (2, 1, {})
+    with pytest.raises(ValueError, match="no usable cores"):
+        choose_shape([])
+
+
+def test_cpu_lists_round_trip_and_bad_ones_name_the_setting():
+    assert parse_cpus("0-2,5, 7-8") == [0, 1, 2, 5, 7, 8]
+    assert format_cpus([8, 0, 1, 2, 5, 7]) == "0-2,5,7-8"
+    assert format_cpus([3]) == "3" and parse_cpus("3") == [3]
+    for bad in ("x", "3-1", "-1", ",", "1-2-3"):
+        with pytest.raises(ValueError, match="STRATA_CPU_AFFINITY"):
+            parse_cpus(bad)
+
+
+def test_apply_affinity_pins_to_the_usable_part(monkeypatch):
+    calls = []
+    monkeypatch.setattr(shape, "usable_cores", lambda: [0, 1, 2])
+    monkeypatch.setattr(os, "sched_setaffinity", lambda pid, cpus: calls.append((pid, cpus)))
+    assert shape.apply_affinity({}) is None and calls == []
+    assert shape.apply_affinity({"STRATA_CPU_AFFINITY": "1-5"}) == [1, 2]
+    assert calls == [(0, {1, 2})]
+    with pytest.raises(ValueError, match="none of these cores is usable"):
+        shape.apply_affinity({"STRATA_CPU_AFFINITY": "7"})
+
+
+def test_service_env_carries_the_shape(tmp_path, monkeypatch):
+    monkeypatch.setattr(launcher, "usable_cores", lambda: list(range(16)))
+    c = Cluster(str(tmp_path))
+    c.nats = NatsServer(4333, str(tmp_path))
+    c.model_dir = str(tmp_path)
+    c._kvstore_addrs = ["127.0.0.1:7001"]
+    assert (c.cfg.prefill, c.cfg.torch_threads) == (1, 7)
+    env = {r: c.service_spec(r, 0).env for r in launcher.ROLES}
+    assert env["prefill"]["STRATA_CPU_AFFINITY"] == "0-6"
+    assert env["decode"]["STRATA_CPU_AFFINITY"] == "7-13"
+    assert env["decode"]["STRATA_TORCH_THREADS"] == "7"
+    for role in ("gateway", "tokenizer", "scheduler", "kvstore", "vision"):
+        assert env[role]["STRATA_CPU_AFFINITY"] == "14-15", role
+        assert env[role]["OMP_NUM_THREADS"] == "1", role
+    assert env["vision"]["STRATA_TORCH_THREADS"] == "1"
+    assert "OMP_NUM_THREADS" not in env["decode"]
+
+
+@pytest.fixture
+def fake(tmp_path):
+    root = write_fake_apps(tmp_path / "apps")
+    model = write_fake_checkpoint(tmp_path / "model", "Qwen3ForCausalLM")
+    env = {"STRATA_APP_PACKAGE": "fakeapps",
+           "PYTHONPATH": os.pathsep.join([launcher.repo_root(), root])}  # fmt: skip
+    return {"env": env, "model": model}
+
+
+need_two = pytest.mark.skipif(len(shape.usable_cores()) < 2, reason="needs 2 usable cores")
+
+
+@need_two
+def test_cluster_starts_the_colocated_shape_on_two_cores(fake, monkeypatch):
+    cores = shape.usable_cores()[:2]
+    monkeypatch.setattr(launcher, "usable_cores", lambda: cores)
+    out = io.StringIO()
+    with Cluster(fake["model"], minio=False, vision=0, env=fake["env"], log_stream=out) as c:
+        assert "[strata] shape: colocated prefill+decode on 2 cores" in out.getvalue()
+        assert c.names() == ["scheduler-0", "tokenizer-0", "kvstore-0", "decode-0", "gateway-0"]
+        assert "decode-0 starting argv=[] threads=2" in c.logs("decode-0")
+        assert os.sched_getaffinity(c.sup.procs["decode-0"].pid) == set(cores)
+
+
+@need_two
+def test_cluster_pins_prefill_and_decode_to_their_own_cores(fake, monkeypatch):
+    cores = shape.usable_cores()[:2]
+    monkeypatch.setattr(launcher, "usable_cores", lambda: cores)
+    with Cluster(fake["model"], minio=False, vision=0, prefill=1, env=fake["env"]) as c:
+        assert c.names("prefill") == ["prefill-0"]
+        assert "decode-0 starting argv=[] threads=1" in c.logs("decode-0")
+        assert os.sched_getaffinity(c.sup.procs["prefill-0"].pid) == {cores[0]}
+        assert os.sched_getaffinity(c.sup.procs["decode-0"].pid) == {cores[1]}
+        assert len(os.sched_getaffinity(c.sup.procs["gateway-0"].pid)) >= 2  # not pinned
