@@ -24,18 +24,12 @@ from typing import IO, Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.infra.minio_server import MinioServer, minio_binary
+from services.infra.nats_auth import password_file
 from services.infra.nats_server import NatsServer
 from services.infra.procs import cache_dir, free_port, port_open, repo_root, wait_until
 from services.infra.supervisor import LogSink, ProcSpec, Supervisor
-from services.shape import (
-    AFFINITY_ENV,
-    SERVICE_THREAD_ENV,
-    Shape,
-    choose_shape,
-    format_cpus,
-    usable_cores,
-)
 from shared.model.validate import validate_checkpoint
+from shared.nats_auth import NatsAuth
 
 ROLES = ("scheduler", "tokenizer", "vision", "kvstore", "prefill", "decode", "gateway")
 """Every role `strata serve` knows, in start-up order."""
@@ -59,11 +53,9 @@ class ClusterConfig(BaseModel):
     tokenizer: int = Field(1, ge=1, le=64, description="Tokenizer replicas (queue group)")
     vision: int = Field(1, ge=0, le=64, description="Vision encoder replicas (0 = text only)")
     kvstore: int = Field(1, ge=0, le=64, description="kvstore instances (0 = no KV pool)")
-    prefill: int | None = Field(None, ge=0, le=64, description="Prefill instances (0 = decode "
-                                "prefills; None = from the machine, see services.shape)")
+    prefill: int = Field(1, ge=0, le=64, description="Prefill instances (0 = decode prefills)")
     decode: int = Field(1, ge=1, le=64, description="Decode instances")
-    torch_threads: int | None = Field(None, ge=1, le=256, description="torch threads per "
-                                      "prefill/decode process (None = from the shape)")
+    torch_threads: int = Field(1, ge=1, le=256, description="torch threads per model process")
     device: str = Field("cpu", description="torch device of model processes")
     log_level: str = Field("INFO", description="Log level of every service")
     metrics_port_base: int = Field(0, ge=0, le=65000,
@@ -74,6 +66,13 @@ class ClusterConfig(BaseModel):
     ready_timeout: float = Field(300.0, gt=0, description="Seconds to wait for readiness")
     stop_timeout: float = Field(10.0, gt=0, description="Seconds between SIGTERM and SIGKILL")
     die_with_parent: bool = Field(False, description="Children die if the launcher is killed")
+    nats_auth: bool = Field(True, description="Per-role NATS users and permissions (anonymous "
+                            "clients refused); credentials in <data-dir>/nats/credentials")
+    nats_tls_cert: str = Field("", description="nats-server TLS certificate ('' = no TLS)")
+    nats_tls_key: str = Field("", description="nats-server TLS key")
+    nats_tls_ca: str = Field("", description="CA of the server certificate, given to clients")
+    nats_tls_verify: bool = Field(False, description="Clients must present a certificate "
+                                  "signed by nats_tls_ca (set STRATA_NATS_TLS_CERT/KEY via env)")
 
 
 def default_model_dir() -> str:
@@ -116,12 +115,7 @@ class Cluster:
         base.update(overrides)
         if model_dir:
             base["model"] = model_dir
-        cfg = ClusterConfig.model_validate(base)
-        self.shape: Shape = choose_shape(usable_cores(), _accelerators(cfg.device),
-                                         prefill=cfg.prefill, decode=cfg.decode,
-                                         torch_threads=cfg.torch_threads)  # fmt: skip
-        self.cfg = cfg.model_copy(update={"prefill": self.shape.prefill,
-                                          "torch_threads": self.shape.torch_threads})  # fmt: skip
+        self.cfg = ClusterConfig.model_validate(base)
         self._own_data = not self.cfg.data_dir
         self.data_dir = os.path.abspath(self.cfg.data_dir) if self.cfg.data_dir else ""
         self.sup = Supervisor(LogSink(log_stream, color))
@@ -195,14 +189,15 @@ class Cluster:
         os.makedirs(self.log_dir, exist_ok=True)
         self.sup.log_dir = self.log_dir
         self.nats = NatsServer(self.cfg.nats_port or free_port(), os.path.join(self.data_dir, "nats"),
-                               die_with_parent=self.cfg.die_with_parent)
+                               die_with_parent=self.cfg.die_with_parent, auth=self.cfg.nats_auth,
+                               tls_cert=self.cfg.nats_tls_cert, tls_key=self.cfg.nats_tls_key,
+                               tls_ca=self.cfg.nats_tls_ca, tls_verify=self.cfg.nats_tls_verify)
         self.nats.start(self._infra_log("nats"))
         if self.cfg.minio:
             self.minio = MinioServer(self.cfg.minio_port or free_port(),
                                      os.path.join(self.data_dir, "minio"),
                                      die_with_parent=self.cfg.die_with_parent)
             self.minio.start(self._infra_log("minio"))
-        self.sup.sink.write("strata", self.shape.line)
         counts = {r: getattr(self.cfg, r) for r in ROLES if r != "gateway"}
         counts["vision"], why = vision_replicas(self.model_dir, self.cfg.vision)
         if why:
@@ -265,16 +260,10 @@ class Cluster:
             "STRATA_METRICS_PORT": str(self._metrics_port()), "STRATA_DEVICE": self.cfg.device,
             "STRATA_GRPC_HOST": self.cfg.host, "PYTHONPATH": _pythonpath(),
         }
-        cpus = self.shape.model_cpus.get(name) if role in ("prefill", "decode") else None
-        if role in ("prefill", "decode"):
+        e.update(self.nats_credentials(role).env(password_file(self.nats.cred_dir, role)
+                                                 if self.cfg.nats_auth else ""))  # fmt: skip
+        if role in MODEL_ROLES:
             e["STRATA_TORCH_THREADS"] = str(self.cfg.torch_threads)
-        else:  # services (vision too) stay single-threaded, on the spare cores if any
-            e.update(SERVICE_THREAD_ENV)
-            if role == "vision":
-                e["STRATA_TORCH_THREADS"] = "1"
-            cpus = self.shape.service_cpus
-        if cpus:
-            e[AFFINITY_ENV] = format_cpus(cpus)
         if role in ("prefill", "decode") and self._kvstore_addrs:
             e["STRATA_KVSTORE_ADDRS"] = ",".join(self._kvstore_addrs)
         if role == "kvstore":
@@ -292,6 +281,12 @@ class Cluster:
         argv = [sys.executable, "-m", "services.cli", "serve", role,
                 *self.cfg.role_args.get(role, []), *args]
         return ProcSpec(name, argv, e, cwd=repo_root(), die_with_parent=self.cfg.die_with_parent)
+
+    def nats_credentials(self, user: str) -> NatsAuth:
+        """Credentials of NATS user ``user`` (a role, or ``api``) for `shared.bus.connect`;
+        anonymous when ``nats_auth`` is off."""
+        assert self.nats is not None, "start() the cluster first"
+        return self.nats.client_auth(user)
 
     def _metrics_port(self) -> int:
         if not self.cfg.metrics_port_base:
@@ -344,15 +339,6 @@ class Cluster:
     def check(self) -> None:
         """Raise ServiceFailed if a service died without being asked to."""
         self.sup.check()
-
-
-def _accelerators(device: str) -> int:
-    """Accelerators the model processes can use: 0 on CPU, else the visible CUDA devices."""
-    if device == "cpu":
-        return 0
-    import torch
-
-    return torch.cuda.device_count() if device.startswith("cuda") else 1
 
 
 def _pythonpath() -> str:

@@ -8,12 +8,12 @@ and counts requests, errors and latency per subject.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-import nats
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg as NatsMsg
 from nats.errors import NoRespondersError
@@ -22,6 +22,8 @@ from pydantic import BaseModel, ValidationError
 
 from shared import metrics
 from shared.badmsg import BadMessages, one_line
+from shared.config import ConfigError
+from shared.nats_auth import NatsAuth
 from shared.protocol import subjects
 from shared.protocol.codec import decode, encode, encode_error
 from shared.protocol.errors import StrataError
@@ -33,8 +35,14 @@ Req = TypeVar("Req", bound=BaseModel)
 Rep = TypeVar("Rep", bound=BaseModel)
 
 
-async def connect(url: str, name: str) -> NATS:
-    """Connect, retrying forever on disconnects; logs state changes."""
+async def connect(url: str, name: str, auth: NatsAuth | None = None) -> NATS:
+    """Connect, retrying forever while the server is unreachable or drops us; logs state changes.
+
+    ``auth`` (default: `NatsAuth.from_env`, the ``STRATA_NATS_*`` vars) gives the user,
+    password, reply-inbox prefix and TLS. A login the server refuses is not retried: it raises
+    `ConfigError` naming the user. Permission violations are logged as warnings."""
+    auth = NatsAuth.from_env() if auth is None else auth
+    refused: asyncio.Future[Exception] = asyncio.get_running_loop().create_future()
 
     async def on_disconnected() -> None:
         log.warning("nats disconnected")
@@ -43,9 +51,18 @@ async def connect(url: str, name: str) -> NATS:
         log.info("nats reconnected")
 
     async def on_error(exc: Exception) -> None:
-        log.debug("nats error: %s", exc)
+        text = str(exc).lower()
+        if "authorization" in text or "authentication" in text:
+            log.error("nats-server refused login as %s: %s", _who(auth), exc)
+            if not refused.done():
+                refused.set_result(exc)
+        elif "permissions violation" in text:
+            log.warning("nats refused (user %s): %s", _who(auth), exc)
+        else:
+            log.debug("nats error: %s", exc)
 
-    return await nats.connect(
+    nc = NATS()
+    connecting = asyncio.ensure_future(nc.connect(
         url,
         name=name,
         max_reconnect_attempts=-1,
@@ -55,7 +72,23 @@ async def connect(url: str, name: str) -> NATS:
         disconnected_cb=on_disconnected,
         reconnected_cb=on_reconnected,
         error_cb=on_error,
-    )
+        **auth.connect_kwargs(),
+    ))  # fmt: skip
+    await asyncio.wait({connecting, refused}, return_when=asyncio.FIRST_COMPLETED)
+    if connecting.done():
+        connecting.result()
+        return nc
+    connecting.cancel()
+    with contextlib.suppress(BaseException):
+        await connecting
+    with contextlib.suppress(Exception):
+        await nc.close()
+    raise ConfigError(f"nats-server {url} refused login as {_who(auth)} "
+                      "(check STRATA_NATS_USER and STRATA_NATS_PASSWORD[_FILE])")  # fmt: skip
+
+
+def _who(auth: NatsAuth) -> str:
+    return repr(auth.user) if auth.user else "anonymous (STRATA_NATS_USER unset)"
 
 
 async def request(

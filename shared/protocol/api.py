@@ -7,7 +7,7 @@ The caller sends a `GenerateRequest` whose ``body`` is exactly the JSON body it 
   object) on the request's reply inbox.
 - ``body.stream`` true: `GenerateEvent`s (``data`` = one OpenAI chunk object each) are published to
   ``stream_subject`` when given, else to the request's reply inbox; the last one has ``done=True``.
-  Cancel with a `stream.Cancel` on ``strata.req.<request_id>.cancel`` (the id is in every event).
+  Cancel with an `ApiCancel` on ``strata.api.v1.cancel`` (same ``request_id`` and ``api_key``).
 - Errors arrive as an event with ``error`` set and ``done=True`` (codes as in `errors.HTTP_STATUS`).
 """
 
@@ -35,3 +35,12 @@ class GenerateEvent(Msg):
     done: bool = False
     error: ErrorInfo | None = None
     status: int = 200  # the HTTP status REST would have returned
+
+
+class ApiCancel(Msg):
+    """Published on ``strata.api.v1.cancel``: end the caller's request ``request_id`` (its stream
+    ends with ``finish_reason: "abort"``). Only the gateway running it acts, and only when
+    ``api_key`` is the key the request was opened with."""
+
+    request_id: str
+    api_key: str = ""

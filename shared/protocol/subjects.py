@@ -7,6 +7,7 @@ PREFIX = "strata"
 # Public, versioned entry point of the gateway (same semantics as REST).
 API_GENERATE = f"{PREFIX}.api.v1.generate"
 API_MODELS = f"{PREFIX}.api.v1.models"
+API_CANCEL = f"{PREFIX}.api.v1.cancel"  # every gateway: api.ApiCancel for a request it runs
 
 TOK_ENCODE = f"{PREFIX}.tok.encode"  # queue group "tokenizer"
 VISION_ENCODE = f"{PREFIX}.vision.encode"  # queue group "vision"

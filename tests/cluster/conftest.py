@@ -42,7 +42,7 @@ class StateWatcher:
     """Records every `SchedulerState` (time, degrade level) published on NATS, in a thread, and
     every instance any of them listed as down (``down_seen``)."""
 
-    def __init__(self, nats_url: str) -> None:
+    def __init__(self, nats_url: str, auth=None) -> None:
         import time
 
         self._time = time.monotonic
@@ -50,15 +50,15 @@ class StateWatcher:
         self.down_seen: set[str] = set()
         self._stop = threading.Event()
         self._ready = threading.Event()
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._run(nats_url)),
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run(nats_url, auth)),
                                         daemon=True)  # fmt: skip
         self._thread.start()
         assert self._ready.wait(10), "could not subscribe to scheduler state"
 
-    async def _run(self, url: str) -> None:
+    async def _run(self, url: str, auth) -> None:
         from shared.bus import connect
 
-        nc = await connect(url, name="test-state-watcher")
+        nc = await connect(url, name="test-state-watcher", auth=auth)
 
         async def on_state(msg) -> None:
             st = decode(msg.data, SchedulerState)

@@ -61,7 +61,7 @@ def test_long_forwards_do_not_make_instances_look_dead():
                            "STRATA_DOWN_AFTER": str(DOWN_AFTER),
                            "STRATA_STATE_INTERVAL": "0.1",
                            "STRATA_MAX_NUM_BATCHED_TOKENS": str(CHUNK)})  # fmt: skip
-    watcher = StateWatcher(c.nats_url)
+    watcher = StateWatcher(c.nats_url, c.nats_credentials("gateway"))
     try:
         model = httpx.get(c.gateway_url + "/v1/models").json()["data"][0]["id"]
         rng = random.Random(7)

@@ -66,7 +66,7 @@ def test_overload_refuses_batch_keeps_interactive_slo_and_recovers(default_model
                                                "--short-prompt-tokens", "0",
                                                "--queue-target-s", "1.0",
                                                "--degrade-dwell-s", "1.0"]})  # fmt: skip
-    watcher = StateWatcher(c.nats_url)
+    watcher = StateWatcher(c.nats_url, c.nats_credentials("gateway"))
     try:
         url = c.gateway_url
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]

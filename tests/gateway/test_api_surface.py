@@ -16,7 +16,7 @@ from services.gateway.auth import Auth, KeyPolicy
 from services.gateway.core import ApiError
 from shared import bus
 from shared.protocol import subjects
-from shared.protocol.api import GenerateEvent, GenerateRequest
+from shared.protocol.api import ApiCancel, GenerateEvent, GenerateRequest
 from shared.protocol.codec import decode, encode
 from shared.protocol.sched import DegradeRules, SchedulerState
 from tests.gateway.harness import gateway
@@ -115,6 +115,47 @@ async def test_nats_api_request_stream_cancel_errors(nats_url, nc):
                 body=body, request_id=bad)), timeout=5)  # fmt: skip
             ev = decode(rep.data, GenerateEvent)
             assert ev.status == 400 and "request id" in ev.error.message, bad
+
+
+async def test_nats_api_cancel_needs_the_key_and_stream_subject_stays_off_strata(nats_url, nc):
+    """`strata.api.v1.cancel` ends only a request opened with the same api key (API users may
+    not publish `strata.req.*.cancel` under NATS auth); a stream_subject on Strata's own
+    subjects or with a wildcard is refused before anything runs."""
+    async with gateway(nats_url) as (_, peers, _s):
+        peers.decodes["dec-0"]["gap"] = 0.1
+        body = {"model": "tiny", "messages": MSG, "max_tokens": 40, "stream": True}
+        got: list[GenerateEvent] = []
+        done = asyncio.Event()
+
+        async def on_ev(msg):
+            got.append(decode(msg.data, GenerateEvent))
+            if got[-1].done:
+                done.set()
+
+        sub = await nc.subscribe("_INBOX.api.mine", cb=on_ev)
+        await nc.publish(subjects.API_GENERATE, encode(GenerateRequest(
+            body=body, stream_subject="_INBOX.api.mine", request_id="rid-k", api_key="k1")))
+        while sum(1 for e in got if e.data and e.data["choices"]) < 3:
+            await asyncio.sleep(0.02)
+        await nc.publish(subjects.API_CANCEL, encode(ApiCancel(request_id="rid-k", api_key="k2")))
+        await nc.publish(subjects.API_CANCEL, encode(ApiCancel(request_id="other", api_key="k1")))
+        await nc.flush()
+        n = len(got)
+        while len(got) < n + 3 and not done.is_set():  # wrong key, wrong id: nothing changes
+            await asyncio.sleep(0.02)
+        assert not done.is_set()
+        await nc.publish(subjects.API_CANCEL, encode(ApiCancel(request_id="rid-k", api_key="k1")))
+        await asyncio.wait_for(done.wait(), 2)  # ends at once, not after max_tokens * gap
+        await sub.unsubscribe()
+        finals = [e.data["choices"][0]["finish_reason"] for e in got
+                  if e.data and e.data["choices"]]  # fmt: skip
+        assert finals[-1] == "abort" and len(finals) < 30
+        for bad in ("strata.req.x.cancel", "strata.req.x.out", "$JS.API.STREAM.DELETE.S",
+                    "_INBOX.api.*", "a..b"):  # fmt: skip
+            rep = await nc.request(subjects.API_GENERATE, encode(GenerateRequest(
+                body=body, stream_subject=bad)), timeout=5)  # fmt: skip
+            ev = decode(rep.data, GenerateEvent)
+            assert ev.status == 400 and "stream_subject" in ev.error.message, bad
 
 
 async def test_auth_statuses(nats_url, tmp_path):
