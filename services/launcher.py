@@ -28,6 +28,14 @@ from services.infra.nats_auth import password_file
 from services.infra.nats_server import NatsServer
 from services.infra.procs import cache_dir, free_port, port_open, repo_root, wait_until
 from services.infra.supervisor import LogSink, ProcSpec, Supervisor
+from services.shape import (
+    AFFINITY_ENV,
+    SERVICE_THREAD_ENV,
+    Shape,
+    choose_shape,
+    format_cpus,
+    usable_cores,
+)
 from shared.model.validate import validate_checkpoint
 from shared.nats_auth import NatsAuth
 
@@ -53,9 +61,11 @@ class ClusterConfig(BaseModel):
     tokenizer: int = Field(1, ge=1, le=64, description="Tokenizer replicas (queue group)")
     vision: int = Field(1, ge=0, le=64, description="Vision encoder replicas (0 = text only)")
     kvstore: int = Field(1, ge=0, le=64, description="kvstore instances (0 = no KV pool)")
-    prefill: int = Field(1, ge=0, le=64, description="Prefill instances (0 = decode prefills)")
+    prefill: int | None = Field(None, ge=0, le=64, description="Prefill instances (0 = decode "
+                                "prefills; None = from the machine, see services.shape)")
     decode: int = Field(1, ge=1, le=64, description="Decode instances")
-    torch_threads: int = Field(1, ge=1, le=256, description="torch threads per model process")
+    torch_threads: int | None = Field(None, ge=1, le=256, description="torch threads per "
+                                      "prefill/decode process (None = from the shape)")
     device: str = Field("cpu", description="torch device of model processes")
     log_level: str = Field("INFO", description="Log level of every service")
     metrics_port_base: int = Field(0, ge=0, le=65000,
@@ -115,7 +125,12 @@ class Cluster:
         base.update(overrides)
         if model_dir:
             base["model"] = model_dir
-        self.cfg = ClusterConfig.model_validate(base)
+        cfg = ClusterConfig.model_validate(base)
+        self.shape: Shape = choose_shape(usable_cores(), _accelerators(cfg.device),
+                                         prefill=cfg.prefill, decode=cfg.decode,
+                                         torch_threads=cfg.torch_threads)  # fmt: skip
+        self.cfg = cfg.model_copy(update={"prefill": self.shape.prefill,
+                                          "torch_threads": self.shape.torch_threads})  # fmt: skip
         self._own_data = not self.cfg.data_dir
         self.data_dir = os.path.abspath(self.cfg.data_dir) if self.cfg.data_dir else ""
         self.sup = Supervisor(LogSink(log_stream, color))
@@ -198,6 +213,7 @@ class Cluster:
                                      os.path.join(self.data_dir, "minio"),
                                      die_with_parent=self.cfg.die_with_parent)
             self.minio.start(self._infra_log("minio"))
+        self.sup.sink.write("strata", self.shape.line)
         counts = {r: getattr(self.cfg, r) for r in ROLES if r != "gateway"}
         counts["vision"], why = vision_replicas(self.model_dir, self.cfg.vision)
         if why:
@@ -262,8 +278,16 @@ class Cluster:
         }
         e.update(self.nats_credentials(role).env(password_file(self.nats.cred_dir, role)
                                                  if self.cfg.nats_auth else ""))  # fmt: skip
-        if role in MODEL_ROLES:
+        cpus = self.shape.model_cpus.get(name) if role in ("prefill", "decode") else None
+        if role in ("prefill", "decode"):
             e["STRATA_TORCH_THREADS"] = str(self.cfg.torch_threads)
+        else:  # services (vision too) stay single-threaded, on the spare cores if any
+            e.update(SERVICE_THREAD_ENV)
+            if role == "vision":
+                e["STRATA_TORCH_THREADS"] = "1"
+            cpus = self.shape.service_cpus
+        if cpus:
+            e[AFFINITY_ENV] = format_cpus(cpus)
         if role in ("prefill", "decode") and self._kvstore_addrs:
             e["STRATA_KVSTORE_ADDRS"] = ",".join(self._kvstore_addrs)
         if role == "kvstore":
@@ -339,6 +363,15 @@ class Cluster:
     def check(self) -> None:
         """Raise ServiceFailed if a service died without being asked to."""
         self.sup.check()
+
+
+def _accelerators(device: str) -> int:
+    """Accelerators the model processes can use: 0 on CPU, else the visible CUDA devices."""
+    if device == "cpu":
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if device.startswith("cuda") else 1
 
 
 def _pythonpath() -> str:
