@@ -16,6 +16,7 @@ import random
 import torch
 
 from services.launcher import ensure_model
+from shared.engine import commands as cmd
 from shared.engine.engine import LLMEngine
 from shared.engine.params import EngineConfig, SamplingParams
 from shared.kvtransfer.frames import frame_nbytes, frames_to_tensor, tensor_to_frames
@@ -53,8 +54,7 @@ def main() -> None:
         while a.has_unfinished_requests():
             for o in a.step():
                 tok0 = (o.new_token_ids or [tok0])[0]
-        blocks, n = a.request_blocks(f"p{i}")
-        kv = a.read_kv(blocks).flatten(2, 3)[:, :, :n].contiguous()
+        kv = cmd.ReadKV(f"p{i}").run(a).tokens().contiguous()
         a.release(f"p{i}")
         outs = {}
         for int8 in (False, True):
@@ -65,7 +65,10 @@ def main() -> None:
             else:
                 bytes_fp += nbytes
             rid = f"d{i}{int8}"
-            b.add_prefilled_request(rid, prompt, tok0, params, moved)
+            # the decode side's path: reserve, write the received KV, commit
+            cmd.ReserveKV(rid, len(prompt)).run(b)
+            cmd.WriteKV(rid, range(moved.shape[0]), 0, moved).run(b)
+            cmd.AddPrefilled(rid, prompt, tok0, params).run(b)
             toks = []
             while b.has_unfinished_requests():
                 for o in b.step():

@@ -29,6 +29,7 @@ from services.launcher import ensure_model
 from services.prefill.service import PrefillService
 from shared import bus
 from shared.engine.params import SamplingParams
+from shared.engine.port_types import KVConnector, LayerKV
 from shared.protocol import subjects
 from shared.protocol.codec import decode
 from shared.protocol.stream import TokenChunk
@@ -37,22 +38,26 @@ from shared.worker.app import start_worker
 from shared.worker.config import WorkerConfig
 
 
-class LastLayerClock:
-    """Wraps the prefill engine's layer hook: records when the sampling chunk's last layer ends."""
+class LastLayerClock(KVConnector):
+    """Wraps the prefill engine's KV connector: records when the sampling chunk's last layer
+    ends, for every request (the wrapped connector still gets the requests it wants)."""
 
-    def __init__(self, inner, num_layers: int):
+    def __init__(self, inner: KVConnector | None):
         self.inner = inner
-        self.num_layers = num_layers
         self.t: dict[str, float] = {}
 
-    def __call__(self, engine, layer: int) -> None:
+    def wants(self, request_id: str) -> bool:
+        return True
+
+    def save_layer(self, request_id: str, layer: int, kv: LayerKV) -> None:
+        if self.inner is not None and self.inner.wants(request_id):
+            self.inner.save_layer(request_id, layer, kv)
+        if kv.final:
+            self.t[request_id] = time.perf_counter()
+
+    def wait_for_save(self) -> None:
         if self.inner is not None:
-            self.inner(engine, layer)
-        if layer == self.num_layers - 1:
-            now = time.perf_counter()
-            for ss in engine.current.scheduled:
-                if ss.samples:
-                    self.t[ss.seq.request_id] = now
+            self.inner.wait_for_save()
 
 
 async def one_request(nc, prefill, decode_w, prompt, max_tokens=2, mode="direct"):
@@ -85,8 +90,8 @@ def rand_prompt(n: int, vocab: int) -> list[int]:
 
 
 async def p5(nc, prefill, dec, lengths, repeats, vocab) -> list[str]:
-    tap = prefill.rt.async_engine.layer_hook
-    clock = LastLayerClock(tap, prefill.rt.loaded.model.num_layers)
+    tap = prefill.svc.tap
+    clock = LastLayerClock(tap)
     rows = ["| prompt tokens | after-prefill handoff (ms) | layer-wise handoff (ms) | ratio | "
             "after-prefill TTFT (ms) | layer-wise TTFT (ms) |", "|---:|---:|---:|---:|---:|---:|"]
     for n in lengths:
@@ -95,7 +100,7 @@ async def p5(nc, prefill, dec, lengths, repeats, vocab) -> list[str]:
             for mode in ("after", "layer"):
                 prefill.svc.tap = tap if mode == "layer" else None
                 clock.inner = tap if mode == "layer" else None
-                prefill.rt.async_engine.layer_hook = clock
+                prefill.rt.port.set_connector(clock)
                 rid, t0, times = await one_request(nc, prefill, dec, rand_prompt(n, vocab))
                 handoff = times[1] - clock.t.pop(rid)
                 res[mode].append((handoff * 1e3, (times[0] - t0) * 1e3))
@@ -106,7 +111,7 @@ async def p5(nc, prefill, dec, lengths, repeats, vocab) -> list[str]:
         rows.append(f"| {n} | {a:.1f} | {lw:.1f} | {a / lw:.2f}x | {ta:.0f} | {tl:.0f} |")
         print(rows[-1], flush=True)
     prefill.svc.tap = tap
-    prefill.rt.async_engine.layer_hook = tap
+    prefill.rt.port.set_connector(tap)
     return rows
 
 
@@ -141,7 +146,7 @@ async def p4(nc, prefill_a, prefill_b, dec, n, repeats, vocab, fillers: int) -> 
 async def wait_pool(prefill, prompt, tier: str) -> None:
     """Until every full block of ``prompt`` is in the pool, all in ``tier``."""
     link = prefill.svc.pool
-    hashes = await prefill.rt.async_engine.call(lambda e: e.block_hashes_for(prompt))
+    hashes = (await prefill.rt.port.match_prefix(prompt)).hashes
     for _ in range(1200):
         tiers = await link.pool.lookup(hashes, link.fingerprint)
         if all(t == tier for t in tiers):

@@ -43,12 +43,12 @@ class PrefillService(RequestTasks):
         self.pool = rt.pool_link()
         self.tap: LayerTap | None = None
         if rt.cfg.layerwise_transfer:
-            self.tap = LayerTap(asyncio.get_event_loop(), rt.loaded.model.num_layers)
-            rt.async_engine.layer_hook = self.tap
+            self.tap = LayerTap(asyncio.get_event_loop(), rt.port.kv_spec.num_layers)
+            rt.port.set_connector(self.tap)
 
     async def _run(self, item: WorkItem) -> None:
         rid = item.request_id
-        ae = self.rt.async_engine
+        port = self.rt.port
         held = False
         pushing: asyncio.Task | None = None
         try:
@@ -64,7 +64,7 @@ class PrefillService(RequestTasks):
                 pushing = asyncio.create_task(self._push_layerwise(rid, q, len(context),
                                                                    item.decode_addr))
             out = None
-            async for o in ae.generate(rid, item.prompt_token_ids, params, priority=item.priority,
+            async for o in port.generate(rid, item.prompt_token_ids, params, priority=item.priority,
                                        mm_inputs=mm, output_token_ids=item.output_token_ids,
                                        hold_kv=True):
                 out = o
@@ -100,7 +100,7 @@ class PrefillService(RequestTasks):
                               SubmitAck, timeout=10.0)
         except asyncio.CancelledError:
             log.info("prefill of %s cancelled", rid)
-            ae.abort(rid)
+            port.abort(rid)
             await bus.publish(self.nc, subjects.req_out(rid), TokenChunk(
                 request_id=rid, index=len(item.output_token_ids), finish_reason="abort",
                 instance_id=self.instance_id))
@@ -114,7 +114,7 @@ class PrefillService(RequestTasks):
             if self.tap is not None:
                 self.tap.close(rid)
             if held:
-                await ae.call(lambda e: e.release(rid))
+                await port.release(rid)
 
     async def _emit_first(self, item: WorkItem, out) -> bool:
         """Publish the first token (this is the TTFT); True if it also ends the request."""
@@ -176,21 +176,20 @@ class PrefillService(RequestTasks):
         """Read the held prompt KV and stream it to the decode instance, layer group by group."""
         if not addr:
             raise StrataError("bad_request", f"{rid}: no decode address to push KV to")
-        model = self.rt.loaded.model
-        blocks, n = await self.rt.async_engine.call(lambda e: e.request_blocks(rid))
-        if n < num_tokens:
-            raise StrataError("internal", f"{rid}: only {n} of {num_tokens} tokens have KV")
-        elem = self.rt.engine.runner.kv.k.element_size()
-        per_layer = 2 * num_tokens * model.num_kv_heads * model.head_dim * elem
-        groups = kv_wire.layer_groups(model.num_layers, per_layer, self.rt.cfg.frame_merge_bytes)
+        port, spec = self.rt.port, self.rt.port.kv_spec
+        per_layer = num_tokens * spec.token_bytes(1)
+        groups = kv_wire.layer_groups(spec.num_layers, per_layer, self.rt.cfg.frame_merge_bytes)
 
         async def frames():
             for layers in groups:
-                kv = await self.rt.async_engine.call(lambda e, ls=layers: e.read_kv(blocks, ls))
-                kv = kv.flatten(2, 3)[:, :, :num_tokens]
+                got = await port.read_kv(rid, layers)
+                if got.num_tokens < num_tokens:
+                    raise StrataError("internal", f"{rid}: only {got.num_tokens} of "
+                                      f"{num_tokens} tokens have KV")
+                kv = got.blocks.flatten(2, 3)[:, :, :num_tokens]
                 for f in kv_wire.kv_frames(kv, layers, request_id=rid,
                                            fingerprint=self.rt.fingerprint,
-                                           total_layers=model.num_layers,
+                                           total_layers=spec.num_layers,
                                            int8=self.rt.cfg.kv_int8):
                     yield f
 

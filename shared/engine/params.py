@@ -113,7 +113,7 @@ class EngineConfig:
     dtype: str | None = None
     """KV cache dtype name (e.g. "float32"); None follows the model dtype."""
     collect_evicted_kv: bool = False
-    """Copy evicted cached blocks out for the KV pool (``LLMEngine.drain_evicted_kv``)."""
+    """Copy evicted cached blocks out for the KV pool (``EnginePort.drain_evicted``)."""
     async_scheduling: bool | None = None
     """Schedule and prepare decode step i+1 while the forward of step i runs (see
     ``LLMEngine.step``); False runs every step strictly in sequence; None: on for CUDA, off on

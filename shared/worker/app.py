@@ -53,7 +53,7 @@ class Worker:
         for t in list(self.svc.tasks.values()):
             t.cancel()
         await self.server.stop(1.0)
-        self.rt.async_engine.shutdown()
+        self.rt.port.shutdown()
 
 
 async def start_worker(
@@ -78,7 +78,7 @@ async def start_worker(
     await register_instance(nc.jetstream(), InstanceRecord(
         instance_id=cfg.instance_id, role=role, incarnation=rt.incarnation, grpc_addr=addr,
         model=rt.model_name, capacity={
-            "kv_blocks": rt.engine.stats().kv_blocks_total,
+            "kv_blocks": rt.port.stats().kv_blocks_total,
             "max_num_seqs": cfg.max_num_seqs, "max_model_len": m.max_position_embeddings,
         },
     ))

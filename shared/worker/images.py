@@ -11,7 +11,7 @@ from shared.protocol.work import ImageRef
 
 async def fetch_mm_inputs(images: list[ImageRef], dtype: torch.dtype) -> list:
     """`MMInput`s for the engine: each image's embeddings spliced in at its placeholder span."""
-    from shared.engine.sequence import MMInput
+    from shared.engine.port_types import MMInput
 
     out = []
     for ref in images:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from protos.kv_transfer_pb2 import BlockFrame, PushReply
+from shared.engine.port import EnginePort
 from shared.kvtransfer.frames import FrameAssembler, frame_nbytes, frame_to_tensor, tensor_to_frames
 from shared.kvtransfer.server import KVTransferHandler
 from shared.protocol.errors import StrataError
@@ -63,28 +64,22 @@ class _Pending:
 
 
 class PagedSink:
-    """Writes received KV straight into the decode engine's paged cache: blocks are reserved at
-    the first frame, each frame's layers are written as it arrives (on the engine thread, between
-    steps), so the hand-off itself only commits. ``cancel`` frees a reservation."""
+    """Writes received KV straight into the decode engine's paged cache through its port: blocks
+    are reserved at the first frame, each frame's layers are written as it arrives (on the engine
+    thread, between steps), so the hand-off itself only commits. ``cancel`` frees a reservation."""
 
-    def __init__(self, ae):
-        self.ae = ae
+    def __init__(self, port: EnginePort):
+        self.port = port
 
     async def open(self, request_id: str, num_tokens: int) -> None:
-        await self.ae.call(lambda e: e.reserve_prefilled(request_id, num_tokens))
+        await self.port.reserve_kv(request_id, num_tokens)
 
     async def write(self, request_id: str, layers: range, token_start: int,
                     kv: torch.Tensor) -> None:
-        def write(e) -> None:
-            table = e.reserved[request_id].block_table
-            slots = e.runner.slots_for(table, token_start, token_start + kv.shape[2])
-            for i, layer in enumerate(layers):
-                e.runner.write_tokens(slots, layer, kv[i, 0], kv[i, 1])
-
-        await self.ae.call(write)
+        await self.port.write_kv(request_id, layers, token_start, kv)
 
     async def cancel(self, request_id: str) -> None:
-        await self.ae.call(lambda e: e.cancel_prefilled(request_id))
+        await self.port.cancel_kv(request_id)
 
 
 class KVReceiver(KVTransferHandler):

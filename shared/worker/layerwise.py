@@ -1,8 +1,9 @@
 """Layer-wise KV streaming: prefill's KV leaves layer by layer while later layers compute.
 
-`LayerTap` runs on the engine thread (as the AsyncEngine's ``layer_hook``): after layer ``i``
-of a step has written its K/V, it copies the new tokens' K/V of every request being streamed
-and hands it to that request's queue on the event loop. `merged_frames` turns a queue into
+`LayerTap` is the prefill engine's KV connector (`EnginePort.set_connector`): after layer ``i``
+of a step has written its K/V, the engine hands it each streamed request's view of that layer
+(on the thread that runs the forward); it copies the new tokens' K/V and hands them to that
+request's queue on the event loop. `merged_frames` turns a queue into
 gRPC frames, merging consecutive small layers of the same token range (no tiny packets for short
 sequences) and marking the frame that carries the last layer of the sampling chunk ``last``.
 """
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from protos.kv_transfer_pb2 import BlockFrame
+from shared.engine.port_types import KVConnector, LayerKV
 from shared.kvtransfer.frames import tensor_to_frames
 
 
@@ -27,7 +29,10 @@ class Piece:
     final: bool  # carries the last layer of the chunk that samples the first token
 
 
-class LayerTap:
+class LayerTap(KVConnector):
+    """The prefill engine's `KVConnector`: requests opened here get their K/V as it is computed,
+    layer by layer, on an asyncio queue (`Piece`s, consumed by `merged_frames`)."""
+
     def __init__(self, loop: asyncio.AbstractEventLoop, num_layers: int):
         self.loop = loop
         self.num_layers = num_layers
@@ -43,26 +48,19 @@ class LayerTap:
         self._queues.pop(request_id, None)
         self._seen.discard(request_id)
 
-    def __call__(self, engine, layer: int) -> None:
-        sched = engine.current
-        if sched is None or not self._queues:
+    def wants(self, request_id: str) -> bool:
+        return request_id in self._queues
+
+    def save_layer(self, request_id: str, layer: int, kv: LayerKV) -> None:
+        q = self._queues.get(request_id)
+        if q is None:
             return
-        for ss in sched.scheduled:
-            rid = ss.seq.request_id
-            q = self._queues.get(rid)
-            if q is None:
-                continue
-            table = ss.seq.block_table
-            start = ss.start
-            end = start + ss.num_new_tokens - ss.num_draft_tokens
-            if rid not in self._seen:  # cached prefix (own memory or pool): all layers, once
-                self._seen.add(rid)
-                if start > 0:
-                    kv = engine.runner.read_tokens(table, range(self.num_layers), 0, start)
-                    self._put(q, Piece(range(self.num_layers), 0, kv, False))
-            kv = engine.runner.read_tokens(table, range(layer, layer + 1), start, end)
-            final = ss.samples and layer == self.num_layers - 1
-            self._put(q, Piece(range(layer, layer + 1), start, kv, final))
+        if request_id not in self._seen:  # cached prefix (own memory or pool): all layers, once
+            self._seen.add(request_id)
+            if kv.token_start > 0:
+                every = range(self.num_layers)
+                self._put(q, Piece(every, 0, kv.read(every, 0, kv.token_start), False))
+        self._put(q, Piece(range(layer, layer + 1), kv.token_start, kv.new_tokens(), kv.final))
 
     def _put(self, q: asyncio.Queue, piece: Piece) -> None:
         self.loop.call_soon_threadsafe(q.put_nowait, piece)

@@ -16,6 +16,7 @@ import time
 import torch
 from prometheus_client import Counter
 
+from shared.engine.port import EnginePort
 from shared.kvtransfer.frames import frame_nbytes, frame_to_tensor, payload_nbytes
 from shared.kvtransfer.pool import PoolClient
 from shared.worker.cost import CostModel
@@ -28,27 +29,26 @@ POOL_STORED_BLOCKS = Counter("strata_prefix_pool_stored_blocks_total", "Blocks o
 
 
 class PoolLink:
-    def __init__(self, addrs: list[str], fingerprint: str, cost: CostModel, ae,
-                 dtype: torch.dtype, int8: bool = False):
+    def __init__(self, addrs: list[str], fingerprint: str, cost: CostModel, port: EnginePort,
+                 int8: bool = False):  # fmt: skip
         self.pool = PoolClient(addrs)
         self.fingerprint = fingerprint
         self.cost = cost
-        self.ae = ae
-        self.dtype = dtype
+        self.port = port
+        self.dtype = port.kv_spec.dtype
         self.int8 = int8
 
     async def load_prefix(self, context: list[int], mm) -> tuple[list[str], list[str | None], int]:
         """Returns (block hashes, pool tier per block, blocks loaded from the pool)."""
-        hashes = await self.ae.call(lambda e: e.block_hashes_for(context, mm))
+        hashes, cached = await self.port.match_prefix(context, mm)
         if not hashes:
             return hashes, [], 0
-        own = await self.ae.call(lambda e: e.match_prefix(context, mm)) // self.cost.block_size
+        own = cached // self.cost.block_size
         tiers = await self.pool.lookup(hashes, self.fingerprint)
-        rest = tiers[own:]
-        k = self.cost.blocks_to_load(rest)
-        if k == 0:
+        plan = self.cost.plan(own, tiers)  # shared.kvcache_rules: local prefix, then the pool
+        if plan.pool_blocks == 0:
             return hashes, tiers, 0
-        n, _ = await self.load_blocks(hashes[own:own + k], rest[:k])
+        n, _ = await self.load_blocks(hashes[own:plan.blocks], list(plan.pool_tiers))
         return hashes, tiers, n
 
     async def load_blocks(
@@ -66,11 +66,7 @@ class PoolLink:
             return 0, 0
         run = [frames[h] for h in want[:n]]
         kv = torch.stack([frame_to_tensor(f, dtype=self.dtype) for f in run], dim=2)
-
-        def insert(e) -> list[int]:  # [L, 2, n, bs, kvh, hd]: one block at a time, to know which
-            return [e.insert_cached_blocks([h], kv[:, :, i:i + 1]) for i, h in enumerate(want[:n])]
-
-        written = await self.ae.call(insert)
+        written = await self.port.insert_cached_blocks(want[:n], kv)  # [L, 2, n, bs, kvh, hd]
         nbytes = sum(frame_nbytes(f) for f, w in zip(run, written, strict=True) if w)
         elapsed = time.perf_counter() - t0
         tiers = list(tiers or ["dram"] * n)[:n]
@@ -87,12 +83,7 @@ class PoolLink:
         idx = [i for i, t in enumerate(tiers) if t is None]
         if not idx:
             return []
-
-        def read(e):
-            table, _ = e.request_blocks(request_id)
-            return e.read_kv([table[i] for i in idx])
-
-        kv = await self.ae.call(read)
+        kv = (await self.port.read_kv(request_id, block_indices=idx)).blocks
         return [(hashes[i], kv[:, :, j].contiguous()) for j, i in enumerate(idx)]
 
     async def store_blocks(self, blocks: list[tuple[str, torch.Tensor]]) -> int:
@@ -104,5 +95,5 @@ class PoolLink:
         return sum(payload_nbytes(t, self.int8) for h, t in blocks if h in stored)
 
     async def offer_evicted(self) -> int:
-        evicted = await self.ae.call(lambda e: e.drain_evicted_kv())
-        return await self.store_blocks(evicted)
+        evicted = await self.port.drain_evicted()
+        return await self.store_blocks([(b.hash, b.kv) for b in evicted])

@@ -16,6 +16,7 @@ from nats.aio.client import Client as NATS
 
 from shared import bus, metrics
 from shared.config import new_incarnation
+from shared.engine.port import EnginePort
 from shared.protocol import subjects
 from shared.protocol.errors import StrataError
 from shared.protocol.kv import KVEvent
@@ -43,8 +44,7 @@ class ModelRuntime:
     cfg: WorkerConfig
     role: str
     loaded: object = None
-    engine: object = None
-    async_engine: object = None
+    port: EnginePort | None = None
     tokenizer: object = None
     incarnation: str = field(default_factory=new_incarnation)
     kv_seq: int = 0
@@ -57,8 +57,6 @@ class ModelRuntime:
     _pool: PoolLink | None = None
 
     def load(self) -> None:
-        from shared.engine.async_engine import AsyncEngine
-        from shared.engine.engine import LLMEngine
         from shared.model.loader import load_model
         from shared.model.tokenizer import Tokenizer
 
@@ -67,32 +65,22 @@ class ModelRuntime:
         t0 = time.perf_counter()
         self.loaded = load_model(self.cfg.model, dtype=dtype, device=self.cfg.device)
         self.tokenizer = Tokenizer.from_dir(self.cfg.model)
-        self.engine = LLMEngine(self.loaded, self.cfg.engine_config(), tokenizer=self.tokenizer)
+        # One prefill before serving: first-call overheads are paid there, and its measured
+        # seconds per token seed the load-vs-recompute cost model.
+        self.port = EnginePort.open(self.loaded, self.cfg.engine_config(), self.tokenizer,
+                                    warm_up_tokens=128)
         self.cost = CostModel(self.cfg.block_size)
-        self._warm_up()
-        self.async_engine = AsyncEngine(self.engine)
+        self.cost.prefill_s_per_token = self.port.warm_up_s_per_token
+        self._rate_mark = (0, self.port.stats().forward_time_s)
         log.info("loaded %s (%s) in %.1fs", self.cfg.model, self.loaded.fingerprint[:12],
                  time.perf_counter() - t0)
-
-    def _warm_up(self, tokens: int = 128) -> None:
-        """One prefill before serving: first-call overheads are paid here, and the measured
-        seconds per token seed the load-vs-recompute cost model."""
-        from shared.engine.params import SamplingParams
-
-        n = min(tokens, self.loaded.config.max_position_embeddings - 1)
-        ids = [(i * 7919) % self.loaded.config.vocab_size for i in range(n)]
-        t0 = time.perf_counter()
-        self.engine.generate([ids], SamplingParams(max_tokens=1, temperature=0.0))
-        self.cost.prefill_s_per_token = (time.perf_counter() - t0) / n
-        self._rate_mark = (0, self.engine.stats().forward_time_s)
-        self.engine.drain_kv_events()  # the warm-up's blocks are not worth announcing
 
     def pool_link(self) -> PoolLink | None:
         """The link to the kvstore instances, when the instance is configured with some."""
         addrs = [a.strip() for a in self.cfg.kvstore_addrs.split(",") if a.strip()]
         if self._pool is None and addrs:
-            self._pool = PoolLink(addrs, self.fingerprint, self.cost, self.async_engine,
-                                  self.engine.runner.kv.k.dtype, int8=self.cfg.kv_int8)
+            self._pool = PoolLink(addrs, self.fingerprint, self.cost, self.port,
+                                  int8=self.cfg.kv_int8)
         return self._pool
 
     @property
@@ -108,13 +96,13 @@ class ModelRuntime:
     def load_report(self, grpc_addr: str, connected: bool = True) -> LoadReport:
         """The load report (heartbeat). Runs on the heartbeat thread while a forward may be
         running: lock-free reads of engine counters only, nothing that waits for the engine."""
-        s = self.engine.stats()
+        s = self.port.stats()
         return LoadReport(
             instance_id=self.cfg.instance_id, role=self.role, incarnation=self.incarnation,
             grpc_addr=grpc_addr, model=self.model_name, ts=time.time(),
             num_running=s.running, num_waiting=s.waiting,
             kv_blocks_total=s.kv_blocks_total, kv_blocks_free=s.kv_blocks_free,
-            waiting_tokens=self._waiting_tokens(),
+            waiting_tokens=self.port.queued_tokens(),
             prefill_tokens_per_s=1.0 / self.cost.prefill_s_per_token,
             decode_tokens_per_s=self.decode_rate.per_second(),
             max_model_len=self.loaded.config.max_position_embeddings,
@@ -123,7 +111,7 @@ class ModelRuntime:
 
     def observe_stats(self) -> None:
         """Engine metrics and the measured prefill rate (main loop, `housekeeping`)."""
-        s = self.engine.stats()
+        s = self.port.stats()
         if self.metrics is None:
             self.metrics = EngineMetrics(self.role, self.cfg.instance_id)
         self.metrics.update(s)
@@ -132,14 +120,6 @@ class ModelRuntime:
             LONGEST_FORWARD.labels(self.role, self.cfg.instance_id).set(s.last_forward_s)
         if self.role == "prefill":
             self._observe_prefill_rate(s)
-
-    def _waiting_tokens(self) -> int:
-        """Tokens queued but not yet computed, including the rest of prompts being prefilled now
-        (drives the scheduler's queue-time estimate). Read without locking: an estimate for load
-        reports, never used for correctness."""
-        sched = self.engine.scheduler
-        return sum(max(0, q.num_tokens - q.num_computed_tokens - 1)
-                   for q in list(sched.waiting) + list(sched.running))
 
     def _observe_prefill_rate(self, s) -> None:
         """Seconds per prompt token from the engine's own forward time (not queue time): on a
@@ -153,12 +133,11 @@ class ModelRuntime:
     async def kv_events(self) -> list[KVEvent]:
         """The engine's block events since the last call (drained on the engine thread)."""
         out = []
-        for ev in await self.async_engine.call(lambda e: e.drain_kv_events()):
+        for ev in await self.port.drain_kv_events():
             self.kv_seq += 1
-            hashes = [h.hex() if isinstance(h, bytes) else h for h in ev.hashes]
             out.append(KVEvent(
                 instance_id=self.cfg.instance_id, incarnation=self.incarnation, seq=self.kv_seq,
-                tier="engine", kind=ev.kind, hashes=hashes, ts=time.time(),
+                tier="engine", kind=ev.kind, hashes=ev.hashes, ts=time.time(),
             ))
         return out
 

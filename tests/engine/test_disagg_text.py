@@ -1,7 +1,15 @@
+"""Disaggregated prefill and the KV pool through the engine's port: the held KV read on one
+engine, reserved, written (whole or frame by frame) and committed on another; prefix match,
+cached-block insertion, KV events and evicted blocks."""
+
+import contextlib
+
+import pytest
 import torch
 
 from shared.engine.engine import LLMEngine
 from shared.engine.params import EngineConfig, SamplingParams
+from shared.engine.port import EnginePort
 from shared.model.loader import load_model
 from tests.engine.conftest import prompts
 
@@ -9,88 +17,97 @@ CFG = dict(kv_cache_bytes=1 << 20, block_size=4, max_num_batched_tokens=64, max_
 SP = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
 
-def _prefill(a: LLMEngine, rid, prompt):
-    a.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=1), hold_kv=True)
-    outs = []
-    while a.has_unfinished_requests():
-        outs += a.step()
-    [o] = outs
+async def _prefill(a: EnginePort, rid, prompt):
+    sp = SamplingParams(temperature=0, max_tokens=1)
+    [o] = [o async for o in a.generate(rid, prompt, sp, hold_kv=True)]
     assert o.finished and o.finish_reason == "length"
-    blocks, n = a.request_blocks(rid)
-    assert n == len(prompt)
-    kv = a.read_kv(blocks)  # [L, 2, nb, bs, kvh, hd]
-    L, _, nb, bs, h, d = kv.shape
-    flat = kv.reshape(L, 2, nb * bs, h, d)[:, :, :n]
-    return o.new_token_ids[0], flat, kv
+    got = await a.read_kv(rid)  # blocks [L, 2, nb, bs, kvh, hd]
+    assert got.num_tokens == len(prompt)
+    return o.new_token_ids[0], got.tokens(), got.blocks
 
 
-def _decode(b: LLMEngine, rid):
-    toks = []
-    while b.has_unfinished_requests():
-        toks += sum((o.new_token_ids for o in b.step() if o.request_id == rid), [])
-    return toks
+async def _decode(b: EnginePort, rid, prompt, first):
+    return sum([o.new_token_ids async for o in b.generate_prefilled(rid, prompt, first, SP)], [])
 
 
-def test_prefill_on_a_decode_on_b_equals_single_engine(qwen_ckpt):
+@contextlib.contextmanager
+def _ports(model, n: int, **cfg):
+    ports = [EnginePort(LLMEngine(model, EngineConfig(**{**CFG, **cfg}))) for _ in range(n)]
+    try:
+        yield ports
+    finally:
+        for port in ports:
+            port.shutdown()
+
+
+async def test_prefill_on_a_decode_on_b_equals_single_engine(qwen_ckpt):
     _, path = qwen_ckpt
     model = load_model(path)
     [p] = prompts(9, [14])
     want = LLMEngine(model, EngineConfig(**CFG)).generate([p], SP)[0]
-    a = LLMEngine(model, EngineConfig(**CFG))
-    b = LLMEngine(model, EngineConfig(**CFG))
-    first, flat, kv = _prefill(a, "r", p)
-    assert first == want[0]
-    held = a.bm.num_free_blocks
-    a.release("r")
-    assert a.bm.num_free_blocks == held + 4  # 14 tokens in 4 blocks
-    # whole-request variant
-    b.add_prefilled_request("r", p, first, SP, flat)
-    assert [first] + _decode(b, "r") == want
-    # layer-wise variant with a prefix hit on B (its 3 full blocks are cached now)
-    base = b.bm.num_free_blocks
-    slots = b.reserve_prefilled("r2", len(p), p)
-    assert slots.shape == (14,) and b.reserved["r2"].num_cached == 12
-    for layer in range(flat.shape[0]):
-        b.write_prefilled_layer("r2", layer, flat[layer, 0], flat[layer, 1])
-    b.commit_prefilled("r2", p, first, SP)
-    assert [first] + _decode(b, "r2") == want
-    assert b.bm.num_free_blocks == base
-    # cancel frees a partial reservation
-    b.reserve_prefilled("r3", 30)
-    b.write_prefilled_layer("r3", 0, torch.zeros(30, 2, 16), torch.zeros(30, 2, 16))
-    b.cancel_prefilled("r3")
-    assert b.bm.num_free_blocks == base
+    with _ports(model, 2) as (a, b):
+        first, flat, _ = await _prefill(a, "r", p)
+        assert first == want[0]
+        held = a.stats().kv_blocks_free
+        await a.release("r")
+        assert a.stats().kv_blocks_free == held + 4  # 14 tokens in 4 blocks
+        L = flat.shape[0]
+        # whole request in one write
+        assert await b.reserve_kv("r", len(p)) == 0
+        assert await b.write_kv("r", range(L), 0, flat) == 14
+        assert [first] + await _decode(b, "r", p, first) == want
+        # frame by frame (a layer and a token range each) with a prefix hit on B: its 3 full
+        # blocks are cached now, so only tokens 12 and 13 are written
+        base = b.stats().kv_blocks_free
+        assert await b.reserve_kv("r2", len(p), p) == 12
+        written = [await b.write_kv("r2", range(layer, layer + 1), t0, flat[layer:layer + 1, :,
+                                                                              t0:t0 + 7])
+                   for layer in range(L) for t0 in (0, 7)]  # fmt: skip
+        assert written == [0, 2] * L
+        assert [first] + await _decode(b, "r2", p, first) == want
+        assert b.stats().kv_blocks_free == base
+        # cancel frees a partial reservation; bad writes are refused with the reason
+        await b.reserve_kv("r3", 30)
+        assert await b.write_kv("r3", range(0, 1), 0, torch.zeros(1, 2, 30, 2, 16)) == 30
+        with pytest.raises(ValueError, match="out of range"):
+            await b.write_kv("r3", range(0, 1), 20, torch.zeros(1, 2, 11, 2, 16))
+        assert await b.cancel_kv("r3") and not await b.cancel_kv("r3")
+        assert b.stats().kv_blocks_free == base
+        with pytest.raises(KeyError, match="no KV reservation"):
+            await b.write_kv("r3", range(0, 1), 0, torch.zeros(1, 2, 1, 2, 16))
+        with pytest.raises(KeyError, match="no KV reservation"):
+            await _decode(b, "r3", p, first)
 
 
-def test_pool_hooks_match_insert_and_evicted(qwen_ckpt):
+async def test_pool_hooks_match_insert_and_evicted(qwen_ckpt):
     _, path = qwen_ckpt
     model = load_model(path)
     [p] = prompts(10, [17])
-    a = LLMEngine(model, EngineConfig(**CFG))
-    _, _, kv = _prefill(a, "x", p)
-    hashes = a.block_hashes_for(p)
-    assert len(hashes) == 4 and a.match_prefix(p) == 16
-    ev = a.drain_kv_events()
-    assert [e.kind for e in ev] == ["stored"] and ev[0].hashes == hashes
-    # B loads the pool blocks and gets a prefix hit equal to single-engine output
-    cfg = {**CFG, "kv_cache_bytes": 40 * 2048}  # 40 blocks
-    b = LLMEngine(model, EngineConfig(**cfg, collect_evicted_kv=True))
-    assert b.match_prefix(p) == 0
-    assert b.insert_cached_blocks(hashes, kv[:, :, :4]) == 4
-    assert b.match_prefix(p) == 16
-    b.add_request("y", p, SP)
-    outs = []
-    while b.has_unfinished_requests():
-        outs += b.step()
-    assert outs[0].num_cached_tokens == 16
     want = LLMEngine(model, EngineConfig(**CFG)).generate([p], SP)[0]
-    assert sum((o.new_token_ids for o in outs), []) == want
-    # fill B so the cached blocks get evicted; their bytes come out intact
-    b.generate(prompts(11, [159]), SamplingParams(temperature=0, max_tokens=1))
-    ev = dict(b.drain_evicted_kv())
-    assert len(ev) == 6  # 4 inserted + 2 more full blocks of request y
-    assert hashes[0] in ev
-    assert torch.equal(ev[hashes[0]], kv[:, :, 0])
+    with _ports(model, 1) as (a,), _ports(model, 1, kv_cache_bytes=40 * 2048,
+                                         collect_evicted_kv=True) as (b,):  # 40 blocks
+        _, _, kv = await _prefill(a, "x", p)
+        hashes, cached = await a.match_prefix(p)
+        assert len(hashes) == 4 and cached == 16
+        ev = await a.drain_kv_events()
+        assert [e.kind for e in ev] == ["stored"] and ev[0].hashes == hashes
+        assert await a.drain_kv_events() == []
+        # B loads the pool blocks and gets a prefix hit equal to single-engine output
+        assert (await b.match_prefix(p)).cached_tokens == 0
+        assert await b.insert_cached_blocks(hashes, kv[:, :, :4]) == [True] * 4
+        assert await b.insert_cached_blocks(hashes[:2], kv[:, :, :2]) == [False] * 2
+        assert await b.match_prefix(p) == (hashes, 16)
+        outs = [o async for o in b.generate("y", p, SP)]
+        assert outs[0].num_cached_tokens == 16
+        assert sum((o.new_token_ids for o in outs), []) == want
+        # fill B so the cached blocks get evicted; their bytes come out intact
+        [long] = prompts(11, [159])
+        _ = [o async for o in b.generate("z", long, SamplingParams(temperature=0, max_tokens=1))]
+        ev = dict(await b.drain_evicted())
+        assert len(ev) == 6  # 4 inserted + 2 more full blocks of request y
+        assert hashes[0] in ev
+        assert torch.equal(ev[hashes[0]], kv[:, :, 0])
+        assert await b.drain_evicted() == []
 
 
 class CharTok:

@@ -12,6 +12,7 @@ from shared.engine.engine import LLMEngine
 from shared.engine.params import EngineConfig, SamplingParams
 from shared.model.loader import load_model
 from tests.engine.conftest import prompts
+from tests.engine.handoff import hand_over
 
 CFG = dict(kv_cache_bytes=1 << 20, block_size=4, max_num_batched_tokens=64, max_num_seqs=8)
 N = 6
@@ -40,12 +41,8 @@ def _disaggregated(model, tok, prompt, sp) -> tuple[str, str]:
     a = LLMEngine(model, EngineConfig(**CFG), tokenizer=tok)
     a.add_request("r", prompt, sp.model_copy(update={"max_tokens": 1}), hold_kv=True)
     [first] = _run(a)
-    blocks, n = a.request_blocks("r")
-    kv = a.read_kv(blocks)
-    L, _, nb, bs, h, d = kv.shape
     b = LLMEngine(model, EngineConfig(**CFG), tokenizer=tok)
-    b.add_prefilled_request("r", prompt, first.new_token_ids[0], sp,
-                            kv.reshape(L, 2, nb * bs, h, d)[:, :, :n])  # fmt: skip
+    hand_over(a, b, "r", prompt, first.new_token_ids[0], sp)
     return first.handoff_text, "".join(o.text_delta for o in _run(b))
 
 

@@ -47,7 +47,7 @@ def kv_bytes(rt, tokens: int, *, int8: bool = False) -> int:
     x kv_heads x head_dim x dtype size; int8 is 1 byte per element plus a float32 scale per
     head_dim row."""
     m = rt.loaded.model
-    row = m.head_dim + 4 if int8 else m.head_dim * rt.engine.runner.kv.k.element_size()
+    row = m.head_dim + 4 if int8 else m.head_dim * rt.port.kv_spec.element_size
     return tokens * m.num_layers * 2 * m.num_kv_heads * row
 
 

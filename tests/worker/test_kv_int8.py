@@ -129,7 +129,7 @@ async def test_int8_pool_store_and_load_matches_fp32(int8_cluster, nc, fp32_run,
     _check_close(chunks, fp32_run["pool"])
     # prefill stored the 5 full blocks as int8, decode loaded them from the DRAM tier
     assert_moved(t.moved(), "pool", kv_bytes(d.rt, 5 * 16, int8=True), kvstore_hits_dram=5)
-    hashes = await p.rt.async_engine.call(lambda e: e.block_hashes_for(PROMPTS["pool"]))
+    hashes = (await p.rt.port.match_prefix(PROMPTS["pool"])).hashes
     frames = [await store.acquire((p.rt.fingerprint, h)) for h in hashes]
     assert all(f is not None and f[0].dtype == "int8" for f in frames)
     for h, (_, leased) in zip(hashes, frames, strict=True):

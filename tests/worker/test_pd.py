@@ -119,7 +119,7 @@ async def test_prefill_then_decode_equals_single_engine(pd, nc, prompt_ids, refe
     assert last.usage.prompt_tokens == len(prompt_ids)
     await asyncio.sleep(0.2)
     for w in (p, d):  # no blocks held once the request is done (cached blocks stay reusable)
-        s = w.rt.engine.stats()
+        s = w.rt.port.stats()
         assert (s.running, s.kv_blocks_free) == (0, s.kv_blocks_total)
     assert d.svc.receiver.num_pending == 0
 
@@ -144,7 +144,7 @@ async def test_missing_transfer_is_recomputed(pd, nc, prompt_ids, reference):
     assert chunks[0].index == 1  # the first token was already emitted by "prefill"
     assert [first] + _tokens_from(chunks, 1) == reference
     assert d.svc.receiver.num_pending == 0
-    s = d.rt.engine.stats()
+    s = d.rt.port.stats()
     assert (s.running, s.kv_blocks_free) == (0, s.kv_blocks_total)
 
 
@@ -186,7 +186,7 @@ async def test_cancel_frees_kv_everywhere(pd, nc, prompt_ids):
     assert sum(len(c.token_ids) for c in chunks) < 400
     await asyncio.sleep(0.2)
     for w in (p, d):
-        s = w.rt.engine.stats()
+        s = w.rt.port.stats()
         assert (s.running, s.waiting, s.kv_blocks_free) == (0, 0, s.kv_blocks_total)
 
 
@@ -231,7 +231,7 @@ async def test_transfer_cut_mid_stream_is_recomputed(pd, nc, prompt_ids, referen
     await asyncio.sleep(0.2)
     assert d.svc.receiver.num_pending == 0
     for w in (p, d):
-        s = w.rt.engine.stats()
+        s = w.rt.port.stats()
         assert (s.running, s.kv_blocks_free) == (0, s.kv_blocks_total)
 
 

@@ -29,7 +29,7 @@ MAX_TOKENS = 8
 async def cluster(nats_url, nc, model_dir, kvstore):
     _, addr = kvstore
     common = dict(nats_url=nats_url, model=model_dir, kv_cache_bytes=8 << 20, load_interval=0.2,
-                  kvstore_addrs=addr)
+                  kvstore_addrs=addr, layerwise_transfer=True)  # the tests assert that path
     workers = []
     for role, iid, cls in (("prefill", "pa", PrefillService), ("prefill", "pb", PrefillService),
                            ("decode", "dd", DecodeService)):
@@ -71,7 +71,7 @@ async def test_prefix_computed_on_a_is_reused_on_b(cluster, nc, model_dir):
     await _run(nc, subjects.prefill_submit("pa"), item("r-a", p1))
     assert_moved(t.moved(), "layerwise", kv_bytes(dd.rt, len(p1)))
     link = pa.svc.pool
-    hashes = await pa.rt.async_engine.call(lambda e: e.block_hashes_for(shared_prefix))
+    hashes = (await pa.rt.port.match_prefix(shared_prefix)).hashes
     assert len(hashes) == 10
     await _wait_stored(link, hashes)
 
