@@ -95,6 +95,13 @@ def up_parser(prog: str = "strata up") -> argparse.ArgumentParser:
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra env for every service (repeatable)")
     p.add_argument("--no-color", action="store_true", help="plain log prefixes")
+    p.add_argument("--no-nats-auth", action="store_true",
+                   help="NATS without users (anyone on the network may use every subject)")
+    p.add_argument("--nats-tls-cert", default="", help="nats-server TLS certificate (TLS on)")
+    p.add_argument("--nats-tls-key", default="", help="nats-server TLS key")
+    p.add_argument("--nats-tls-ca", default="", help="CA of the server certificate (for clients)")
+    p.add_argument("--nats-tls-verify", action="store_true",
+                   help="clients must present a certificate signed by --nats-tls-ca")
     return p
 
 
@@ -111,7 +118,8 @@ def config_from_args(a: argparse.Namespace) -> ClusterConfig:
         tokenizer=a.tokenizer, vision=a.vision, kvstore=a.kvstore, prefill=a.prefill,
         decode=a.decode, torch_threads=a.torch_threads, device=a.device, log_level=a.log_level,
         metrics_port_base=a.metrics_port_base, ready_timeout=a.ready_timeout, env=env,
-        die_with_parent=True,
+        die_with_parent=True, nats_auth=not a.no_nats_auth, nats_tls_cert=a.nats_tls_cert,
+        nats_tls_key=a.nats_tls_key, nats_tls_ca=a.nats_tls_ca, nats_tls_verify=a.nats_tls_verify,
     )
 
 
@@ -190,6 +198,11 @@ def _banner(cluster) -> None:
                        "max_tokens": 32})
     say(f"Strata is up at {url}  (model {name!r}; NATS {cluster.nats_url})")
     say(f"try:  curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'")
+    if cluster.cfg.nats_auth:
+        from services.infra.nats_auth import API_USER, password_file
+
+        say(f"NATS API (strata.api.v1.generate): user {API_USER!r}, password in "
+            f"{password_file(cluster.nats.cred_dir, API_USER)}, reply inboxes under _INBOX.api")
     say("Ctrl-C stops everything.")
 
 

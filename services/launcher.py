@@ -277,7 +277,7 @@ class Cluster:
             "STRATA_GRPC_HOST": self.cfg.host, "PYTHONPATH": _pythonpath(),
         }
         e.update(self.nats_credentials(role).env(password_file(self.nats.cred_dir, role)
-                                                 if self.cfg.nats_auth else ""))  # fmt: skip
+                                                 if self.nats.auth else ""))  # fmt: skip
         cpus = self.shape.model_cpus.get(name) if role in ("prefill", "decode") else None
         if role in ("prefill", "decode"):
             e["STRATA_TORCH_THREADS"] = str(self.cfg.torch_threads)
