@@ -4,6 +4,7 @@
     strata up [--model DIR] [...]      the whole cluster on this machine, Ctrl-C stops it
     strata model build-default [DIR]   write the built-in default model (default: the cache)
     strata model build-benchmark [DIR] write the standard benchmark model
+    strata nats-credentials [FILE]     NATS passwords per role for compose (default compose/.env)
 """
 
 from __future__ import annotations
@@ -245,8 +246,24 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(up(rest))
     if cmd == "model":
         sys.exit(model_cmd(rest))
-    say(f"unknown command {cmd!r}; commands: serve, up, model")
+    if cmd == "nats-credentials":
+        sys.exit(nats_credentials_cmd(rest))
+    say(f"unknown command {cmd!r}; commands: serve, up, model, nats-credentials")
     sys.exit(2)
+
+
+def nats_credentials_cmd(argv: list[str]) -> int:
+    """Random NATS passwords for compose/docker-compose.yml's users (kept if already there)."""
+    p = argparse.ArgumentParser(prog="strata nats-credentials")
+    p.add_argument("file", nargs="?", default=os.path.join(_root(), "compose", ".env"),
+                   help="env file docker compose reads (default: compose/.env), mode 0600")
+    a = p.parse_args(argv)
+    from services.infra.nats_auth import write_env_file
+
+    users = write_env_file(a.file)
+    say(f"NATS passwords for {', '.join(users)} in {a.file} (0600); external NATS API clients "
+        f"log in as 'api' with STRATA_NATS_PASSWORD_API")
+    return 0
 
 
 def _root() -> str:

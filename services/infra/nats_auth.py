@@ -87,7 +87,8 @@ def authorization_block(passwords: dict[str, str]) -> str:
     users = [{"user": u, "password": p, "permissions": permissions(u)}
              for u, p in passwords.items()]  # fmt: skip
     # The config format accepts JSON values; json.dumps quotes `$`, `>` and `*` safely.
-    return "authorization {\n  users: " + json.dumps(users, indent=2) + "\n}\n"
+    lines = ",\n    ".join(json.dumps(u) for u in users)
+    return "authorization {\n  users: [\n    " + lines + "\n  ]\n}\n"
 
 
 def tls_block(cert: str, key: str, ca: str = "") -> str:
@@ -121,4 +122,45 @@ def ensure_credentials(cred_dir: str, users: tuple[str, ...] = USERS) -> dict[st
             with os.fdopen(fd, "w") as f:
                 f.write(out[user] + "\n")
         os.chmod(path, 0o600)
+    return out
+
+
+# ---- docker compose: the same users, passwords from compose/.env ----
+
+COMPOSE_MISSING = "run: strata nats-credentials compose/.env"
+
+
+def compose_password_var(user: str) -> str:
+    """The compose variable holding ``user``'s password (``STRATA_NATS_PASSWORD_GATEWAY``)."""
+    return f"STRATA_NATS_PASSWORD_{user.upper()}"
+
+
+def compose_authorization_block() -> str:
+    """`authorization_block` for compose/docker-compose.yml: passwords are ``${VAR:?...}``
+    interpolations and every other ``$`` (``$JS.API.>``) is escaped as ``$$``."""
+    marks = {u: f"@{compose_password_var(u)}@" for u in USERS}
+    text = authorization_block(marks).replace("$", "$$")
+    for u, mark in marks.items():
+        text = text.replace(mark, "${" + compose_password_var(u) + ":?" + COMPOSE_MISSING + "}")
+    return text
+
+
+def write_env_file(path: str, users: tuple[str, ...] = USERS) -> dict[str, str]:
+    """Write (mode 0600) ``STRATA_NATS_PASSWORD_<USER>=...`` lines for compose, keeping the
+    passwords already in ``path``; returns them by user."""
+    old: dict[str, str] = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                key, sep, value = line.strip().partition("=")
+                if sep:
+                    old[key] = value
+    out = {u: old.get(compose_password_var(u)) or secrets.token_urlsafe(32) for u in users}
+    keep = {k: v for k, v in old.items() if k not in {compose_password_var(u) for u in users}}
+    lines = [f"{k}={v}" for k, v in keep.items()]
+    lines += [f"{compose_password_var(u)}={p}" for u, p in out.items()]
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    os.chmod(path, 0o600)
     return out

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 
 import pytest
 import yaml
 
+from services.infra import nats_auth
+from services.infra.nats_server import nats_binary
 from services.infra.procs import repo_root
 from services.launcher import ROLES
 from shared.config import ModelServiceConfig
@@ -18,7 +21,7 @@ COMPOSE = os.path.join(repo_root(), "compose")
 # Settings the services read beyond the shared ServiceConfig/ModelServiceConfig fields
 # (gateway host/port, kvstore MinIO, worker kvstore addresses); documented in OPERATIONS.md.
 SERVICE_SETTINGS = {"HOST", "PORT", "MINIO_ENDPOINT", "MINIO_ACCESS_KEY", "MINIO_SECRET_KEY",
-                    "KVSTORE_ADDRS"}
+                    "KVSTORE_ADDRS", "NATS_USER", "NATS_PASSWORD"}
 KNOWN = {f.upper() for f in ModelServiceConfig.model_fields} | SERVICE_SETTINGS
 
 
@@ -148,3 +151,33 @@ def test_dockerfile_installs_the_project_and_builds_nothing_at_runtime():
     copied = {ln.split()[1] for ln in lines if ln.startswith("COPY")}
     assert {"pyproject.toml", "services", "shared", "protos"} <= copied
     assert any(ln.startswith("USER ") and "root" not in ln for ln in lines)
+
+
+def test_nats_has_a_user_per_role_and_no_anonymous_access(compose, tmp_path):
+    """The nats service runs with the authorization block `strata up` uses (passwords from
+    compose/.env); each service logs in as its role; after compose's interpolation the config
+    is one the real nats-server accepts."""
+    s = compose["services"]
+    conf = s["nats"]["command"][s["nats"]["command"].index("-c") + 1]
+    (mount,) = [c for c in s["nats"]["configs"] if c["target"] == conf]
+    content = compose["configs"][mount["source"]]["content"]
+    assert content == nats_auth.compose_authorization_block()
+    assert "no_auth_user" not in content
+    for role in ROLES:
+        env = s[role]["environment"]
+        var = nats_auth.compose_password_var(role)
+        assert env["STRATA_NATS_USER"] == role
+        assert env["STRATA_NATS_PASSWORD"] == f"${{{var}:?{nats_auth.COMPOSE_MISSING}}}"
+    passwords = nats_auth.write_env_file(str(tmp_path / ".env"))
+    assert (tmp_path / ".env").stat().st_mode & 0o777 == 0o600
+    assert nats_auth.write_env_file(str(tmp_path / ".env")) == passwords  # kept on a rerun
+    text = content
+    for user, pw in passwords.items():
+        text = text.replace(f"${{{nats_auth.compose_password_var(user)}:?"
+                            f"{nats_auth.COMPOSE_MISSING}}}", pw)  # fmt: skip
+    text = text.replace("$$", "$")  # compose's escape
+    assert text == nats_auth.authorization_block(passwords)
+    (tmp_path / "nats.conf").write_text(text)
+    res = subprocess.run([nats_binary(), "-t", "-c", str(tmp_path / "nats.conf")],
+                         capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert res.returncode == 0, res.stdout + res.stderr
