@@ -166,10 +166,10 @@ def tbt(lm, n_long: int) -> list[str]:
         for i, p in enumerate(longs):
             eng.add_request(f"L{i}", p, SamplingParams(temperature=0, max_tokens=1))
         gaps, last = [], time.perf_counter()
-        while any(
-            r.request_id.startswith("L") for r in eng.scheduler.waiting + eng.scheduler.running
-        ):
+        unfinished = {f"L{i}" for i in range(len(longs))}
+        while unfinished:
             outs = eng.step()
+            unfinished -= {o.request_id for o in outs if o.finished}
             now = time.perf_counter()
             if any(o.request_id.startswith("d") and o.new_token_ids for o in outs):
                 gaps.append(now - last)

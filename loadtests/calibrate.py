@@ -125,8 +125,8 @@ def calibrate_model(name: str, model_dir: str) -> dict:
     pre = prefill_s_per_token(engine, min(engine.loaded.config.vocab_size, 2000))
     dec = decode_step_s(engine)
     base, per_seq = linear_fit([float(b) for b in dec], list(dec.values()))
-    k = engine.runner.kv.k  # (layers, blocks, block_size, kv_heads, head_dim)
-    block_bytes = 2 * k[:, 0].numel() * k.element_size()
+    st = engine.stats()
+    block_bytes = st.kv_pool_bytes // st.kv_blocks_total  # K and V of one block, all layers
     # the rate of the longest prompt that still fits a step (chunking costs little more)
     rate = 1.0 / pre[1024]
     return {"model": name, "prefill_s_per_token": pre, "decode_step_s": dec,
