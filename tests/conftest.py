@@ -18,6 +18,8 @@ torch.set_num_threads(int(os.environ.get("STRATA_TEST_THREADS", "1")))
 
 @pytest.fixture(scope="session")
 def nats_server(tmp_path_factory) -> NatsServer:
+    # Open (no NATS auth): service-level tests connect anonymously and use every subject.
+    # Auth is on by default in `Cluster` / `strata up` and tested in tests/security/.
     # die_with_parent: a pytest killed mid-run (timeout) leaves no server behind
     server = start_nats(data_dir=str(tmp_path_factory.mktemp("nats")), die_with_parent=True)
     yield server
