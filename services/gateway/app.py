@@ -39,6 +39,24 @@ def token_speller(model_dir: str):
     return functools.lru_cache(maxsize=65536)(lambda i: tok.decode([i], skip_special_tokens=False))
 
 
+def model_text(model_dir: str) -> dict:
+    """What the gateway needs of the checkpoint's text side: the tokenizer (``/detokenize``),
+    a grammar cache to validate structured-output constraints before anything goes on the bus,
+    and the family's tool-call syntax. Empty without a checkpoint (the engine still validates)."""
+    if not model_dir:
+        return {}
+    from services.gateway.tools import tool_format
+    from shared.engine.structured import GrammarCache, tokenizer_info
+    from shared.model.config import load_config
+    from shared.model.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(model_dir)
+    config = load_config(model_dir)
+    eos = set(config.eos_token_ids or ()) | tok.eos_token_ids
+    grammars = GrammarCache(tokenizer_info(tok, config.vocab_size, eos))
+    return {"tokenizer": tok, "grammars": grammars, "tool_format": tool_format(tok.chat_template)}
+
+
 def bind_http(host: str, port: int) -> socket.socket:
     """The listening socket for uvicorn; a `StartupError` naming the port when it is taken."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -71,7 +89,7 @@ async def build_service(nc, cfg: GatewayConfig) -> GatewayService:
     auth = Auth.from_config(cfg.api_keys, cfg.api_key_file)
     readiness = Readiness(nc, cfg, needs_vision(cfg))
     return GatewayService(pipeline, cfg, served_name(cfg), auth, token_speller(cfg.model),
-                          readiness)  # fmt: skip
+                          readiness, **model_text(cfg.model))  # fmt: skip
 
 
 def main(argv: list[str]) -> None:

@@ -16,9 +16,10 @@ from typing import Any
 from pydantic import ValidationError
 
 from services.gateway.config import GatewayConfig
+from services.gateway.constraints import request_constraint
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest, body_schema
 from shared.engine.hashing import hash_blocks, mm_extra_keys, model_salt, to_hex
-from shared.engine.params import SamplingParams
+from shared.engine.params import SamplingParams, StructuredSpec
 from shared.protocol.errors import StrataError
 from shared.protocol.sched import DegradeRules
 
@@ -42,6 +43,9 @@ class GenerateSpec:
     priority: int = 0
     slo_class: str = "interactive"
     ttft_slo_ms: float = 0.0  # 0 = the scheduler's default for slo_class
+    constraint: StructuredSpec | None = None  # structured output / forced tool call
+    constraint_param: str = ""  # the request field the constraint came from
+    tool_format: str = "hermes"  # call syntax parsed from the output (services/gateway/tools.py)
 
     @property
     def n(self) -> int:
@@ -104,9 +108,16 @@ def check_text(obj: Any, where: str = "body") -> None:
 
 
 def validation_error(exc: ValidationError) -> ApiError:
-    e = exc.errors()[0]
+    errors = exc.errors()
+    unknown = [".".join(str(p) for p in e["loc"]) for e in errors if e["type"] == "extra_forbidden"]
+    if unknown:
+        return ApiError("bad_request", f"unknown field{'s' if len(unknown) > 1 else ''} "
+                        f"{', '.join(repr(u) for u in unknown)}: not supported by this server "
+                        "(docs/STRUCTURED.md lists the accepted fields)",
+                        param=unknown[0])  # fmt: skip
+    e = errors[0]
     loc = ".".join(str(p) for p in e["loc"]) or "body"
-    more = f" (and {len(exc.errors()) - 1} more errors)" if len(exc.errors()) > 1 else ""
+    more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
     return ApiError("bad_request", f"invalid field '{loc}': {e['msg']}{more}", param=loc)
 
 
@@ -116,8 +127,10 @@ def build_spec(
     cfg: GatewayConfig,
     served_model: str,
     headers: dict[str, str] | None = None,
+    tool_format: str = "hermes",
 ) -> GenerateSpec:
-    """Validate an OpenAI body (``kind`` "chat" or "completion") against the gateway limits."""
+    """Validate an OpenAI body (``kind`` "chat" or "completion") against the gateway limits;
+    ``tool_format`` is the model family's tool-call syntax (`services.gateway.tools`)."""
     try:
         req = body_schema(kind).model_validate(body)
     except ValidationError as exc:
@@ -127,6 +140,14 @@ def build_spec(
                        f"'{served_model}'", param="model")  # fmt: skip
     if req.n > cfg.max_n:
         raise ApiError("bad_request", f"n must be <= {cfg.max_n}", param="n")
+    if req.best_of is not None and req.best_of > 1:
+        raise ApiError("bad_request", "best_of > 1 is not supported (use n for several "
+                       "choices)", param="best_of")  # fmt: skip
+    _check_logit_bias(req.logit_bias)
+    try:
+        found = request_constraint(req, tool_format)
+    except StrataError as exc:
+        raise ApiError("bad_request", exc.message, param=getattr(exc, "param", None)) from None
     mt = _max_tokens(req)
     if mt is not None and mt > cfg.max_tokens_limit:
         raise ApiError("bad_request", f"max_tokens must be <= {cfg.max_tokens_limit}",
@@ -155,7 +176,19 @@ def build_spec(
             raise ApiError("bad_request", "prompt must not be empty", param="prompt")
         if len(prompts) * req.n > cfg.max_n:
             raise ApiError("bad_request", f"len(prompt) * n must be <= {cfg.max_n}", param="n")
-    return GenerateSpec(kind, req, prompts, urls, priority, slo, ttft_slo_ms)
+    param, constraint = found if found else ("", None)
+    return GenerateSpec(kind, req, prompts, urls, priority, slo, ttft_slo_ms, constraint, param,
+                        tool_format)  # fmt: skip
+
+
+def _check_logit_bias(bias: dict[str, float] | None) -> None:
+    for k, v in (bias or {}).items():
+        if not (k.isdigit() and int(k) <= 2**31 - 1):
+            raise ApiError("bad_request", f"logit_bias key {k!r} is not a token id",
+                           param="logit_bias")  # fmt: skip
+        if not -100.0 <= v <= 100.0:
+            raise ApiError("bad_request", f"logit_bias[{k}] = {v} is outside [-100, 100]",
+                           param="logit_bias")  # fmt: skip
 
 
 def _url(image_url: Any) -> str:
@@ -244,6 +277,8 @@ def sampling_for(
             ignore_eos=r.ignore_eos,
             logprobs=spec.logprobs,
             skip_special_tokens=r.skip_special_tokens,
+            structured=spec.constraint,
+            logit_bias={int(k): v for k, v in r.logit_bias.items()} if r.logit_bias else None,
         )
     except ValidationError as exc:
         raise validation_error(exc) from None

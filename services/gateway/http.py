@@ -164,6 +164,22 @@ def build_app(service: GatewayService) -> FastAPI:
     async def completions(request: Request) -> Response:
         return await handle("completion", request)
 
+    async def read_json(request: Request) -> dict[str, Any]:
+        raw = await request.body()
+        if len(raw) > cfg.max_body_bytes:
+            raise ApiError("bad_request", f"request body is larger than {cfg.max_body_bytes} bytes")
+        return parse_json(raw)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        """vLLM's tokenize: a prompt or chat messages -> token ids."""
+        return await service.tokenize(await read_json(request))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        """vLLM's detokenize: token ids -> text."""
+        return service.detokenize(await read_json(request))
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": service.served_model, "object": "model",

@@ -138,10 +138,11 @@ class Pipeline:
                       rid: str) -> Prepared:  # fmt: skip
         """Tokenize and vision-encode at the same time, then build sampling and block hashes."""
         if spec.kind == "chat":
-            from services.gateway.schemas import dump_messages
+            from services.gateway.schemas import dump_messages, dump_tools
 
             tok_req = TokenizeRequest(request_id=rid, messages=dump_messages(spec.request),
-                                      add_generation_prompt=spec.request.add_generation_prompt)  # fmt: skip
+                                      add_generation_prompt=spec.request.add_generation_prompt,
+                                      tools=dump_tools(spec.request))  # fmt: skip
         else:
             tok_req = TokenizeRequest(request_id=rid, prompt=str(prompt))
 

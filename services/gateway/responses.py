@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.gateway.tools import parse_tool_calls
 from shared.protocol.stream import TokenChunk
 
 
@@ -63,6 +64,7 @@ class Formatter:
         self.created = int(time.time())
         self.token_str = token_str
         self.top_n = logprobs
+        self.tool_format: str | None = None  # set: chat output is parsed for tool calls
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -83,6 +85,21 @@ class Formatter:
                   "finish_reason": c.finish_reason}  # fmt: skip
         return {**self._head("text_completion"), "choices": [choice]}
 
+    def tool_call_chunks(self, index: int, k: int, call: dict[str, Any]) -> list[dict[str, Any]]:
+        """Call ``k`` of a choice as OpenAI stream fragments: id, type and name with empty
+        arguments, then the arguments."""
+        f = call["function"]
+        head = {"index": k, "id": call["id"], "type": "function",
+                "function": {"name": f["name"], "arguments": ""}}  # fmt: skip
+        args = {"index": k, "function": {"arguments": f["arguments"]}}
+        return [{**self._head("chat.completion.chunk"), "choices": [
+            {"index": index, "delta": {"tool_calls": [d]}, "logprobs": None,
+             "finish_reason": None}]} for d in (head, args)]  # fmt: skip
+
+    def finish_chunk(self, index: int, reason: str) -> dict[str, Any]:
+        choice = {"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}
+        return {**self._head("chat.completion.chunk"), "choices": [choice]}
+
     def usage_chunk(self, use: dict[str, Any]) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         return {**self._head(obj), "choices": [], "usage": use}
@@ -93,7 +110,16 @@ class Formatter:
         for c in sorted(choices, key=lambda c: c.index):
             text = "".join(c.text)
             lps = self._logprobs(c.token_ids, c.logprobs, 0) if self.top_n is not None else None
-            if self.kind == "chat":
+            if self.kind == "chat" and self.tool_format:
+                content, calls = parse_tool_calls(text, self.tool_format)
+                message: dict[str, Any] = {"role": "assistant", "content": content}
+                reason = c.finish_reason
+                if calls:
+                    message["tool_calls"] = calls
+                    reason = "tool_calls" if reason == "stop" else reason
+                out.append({"index": c.index, "message": message, "logprobs": lps,
+                            "finish_reason": reason})  # fmt: skip
+            elif self.kind == "chat":
                 out.append({"index": c.index, "message": {"role": "assistant", "content": text},
                             "logprobs": lps, "finish_reason": c.finish_reason})  # fmt: skip
             else:

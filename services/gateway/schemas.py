@@ -1,11 +1,12 @@
 """OpenAI request bodies the gateway accepts (plus Strata/vLLM extras), as pydantic models.
 
-Unknown fields are ignored (as OpenAI does); known fields are validated and a bad one is named in
-the 400 the client gets.
+No field is silently ignored: an unknown field is a 400 naming it (the OpenAI SDK sends only the
+fields its caller passed), and known fields are validated, a bad one named in the 400.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -15,7 +16,7 @@ TokenId = Annotated[int, Field(ge=0, le=_I32)]
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
 
 class ImageURL(_Body):
@@ -29,10 +30,67 @@ class ContentPart(_Body):
     image_url: ImageURL | str | None = None
 
 
+class FunctionCall(_Body):
+    name: str = Field(..., min_length=1, max_length=256)
+    arguments: str | dict[str, Any] = "{}"  # OpenAI sends a JSON string
+
+
+class ToolCall(_Body):
+    id: str = Field("", max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool result: the call it answers
+    refusal: None = None  # echoed back by SDK users; only empty is meaningful
+
+
+class FunctionDef(_Body):
+    name: str = Field(..., pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Body):
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Body):
+    """vLLM's newer ``structured_outputs`` object (one of its fields)."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class StreamOptions(_Body):
@@ -62,6 +120,15 @@ class _Sampling(_Body):
     min_tokens: int = Field(0, ge=0, le=_I32)
     stop_token_ids: list[TokenId] | None = Field(None, max_length=1024)
     skip_special_tokens: bool = True
+    logit_bias: dict[str, float] | None = Field(None, max_length=1024)
+    best_of: int | None = Field(None, ge=1)
+    # Structured outputs (docs/STRUCTURED.md): OpenAI's response_format or one vLLM extra
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
     # Strata extras: scheduling class (also settable by X-Strata-Priority / X-Strata-Slo-Class)
     priority: int | None = Field(None, ge=-1000, le=1000)
     slo_class: Literal["interactive", "batch"] | None = None
@@ -75,6 +142,9 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class CompletionRequest(_Sampling):
@@ -83,12 +153,32 @@ class CompletionRequest(_Sampling):
     echo: bool = False
 
 
+class TokenizeBody(_Body):
+    """vLLM's ``/tokenize``: a ``prompt`` or chat ``messages`` (rendered by the template)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
+    tools: list[Tool] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeBody(_Body):
+    """vLLM's ``/detokenize``: token ids back to text."""
+
+    model: str | None = None
+    tokens: list[TokenId] = Field(..., max_length=1 << 20)
+
+
 def body_schema(kind: str) -> type[_Sampling]:
     return ChatCompletionRequest if kind == "chat" else CompletionRequest
 
 
 def dump_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
-    """Messages as plain dicts for the tokenizer (image parts reduced to their type)."""
+    """Messages as plain dicts for the tokenizer (image parts reduced to their type; a tool
+    call's JSON-string arguments parsed into an object, as chat templates expect)."""
     out = []
     for m in req.messages:
         content: Any = m.content
@@ -99,5 +189,30 @@ def dump_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
                 else {"type": "text", "text": p.text or ""}
                 for p in content
             ]
-        out.append({"role": m.role, "content": content if content is not None else ""})
+        d: dict[str, Any] = {"role": m.role, "content": content if content is not None else ""}
+        if m.name is not None:
+            d["name"] = m.name
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            d["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                for c in m.tool_calls]  # fmt: skip
+        out.append(d)
     return out
+
+
+def _arguments(args: str | dict[str, Any]) -> Any:
+    if isinstance(args, dict):
+        return args
+    try:
+        return json.loads(args)
+    except ValueError:
+        return args
+
+
+def dump_tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+    """The request's tools as the chat template's ``tools`` variable (OpenAI shape)."""
+    if not req.tools:
+        return None
+    return [t.model_dump(exclude_none=True) for t in req.tools]

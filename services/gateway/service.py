@@ -16,17 +16,26 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from pydantic import ValidationError
+
 from services.gateway import metrics as m
 from services.gateway.auth import Auth
 from services.gateway.config import GatewayConfig
-from services.gateway.core import GenerateSpec, admit, build_spec
+from services.gateway.constraints import check_constraint
+from services.gateway.core import ApiError, GenerateSpec, admit, build_spec, validation_error
 from services.gateway.images import load_image
 from services.gateway.pipeline import Pipeline, Prepared
 from services.gateway.readiness import Readiness
 from services.gateway.responses import ChoiceState, Formatter, usage
+from services.gateway.schemas import DetokenizeBody, TokenizeBody, dump_messages
+from services.gateway.tools import ToolStream, parses_tools
+from shared import bus
+from shared.engine.structured import GrammarCache
+from shared.protocol import subjects
 from shared.protocol.codec import decode
 from shared.protocol.errors import StrataError
 from shared.protocol.stream import Cancel, TokenChunk
+from shared.protocol.tok import TokenizeReply, TokenizeRequest
 
 _CANCELLED = object()  # queue item: the request was cancelled on the bus
 _CLOSED = object()  # queue item: close() was called
@@ -40,20 +49,28 @@ class GatewayService:
     """Validation, auth and admission in front of a `Pipeline`."""
 
     def __init__(self, pipeline: Pipeline, cfg: GatewayConfig, served_model: str,
-                 auth: Auth, token_str: Callable[[int], str], readiness: Readiness):  # fmt: skip
+                 auth: Auth, token_str: Callable[[int], str], readiness: Readiness,
+                 tokenizer=None, grammars: GrammarCache | None = None,
+                 tool_format: str = "hermes"):  # fmt: skip
         self.pipeline = pipeline
         self.cfg = cfg
         self.served_model = served_model
         self.auth = auth
         self.token_str = token_str
         self.readiness = readiness
+        self.tokenizer = tokenizer  # the checkpoint's (``/detokenize``); None without one
+        self.grammars = grammars  # validates constraints here; None: the engine does
+        self.tool_format = tool_format
 
     async def open(self, kind: str, body: dict[str, Any], headers: dict[str, str],
                    api_key: str | None, request_id: str = "") -> Run:  # fmt: skip
         arrival = time.perf_counter()
         model = body.get("model") if isinstance(body.get("model"), str) else ""
         policy = self.auth.authenticate(api_key, model)
-        spec = build_spec(kind, body, self.cfg, self.served_model, headers)
+        spec = build_spec(kind, body, self.cfg, self.served_model, headers, self.tool_format)
+        if spec.constraint is not None and self.grammars is not None:
+            await asyncio.to_thread(check_constraint, spec.constraint, self.grammars,
+                                    spec.constraint_param)  # fmt: skip
         admit(spec, self.pipeline.degrade_level, self.pipeline.degrade_rules)
         if request_id and not _REQUEST_ID.fullmatch(request_id):
             raise StrataError("bad_request", "request id must be 1-128 characters from "
@@ -66,9 +83,56 @@ class GatewayService:
         self.auth.charge(policy, sum(len(p.prompt_token_ids) + p.sampling.max_tokens
                                      for p in prepared))  # fmt: skip
         fmt = Formatter(kind, rid, self.served_model, self.token_str, spec.logprobs)
+        if kind == "chat" and parses_tools(spec.request):
+            fmt.tool_format = spec.tool_format
         run = Run(self.pipeline, spec, rid, prepared, fmt, arrival)
         run.start()  # no await after this: the caller owns the run (and closes it)
         return run
+
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model:
+            raise ApiError("not_found", f"model '{model}' does not exist; this gateway serves "
+                           f"'{self.served_model}'", param="model")  # fmt: skip
+
+    async def tokenize(self, body: dict[str, Any]) -> dict[str, Any]:
+        """vLLM's ``/tokenize``: ``{count, max_model_len, tokens, token_strs}`` from the
+        tokenizer service (the chat template renders ``messages`` and ``tools``)."""
+        try:
+            req = TokenizeBody.model_validate(body)
+        except ValidationError as exc:
+            raise validation_error(exc) from None
+        self._check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise ApiError("bad_request", "give exactly one of 'prompt' or 'messages'")
+        chat = req.messages is not None
+        special = req.add_special_tokens if req.add_special_tokens is not None else not chat
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        msgs = dump_messages(req) if chat else None  # type: ignore[arg-type]
+        tok_req = TokenizeRequest(request_id=uuid.uuid4().hex, prompt=req.prompt, messages=msgs,
+                                  add_generation_prompt=req.add_generation_prompt,
+                                  add_special_tokens=special, tools=tools)  # fmt: skip
+        reply = await bus.request(self.pipeline.nc, subjects.TOK_ENCODE, tok_req, TokenizeReply,
+                                  self.cfg.bus_timeout)  # fmt: skip
+        strs = [self.token_str(t) for t in reply.token_ids] if req.return_token_strs else None
+        return {"count": len(reply.token_ids), "max_model_len": reply.max_model_len,
+                "tokens": reply.token_ids, "token_strs": strs}  # fmt: skip
+
+    def detokenize(self, body: dict[str, Any]) -> dict[str, Any]:
+        """vLLM's ``/detokenize``: ``{prompt}`` for ``tokens`` (the gateway's own tokenizer)."""
+        try:
+            req = DetokenizeBody.model_validate(body)
+        except ValidationError as exc:
+            raise validation_error(exc) from None
+        self._check_model(req.model)
+        if self.tokenizer is None:
+            raise ApiError("unavailable", "detokenize needs the gateway's --model checkpoint")
+        vocab = self.tokenizer.vocab_size
+        bad = [t for t in req.tokens if t >= vocab]
+        if bad:
+            raise ApiError("bad_request", f"token id {bad[0]} is not in the vocabulary (size "
+                           f"{vocab})", param="tokens")  # fmt: skip
+        return {"prompt": self.tokenizer.decode(req.tokens)}
 
 
 class Run:
@@ -102,6 +166,8 @@ class Run:
         self._began = False  # next_events returned its first batch
         self._ended = False  # next_events returned its last batch
         self._offsets = [0] * len(self.choices)  # text offset per choice (logprobs)
+        tf = fmt.tool_format  # tool calls parsed out of each choice's stream
+        self._tools = [ToolStream(tf) for _ in self.choices] if tf else None
 
     def _sub_id(self, i: int) -> str:
         return self.request_id if len(self.choices) == 1 else f"{self.request_id}-{i}"
@@ -242,13 +308,36 @@ class Run:
         for i, c in got or ():
             if not c.token_ids and not c.text and c.finish_reason is None:
                 continue
-            out.append(self.fmt.chunk(i, c, self._offsets[i]))
+            if self._tools is not None:
+                out += self._tool_chunks(i, c)
+            else:
+                out.append(self.fmt.chunk(i, c, self._offsets[i]))
             self._offsets[i] += len(c.text)
         if self._done:
             self._ended = True
             if self.spec.include_usage and self._finished():
                 out.append(self.fmt.usage_chunk(usage(self.choices, self._prompt_lens())))
             return out or None
+        return out
+
+    def _tool_chunks(self, i: int, c: TokenChunk) -> list[dict[str, Any]]:
+        """A chunk of a choice whose output is parsed for tool calls: its content (text outside
+        calls), then each completed call as ``delta.tool_calls`` fragments (id and name, then
+        the arguments), then the finish reason ("tool_calls" when the output called tools)."""
+        ts = self._tools[i]
+        events = ts.feed(c.text) + (ts.finish() if c.finish_reason is not None else [])
+        content = "".join(e for kind, e in events if kind == "content")
+        out = []
+        if content or c.logprobs:
+            plain = c.model_copy(update={"text": content, "finish_reason": None})
+            out.append(self.fmt.chunk(i, plain, self._offsets[i]))
+        for kind, call in events:
+            if kind == "tool":
+                out += self.fmt.tool_call_chunks(i, ts.calls_sent, call)
+                ts.calls_sent += 1
+        if c.finish_reason is not None:
+            reason = "tool_calls" if ts.calls and c.finish_reason == "stop" else c.finish_reason
+            out.append(self.fmt.finish_chunk(i, reason))
         return out
 
     async def events(self) -> AsyncIterator[dict[str, Any]]:

@@ -58,7 +58,7 @@ class TokenizerCore:
             messages, n_images = self._flatten(req.messages)
             try:
                 text = self.tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=req.add_generation_prompt
+                    messages, add_generation_prompt=req.add_generation_prompt, tools=req.tools
                 )
             except Exception as exc:  # jinja raises many types; a template error is the client's
                 raise StrataError("bad_request", f"chat template failed: {exc}") from None

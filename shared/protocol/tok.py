@@ -14,6 +14,8 @@ class TokenizeRequest(Msg):
     prompt: str | None = None
     add_generation_prompt: bool = True
     add_special_tokens: bool = False
+    # OpenAI tools, passed to the chat template as ``tools`` (as transformers does)
+    tools: list[dict[str, Any]] | None = None
 
 
 class ImageSpan(Msg):
