@@ -1,13 +1,14 @@
 """Simulated instances: a FIFO prefill server with an LRU engine cache, a decode batch with a KV
 budget, and the shared pool (DRAM LRU spilling to an unbounded SSD tier). Every cache change is
-announced as a real `KVEvent` to the real `PrefixIndex`, exactly as live instances do."""
+announced as a real `KVEvent` to the simulation, which applies it to the real `PrefixIndex` with the
+service's rule (`services.scheduler.rules.apply_kv_event`), exactly as live instances do."""
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from services.scheduler.prefix_index import PrefixIndex
 from services.scheduler.types import InstanceView
 from shared.protocol.kv import KVEvent
 
@@ -29,6 +30,9 @@ class SimConfig:
         rate_scale: arrival-time compression (2.0 = the trace replayed twice as fast).
         pool_write_through: prefill also writes every block to the pool (pool transfer mode);
             otherwise the pool only receives blocks evicted from engine caches.
+        pool_enabled: False = no pool at all (evicted blocks are dropped).
+        expect_ttl_s: seconds a routed prompt's blocks count as held by its prefill instance
+            before their KV event (the scheduler's ``expect_ttl_s``).
     """
 
     num_prefill: int = 6
@@ -47,6 +51,8 @@ class SimConfig:
     rate_scale: float = 1.0
     block_tokens: int = 512
     pool_write_through: bool = True
+    pool_enabled: bool = True
+    expect_ttl_s: float = 30.0
 
 
 class LRU:
@@ -78,15 +84,15 @@ class LRU:
 
 
 class Announcer:
-    """Sequence-numbered KV events of one simulated instance into the index."""
+    """Sequence-numbered KV events of one simulated instance, handed to ``sink``."""
 
-    def __init__(self, instance_id: str, index: PrefixIndex) -> None:
-        self.instance_id, self.index, self.seq = instance_id, index, 0
+    def __init__(self, instance_id: str, sink: Callable[[KVEvent], object]) -> None:
+        self.instance_id, self.sink, self.seq = instance_id, sink, 0
 
     def __call__(self, tier: str, kind: str, hashes: list[str]) -> None:
         if hashes:
             self.seq += 1
-            self.index.apply(
+            self.sink(
                 KVEvent(
                     instance_id=self.instance_id,
                     incarnation="sim",
@@ -99,22 +105,15 @@ class Announcer:
 
 
 class Pool:
-    def __init__(self, cfg: SimConfig, index: PrefixIndex) -> None:
+    def __init__(self, cfg: SimConfig, sink: Callable[[KVEvent], object]) -> None:
         self.dram = LRU(cfg.pool_dram_blocks)
         self.ssd: set[str] = set()
-        self.emit = Announcer("kvpool", index)
+        self.emit = Announcer("kvpool", sink)
+        self.hit_blocks = {"dram": 0, "ssd": 0}  # blocks loaded by prefills
 
-    def tiers_of_prefix(self, hashes) -> tuple[int, int]:
-        """(dram blocks, ssd blocks) of the leading run available in the pool."""
-        dram = ssd = 0
-        for h in hashes:
-            if h in self.dram.d:
-                dram += 1
-            elif h in self.ssd:
-                ssd += 1
-            else:
-                break
-        return dram, ssd
+    def tiers(self, hashes) -> list[str | None]:
+        """The pool tier holding each block ("dram" first, then "ssd"; None = absent)."""
+        return ["dram" if h in self.dram.d else "ssd" if h in self.ssd else None for h in hashes]
 
     def offer(self, hashes: list[str]) -> None:
         new, gone = self.dram.add(hashes)
@@ -133,7 +132,8 @@ class Job:
     output_len: int
     hashes: tuple[str, ...]
     decode: SimInstance | None = None
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # reused: local prefix + pool continuation
+    local_tokens: int = 0  # of which from the prefilling instance's own engine cache
     uncached: int = 0
     ttft: float = -1.0
     finish: float = -1.0
@@ -148,6 +148,7 @@ class SimInstance:
     queue: deque = field(default_factory=deque)  # prefill jobs waiting
     busy_until: float = 0.0
     queued_tokens: int = 0  # estimated uncached tokens waiting (what a load report would say)
+    prefilled_tokens: int = 0  # prompt tokens computed here (the load-balance measure)
     running: int = 0
     kv_used: int = 0
     decode_wait: deque = field(default_factory=deque)
@@ -161,3 +162,4 @@ class SimInstance:
         v.num_running = self.running
         v.kv_blocks_total = kv_total
         v.kv_blocks_free = max(0, kv_total - self.kv_used)
+        v.pending_tokens = v.pending_requests = 0  # the report covers what was routed

@@ -1,8 +1,15 @@
 """Decision latency of the real `SchedulerCore.route()` at cluster scale (default 1000 instances:
-half prefill, half decode; a prefix index of shared prompt prefixes spread over them)."""
+half prefill, half decode; a prefix index of shared prompt prefixes spread over them), and the
+memory the prefix index takes per indexed block.
+
+    .venv/bin/python -m loadtests.simulator.latency --instances 10000 --index-blocks 1000000
+"""
 
 from __future__ import annotations
 
+import argparse
+import gc
+import os
 import random
 import time
 
@@ -14,6 +21,16 @@ from shared.protocol.load import LoadReport
 from shared.protocol.sched import RouteRequest
 
 
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _chain(k: int, depth: int) -> list[str]:
+    """Block hashes of prefix ``k`` (32 hex digits, like `hashing.to_hex`)."""
+    return [f"{k:08x}{j:024x}" for j in range(depth)]
+
+
 def decision_latency(
     num_instances: int = 1000,
     policy: str = "prefix_aware",
@@ -21,7 +38,11 @@ def decision_latency(
     blocks: int = 64,
     requests: int = 3000,
     seed: int = 0,
+    full_depth: bool = False,
 ) -> dict[str, float]:
+    """Route ``requests`` through a core of ``num_instances`` whose index holds ``prefixes``
+    chains of ``blocks`` blocks, each on 3 random instances at a random depth (``full_depth``:
+    the first holder holds the whole chain, so the index has exactly prefixes x blocks)."""
     rng = random.Random(seed)
     cfg = SchedulerConfig.load([], role="scheduler", policy=policy, down_after=10**6)
     core = SchedulerCore(cfg)
@@ -44,25 +65,22 @@ def decision_latency(
             ),
             now=0.0,
         )
-    chains = [[f"{k:x}.{j}" for j in range(blocks)] for k in range(prefixes)]
     seq = dict.fromkeys(ids, 0)
-    for chain in chains:  # each prefix cached on 3 random instances, a random depth
-        for iid in rng.sample(ids, 3):
+    gc.collect()
+    rss0 = _rss_bytes()
+    for k in range(prefixes):  # each prefix cached on 3 random instances, a random depth
+        for n, iid in enumerate(rng.sample(ids, 3)):
             seq[iid] += 1
-            core.on_kv_event(
-                KVEvent(
-                    instance_id=iid,
-                    incarnation="a",
-                    seq=seq[iid],
-                    tier="engine",
-                    kind="stored",
-                    hashes=chain[: rng.randrange(1, blocks + 1)],
-                )
-            )
+            depth = blocks if full_depth and n == 0 else rng.randrange(1, blocks + 1)
+            ev = KVEvent.model_construct(instance_id=iid, incarnation="a", seq=seq[iid],
+                                         tier="engine", kind="stored", hashes=_chain(k, depth))  # fmt: skip
+            core.on_kv_event(ev)
+    gc.collect()
+    index_bytes = _rss_bytes() - rss0
     lat: list[float] = []
     cpu: list[float] = []  # thread CPU time: excludes time the OS ran other processes
     for i in range(requests):
-        hashes = rng.choice(chains)[: rng.randrange(1, blocks + 1)]
+        hashes = _chain(rng.randrange(prefixes), rng.randrange(1, blocks + 1))
         req = RouteRequest(
             request_id=str(i), num_prompt_tokens=len(hashes) * 16 + 7, block_hashes=hashes
         )
@@ -74,11 +92,48 @@ def decision_latency(
             for m in core.members.members.values():
                 m.view.pending_tokens = m.view.pending_requests = 0
                 core.members.touch(m.view)
+    blocks_held = len(core.index)
     return {
         "instances": num_instances,
-        "index_blocks": len(core.index),
+        "index_blocks": blocks_held,
+        "index_mb": index_bytes / 1e6,
+        "bytes_per_block": index_bytes / max(1, blocks_held),
         "p50_ms": pct(lat, 0.5) * 1e3,
         "p99_ms": pct(lat, 0.99) * 1e3,
         "cpu_p50_ms": pct(cpu, 0.5) * 1e3,
         "cpu_p99_ms": pct(cpu, 0.99) * 1e3,
     }
+
+
+HEADER = (
+    "| policy | instances | index blocks | index MB (RSS) | bytes/block | p50 ms | p99 ms | "
+    "CPU p50 ms | CPU p99 ms |\n|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def row(policy: str, d: dict[str, float]) -> str:
+    return (
+        f"| {policy} | {d['instances']} | {d['index_blocks']} | {d['index_mb']:.0f} | "
+        f"{d['bytes_per_block']:.0f} | {d['p50_ms']:.3f} | {d['p99_ms']:.3f} | "
+        f"{d['cpu_p50_ms']:.3f} | {d['cpu_p99_ms']:.3f} |"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--instances", type=int, default=10000)
+    ap.add_argument("--index-blocks", type=int, default=1_000_000,
+                    help="distinct blocks in the index (chains of --blocks, full depth once)")  # fmt: skip
+    ap.add_argument("--blocks", type=int, default=64, help="blocks per prompt prefix")
+    ap.add_argument("--requests", type=int, default=3000)
+    ap.add_argument("--policies", default="round_robin,least_loaded,prefix_aware")
+    a = ap.parse_args(argv)
+    print(HEADER)
+    for p in a.policies.split(","):
+        d = decision_latency(a.instances, p, prefixes=a.index_blocks // a.blocks,
+                             blocks=a.blocks, requests=a.requests, full_depth=True)  # fmt: skip
+        print(row(p, d), flush=True)
+
+
+if __name__ == "__main__":
+    main()

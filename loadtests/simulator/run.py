@@ -1,8 +1,8 @@
 """Replay the Mooncake trace through the simulator for every policy; print a Markdown table,
-write a PNG (TTFT CDF per policy and load), and measure decision latency at 1000 instances.
+write a PNG (TTFT CDF per policy and load) and a JSON of the rows, and measure decision latency.
 
-    .venv/bin/python -m loadtests.simulator.run --rate-scales 1.0,1.5 \\
-        --plot docs/benchmarks/scheduler_sim.png
+    .venv/bin/python -m loadtests.simulator.run --prefill 16 --decode 4 --engine-blocks 10000 \\
+        --pool off --rate-scales 1,2,3 --json OUT.json
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from loadtests.simulator.trace import DEFAULT_TRACE, load_trace
 from services.scheduler.policies import make_policy
 from services.scheduler.types import CostModel
 
+POOL_MODES = ("off", "on", "write-through")
 VARIANTS = {
     "round_robin": ("round_robin", {}),
     "least_loaded": ("least_loaded", {}),
@@ -42,17 +43,27 @@ def run_all(cfg: SimConfig, trace, variants=VARIANTS) -> list[tuple[str, SimResu
 
 def table(rows: list[tuple[float, str, SimResult]], slo: float) -> str:
     head = (
-        "| load | policy | prefix hit | TTFT p50 (s) | TTFT p99 (s) | SLO (TTFT<="
-        f"{slo:g}s) | rejected | out tok/s | self-prefill | policy p99 (us) |\n"
-        "|---|---|---|---|---|---|---|---|---|---|\n"
+        "| load | policy | local hit | pool hit | load max/mean | TTFT p50 (s) | TTFT p99 (s) | "
+        f"SLO (TTFT<={slo:g}s) | rejected | out tok/s | self-prefill | policy p99 (us) |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = [
-        f"| x{s:g} | {label} | {r.hit_rate:.1%} | {r.ttft_p50:.2f} | {r.ttft_p99:.2f} | "
+        f"| x{s:g} | {label} | {r.hit_rate:.1%} | {r.pool_hit_rate:.1%} | "
+        f"{r.load_max_over_mean:.2f} | {r.ttft_p50:.2f} | {r.ttft_p99:.2f} | "
         f"{r.slo_attainment:.1%} | {r.rejected} | {r.throughput_tok_s:.0f} | "
         f"{r.self_prefill_frac:.1%} | {r.decision_p99_us:.0f} |"
         for s, label, r in rows
     ]
     return head + "\n".join(lines)
+
+
+def json_rows(rows: list[tuple[float, str, SimResult]], pool: str) -> list[dict]:
+    """One dict per (rate scale, policy): the fields of `SimResult` except the TTFT list."""
+    out = []
+    for s, label, r in rows:
+        d = {k: v for k, v in vars(r).items() if k not in ("ttfts", "policy")}
+        out.append({"policy": label, "rate_scale": s, "pool": pool, **d})
+    return out
 
 
 def plot(rows: list[tuple[float, str, SimResult]], path: str) -> None:
@@ -97,8 +108,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--trace", default=DEFAULT_TRACE)
     ap.add_argument("--limit", type=int, default=0, help="first N requests only (0 = all)")
     ap.add_argument("--rate-scales", default="1.0,1.5")
-    ap.add_argument("--num-prefill", type=int, default=SimConfig.num_prefill)
-    ap.add_argument("--num-decode", type=int, default=SimConfig.num_decode)
+    ap.add_argument("--num-prefill", "--prefill", type=int, default=SimConfig.num_prefill)
+    ap.add_argument("--num-decode", "--decode", type=int, default=SimConfig.num_decode)
+    ap.add_argument("--engine-blocks", type=int, default=SimConfig.engine_cache_blocks,
+                    help="engine-cache capacity per instance in 512-token trace blocks")
+    ap.add_argument("--pool", choices=POOL_MODES, default="write-through",
+                    help="off: no pool; on: blocks evicted from engine caches go to the pool; "
+                    "write-through: prefill also writes every block to it")
+    ap.add_argument("--policies", default=",".join(VARIANTS),
+                    help=f"comma-separated subset of {', '.join(VARIANTS)}")
+    ap.add_argument("--json", default="", help="write the rows to this JSON file")
     ap.add_argument("--num-long", type=int, default=SimConfig.num_long)
     ap.add_argument("--ttft-slo", type=float, default=SimConfig.ttft_slo_s)
     ap.add_argument("--plot", default="")
@@ -112,6 +131,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--calibration-model", default="benchmark")
     args = ap.parse_args(argv)
+    unknown = set(args.policies.split(",")) - set(VARIANTS)
+    if unknown:
+        ap.error(f"--policies: unknown {', '.join(sorted(unknown))}")
+    variants = {k: VARIANTS[k] for k in args.policies.split(",")}
     trace = load_trace(args.trace, args.limit)
     consts, speed = calibrated(args.calibration, args.calibration_model)
     rows = []
@@ -122,13 +145,20 @@ def main(argv: list[str] | None = None) -> None:
             num_long=args.num_long,
             ttft_slo_s=args.ttft_slo,
             rate_scale=s * speed,
+            engine_cache_blocks=args.engine_blocks,
+            pool_enabled=args.pool != "off",
+            pool_write_through=args.pool == "write-through",
             **consts,
         )
         t0 = time.time()
-        for label, r in run_all(cfg, trace):
+        for label, r in run_all(cfg, trace, variants):
             rows.append((s, label, r))
         print(f"# rate x{s:g}: simulated in {time.time() - t0:.0f}s; {cfg}", flush=True)
     print(table(rows, args.ttft_slo))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(json_rows(rows, args.pool), f, indent=1)
+        print(f"json: {args.json}")
     if args.plot:
         plot(rows, args.plot)
         print(f"plot: {args.plot}")

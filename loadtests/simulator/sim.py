@@ -1,9 +1,12 @@
 """Discrete-event simulation of N prefill + M decode instances running the real policy classes.
 
-Per request: route (the policy's `choose()` on live `InstanceView`s and the real `PrefixIndex`),
-prefill on the chosen instance (FIFO; reuses its engine cache or the pool; TTFT = end of prefill),
-then decode on the chosen instance (admitted when batch slot + KV fit; finish time from the step
-cost at the batch size it joins). Caches announce stored/removed blocks as KV events.
+Per request: route (the policy's `choose()` on live `InstanceView`s, in id order as the service
+lists them, and the real `PrefixIndex`; the request view, the index's expectations after a route
+and the cache footprints come from `services.scheduler.rules`, the functions `SchedulerCore`
+runs), prefill on the chosen instance (FIFO; reuses its engine cache, then the pool's
+continuation after it, by `shared.kvcache_rules`, the prefill worker's rule; TTFT = end of
+prefill), then decode on the chosen instance (admitted when batch slot + KV fit; finish time from
+the step cost at the batch size it joins). Caches announce stored/removed blocks as KV events.
 """
 
 from __future__ import annotations
@@ -17,7 +20,10 @@ from loadtests.simulator.cluster import LRU, Announcer, Job, Pool, SimConfig, Si
 from loadtests.simulator.trace import TraceRequest
 from services.scheduler.policies import Policy
 from services.scheduler.prefix_index import PrefixIndex
-from services.scheduler.types import ClusterState, InstanceView, RequestView
+from services.scheduler.rules import apply_kv_event, expect_routed, request_view
+from services.scheduler.types import ClusterState, Decision, InstanceView, RequestView
+from shared.kvcache_rules import plan_reuse
+from shared.protocol.kv import KVEvent
 
 
 @dataclass
@@ -25,7 +31,9 @@ class SimResult:
     policy: str
     requests: int
     rejected: int
-    hit_rate: float  # reused prompt tokens / prompt tokens (admitted requests)
+    hit_rate: float  # prompt tokens reused from the prefilling instance's own engine cache
+    pool_hit_rate: float  # prompt tokens loaded from the pool (after the local prefix)
+    load_max_over_mean: float  # max / mean of prompt tokens computed per prefill instance
     ttft_p50: float
     ttft_p99: float
     slo_attainment: float  # TTFT <= SLO, over all requests (a rejection is a miss)
@@ -47,14 +55,17 @@ class Simulation:
     def __init__(self, cfg: SimConfig, policy: Policy) -> None:
         self.cfg, self.policy = cfg, policy
         self.index = PrefixIndex()
-        self.pool = Pool(cfg, self.index)
+        self.pool = Pool(cfg, self.on_kv_event)
         self.events: list = []
         self._n = 0
-        self.prefill = [
+        prefill = [
             self._inst(f"p{i}", "prefill", i >= cfg.num_prefill - cfg.num_long)
             for i in range(cfg.num_prefill)
         ]
-        self.decode = [self._inst(f"d{i}", "decode", False) for i in range(cfg.num_decode)]
+        decode = [self._inst(f"d{i}", "decode", False) for i in range(cfg.num_decode)]
+        # in id order, as `Membership.live` lists them (ties and round robin depend on it)
+        self.prefill = sorted(prefill, key=lambda x: x.view.instance_id)
+        self.decode = sorted(decode, key=lambda x: x.view.instance_id)
         self.by_id = {x.view.instance_id: x for x in self.prefill + self.decode}
         self.done: list[Job] = []
         self.rejected = 0
@@ -71,8 +82,13 @@ class Simulation:
             reserved_long=long,
         )
         return SimInstance(
-            view, LRU(c.engine_cache_blocks), Announcer(iid, self.index), c.prefill_tokens_per_s
+            view, LRU(c.engine_cache_blocks), Announcer(iid, self.on_kv_event), c.prefill_tokens_per_s
         )
+
+    def on_kv_event(self, ev: KVEvent) -> bool:
+        """Every cache change, as the scheduler applies it (index + the instance's footprint)."""
+        inst = self.by_id.get(ev.instance_id)
+        return apply_kv_event(self.index, ev, inst.view if inst is not None else None)
 
     def at(self, t: float, fn, *args) -> None:
         self._n += 1
@@ -90,35 +106,32 @@ class Simulation:
         return self.result(len(trace), now)
 
     def route(self, now: float, job: Job) -> None:
-        bt = self.cfg.block_tokens
         for x in self.prefill + self.decode:
             x.refresh(now, self.cfg.decode_kv_blocks if x.view.role == "decode" else 0)
-        m = self.index.lookup(list(job.hashes))
-        req = RequestView(
-            str(job.rid),
-            job.input_len,
-            max_tokens=job.output_len,
-            ttft_slo_s=self.cfg.ttft_slo_s,
-            cached_tokens={i: n * bt for i, n in m.engine_blocks.items()},
-            pool_dram_tokens=m.pool_dram_blocks * bt,
-            pool_ssd_tokens=m.pool_ssd_blocks * bt,
-        )
-        t0 = time.perf_counter()
-        d = self.policy.choose(
-            req, ClusterState([x.view for x in self.prefill], [x.view for x in self.decode], now)
-        )
-        self.decision_s.append(time.perf_counter() - t0)
+        m = self.index.lookup(list(job.hashes), now)
+        req = request_view(str(job.rid), job.input_len, m, self.cfg.block_tokens,
+                           self.cfg.ttft_slo_s, max_tokens=job.output_len)  # fmt: skip
+        d = self.decide(now, job, req)
         if d.reject:
             self.rejected += 1
             return
         job.decode = self.by_id[d.decode_instance]
         target = self.by_id[d.prefill_instance] if d.prefill_instance else job.decode
         self.self_prefills += not d.prefill_instance
+        expect_routed(self.index, target.view.instance_id, job.hashes, now, self.cfg.expect_ttl_s)
         est = max(1, job.input_len - d.cached_tokens)
         target.queued_tokens += est
         target.queue.append((job, est))
         if target.busy_until <= now and len(target.queue) == 1:
             self.start_prefill(now, target)
+
+    def decide(self, now: float, job: Job, req: RequestView) -> Decision:
+        """The policy's decision on the instances as their latest load reports show them."""
+        state = ClusterState([x.view for x in self.prefill], [x.view for x in self.decode], now)
+        t0 = time.perf_counter()
+        d = self.policy.choose(req, state)
+        self.decision_s.append(time.perf_counter() - t0)
+        return d
 
     # --- prefill --------------------------------------------------------------------------------
     def start_prefill(self, now: float, inst: SimInstance) -> None:
@@ -126,19 +139,22 @@ class Simulation:
         inst.queued_tokens -= est
         c, bt = self.cfg, self.cfg.block_tokens
         local = inst.cache.prefix(job.hashes)
-        dram, ssd = self.pool.tiers_of_prefix(job.hashes)
-        pool_extra = max(0, dram + ssd - local)
-        frac = pool_extra / (dram + ssd) if dram + ssd else 0.0
-        load_s = frac * (dram * bt / c.dram_tokens_per_s + ssd * bt / c.ssd_tokens_per_s)
-        job.cached_tokens = min(job.input_len - 1, max(local, dram + ssd) * bt)
+        rates = {"dram": c.dram_tokens_per_s, "ssd": c.ssd_tokens_per_s}
+        tiers = self.pool.tiers(job.hashes) if c.pool_enabled else []
+        plan = plan_reuse(local, tiers, bt / inst.rate, lambda t: bt / rates[t])
+        for t in plan.pool_tiers:
+            self.pool.hit_blocks[t] += 1
+        job.cached_tokens = plan.cached_tokens(job.input_len, bt)
+        job.local_tokens = min(job.cached_tokens, local * bt)
         job.uncached = job.input_len - job.cached_tokens
-        inst.busy_until = now + job.uncached / inst.rate + load_s
+        inst.prefilled_tokens += job.uncached
+        inst.busy_until = now + job.uncached / inst.rate + plan.load_s
         self.at(inst.busy_until, self.end_prefill, inst, job)
 
     def end_prefill(self, now: float, inst: SimInstance, job: Job) -> None:
         job.ttft = now - job.arrival
         self.store(inst, job.hashes)
-        if self.cfg.pool_write_through:
+        if self.cfg.pool_enabled and self.cfg.pool_write_through:
             self.pool.offer(list(job.hashes))
         if inst.queue:
             self.start_prefill(now, inst)
@@ -153,7 +169,8 @@ class Simulation:
         inst.emit("engine", "stored", new)
         if gone:
             inst.emit("engine", "removed", gone)
-            self.pool.offer(gone)  # evicted blocks are offered to the pool, not dropped
+            if self.cfg.pool_enabled:
+                self.pool.offer(gone)  # evicted blocks are offered to the pool, not dropped
 
     # --- decode ---------------------------------------------------------------------------------
     def admit_decode(self, now: float, dec: SimInstance) -> None:
@@ -184,11 +201,16 @@ class Simulation:
         first = min((j.arrival for j in done), default=0.0)
         span = max(1e-9, end - first)
         slo_ok = sum(1 for t in ttfts if t <= self.cfg.ttft_slo_s)
+        local = sum(j.local_tokens for j in done)
+        work = [x.prefilled_tokens for x in self.prefill]
+        mean = sum(work) / len(work) if work else 0.0
         return SimResult(
             policy=self.policy.name,
             requests=n,
             rejected=self.rejected,
-            hit_rate=sum(j.cached_tokens for j in done) / prompt,
+            hit_rate=local / prompt,
+            pool_hit_rate=(sum(j.cached_tokens for j in done) - local) / prompt,
+            load_max_over_mean=max(work) / mean if mean else float("nan"),
             ttft_p50=pct(ttfts, 0.5),
             ttft_p99=pct(ttfts, 0.99),
             slo_attainment=slo_ok / n,

@@ -42,6 +42,17 @@ class SchedulerConfig(ServiceConfig):
     affinity_imbalance: float = Field(
         0.25, ge=0, description="Decode load-score gap that breaks cache affinity (prefix_aware)"
     )
+    affinity_load_bound: float = Field(
+        1.5,
+        ge=0,
+        description="A prefill cache holder keeps a prompt while its queue is at most this x "
+        "the mean queue (prefix_aware; 0 = minimum predicted TTFT only)",
+    )
+    affinity_slack_s: float = Field(
+        4.0,
+        ge=0,
+        description="... or at most this many queue seconds above the shortest (prefix_aware)",
+    )
     slo_interactive_ms: float = Field(
         0.0,
         ge=0,
@@ -117,6 +128,8 @@ class SchedulerConfig(ServiceConfig):
             long_prompt_tokens=self.long_prompt_tokens,
             affinity_imbalance=self.affinity_imbalance,
             batch_norm=self.batch_norm,
+            affinity_load_bound=self.affinity_load_bound,
+            affinity_slack_s=self.affinity_slack_s,
         )
 
     def long_instance_set(self) -> frozenset[str]:

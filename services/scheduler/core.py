@@ -15,6 +15,7 @@ from services.scheduler.degrade import Degrader, cluster_load
 from services.scheduler.membership import Membership
 from services.scheduler.policies import Policy, make_policy
 from services.scheduler.prefix_index import PrefixIndex
+from services.scheduler.rules import apply_kv_event, expect_routed, request_view
 from services.scheduler.types import ClusterState, RequestView
 from shared.protocol.errors import StrataError
 from shared.protocol.kv import KVEvent
@@ -68,11 +69,10 @@ class SchedulerCore:
             self.block_size = report.block_size
 
     def on_kv_event(self, ev: KVEvent) -> bool:
-        ok = self.index.apply(ev)
-        metrics.KV_EVENTS.labels(status="applied" if ok else "stale").inc()
         m = self.members.members.get(ev.instance_id)
+        ok = apply_kv_event(self.index, ev, m.view if m is not None else None)
+        metrics.KV_EVENTS.labels(status="applied" if ok else "stale").inc()
         if ok and m is not None:
-            m.view.cached_blocks = self.index.blocks_of(ev.instance_id)
             self.members.touch(m.view)
         return ok
 
@@ -124,11 +124,12 @@ class SchedulerCore:
                             retry_after_s=self.cfg.retry_after_s)  # fmt: skip
 
     # --- decisions ------------------------------------------------------------------------------
-    def route(self, req: RouteRequest) -> RouteReply:
+    def route(self, req: RouteRequest, now: float | None = None) -> RouteReply:
+        """Route one request (``now``: monotonic seconds, for expectations; the clock if None)."""
         start = time.perf_counter()
         outcome = "error"
         try:
-            reply = self._route(req)
+            reply = self._route(req, time.monotonic() if now is None else now)
             outcome = "self_prefill" if not reply.prefill_instance else "disaggregated"
             return reply
         except StrataError as exc:
@@ -139,7 +140,7 @@ class SchedulerCore:
             metrics.DECISIONS.labels(policy=name, outcome=outcome).inc()
             metrics.DECISION_LATENCY.labels(policy=name).observe(time.perf_counter() - start)
 
-    def _route(self, req: RouteRequest) -> RouteReply:
+    def _route(self, req: RouteRequest, now: float) -> RouteReply:
         level = self.degrader.level
         self._admit(req, level)
         excl = frozenset(req.exclude)
@@ -155,7 +156,7 @@ class SchedulerCore:
                                  decode_table=self.members.table("decode"))
         if not decode:
             raise StrataError("unavailable", "no decode instance is available")
-        view = self.request_view(req)
+        view = self.request_view(req, now)
         d = self.policy.choose(view, state)
         if d.reject:
             raise StrataError(
@@ -171,9 +172,7 @@ class SchedulerCore:
             dec.pending_requests += 1
             self.members.touch(dec)
         self.members.touch(target)
-        if req.block_hashes and self.cfg.expect_ttl_s > 0:
-            self.index.expect(target.instance_id, req.block_hashes,
-                              time.monotonic() + self.cfg.expect_ttl_s)
+        expect_routed(self.index, target.instance_id, req.block_hashes, now, self.cfg.expect_ttl_s)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("route %s: prefill=%s decode=%s cached=%d ttft=%.3fs (%s)", req.request_id,
                       d.prefill_instance or "-", d.decode_instance, d.cached_tokens,
@@ -207,24 +206,15 @@ class SchedulerCore:
                 retry_after=self.cfg.retry_after_s,
             )
 
-    def request_view(self, req: RouteRequest) -> RequestView:
-        m = self.index.lookup(req.block_hashes, time.monotonic()) if req.block_hashes else None
-        bs = self.block_size
+    def request_view(self, req: RouteRequest, now: float | None = None) -> RequestView:
+        now = time.monotonic() if now is None else now
+        m = self.index.lookup(req.block_hashes, now) if req.block_hashes else None
         slo_ms = req.ttft_slo_ms or (
             self.cfg.slo_batch_ms if req.slo_class == "batch" else self.cfg.slo_interactive_ms
         )
-        return RequestView(
-            request_id=req.request_id,
-            num_prompt_tokens=req.num_prompt_tokens,
-            priority=req.priority,
-            slo_class=req.slo_class,
-            max_tokens=req.max_tokens,
-            ttft_slo_s=slo_ms / 1000.0,
-            exclude=frozenset(req.exclude),
-            cached_tokens={i: n * bs for i, n in m.engine_blocks.items()} if m else {},
-            pool_dram_tokens=m.pool_dram_blocks * bs if m else 0,
-            pool_ssd_tokens=m.pool_ssd_blocks * bs if m else 0,
-        )
+        return request_view(req.request_id, req.num_prompt_tokens, m, self.block_size,
+                            slo_ms / 1000.0, priority=req.priority, slo_class=req.slo_class,
+                            max_tokens=req.max_tokens, exclude=frozenset(req.exclude))  # fmt: skip
 
     def instances(self, role: str = "") -> InstancesReply:
         out = []

@@ -48,11 +48,16 @@ def event_problem(ev: KVEvent, subject: str) -> str | None:
 
 @dataclass
 class PrefixMatch:
-    """Leading blocks of a prompt found in the index."""
+    """Leading blocks of a prompt found in the index. ``pool_tiers[i]`` is the fastest pool
+    tier holding block ``i`` ("dram" | "ssd" | None), walked as far as an engine prefix or the
+    pool reaches, so the pool's continuation after any instance's local prefix can be read off
+    (`shared.kvcache_rules.pool_continuation`); ``pool_dram_blocks`` / ``pool_ssd_blocks`` split
+    the pool's run from block 0."""
 
     engine_blocks: dict[str, int] = field(default_factory=dict)  # instance -> leading blocks
     pool_dram_blocks: int = 0
     pool_ssd_blocks: int = 0
+    pool_tiers: list[str | None] = field(default_factory=list)
 
     @property
     def pool_blocks(self) -> int:
@@ -200,10 +205,12 @@ class PrefixIndex:
 
     def lookup(self, hashes: list[str], now: float | None = None) -> PrefixMatch:
         """Leading blocks of ``hashes`` per instance (engine tier, counting unexpired
-        expectations when ``now`` is given) and in the pool."""
+        expectations when ``now`` is given) and the pool tier of each block, walked while some
+        instance still holds every block so far or the pool holds the block."""
         match = PrefixMatch()
         current: set[str] | None = None  # instances holding every block so far (engine tier)
-        pool_open = True
+        pool_run = True  # the pool holds every block so far
+        tiers_out = match.pool_tiers
         expected = self._expected if now is not None else {}
         if now is not None:
             self.expire(now)
@@ -213,22 +220,26 @@ class PrefixIndex:
             if not holders and not exp:
                 break
             holders = holders or {}
-            engine = {inst for inst, bits in holders.items() if bits & ENGINE}
-            if exp:
-                engine.update(exp)
-            current = engine if current is None else current & engine
-            for inst in current:
-                match.engine_blocks[inst] = i + 1
-            if pool_open:
-                tiers = 0
-                for bits in holders.values():
-                    tiers |= bits
-                if tiers & DRAM:
-                    match.pool_dram_blocks += 1
-                elif tiers & SSD:
-                    match.pool_ssd_blocks += 1
-                else:
-                    pool_open = False
-            if not current and not pool_open:
+            if current is None or current:
+                engine = {inst for inst, bits in holders.items() if bits & ENGINE}
+                if exp:
+                    engine.update(exp)
+                current = engine if current is None else current & engine
+                for inst in current:
+                    match.engine_blocks[inst] = i + 1
+            tiers = 0
+            for bits in holders.values():
+                tiers |= bits
+            tier = "dram" if tiers & DRAM else "ssd" if tiers & SSD else None
+            if tier is None and not current:
                 break
+            tiers_out.append(tier)
+            if pool_run and tier == "dram":
+                match.pool_dram_blocks += 1
+            elif pool_run and tier == "ssd":
+                match.pool_ssd_blocks += 1
+            else:
+                pool_run = False
+        while tiers_out and tiers_out[-1] is None:
+            tiers_out.pop()
         return match

@@ -63,9 +63,20 @@ class RequestView:
     exclude: frozenset[str] = frozenset()
     # instance id -> tokens of the prompt's prefix already in that instance's engine cache
     cached_tokens: dict[str, int] = field(default_factory=dict)
-    # contiguous prefix available in the pool (kvstore), split by the tier it loads from
+    # contiguous prefix available in the pool (kvstore) from block 0, split by tier
     pool_dram_tokens: int = 0
     pool_ssd_tokens: int = 0
+    # pool tier of each prompt block (None = absent), as far as the index walked: what the pool
+    # can add after an instance's own prefix. Derived from the two fields above when not given.
+    pool_tiers: tuple[str | None, ...] = ()
+    block_tokens: int = 16
+
+    def __post_init__(self) -> None:
+        if not self.pool_tiers and self.pool_tokens:
+            bt = self.block_tokens
+            self.pool_tiers = ("dram",) * -(-self.pool_dram_tokens // bt) + (
+                "ssd",
+            ) * -(-self.pool_ssd_tokens // bt)
 
     @property
     def pool_tokens(self) -> int:
@@ -135,3 +146,7 @@ class CostModel:
 
     def load_s(self, dram_tokens: int, ssd_tokens: int) -> float:
         return dram_tokens / self.dram_tokens_per_s + ssd_tokens / self.ssd_tokens_per_s
+
+    def tier_rate(self, tier: str) -> float:
+        """Tokens per second loaded from pool ``tier`` ("dram" | "ssd")."""
+        return self.dram_tokens_per_s if tier == "dram" else self.ssd_tokens_per_s

@@ -10,6 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from shared.kvcache_rules import ReusePlan, plan_reuse
+from shared.kvcache_rules import blocks_to_load as _blocks_to_load
+
 # Priors until the first measurement of a tier (seconds per block). Optimistic on purpose: a
 # tier that is never tried is never measured; one slow load corrects the estimate (EWMA).
 DEFAULT_LOAD_S = {"engine": 0.0, "dram": 2e-4, "ssd": 1e-3}
@@ -39,17 +42,16 @@ class CostModel:
 
     def blocks_to_load(self, tiers: Sequence[str | None]) -> int:
         """How many leading pool blocks to load: the prefix length ``k`` that minimises
-        ``load(k) + recompute(rest)`` (only a present, contiguous prefix is usable)."""
-        best_k, best_saving, saving = 0, 0.0, 0.0
-        per_block_recompute = self.recompute_s(1)
-        for k, tier in enumerate(tiers, start=1):
-            if tier is None:
-                break
-            saving += per_block_recompute - self.load_s([tier])
-            if saving > best_saving:
-                best_k, best_saving = k, saving
-        return best_k
+        ``load(k) + recompute(rest)`` (`shared.kvcache_rules.blocks_to_load`)."""
+        return _blocks_to_load(tiers, self.recompute_s(1), self._tier_load_s)
 
+    def plan(self, local_blocks: int, tiers: Sequence[str | None]) -> ReusePlan:
+        """Own ``local_blocks`` first, then the pool blocks worth loading right after them
+        (``tiers``: pool tier per prompt block, None = absent), by the measured costs."""
+        return plan_reuse(local_blocks, tiers, self.recompute_s(1), self._tier_load_s)
+
+    def _tier_load_s(self, tier: str) -> float:
+        return self.load_s_per_block.get(tier, DEFAULT_LOAD_S["ssd"])
 
 def _ewma(old: float, new: float, alpha: float) -> float:
     return (1 - alpha) * old + alpha * new

@@ -97,9 +97,14 @@ def test_prefix_aware_uses_measured_rate_and_pool_load_time():
     d = pol.choose(R(4000, dram=2000), st)
     assert d.prefill_instance == "p0" and d.cached_tokens == 2000
     assert d.predicted_ttft_s == pytest.approx(2000 / 4000 + 0.2)
-    # SSD hits load 5x slower than DRAM.
+    # SSD hits load 5x slower than DRAM (8 ms a 16-token block): p0 recomputes a block in 4 ms,
+    # so it loads none (the worker's cost rule, shared.kvcache_rules); p1 (16 ms) would load.
     d = pol.choose(R(4000, ssd=2000), st)
-    assert d.predicted_ttft_s == pytest.approx(0.5 + 1.0)
+    assert d.prefill_instance == "p0" and d.cached_tokens == 0
+    assert d.predicted_ttft_s == pytest.approx(1.0)
+    st = ClusterState(prefill=[P("p1")], decode=[D("d0")])
+    d = pol.choose(R(4000, ssd=2000), st)
+    assert d.cached_tokens == 2000 and d.predicted_ttft_s == pytest.approx(2.0 + 1.0)
 
 
 def test_decode_affinity_kept_unless_hot():

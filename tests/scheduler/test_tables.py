@@ -109,7 +109,7 @@ def _brute_least_loaded(req: RequestView, st: ClusterState) -> tuple[str, str]:
 
 
 def _brute_prefix_aware(req: RequestView, st: ClusterState) -> tuple[str, str, int]:
-    """The pre-numpy loop of `PrefixAware`, cache hits only (so no balance rule)."""
+    """The pre-numpy loop of `PrefixAware`, cache hits only (so no new-prompt balance rule)."""
     total = req.num_prompt_tokens + req.max_tokens
     room = [d for d in st.decode
             if d.kv_blocks_total <= 0 or d.kv_blocks_free * d.block_size >= total] or st.decode
@@ -121,6 +121,18 @@ def _brute_prefix_aware(req: RequestView, st: ClusterState) -> tuple[str, str, i
                                     d.instance_id))  # fmt: skip
         if decode_load(a) - decode_load(least) <= 0.25:
             dec = a
+    # cache affinity within the load bound (1.5 x mean queue, or 4 s above the shortest)
+    qs = [COST.queue_s(p) for p in st.prefill]
+    cap = max(min(qs) + 4.0, 1.5 * sum(qs) / len(qs))
+    ok = []
+    for i, p in enumerate(st.prefill):
+        ttft, cached = predicted_ttft(req, p, COST)
+        held = req.cached_tokens.get(p.instance_id, 0) > 0
+        if held and COST.queue_s(p) <= cap and cached >= 0.25 * req.num_prompt_tokens:
+            ok.append((-cached, ttft, i))
+    if ok:
+        neg, _, i = min(ok)
+        return st.prefill[i].instance_id, dec.instance_id, -neg
     best = min((predicted_ttft(req, p, COST)[0], -predicted_ttft(req, p, COST)[1], p.instance_id)
                for p in st.prefill)  # fmt: skip
     return best[2], dec.instance_id, -best[1]

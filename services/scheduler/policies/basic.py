@@ -5,30 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from services.scheduler.rules import predicted_ttft
 from services.scheduler.table import table_of
-from services.scheduler.types import (
-    ClusterState,
-    CostModel,
-    Decision,
-    InstanceView,
-    RequestView,
-)
+from services.scheduler.types import ClusterState, CostModel, Decision, InstanceView, RequestView
 
-
-def predicted_ttft(request: RequestView, inst: InstanceView, cost: CostModel) -> tuple[float, int]:
-    """(TTFT estimate, cached tokens) for prefilling ``request`` on ``inst``: queue time +
-    uncached tokens at the instance's rate + load time of pool-hit tokens beyond its own cache."""
-    local = min(request.cached_tokens.get(inst.instance_id, 0), request.num_prompt_tokens)
-    pool = min(request.pool_tokens, request.num_prompt_tokens)
-    load = 0.0
-    if pool > local:
-        frac = (pool - local) / pool
-        load = frac * cost.load_s(request.pool_dram_tokens, request.pool_ssd_tokens)
-    cached = max(local, pool)
-    # The last prompt token is always computed (it produces the first token's logits).
-    uncached = max(1, request.num_prompt_tokens - cached)
-    ttft = cost.queue_s(inst) + uncached / cost.prefill_rate(inst) + load
-    return ttft, cached
+__all__ = ["LeastLoaded", "RoundRobin", "decode_load", "predicted_ttft"]
 
 
 def decode_load(inst: InstanceView, batch_norm: float = 64.0) -> float:

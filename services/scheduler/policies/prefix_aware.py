@@ -1,7 +1,14 @@
 """Prefix- and load-aware routing (the production policy).
 
-Prefill: minimum estimated TTFT = queue time + uncached tokens x per-token prefill cost of that
-instance + load time of pool-hit tokens by tier (see `basic.predicted_ttft`). When no candidate
+Prefill: a prompt whose prefix some candidate holds (at least ``cache_match_min`` of it) goes to
+the holder with the most of it cached, as long as that holder's queue is within the load bound:
+at most ``affinity_slack_s`` above the shortest queue or ``affinity_load_bound`` x the mean queue
+(consistent hashing with bounded loads, as SGLang's router keeps cache affinity until the
+imbalance passes its thresholds). A holder past the bound loses the prompt to the minimum
+estimated TTFT = queue time + uncached tokens x per-token prefill cost of that instance + load
+time of the pool blocks it would load after its own prefix (`rules.predicted_ttft`), so a hot
+prefix is copied to another instance only when its holders are overloaded, and every copy then
+shares its traffic. When no candidate
 holds at least ``cache_match_min`` of the prompt in its engine cache, the prompt costs about the
 same anywhere, so among the candidates whose queue is within ``balance_slack_s`` of the shortest
 it goes to the one with the smallest cache footprint (then the lowest TTFT): new prefixes spread
@@ -25,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from services.scheduler.policies.basic import predicted_ttft
+from services.scheduler.rules import predicted_ttft, reuse_plan
 from services.scheduler.table import RoleTable, table_of
 from services.scheduler.types import (
     ClusterState,
@@ -53,6 +60,11 @@ class PrefixAwareOptions:
             as new and goes to the least-filled cache instead of the minimum TTFT.
         balance_slack_s: queue seconds above the shortest queue still counted as "not busier"
             when placing a new prompt.
+        affinity_load_bound: a cache holder keeps a prompt while its queue is at most this
+            times the candidates' mean queue (or within ``affinity_slack_s`` of the shortest);
+            0 = no affinity rule (minimum predicted TTFT only).
+        affinity_slack_s: queue seconds above the shortest queue a cache holder may have and
+            still keep the prompt (the bound's floor at light load).
     """
 
     short_prompt_tokens: int = 512
@@ -64,6 +76,8 @@ class PrefixAwareOptions:
     min_retry_after_s: float = 1.0
     cache_match_min: float = 0.25
     balance_slack_s: float = 0.05
+    affinity_load_bound: float = 1.5
+    affinity_slack_s: float = 4.0
 
 
 class PrefixAware:
@@ -113,20 +127,38 @@ class PrefixAware:
         n = request.num_prompt_tokens
         rate = t.prefill_rates(self.cost.prefill_tokens_per_s)
         queue_s = t.queued / rate
-        # Instances without the prefix in their engine cache: only the pool can help.
-        pool = min(request.pool_tokens, n)
-        load = self.cost.load_s(request.pool_dram_tokens, request.pool_ssd_tokens) if pool else 0.0
-        ttft = queue_s + max(1, n - pool) / rate + load
-        cached = np.full(len(t), pool, dtype=np.int64)
+        # Instances without the prefix in their engine cache: only the pool can help (how much
+        # of it is worth loading depends on the instance's rate: one plan per distinct rate).
+        ttft = queue_s + n / rate
+        cached = np.zeros(len(t), dtype=np.int64)
+        if request.pool_tiers:
+            for r in np.unique(rate):
+                plan = reuse_plan(request, 0, float(r), self.cost)
+                c = plan.cached_tokens(n, request.block_tokens)
+                sel = rate == r
+                ttft[sel] = queue_s[sel] + (n - c) / r + plan.load_s
+                cached[sel] = c
         best_hit = 0
+        holders = []
         for inst, hit in request.cached_tokens.items():
             i = t.pos.get(inst)
             if i is None or not cand[i] or hit <= 0:
                 continue
             ttft[i], cached[i] = predicted_ttft(request, t.views[i], self.cost)
             best_hit = max(best_hit, min(hit, n))
+            holders.append(i)
         ttft = np.where(cand, ttft, np.inf)
-        if best_hit >= self.opt.cache_match_min * n:
+        hit_min = self.opt.cache_match_min * n
+        if best_hit >= hit_min and self.opt.affinity_load_bound > 0:
+            qc = queue_s[cand]
+            cap = max(qc.min() + self.opt.affinity_slack_s,
+                      self.opt.affinity_load_bound * float(qc.mean()))  # fmt: skip
+            ok = [i for i in holders if queue_s[i] <= cap and cached[i] >= hit_min]
+            if ok:
+                i = min(ok, key=lambda j: (-cached[j], ttft[j], j))
+                self.last_reason = "cache holder within the load bound"
+                return prefill[i], float(ttft[i]), int(cached[i])
+        if best_hit >= hit_min:
             best = float(ttft.min())
             ties = np.flatnonzero(ttft == best)
             i = int(ties[np.argmax(cached[ties])])  # then most cached, then lowest id
