@@ -7,8 +7,8 @@ P2 runs every side in this one invocation on the standard benchmark model
 (``build_benchmark_model``): the same prompts (64 of 64-480 tokens, made of one-token words),
 64 output tokens, greedy, ignore_eos, concurrency 16; ``--repeats`` runs per side, alternated.
 Sides: the in-process engine (``--threads`` torch threads, the whole 2-core box at 2), the
-cluster as `strata up` starts it by default (prefill + decode + kvstore + MinIO, 1 thread per
-model process), and the flattering decode-only cluster as a second row. Prints a markdown table
+cluster as `strata up` starts it by default (the shape `services/shape.py` picks for the box:
+on 2 cores decode prefills with 2 threads, + kvstore + MinIO), and the flattering decode-only cluster as a second row. Prints a markdown table
 with median, best, spread and the load average.
 """
 
@@ -97,8 +97,8 @@ def cluster_side(model_dir: str, prompts: list[str], out_len: int, conc: int,
 
 
 P2_SIDES = {
-    # What `strata up --model CK` starts: prefill 1 + decode 1 + kvstore + MinIO, 1 torch thread
-    # per model process (both cores used by the two model processes).
+    # What `strata up --model CK` starts: the machine's shape (services/shape.py; on 2 cores
+    # decode prefills with 2 torch threads) + kvstore + MinIO.
     "cluster default (strata up)": dict(),
     # The flattering variant: decode prefills itself, no kvstore/MinIO, 2 threads in one process.
     "cluster decode-only, 2 threads": dict(prefill=0, kvstore=0, minio=False, torch_threads=2),

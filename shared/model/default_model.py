@@ -169,6 +169,18 @@ def build_benchmark_model(out_dir: str | Path, seed: int = 0) -> Path:
     return _write(Path(out_dir), config, tok, seed, {})
 
 
+def build_benchmark_model_250m(out_dir: str | Path, seed: int = 0) -> Path:
+    """Text-only Qwen3 of ~253M params for `loadtests.bench_peer --model-size 250m`: hidden
+    1024, 16 layers, 16 heads / 8 KV heads of 64, intermediate 2816, fp32; the vocab is padded
+    to 32768 (the tokenizer has 4096 ids; the rest are never produced by it)."""
+    tok = train_tokenizer()
+    config = _text_config(
+        32768, tok.token_to_id("<|im_end|>"), hidden_size=1024, intermediate_size=2816,
+        num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8, head_dim=64,
+    )  # fmt: skip
+    return _write(Path(out_dir), config, tok, seed, {})
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out_dir")
