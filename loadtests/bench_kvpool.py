@@ -1,8 +1,9 @@
 """KV pool benchmark: write-behind/restart/restore through the kvstore with one object per block
 vs chunk objects (same run, same MinIO), raw minio-SDK put/get of the same sizes for reference,
-and the per-object cost microbenchmark behind the batching decision.
+the per-object cost microbenchmark behind the batching decision, and the restore of one prompt's
+run of blocks (a pull) against raw `get_object` reads of the same chunk objects.
 
-    .venv/bin/python -m loadtests.bench_kvpool [--quick]
+    .venv/bin/python -m loadtests.bench_kvpool [--quick] [--only-restore] [--repeats N]
 
 Starts a private MinIO (local disk) and prints markdown tables (docs/benchmarks/kvpool.md).
 """
@@ -21,9 +22,13 @@ import torch
 from protos.kv_transfer_pb2 import BlockFrame
 from services.infra.minio_server import start_minio
 from services.kvstore.core import KVStoreCore
+from services.kvstore.handler import KVStoreHandler
+from services.kvstore.reader import ReadOptions
 from services.kvstore.ssd import MinioTier
 from services.kvstore.store import KVStore
 from services.kvstore.writer import WriterOptions
+from shared.kvtransfer.client import KVClient
+from shared.kvtransfer.server import start_kv_server
 
 CONCURRENCY = 8
 
@@ -125,6 +130,106 @@ def batching(minio, size: int, n: int, per_chunk: int) -> dict[str, float]:
     return res
 
 
+async def run_restore(minio, frames: list[BlockFrame], repeats: int) -> dict[str, list[float]]:
+    """Seconds to restore the run ``frames`` (one prompt's blocks, written behind into chunk
+    objects) from MinIO, best of ``repeats``, each on a fresh kvstore (empty DRAM): raw
+    ``get_object`` of the whole chunk objects (1 and 8 in flight), the kvstore's pull path
+    in-process (``acquire_many``, the default reader and one ranged GET per block one after the
+    other as before), and the same pull over gRPC to a client (what a prefill instance sees)."""
+    bucket = f"rs-{uuid.uuid4().hex[:8]}"
+    core = KVStoreCore("bench", "w", dram_bytes=1 << 40, write_behind_blocks=1 << 20)
+    store = KVStore(core, tier(minio, bucket), writer=WriterOptions(concurrency=CONCURRENCY))
+    await store.start()
+    for f in frames:
+        store.put(f)
+    await store.flush(timeout=600)
+    await store.stop()
+    t = tier(minio, bucket)
+    names = [name for _, name in t.list().chunks]
+    keys = [("bench", f.key) for f in frames]
+
+    def raw_get(name: str) -> int:
+        r = t.client.get_object(bucket, name)
+        try:
+            return len(r.read())
+        finally:
+            r.close()
+            r.release_conn()
+
+    async def fresh(opts: ReadOptions | None = None) -> KVStore:
+        s = KVStore(KVStoreCore("bench", "r", dram_bytes=1 << 40), tier(minio, bucket), reader=opts)
+        await s.start()
+        return s
+
+    async def pull_local(opts: ReadOptions | None) -> float:
+        s = await fresh(opts)
+        start = time.perf_counter()
+        n = 0
+        async for key, got in s.acquire_many(keys):
+            assert got is not None, key
+            n += 1
+            if got[1]:
+                s.release(key)
+        secs = time.perf_counter() - start
+        assert n == len(keys)
+        await s.stop()
+        return secs
+
+    async def pull_grpc() -> float:
+        s = await fresh()
+        server, addr = await start_kv_server(KVStoreHandler(s))
+        client = KVClient(addr)
+        await client.query(["warm-up"], "bench")  # connected before the clock starts
+        start = time.perf_counter()
+        got = [f async for f in client.pull([k for _, k in keys], "bench", timeout=600)]
+        secs = time.perf_counter() - start
+        assert len(got) == len(keys)
+        await client.close()
+        await server.stop(0)
+        await s.stop()
+        return secs
+
+    res: dict[str, list[float]] = {}
+    for _ in range(repeats):  # sides alternated, so load changes hit all of them alike
+        for threads in (1, CONCURRENCY):
+            start = time.perf_counter()
+            with ThreadPoolExecutor(threads) as ex:
+                list(ex.map(raw_get, names))
+            res.setdefault(f"raw x{threads}", []).append(time.perf_counter() - start)
+        res.setdefault("per block", []).append(
+            await pull_local(ReadOptions(concurrency=1, max_bytes=0))
+        )
+        res.setdefault("pull", []).append(await pull_local(None))
+        res.setdefault("grpc", []).append(await pull_grpc())
+    res["objects"] = [len(names)]
+    return res
+
+
+async def restore_table(minio, repeats: int, quick: bool) -> None:
+    print("\n## Restore of one prompt's blocks from MinIO vs raw get_object (MiB/s)\n")
+    print("A fresh kvstore (empty DRAM) serves a pull of a run of consecutive blocks written")
+    print("behind together (chunk objects); raw = minio-SDK `get_object` of the same chunk objects")
+    print(f"whole, 1 and {CONCURRENCY} in flight. Best of {repeats}.\n")
+    print(
+        "| block | n | MiB | chunks | raw x1 | raw x8 | kvstore, one GET per block (old) "
+        "| kvstore pull | pull over gRPC | pull / raw x8 |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    # the default model's f32 block (64 KiB) for an 8k prompt (32 MiB), and a 0.5B-class block
+    for size, n in [(64 << 10, 64 if quick else 512), (256 << 10, 16 if quick else 128)]:
+        frames = [frame_of(i, size) for i in range(n)]
+        r = await run_restore(minio, frames, repeats)
+        best = {k: min(v) for k, v in r.items()}
+        total = size * n
+        print(
+            f"| {size >> 10} KiB | {n} | {total >> 20} | {r['objects'][0]} "
+            f"| {mibs(total, best['raw x1'])} | {mibs(total, best['raw x8'])} "
+            f"| {mibs(total, best['per block'])} | {mibs(total, best['pull'])} "
+            f"| {mibs(total, best['grpc'])} | {best['raw x8'] / best['pull']:.2f} |",
+            flush=True,
+        )
+
+
 def mibs(nbytes: int, secs: float) -> str:
     return f"{nbytes / secs / 2**20:,.0f}"
 
@@ -132,10 +237,15 @@ def mibs(nbytes: int, secs: float) -> str:
 async def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer objects (smoke run)")
+    ap.add_argument("--only-restore", action="store_true", help="only the restore table")
+    ap.add_argument("--repeats", type=int, default=3, help="restore table: best of N")
     args = ap.parse_args()
     torch.set_num_threads(1)
     minio = start_minio()
     try:
+        await restore_table(minio, args.repeats, args.quick)
+        if args.only_restore:
+            return
         # (block bytes, count): the default model's block (32 KiB bf16 / 64 KiB f32), a 0.5B-class
         # block (~256 KiB) and an 8B-class block (2 MiB)
         cases = [(32 << 10, 512), (64 << 10, 256), (256 << 10, 128), (2 << 20, 32)]
