@@ -170,3 +170,33 @@ def test_slo_early_rejection_with_retry_after():
 def test_unknown_policy_names_the_choices():
     with pytest.raises(ValueError, match="round_robin"):
         make_policy("nope")
+
+
+def test_hot_prefix_stays_on_its_holders_until_they_pass_the_load_bound():
+    # 4000-token prompts sharing a 3000-token system prompt that p0 holds; 1000 tok/s each.
+    pol = make_policy("prefix_aware", COST, short_prompt_tokens=0)
+    hot = {"p0": 3000}
+
+    def pick(waits, cached=hot):
+        st = ClusterState(prefill=[P(f"p{i}", waiting=w) for i, w in enumerate(waits)],
+                          decode=[D("d0")])  # fmt: skip
+        d = pol.choose(R(4000, cached=cached), st)
+        return d.prefill_instance, d.cached_tokens, pol.last_reason
+
+    # p0 is 3.5 s behind idle peers: min TTFT would move the prompt (4.5 s vs 4.0 s), but the
+    # holder is within the bound (4 s above the shortest queue) and keeps it
+    assert pick([3500, 0, 0, 0]) == ("p0", 3000, "cache holder within the load bound")
+    # 4.5 s behind: past the bound; the prompt goes to the min-TTFT instance, which computes
+    # the prefix and becomes a second holder
+    assert pick([4500, 0, 0, 0]) == ("p1", 0, "min predicted ttft")
+    # two holders: the hot prefix's traffic goes to the one within the bound, less queued first
+    two = {"p0": 3000, "p1": 3000}
+    assert pick([4500, 1000, 0, 0], two) == ("p1", 3000, "cache holder within the load bound")
+    assert pick([1000, 2000, 0, 0], two) == ("p0", 3000, "cache holder within the load bound")
+    # everyone busy: the bound is 1.5 x the mean queue (10.1 s here), so 9 s still holds
+    assert pick([9000, 6000, 6000, 6000])[0] == "p0"
+    assert pick([11000, 6000, 6000, 6000])[0] == "p1"
+    # affinity off: minimum predicted TTFT alone
+    off = make_policy("prefix_aware", COST, short_prompt_tokens=0, affinity_load_bound=0)
+    st = ClusterState(prefill=[P("p0", waiting=3500), P("p1")], decode=[D("d0")])
+    assert off.choose(R(4000, cached=hot), st).prefill_instance == "p1"
