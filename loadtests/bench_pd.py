@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import statistics
 import time
@@ -115,11 +116,13 @@ async def p5(nc, prefill, dec, lengths, repeats, vocab) -> list[str]:
     return rows
 
 
-async def p4(nc, prefill_a, prefill_b, dec, n, repeats, vocab, fillers: int) -> list[str]:
+async def p4(nc, prefill_a, prefill_b, dec, n, repeats, vocab, fillers: int,
+             kvstore) -> list[str]:
     """TTFT on prefill B (which never saw the prompt) when its prefix is nowhere (recompute),
     in the kvstore's DRAM (computed by A), or only in MinIO (A's blocks spilled out of DRAM by
     ``fillers`` other prompts of the same length)."""
     res: dict[str, list[float]] = {"recompute": [], "dram": [], "ssd": []}
+    gets = restored = 0
     for _ in range(repeats):
         _, t0, times = await one_request(nc, prefill_b, dec, rand_prompt(n, vocab))
         res["recompute"].append((times[0] - t0) * 1e3)
@@ -131,8 +134,13 @@ async def p4(nc, prefill_a, prefill_b, dec, n, repeats, vocab, fillers: int) -> 
                 for _ in range(fillers):
                     await one_request(nc, prefill_a, dec, rand_prompt(n, vocab))
                 await wait_pool(prefill_a, prompt, "ssd")
+                await kvstore.flush(timeout=120)  # fillers' writes done: B's read is measured
+            g0, b0 = kvstore.reader.gets, kvstore.core.stats.restore_bytes
             _, t0, times = await one_request(nc, prefill_b, dec, prompt[:-1] + [7])
             res[case].append((times[0] - t0) * 1e3)
+            if case == "ssd":
+                gets += kvstore.reader.gets - g0
+                restored += kvstore.core.stats.restore_bytes - b0
     base = statistics.median(res["recompute"])
     rows = [f"| case ({n}-token prompt) | TTFT (ms) | speed-up vs recompute |", "|---|---:|---:|"]
     for case, label in (("recompute", "recompute"), ("dram", "kvstore DRAM hit"),
@@ -140,6 +148,8 @@ async def p4(nc, prefill_a, prefill_b, dec, n, repeats, vocab, fillers: int) -> 
         m = statistics.median(res[case])
         rows.append(f"| {label} | {m:.0f} | {base / m:.2f}x |")
         print(rows[-1], flush=True)
+    rows.append(f"\nMinIO hits restored {restored / repeats / 2**20:.1f} MiB per request in "
+                f"{gets / repeats:.0f} GETs (the kvstore's ranged reads).")
     return rows
 
 
@@ -173,14 +183,17 @@ async def main_async(args) -> None:
                                         dram_bytes=args.kvstore_dram_bytes)
             ready = asyncio.get_running_loop().create_future()
             kv_task = asyncio.create_task(
-                run_kvstore(kv_cfg, stop_kv, on_ready=lambda s, a: ready.set_result(a)))
-            common["kvstore_addrs"] = await asyncio.wait_for(ready, 60)
+                run_kvstore(kv_cfg, stop_kv, on_ready=lambda s, a: ready.set_result((s, a))))
+            kvstore, common["kvstore_addrs"] = await asyncio.wait_for(ready, 60)
         workers = []
         for role, iid, cls in (("prefill", "bp", PrefillService), ("decode", "bd", DecodeService),
                                ("prefill", "bp2", PrefillService)):
             if iid == "bp2" and minio is None:
                 continue
-            cfg = WorkerConfig.load([], role=role, instance_id=iid, **common)
+            # P5's prefill has the layer tap (it switches it per request); the others run the
+            # default transfer mode (STRATA_LAYERWISE_TRANSFER=auto unless set)
+            mode = {"layerwise_transfer": True} if iid == "bp" else {}
+            cfg = WorkerConfig.load([], role=role, instance_id=iid, **common, **mode)
             workers.append(await start_worker(cfg, role, cls, nc))
         prefill, dec = workers[:2]
         cfg = prefill.rt.loaded.config
@@ -188,15 +201,18 @@ async def main_async(args) -> None:
         params = sum(p.numel() for p in prefill.rt.loaded.model.parameters()) / 1e6
         print(f"model: {model} ({params:.1f}M params, {cfg.num_layers} layers, "
               f"{cfg.num_kv_heads} kv heads x {cfg.head_dim}, {cfg.dtype}), torch threads "
-              f"{args.threads}/process, prefill chunk {args.chunk} tokens, 2 cores")
+              f"{args.threads}/process, prefill chunk {args.chunk} tokens, "
+              f"{len(os.sched_getaffinity(0))} cores, load average {os.getloadavg()[0]:.1f}")
         await one_request(nc, prefill, dec, rand_prompt(64, vocab))  # warm-up
         print("\n### P5: PD handoff (prefill's last layer -> decode's first token)\n")
         rows = await p5(nc, prefill, dec, args.lengths, args.repeats, vocab)
         print("\n".join(rows))
         if minio is not None:
             n = args.p4_tokens
-            print(f"\n### P4: TTFT of a {n}-token prompt on a prefill instance that never saw it\n")
-            rows = await p4(nc, prefill, workers[2], dec, n, args.repeats, vocab,
+            lw = "layer-wise" if workers[2].rt.cfg.layerwise_transfer else "after-prefill"
+            print(f"\n### P4: TTFT of a {n}-token prompt on a prefill instance that never saw it "
+                  f"(default transfer mode here: {lw})\n")
+            rows = await p4(nc, prefill, workers[2], dec, n, args.repeats, vocab, kvstore=kvstore,
                             fillers=args.fillers)
             print("\n".join(rows))
         for w in workers:

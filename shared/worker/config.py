@@ -2,9 +2,36 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+import os
+
+from pydantic import Field, ValidationInfo, field_validator
 
 from shared.config import ModelServiceConfig
+
+LAYERWISE_SPARE_CORES = 2
+"""Cores beyond its torch threads a CPU prefill process needs for `auto` layer-wise transfer."""
+
+
+def layerwise_auto(device: str, torch_threads: int, cores: int) -> bool:
+    """What ``layerwise_transfer=auto`` means on ``device`` for a process with ``torch_threads``
+    that may run on ``cores`` cores. On CUDA the per-layer copies run on their own stream and
+    overlap the forward: on. On CPU they, the frame encoding and the gRPC sends compete with the
+    forward for the same cores (measured on a loaded 2-core box: layer-wise gave a higher TTFT
+    at every length, docs/benchmarks/pd.md), so: on only when ``LAYERWISE_SPARE_CORES`` cores
+    are left beside the torch threads (a pinned `strata up` model process has none)."""
+    if device.startswith("cuda"):
+        return True
+    return cores - torch_threads >= LAYERWISE_SPARE_CORES
+
+
+_BOOL_WORDS = {"true", "false", "1", "0", "yes", "no", "on", "off"}
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 class WorkerConfig(ModelServiceConfig):
@@ -27,11 +54,29 @@ class WorkerConfig(ModelServiceConfig):
     frame_merge_bytes: int = Field(
         256 << 10, ge=0, description="Merge layer frames below this size into one (direct mode)"
     )
-    layerwise_transfer: bool = Field(True, description="Push KV layer by layer while computing")
+    layerwise_transfer: bool = Field(
+        "auto",  # type: ignore[assignment] - resolved to a bool by the validator below
+        validate_default=True,
+        description="Push KV layer by layer while computing (direct mode): true, false or auto = "
+        "on for CUDA, on CPU only with spare cores (see layerwise_auto)",
+    )
     kvstore_addrs: str = Field("", description="Comma-separated kvstore gRPC addresses (pool mode)")
     kv_int8: bool = Field(
         False, description="Send and store KV as int8 with per-row float32 scales (~3.8x fewer bytes)"
     )
+
+    @field_validator("layerwise_transfer", mode="before")
+    @classmethod
+    def _resolve_layerwise(cls, v, info: ValidationInfo):
+        if not isinstance(v, str):
+            return v
+        word = v.strip().lower()
+        if word == "auto":
+            d = info.data
+            return layerwise_auto(d.get("device", "cpu"), d.get("torch_threads", 1), usable_cores())
+        if word not in _BOOL_WORDS:
+            raise ValueError("expected auto, true or false")
+        return word
 
     def engine_config(self):
         from shared.engine.params import EngineConfig

@@ -30,6 +30,8 @@ def start_cluster(model_dir: str, **overrides) -> Cluster:
     """A small cluster (1 prefill, 1 decode, 1 kvstore, no vision) with logs in its data dir."""
     overrides.setdefault("ready_timeout", 240.0)
     overrides.setdefault("die_with_parent", True)
+    # the tests assert the layer-wise push; its default (auto) depends on the machine's cores
+    overrides.setdefault("env", {"STRATA_LAYERWISE_TRANSFER": "true"})
     for role, n in (("prefill", 1), ("decode", 1), ("kvstore", 1), ("vision", 0)):
         overrides.setdefault(role, n)
     return Cluster(model_dir, log_stream=open(os.devnull, "w"), **overrides).start()

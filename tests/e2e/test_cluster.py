@@ -27,7 +27,9 @@ MAX_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def cluster(default_model_dir):
-    c = start_cluster(default_model_dir, prefill=1, decode=1, kvstore=1, vision=1)
+    # layer-wise push set explicitly: its default (auto) depends on the machine's cores
+    c = start_cluster(default_model_dir, prefill=1, decode=1, kvstore=1, vision=1,
+                      env={"STRATA_LAYERWISE_TRANSFER": "true"})
     pids = [p.pid for p in c.sup.procs.values()]
     yield c
     c.stop()
