@@ -155,8 +155,9 @@ class KVStore:
         self, keys: Sequence[BlockKey]
     ) -> AsyncIterator[tuple[BlockKey, tuple[BlockFrame, bool] | None]]:
         """``(key, (block, leased) or None)`` for each of ``keys`` in order: memory hits at
-        once; the blocks only in the SSD tier are all read ahead when the run starts
-        (`SsdReader`: adjacent blocks in one ranged GET, GETs in parallel), so a caller
+        once; the blocks only in the SSD tier are read ahead from the start of the run
+        (`SsdReader`: adjacent blocks in one ranged GET, GETs in parallel, up to 64 MiB ahead
+        by default), so a caller
         streaming them out sends early blocks while later ones download. Leased blocks must
         be handed back with ``release(key)``. Close the iterator (``aclosing``) when stopping
         early: it drops the reads nobody will take."""

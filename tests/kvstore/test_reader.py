@@ -84,6 +84,22 @@ async def test_fetch_reads_a_chunk_in_one_get_and_objects_in_their_own(minio_ser
     reader.close()
 
 
+async def test_fetch_reads_ahead_within_the_window(minio_server):
+    tier = minio_tier(minio_server)
+    locs = tier.put_chunk("fp", [(f"h{i}", bytes([i]) * 100) for i in range(6)])
+    reader = SsdReader(tier, ReadOptions(max_bytes=200, gap_bytes=0, window_bytes=250))
+    want = {("fp", f"h{i}"): locs[f"h{i}"] for i in range(6)}
+    fetch = reader.fetch(want)
+    assert fetch.reads == 2  # 3 reads of 200 bytes planned; 400 bytes ahead >= the window
+    started = []
+    for i, (key, where) in enumerate(want.items()):
+        assert bytes(await fetch.take(key, where)) == bytes([i]) * 100
+        started.append(fetch.reads)
+    assert started == [2, 3, 3, 3, 3, 3]  # the third read starts once h0, h1 are taken
+    assert reader.gets == 3
+    reader.close()
+
+
 async def test_fetch_failure_raises_for_every_block_of_the_read(minio_server):
     tier = minio_tier(minio_server)
     locs = tier.put_chunk("fp", [("a", b"a" * 10), ("b", b"b" * 10)])
