@@ -22,10 +22,12 @@ def load(**kw) -> WorkerConfig:
 
 
 def test_setting_parses_auto_true_false(monkeypatch):
-    here = layerwise_auto("cpu", 1, usable_cores())
-    assert load().layerwise_transfer is here  # the default is auto
+    monkeypatch.delenv("STRATA_LAYERWISE_TRANSFER", raising=False)
+    cfg = load()  # the default is auto, decided for this process
+    assert cfg.layerwise_transfer is layerwise_auto(cfg.device, cfg.torch_threads, usable_cores())
     assert load(layerwise_transfer="AUTO", device="cuda").layerwise_transfer is True
-    assert load(layerwise_transfer="auto", torch_threads=usable_cores()).layerwise_transfer is False
+    every_core = dict(device="cpu", torch_threads=usable_cores())
+    assert load(layerwise_transfer="auto", **every_core).layerwise_transfer is False
     monkeypatch.setenv("STRATA_LAYERWISE_TRANSFER", "true")
     assert load().layerwise_transfer is True
     monkeypatch.setenv("STRATA_LAYERWISE_TRANSFER", "0")
