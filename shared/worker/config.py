@@ -14,9 +14,10 @@ LAYERWISE_SPARE_CORES = 2
 
 def layerwise_auto(device: str, torch_threads: int, cores: int) -> bool:
     """What ``layerwise_transfer=auto`` means on ``device`` for a process with ``torch_threads``
-    that may run on ``cores`` cores. On CUDA the per-layer copies run on their own stream and
-    overlap the forward: on. On CPU they, the frame encoding and the gRPC sends compete with the
-    forward for the same cores (measured on a loaded 2-core box: layer-wise gave a higher TTFT
+    that may run on ``cores`` cores. On CUDA the per-layer copy is a small gather on the device
+    and the host work (device-to-host transfer, frame encoding, gRPC sends) runs on CPU cores
+    while the GPU computes: on. On CPU the copies, the encoding and the sends compete with the
+    forward for the same cores (measured on a quiet 2-core box: layer-wise gave a higher TTFT
     at every length, docs/benchmarks/pd.md), so: on only when ``LAYERWISE_SPARE_CORES`` cores
     are left beside the torch threads (a pinned `strata up` model process has none)."""
     if device.startswith("cuda"):
