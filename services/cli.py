@@ -93,6 +93,10 @@ def up_parser(prog: str = "strata up") -> argparse.ArgumentParser:
     p.add_argument("--metrics-port-base", type=int, default=0,
                    help="first Prometheus port, +1 per process (0 = free ports)")
     p.add_argument("--ready-timeout", type=float, default=d.ready_timeout)
+    p.add_argument("--no-restart", action="store_true",
+                   help="do not restart crashed services, nats-server or MinIO")
+    p.add_argument("--launcher-metrics-port", type=int, default=0, metavar="PORT",
+                   help="port of strata_launcher_restarts_total (0 = a free port)")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra env for every service (repeatable)")
     p.add_argument("--no-color", action="store_true", help="plain log prefixes")
@@ -119,7 +123,8 @@ def config_from_args(a: argparse.Namespace) -> ClusterConfig:
         tokenizer=a.tokenizer, vision=a.vision, kvstore=a.kvstore, prefill=a.prefill,
         decode=a.decode, torch_threads=a.torch_threads, device=a.device, log_level=a.log_level,
         metrics_port_base=a.metrics_port_base, ready_timeout=a.ready_timeout, env=env,
-        die_with_parent=True, nats_auth=not a.no_nats_auth, nats_tls_cert=a.nats_tls_cert,
+        die_with_parent=True, restart=not a.no_restart,
+        launcher_metrics_port=a.launcher_metrics_port, nats_auth=not a.no_nats_auth, nats_tls_cert=a.nats_tls_cert,
         nats_tls_key=a.nats_tls_key, nats_tls_ca=a.nats_tls_ca, nats_tls_verify=a.nats_tls_verify,
     )
 
@@ -155,7 +160,13 @@ def up(argv: list[str]) -> int:
             f"logs in {cluster.log_dir}")
         cluster.start()
         _banner(cluster)
-        while True:
+        while cluster.watchdog is not None:  # restarts crashed processes (services.infra.restart)
+            time.sleep(0.5)
+            if cluster.watchdog.fatal:
+                say(f"{cluster.watchdog.fatal}; stopping")
+                rc = 1
+                break
+        while cluster.watchdog is None:
             time.sleep(0.5)
             for p in cluster.sup.exited():
                 say(f"{p.name} exited with code {p.returncode}; last lines:\n"
@@ -204,6 +215,9 @@ def _banner(cluster) -> None:
 
         say(f"NATS API (strata.api.v1.generate): user {API_USER!r}, password in "
             f"{password_file(cluster.nats.cred_dir, API_USER)}, reply inboxes under _INBOX.api")
+    if cluster.watchdog is not None:
+        say(f"crashed processes are restarted (backoff 0.5s doubling to 30s); restart counts: "
+            f"http://{cluster.cfg.host}:{cluster.launcher_metrics_port}/metrics")
     say("Ctrl-C stops everything.")
 
 

@@ -26,7 +26,15 @@ from pydantic import BaseModel, ConfigDict, Field
 from services.infra.minio_server import MinioServer, minio_binary
 from services.infra.nats_auth import password_file
 from services.infra.nats_server import NatsServer
-from services.infra.procs import cache_dir, free_port, port_open, repo_root, wait_until
+from services.infra.procs import (
+    cache_dir,
+    free_port,
+    port_open,
+    repo_root,
+    signal_group,
+    wait_until,
+)
+from services.infra.restart import ServerUnit, ServiceUnit, Watchdog, serve_restart_metrics
 from services.infra.supervisor import LogSink, ProcSpec, Supervisor
 from services.shape import (
     AFFINITY_ENV,
@@ -43,6 +51,8 @@ ROLES = ("scheduler", "tokenizer", "vision", "kvstore", "prefill", "decode", "ga
 """Every role `strata serve` knows, in start-up order."""
 MODEL_ROLES = ("vision", "prefill", "decode")
 """Roles that load model weights (they get ``STRATA_TORCH_THREADS``)."""
+REQUIRED_ROLES = ("scheduler", "tokenizer", "decode", "gateway", "nats")
+"""Roles without which nothing is served (`restart`: giving up on the last one is fatal)."""
 
 
 class ClusterConfig(BaseModel):
@@ -76,6 +86,10 @@ class ClusterConfig(BaseModel):
     ready_timeout: float = Field(300.0, gt=0, description="Seconds to wait for readiness")
     stop_timeout: float = Field(10.0, gt=0, description="Seconds between SIGTERM and SIGKILL")
     die_with_parent: bool = Field(False, description="Children die if the launcher is killed")
+    restart: bool = Field(False, description="Restart crashed services, nats-server and MinIO "
+                          "with backoff (services.infra.restart); `strata up` turns it on")
+    launcher_metrics_port: int = Field(0, ge=0, le=65535, description="With restart: port of "
+                                       "strata_launcher_restarts_total (0 = a free port)")
     nats_auth: bool = Field(True, description="Per-role NATS users and permissions (anonymous "
                             "clients refused); credentials in <data-dir>/nats/credentials")
     nats_tls_cert: str = Field("", description="nats-server TLS certificate ('' = no TLS)")
@@ -141,6 +155,8 @@ class Cluster:
         self._next_metrics = self.cfg.metrics_port_base
         self._kvstore_addrs: list[str] = []
         self._infra_logs: list[IO[str]] = []
+        self.watchdog: Watchdog | None = None
+        self.launcher_metrics_port = 0
 
     # ---- addresses ----
     @property
@@ -225,6 +241,19 @@ class Cluster:
                 self.start_service(role, index=i, wait=False)
         self.sup.wait_ready(list(self.specs), self.cfg.ready_timeout)
         self.wait_healthy(self.cfg.ready_timeout)
+        if self.cfg.restart:
+            self._start_watchdog()
+
+    def _start_watchdog(self) -> None:
+        units: list = [ServerUnit("nats", self.nats, self._infra_log("nats"), True)]
+        if self.minio is not None:
+            units.append(ServerUnit("minio", self.minio, self._infra_log("minio"), False))
+        units += [ServiceUnit(self.sup, spec, name.rsplit("-", 1)[0] in REQUIRED_ROLES)
+                  for name, spec in self.specs.items()]  # fmt: skip
+        self.watchdog = Watchdog(units, say=lambda line: self.sup.sink.write("strata", line))
+        self.launcher_metrics_port = serve_restart_metrics(self.watchdog, self.cfg.host,
+                                                           self.cfg.launcher_metrics_port)
+        self.watchdog.start()
 
     def _infra_log(self, name: str) -> IO[str]:
         f = open(os.path.join(self.log_dir, f"{name}.log"), "a")  # closed in stop()
@@ -246,6 +275,8 @@ class Cluster:
 
     def stop(self) -> None:
         """Stop every service (SIGTERM, then SIGKILL after stop_timeout), then NATS and MinIO."""
+        if self.watchdog is not None:
+            self.watchdog.stop()
         self.sup.stop_all(self.cfg.stop_timeout)
         for server in (self.minio, self.nats):
             if server is not None:
@@ -330,6 +361,8 @@ class Cluster:
         spec = self.service_spec(role, index, args, env)
         self.specs[spec.name] = spec
         self.sup.start(spec)
+        if self.watchdog is not None and spec.name not in self.watchdog.restarts():
+            self.watchdog.units.append(ServiceUnit(self.sup, spec, role in REQUIRED_ROLES))
         if wait:
             self.sup.wait_ready([spec.name], self.cfg.ready_timeout)
         return spec.name
@@ -339,6 +372,17 @@ class Cluster:
         self.sup.kill(name, sig)
         with contextlib.suppress(Exception):
             self.sup.procs[name].proc.wait(10)
+
+    def crash(self, name: str) -> None:
+        """SIGKILL a service (or ``nats`` / ``minio``) as a crash would (not marked as on
+        purpose: with ``restart`` the watchdog starts it again)."""
+        server = {"nats": self.nats, "minio": self.minio}.get(name)
+        proc = server.proc if server is not None else self.sup.procs[name].proc
+        if proc is None:
+            return
+        signal_group(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(Exception):
+            proc.wait(10)
 
     def stop_service(self, name: str) -> None:
         """Graceful stop of one service (SIGTERM, then SIGKILL)."""

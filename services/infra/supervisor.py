@@ -246,6 +246,10 @@ class Supervisor:
             p.finish()
         return dead
 
+    def wanted(self, name: str) -> bool:
+        """False once ``name`` was stopped or killed on purpose (until it is started again)."""
+        return name not in self._expected_exit
+
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         """Signal one process group (a crash, for failure tests); it is then expected to exit."""
         self._expected_exit.add(name)
