@@ -35,8 +35,11 @@ Req = TypeVar("Req", bound=BaseModel)
 Rep = TypeVar("Rep", bound=BaseModel)
 
 
-async def connect(url: str, name: str, auth: NatsAuth | None = None) -> NATS:
+async def connect(url: str, name: str, auth: NatsAuth | None = None,
+                  on_disconnect: Callable[[], None] | None = None) -> NATS:
     """Connect, retrying forever while the server is unreachable or drops us; logs state changes.
+    Subscriptions are sent again on reconnect; ``on_disconnect`` is called (in the event loop)
+    each time the connection drops, e.g. to fail what cannot wait for the reconnect.
 
     ``auth`` (default: `NatsAuth.from_env`, the ``STRATA_NATS_*`` vars) gives the user,
     password, reply-inbox prefix and TLS. A login the server refuses is not retried: it raises
@@ -46,6 +49,8 @@ async def connect(url: str, name: str, auth: NatsAuth | None = None) -> NATS:
 
     async def on_disconnected() -> None:
         log.warning("nats disconnected")
+        if on_disconnect is not None:
+            on_disconnect()
 
     async def on_reconnected() -> None:
         log.info("nats reconnected")

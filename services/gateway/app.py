@@ -99,8 +99,11 @@ def main(argv: list[str]) -> None:
     sock = bind_http(cfg.host, cfg.port)  # a busy port fails before anything else starts
 
     async def amain(stop: asyncio.Event) -> None:
-        nc = await bus.connect(cfg.nats_url, f"gateway-{cfg.instance_id}")
+        services: list[GatewayService] = []  # filled below; the hook fails its open streams
+        nc = await bus.connect(cfg.nats_url, f"gateway-{cfg.instance_id}",
+                               on_disconnect=lambda: [s.pipeline.nats_lost() for s in services])
         service = await build_service(nc, cfg)
+        services.append(service)
         await serve_api(nc, service)
         metrics.serve_metrics(cfg.metrics_port, cfg.metrics_bind)
         server = uvicorn.Server(uvicorn.Config(build_app(service), host=cfg.host, port=cfg.port,

@@ -45,6 +45,14 @@ class _Down:
 
 
 @dataclass(frozen=True)
+class _Lost:
+    """Queue item: this gateway's NATS connection dropped (chunks sent meanwhile are lost)."""
+
+
+NATS_LOST = "gateway lost its NATS connection mid-stream (the stream cannot continue; retry)"
+
+
+@dataclass(frozen=True)
 class Failover:
     """A route given up: ``instance`` (the one that failed) is excluded from the next route."""
 
@@ -95,6 +103,7 @@ class Pipeline:
         self.down: set[str] = set()
         self._watchers: dict[str, set[asyncio.Queue]] = {}
         self._cancel_cbs: dict[str, Callable[[bytes], None]] = {}
+        self._open: set[asyncio.Queue] = set()  # every stream's queue, for `nats_lost`
         self._sub = None
         self._cancel_sub = None
 
@@ -126,6 +135,12 @@ class Pipeline:
             if sub is not None:
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()
+
+    def nats_lost(self) -> None:
+        """The NATS connection dropped: every open stream ends with an ``unavailable`` error
+        (chunks published while it was down are gone, so waiting would only end in a stall)."""
+        for q in self._open:
+            q.put_nowait(_Lost())
 
     def watch_cancel(self, rid: str, cb: Callable[[bytes], None]) -> None:
         """Call ``cb(payload)`` when something publishes ``strata.req.<rid>.cancel``."""
@@ -195,6 +210,7 @@ class Pipeline:
         # One subscription for the request's chunks (.out) and its submit ack (.ack); taken
         # before the route request goes out, in the same write to the server.
         sub = await self.nc.subscribe(subjects.req_any(rid), cb=on_msg)
+        self._open.add(q)
         sent: list[int] = []
         exclude: list[str] = []
         finished = False
@@ -224,6 +240,7 @@ class Pipeline:
                 await self.cancel(rid, f"failover from {fo.instance}: {fo.why}")
                 exclude.append(fo.instance)
         finally:
+            self._open.discard(q)
             self._unwatch(q, watched)
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
@@ -302,6 +319,8 @@ class Pipeline:
                     yield Failover(owing_instance(route, got_chunk),
                                    f"stall: no tokens for {timeout:.1f}s")  # fmt: skip
                 return
+            if isinstance(msg, _Lost):
+                raise StrataError("unavailable", NATS_LOST)
             if isinstance(msg, _Down):
                 fo = down_failover(route, msg.instance_id, decode_streamed)
                 if fo is None:

@@ -102,6 +102,9 @@ class Readiness:
         """The cached verdict while it is fresh, else a new probe round (shared with concurrent
         callers). With ``wait=False`` a stale *ready* verdict is returned at once and refreshed
         in the background, so the request path of a healthy cluster never waits on a probe."""
+        if not self.nc.is_connected:  # probes would only time out while it reconnects
+            return ReadyState("degraded", {"nats": "down"},
+                              "gateway lost its NATS connection (reconnecting)")  # fmt: skip
         st = self._state
         if st is not None and self.clock() - self._at < self.cfg.ready_cache_s:
             return st
