@@ -140,6 +140,15 @@ def test_infra_and_optional_monitoring(compose):
             assert c["source"] in compose["configs"]
 
 
+def test_every_role_and_the_infra_restart_unless_stopped(compose):
+    """A crashed container comes back (as `strata up` restarts a crashed process); NATS keeps
+    its volume, so JetStream state survives the restart."""
+    s = compose["services"]
+    for name in (*ROLES, "nats", "minio"):
+        assert s[name].get("restart") == "unless-stopped", name
+    assert any(v.endswith(":/data") for v in s["nats"]["volumes"])
+
+
 def test_dockerfile_installs_the_project_and_builds_nothing_at_runtime():
     with open(os.path.join(COMPOSE, "Dockerfile")) as f:
         lines = [ln.strip() for ln in f if ln.strip() and not ln.startswith("#")]
