@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import urllib.request
 from dataclasses import dataclass
 
@@ -155,15 +156,26 @@ class MinioServer:
         """Create the KV bucket and the kvstore's user limited to it (idempotent)."""
         from minio import Minio, MinioAdmin
         from minio.credentials import StaticProvider
+        from minio.error import MinioAdminException
 
         root = StaticProvider(self.access_key, self.secret_key)
         client = Minio(self.endpoint, credentials=root, secure=False)
         if not client.bucket_exists(self.kv_bucket):
             client.make_bucket(self.kv_bucket)
         admin = MinioAdmin(endpoint=self.endpoint, credentials=root, secure=False)
-        admin.policy_add(KV_POLICY, policy=bucket_policy(self.kv_bucket))
-        admin.user_add(self.kv_access_key, self.kv_secret_key)
-        admin.policy_set(KV_POLICY, user=self.kv_access_key)
+        # Right after start (above all on a restart over an existing data dir) MinIO may still be
+        # loading its IAM state: a just-added policy can be "not found" for a moment. Retry.
+        deadline = time.monotonic() + 30.0
+        while True:
+            try:
+                admin.policy_add(KV_POLICY, policy=bucket_policy(self.kv_bucket))
+                admin.user_add(self.kv_access_key, self.kv_secret_key)
+                admin.policy_set(KV_POLICY, user=self.kv_access_key)
+                return
+            except MinioAdminException:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
 
     def stop(self) -> None:
         if self.proc is not None:

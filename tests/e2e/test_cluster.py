@@ -89,20 +89,41 @@ def test_streamed_chat_completion_matches_in_process_greedy(client, reference_te
     assert "".join(parts) == reference_text
 
 
-def test_image_request_succeeds(client):
+def test_image_request_equals_transformers_llava_greedy(client, default_model_dir):
+    """The answer to an image request, through prefill, vision and decode, equals transformers'
+    LlavaForConditionalGeneration greedy on the same checkpoint, image and prompt (the
+    checkpoint's own image processor and chat template on the transformers side)."""
+    transformers = pytest.importorskip("transformers")
+    from tests.acceptance.checkpoints import Checkpoint, greedy
+
     img = Image.new("RGB", (80, 60), (200, 30, 60))
+    img.paste((20, 200, 90), (10, 10, 50, 40))
     buf = io.BytesIO()
     img.save(buf, format="PNG")
     url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    question = "What is in this picture?"
     r = client.chat.completions.create(
-        model=_model_id(client), max_tokens=6, temperature=0.0,
+        model=_model_id(client), max_tokens=MAX_TOKENS, temperature=0.0,
+        extra_body={"ignore_eos": True},
         messages=[{"role": "user", "content": [
-            {"type": "text", "text": "What is in this picture?"},
+            {"type": "text", "text": question},
             {"type": "image_url", "image_url": {"url": url}},
         ]}],
-    )
-    assert r.choices[0].finish_reason in ("stop", "length")
-    assert r.usage.prompt_tokens > 16  # the image placeholders were expanded
+    )  # fmt: skip
+    hf = transformers.LlavaForConditionalGeneration.from_pretrained(default_model_dir).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(default_model_dir)
+    proc = transformers.AutoImageProcessor.from_pretrained(default_model_dir)
+    msgs = [{"role": "user", "content": [{"type": "text", "text": question},
+                                         {"type": "image"}]}]  # fmt: skip
+    text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    ids: list[int] = []
+    image_id = hf.config.image_token_id
+    for t in tok(text, add_special_tokens=False)["input_ids"]:
+        ids += [t] * (hf.config.image_seq_length if t == image_id else 1)
+    pixels = torch.as_tensor(proc([img], return_tensors="pt")["pixel_values"])
+    ref, _ = greedy(Checkpoint("default", default_model_dir, hf, tok), ids, MAX_TOKENS, pixels)
+    assert r.usage.prompt_tokens == len(ids)  # the image placeholders were expanded alike
+    assert r.choices[0].message.content == tok.decode(ref, skip_special_tokens=True)
 
 
 def test_malformed_json_is_a_clear_400(cluster):
