@@ -66,6 +66,9 @@ def checked_kv_event(data: bytes, subject: str) -> KVEvent | None:
     return ev
 
 
+KV_EVENTS_HEARTBEAT_S = 1.0
+
+
 async def follow_kv_events(
     js, core: SchedulerCore, start_seq: int = 1
 ) -> tuple[object, asyncio.Event]:
@@ -98,6 +101,9 @@ async def follow_kv_events(
         subjects.KV_EVENTS_ALL,
         cb=on_event,
         ordered_consumer=True,
+        # Two missed heartbeats make nats-py recreate the consumer (after a nats-server
+        # restart, whose in-memory ordered consumers are gone): 1 s puts that at ~2 s, not 10 s.
+        idle_heartbeat=KV_EVENTS_HEARTBEAT_S,
         pending_msgs_limit=-1,
         pending_bytes_limit=-1,
         **extra,
@@ -127,11 +133,24 @@ async def snapshot_loop(js, core: SchedulerCore, cfg: SchedulerConfig,
         await service.periodic(cfg.snapshot_interval, maybe, stop)
 
 
-async def watch_registry(js, core: SchedulerCore, stop: asyncio.Event) -> None:
+async def watch_registry(js, core: SchedulerCore, stop: asyncio.Event, nc=None) -> None:
+    """Apply registry records and deletions as they change. With ``nc``, the watcher is made
+    again after each reconnect (a restarted nats-server lost its in-memory consumer; the new
+    watcher delivers every key's latest entry, which is idempotent for the core)."""
     kv = await registry_bucket(js)
     watcher = await kv.watchall()
+    reconnects = nc.stats["reconnects"] if nc is not None else 0
     try:
         while not stop.is_set():
+            if nc is not None and nc.is_connected and nc.stats["reconnects"] != reconnects:
+                with contextlib.suppress(Exception):
+                    await watcher.stop()
+                try:
+                    watcher = await kv.watchall()
+                except Exception:  # noqa: BLE001 - JetStream not answering yet: next round
+                    await asyncio.sleep(0.5)
+                    continue
+                reconnects = nc.stats["reconnects"]
             try:
                 entry = await watcher.updates(timeout=1.0)
             except Exception:  # noqa: BLE001 - nats TimeoutError: nothing new
@@ -206,7 +225,7 @@ async def run_scheduler(
     metrics.KV_EVENTS_REPLAYED.set(core.index.events_applied)
     metrics.REPLAY_SECONDS.set(replay_s)
     metrics.PREFIX_INDEX_DIGEST.set_function(core.index.digest)  # computed on scrape only
-    reg_task = asyncio.create_task(watch_registry(js, core, stop))
+    reg_task = asyncio.create_task(watch_registry(js, core, stop, nc))
     snap_task = asyncio.create_task(snapshot_loop(js, core, cfg, stop))
     subs.append(await nc.subscribe(subjects.LOAD_ALL, cb=on_load))
     await wait_for_members(core, cfg.load_interval * cfg.down_after)

@@ -1,7 +1,9 @@
 """The scheduler's JetStream followers survive a nats-server restart (same port, same data dir,
 as `strata up` restarts it): the KV-event follower (`follow_kv_events`, an ordered consumer)
 applies events published after the restart, and the registry watcher (`watch_registry`) sees
-records written after it. Its own nats-server, killed with SIGKILL and started again."""
+records written after it (made again on reconnect). Its own nats-server, killed with SIGKILL and
+started again. The ordered consumer is recreated by nats-py after two missed heartbeats (1 s
+each here, `KV_EVENTS_HEARTBEAT_S`), so the event arrives about 3 s after the restart."""
 
 from __future__ import annotations
 
@@ -64,7 +66,7 @@ async def test_kv_event_follower_and_registry_watcher_recover_after_nats_restart
     core, stop = Core(), asyncio.Event()
     sub, replayed = await follow_kv_events(js, core)
     await replayed.wait()
-    watcher = asyncio.create_task(watch_registry(js, core, stop))
+    watcher = asyncio.create_task(watch_registry(js, core, stop, nc))
     try:
         await pjs.publish(subjects.kv_events("decode-0"), event(1))
         await register_instance(
