@@ -111,7 +111,7 @@ class Pipeline:
         async def on_state(msg) -> None:
             try:
                 st = decode(msg.data, SchedulerState)
-            except StrataError:
+            except (StrataError, ValueError):  # garbage on the subject (pydantic: a ValueError)
                 return
             self.degrade_level = st.degrade_level
             self.degrade_rules = st.rules

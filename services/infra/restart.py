@@ -240,11 +240,10 @@ class ServerUnit:
     def __init__(self, name: str, server, log_file, required: bool):
         self.name, self.role, self.server, self.log_file = name, name, server, log_file
         self.required = required
-        self.stopped = False  # set by the launcher before it stops the server on purpose
         self.ok = True  # started and answering (False from a failed start until the next)
 
     def wanted(self) -> bool:
-        return not self.stopped
+        return True  # the launcher stops the watchdog before it stops the servers
 
     def alive(self) -> bool:
         return self.server.proc is not None and self.server.proc.poll() is None
