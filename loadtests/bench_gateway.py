@@ -100,8 +100,11 @@ P2_SIDES = {
     # What `strata up --model CK` starts: the machine's shape (services/shape.py; on 2 cores
     # decode prefills with 2 torch threads) + kvstore + MinIO.
     "cluster default (strata up)": dict(),
-    # The flattering variant: decode prefills itself, no kvstore/MinIO, 2 threads in one process.
-    "cluster decode-only, 2 threads": dict(prefill=0, kvstore=0, minio=False, torch_threads=2),
+    # Disaggregated by hand on the same 2 cores: prefill 1 + decode 1 (1 thread each), the shape
+    # `strata up` picked before the shape rule (what P2 used to quote).
+    "cluster --prefill 1 (disaggregated)": dict(prefill=1),
+    # The flattering variant: the default shape without kvstore and MinIO.
+    "cluster decode-only, no kvstore/MinIO": dict(prefill=0, kvstore=0, minio=False),
 }
 
 

@@ -84,9 +84,11 @@ async def jetstream(raw: list[bytes]) -> dict[str, float]:
         js = nc.jetstream()
         await ensure_kv_events_stream(js)
         t0 = time.perf_counter()
+        # each event on its own instance's subject (the scheduler checks they match)
+        subj = [subjects.kv_events(decode(b, KVEvent).instance_id) for b in raw]
         for i in range(0, len(raw), 1000):  # publish in windows of 1000 acks
-            await asyncio.gather(*(js.publish(subjects.kv_events("bench"), b)
-                                   for b in raw[i:i + 1000]))  # fmt: skip
+            await asyncio.gather(*(js.publish(s, b) for s, b in
+                                   zip(subj[i:i + 1000], raw[i:i + 1000], strict=True)))  # fmt: skip
         publish_s = time.perf_counter() - t0
         core = SchedulerCore(SchedulerConfig.load([], role="scheduler"))
         t0 = time.perf_counter()
