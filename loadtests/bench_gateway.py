@@ -1,7 +1,7 @@
 """Gateway benchmarks: P2 (cluster through the gateway vs the in-process engine), the latency
 the gateway adds per request, and 500 concurrent streams.
 
-    .venv/bin/python -m loadtests.bench_gateway [--quick] [--only p2,latency,streams]
+    .venv/bin/python -m loadtests.bench_gateway [--quick] [--only p2,latency,streams,cpu]
 
 P2 runs every side in this one invocation on the standard benchmark model
 (``build_benchmark_model``): the same prompts (64 of 64-480 tokens, made of one-token words),
@@ -87,13 +87,37 @@ def cluster_side(model_dir: str, prompts: list[str], out_len: int, conc: int,
                         deadline=1800, progress=False)  # fmt: skip
         warm = [Job(1000 + i, 2, prompt=p) for i, p in enumerate(prompts[:2])]
         asyncio.run(run_jobs(warm, cfg, concurrency=2))
-        pids = [p.proc.pid for p in c.sup.procs.values()]
-        cpu = proc_cpu(pids)
+        pids = {n: p.proc.pid for n, p in c.sup.procs.items()}
+        for name, server in (("nats-server", c.nats), ("minio", c.minio)):
+            if server is not None and server.proc is not None:
+                pids[name] = server.proc.pid
+        before = {n: proc_cpu([pid]) for n, pid in pids.items()}
         res, wall = asyncio.run(run_jobs(jobs, cfg, concurrency=conc))
-        cpu = proc_cpu(pids) - cpu
+        per_proc = {n: proc_cpu([pid]) - before[n] for n, pid in pids.items()}
     s = summarize(res, wall, conc)
-    return {"wall": wall, "cpu": cpu, "tokens": s.completion_tokens, "prompt_tokens": s.prompt_tokens,
+    return {"wall": wall, "cpu": sum(per_proc.values()), "per_proc": per_proc,
+            "tokens": s.completion_tokens, "prompt_tokens": s.prompt_tokens,
             "errors": s.requests - s.ok, "ttft_p50": s.ttft.p50, "tbt_p50": s.tbt.p50}  # fmt: skip
+
+
+def cpu_per_token(n: int, out_len: int) -> list[str]:
+    """Where the default cluster's CPU goes: CPU ms per output token of every process (model,
+    services, nats-server, MinIO) on the standard workload, against the in-process engine's."""
+    from shared.model.default_model import build_benchmark_model
+
+    model_dir = str(build_benchmark_model(os.path.join(".cache", "models", "benchmark")))
+    prompts = p2_prompts(n)
+    eng = engine_side(model_dir, prompts, out_len, 16, 2)
+    c = cluster_side(model_dir, prompts, out_len, 16)
+    rows = [f"CPU per output token, default cluster vs in-process engine ({n} prompts, {out_len} "
+            f"out, concurrency 16; load average {os.getloadavg()[0]:.2f}):", "",
+            "| process | CPU ms per output token | share |", "| --- | ---: | ---: |"]  # fmt: skip
+    total = c["cpu"]
+    for name, sec in sorted(c["per_proc"].items(), key=lambda kv: -kv[1]):
+        rows.append(f"| {name} | {sec / c['tokens'] * 1e3:.2f} | {sec / total:.0%} |")
+    rows.append(f"| **cluster total** | **{total / c['tokens'] * 1e3:.2f}** | 100% |")
+    rows.append(f"| in-process engine | {eng['cpu'] / eng['tokens'] * 1e3:.2f} | |")
+    return rows
 
 
 P2_SIDES = {
@@ -337,6 +361,8 @@ def main() -> None:
             print("\n".join(latency(200 if a.quick else 1000, real)) + "\n", flush=True)
     if "streams" in only:
         print("\n".join(streams(500, 8)) + "\n", flush=True)
+    if "cpu" in only:
+        print("\n".join(cpu_per_token(16 if a.quick else 64, 64)) + "\n", flush=True)
     if "p2" in only:
         print("\n".join(p2(16 if a.quick else 64, 64, a.threads, a.repeats)) + "\n", flush=True)
 
