@@ -4,7 +4,6 @@ written against it. A README edit that breaks an example turns this red."""
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
 
@@ -12,28 +11,16 @@ import pytest
 
 from services.infra.procs import port_open, repo_root
 from tests.acceptance.conftest import Up
+from tests.acceptance.doc_examples import blocks as doc_blocks
+from tests.acceptance.doc_examples import commands
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 README = f"{repo_root()}/README.md"
-BLOCK = re.compile(r"```(\w+)\n(.*?)```", re.S)
 
 
 def blocks(lang: str) -> list[str]:
-    with open(README) as f:
-        return [body for kind, body in BLOCK.findall(f.read()) if kind == lang]
-
-
-def commands(body: str) -> list[str]:
-    """Shell commands of a block: a line ending inside a quote continues the command."""
-    out, cur = [], ""
-    for line in body.splitlines():
-        cur = f"{cur}\n{line}" if cur else line
-        if cur.count("'") % 2 == 0 and not cur.endswith("\\"):
-            if cur.strip():
-                out.append(cur)
-            cur = ""
-    return out
+    return doc_blocks(README, lang)
 
 
 def test_readme_has_the_two_commands_and_the_examples():

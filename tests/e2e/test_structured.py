@@ -16,6 +16,7 @@ import jsonschema
 import pytest
 
 from services.infra.procs import repo_root
+from tests.acceptance.doc_examples import blocks, commands
 from tests.cluster_kv.conftest import moved_since, transfer_counters
 from tests.e2e.conftest import start_cluster
 
@@ -208,23 +209,10 @@ def test_tokenize_detokenize_round_trip(cluster, model):
 
 # ----- docs/STRUCTURED.md, run from the page's text ----------------------------------------
 DOC = f"{repo_root()}/docs/STRUCTURED.md"
-BLOCK = re.compile(r"```(\w+)\n(.*?)```", re.S)
 
 
 def _blocks(lang: str) -> list[str]:
-    with open(DOC) as f:
-        return [b for kind, b in BLOCK.findall(f.read()) if kind == lang]
-
-
-def _commands(body: str) -> list[str]:
-    out, cur = [], ""
-    for line in body.splitlines():
-        cur = f"{cur}\n{line}" if cur else line
-        if cur.count("'") % 2 == 0 and not cur.endswith("\\"):
-            if cur.strip():
-                out.append(cur)
-            cur = ""
-    return out
+    return blocks(DOC, lang)
 
 
 def _local(text: str, cluster, model: str) -> str:
@@ -234,7 +222,7 @@ def _local(text: str, cluster, model: str) -> str:
 
 
 def test_doc_examples_run_as_written(cluster, model):
-    curls = [c for b in _blocks("bash") for c in _commands(b) if c.startswith("curl")]
+    curls = [c for b in _blocks("bash") for c in commands(b) if c.startswith("curl")]
     assert len(curls) == 5
     outs = []
     for cmd in curls:
