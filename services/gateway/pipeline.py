@@ -2,12 +2,12 @@
 
 `Pipeline.prepare` turns one validated prompt into a `Prepared` (token ids, image refs, block
 hashes, sampling); `Pipeline.stream` routes it, submits the `WorkItem` and yields the request's
-`TokenChunk`s in index order with duplicates dropped. When an instance serving the request is
-declared down (`SchedulerState.down`), refuses the submit or its stream stalls, the request is
-re-routed with that instance excluded (`Failover`: a dead prefill instance is excluded, not the
-decode one, so the scheduler picks another prefill or lets decode prefill) and resubmitted with
-the tokens already sent, so the caller sees one uninterrupted stream. Closing the stream before
-it finished publishes `strata.req.<id>.cancel`.
+`TokenChunk`s in index order with duplicates dropped (the pure `StreamAssembler`, assembly.py).
+When an instance serving the request is declared down (`SchedulerState.down`), refuses the
+submit or its stream stalls, the request is re-routed with that instance excluded (`Failover`:
+a dead prefill instance is excluded, not the decode one, so the scheduler picks another prefill
+or lets decode prefill) and resubmitted with the tokens already sent, so the caller sees one
+uninterrupted stream. Closing the stream before it finished publishes `strata.req.<id>.cancel`.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from nats.aio.client import Client as NATS
 
 from services.gateway import metrics as m
+from services.gateway.assembly import Failover, StreamAssembler
 from services.gateway.config import GatewayConfig
 from services.gateway.core import GenerateSpec, block_hashes, sampling_for
 from shared import bus
@@ -52,33 +53,6 @@ class _Lost:
 NATS_LOST = "gateway lost its NATS connection mid-stream (the stream cannot continue; retry)"
 
 
-@dataclass(frozen=True)
-class Failover:
-    """A route given up: ``instance`` (the one that failed) is excluded from the next route."""
-
-    instance: str
-    why: str
-
-
-def owing_instance(route: RouteReply, got_chunk: bool) -> str:
-    """The instance that owes the request's next chunk: a disaggregated route's prefill instance
-    until any chunk of this route arrived (it publishes the first token), then decode."""
-    if route.prefill_instance and not got_chunk:
-        return route.prefill_instance
-    return route.decode_instance
-
-
-def down_failover(route: RouteReply, down: str, decode_streamed: bool) -> Failover | None:
-    """What an instance declared down means for a request on ``route``: None when it does not
-    matter (not one of this route's instances, e.g. a late notice about an earlier route's, or
-    the prefill instance once decode streamed: the request lives on decode then)."""
-    if not down or down not in (route.prefill_instance, route.decode_instance):
-        return None
-    if down == route.prefill_instance and decode_streamed:
-        return None
-    return Failover(down, "down: declared down by the scheduler")
-
-
 @dataclass
 class Prepared:
     """One prompt ready to route: what the WorkItem and RouteRequest need."""
@@ -87,9 +61,6 @@ class Prepared:
     sampling: SamplingParams
     images: list[ImageRef] = field(default_factory=list)
     block_hashes: list[str] = field(default_factory=list)
-    # perf_counter windows (start, end) of the two bus calls, for the EPD overlap check
-    tokenize_window: tuple[float, float] = (0.0, 0.0)
-    vision_window: tuple[float, float] | None = None
 
 
 class Pipeline:
@@ -192,7 +163,7 @@ class Pipeline:
                                 self.degrade_level, self.degrade_rules)  # fmt: skip
         hashes = block_hashes(tok.token_ids, [(r.offset, r.length, r.hash) for r in refs],
                               tok.model_fingerprint, tok.kv_dtype or "float32", tok.block_size)  # fmt: skip
-        return Prepared(tok.token_ids, sampling, refs, hashes, tok_win, vis_win)
+        return Prepared(tok.token_ids, sampling, refs, hashes)
 
     async def cancel(self, rid: str, reason: str = "client disconnected") -> None:
         with contextlib.suppress(Exception):
@@ -211,34 +182,31 @@ class Pipeline:
         # before the route request goes out, in the same write to the server.
         sub = await self.nc.subscribe(subjects.req_any(rid), cb=on_msg)
         self._open.add(q)
-        sent: list[int] = []
-        exclude: list[str] = []
-        finished = False
+        asm = StreamAssembler(self.cfg.max_failovers)
+        finished = False  # the consumer took the last chunk
         watched: list[str] = []
         try:
             while True:
-                route = await self._route(rid, p, spec, exclude, sent)
+                route = await self._route(rid, p, spec, asm.exclude, asm.sent)
+                asm.begin(route)
                 watched = [i for i in (route.decode_instance, route.prefill_instance) if i]
                 for inst in watched:
                     self._watchers.setdefault(inst, set()).add(q)
                 fo = None
-                async for chunk in self._drain(rid, q, sent, exclude, route):
+                async for chunk in self._drain(rid, q, asm):
                     if isinstance(chunk, Failover):
                         fo = chunk
                         break
                     yield chunk
-                    if chunk.finish_reason is not None:
+                    if asm.finished:
                         finished = True
                         return
                 self._unwatch(q, watched)
                 assert fo is not None  # _drain ends with a finished chunk or a Failover
-                if len(exclude) >= self.cfg.max_failovers:
-                    raise StrataError("unavailable", f"request {rid} failed on {len(exclude) + 1} "
-                                      f"instances (last: {fo.instance}: {fo.why})")  # fmt: skip
+                asm.fail(fo, rid)
                 log.warning("rid=%s failover from %s: %s", rid, fo.instance, fo.why)
                 m.FAILOVERS.labels(fo.why.split(":")[0]).inc()
                 await self.cancel(rid, f"failover from {fo.instance}: {fo.why}")
-                exclude.append(fo.instance)
         finally:
             self._open.discard(q)
             self._unwatch(q, watched)
@@ -298,70 +266,48 @@ class Pipeline:
             return f"submit: {ack.instance_id or target} refused the request"
         return None
 
-    async def _drain(self, rid: str, q: asyncio.Queue, sent: list[int], exclude: list[str],
-                     route: RouteReply) -> AsyncIterator[TokenChunk | Failover]:  # fmt: skip
-        """Chunks from the queue in order; a `Failover` item ends the route."""
+    async def _drain(self, rid: str, q: asyncio.Queue,
+                     asm: StreamAssembler) -> AsyncIterator[TokenChunk | Failover]:  # fmt: skip
+        """Decode the queue's messages and feed them to ``asm``; yields the client-visible
+        chunks in order, and a `Failover` that ends the route."""
         ack_subject = subjects.req_ack(rid)
-        target = route.prefill_instance or route.decode_instance
-        acked = False
-        got_chunk = decode_streamed = False  # this route's chunks so far
+        cfg = self.cfg
         while True:
-            if not acked and not sent:
-                timeout = self.cfg.bus_timeout  # the instance's ack
-            else:
-                timeout = self.cfg.first_token_timeout if not sent else self.cfg.stall_timeout
+            timeout = asm.wait_limit(cfg.bus_timeout, cfg.first_token_timeout, cfg.stall_timeout)
             try:
                 msg = await asyncio.wait_for(q.get(), timeout)
             except TimeoutError:
-                if not acked and not sent:
-                    yield Failover(target, f"submit: no ack for {timeout:.1f}s")
-                else:
-                    yield Failover(owing_instance(route, got_chunk),
-                                   f"stall: no tokens for {timeout:.1f}s")  # fmt: skip
+                yield asm.timed_out(timeout)
                 return
             if isinstance(msg, _Lost):
                 raise StrataError("unavailable", NATS_LOST)
             if isinstance(msg, _Down):
-                fo = down_failover(route, msg.instance_id, decode_streamed)
+                fo = asm.down(msg.instance_id)
                 if fo is None:
                     continue
                 yield fo
                 return
             if msg.subject == ack_subject:
-                if acked:
+                if asm.acked:
                     continue
-                why = self._ack_problem(msg, route)
+                why = self._ack_problem(msg, asm.route)
                 if why is not None:
-                    yield Failover(target, why)
+                    yield Failover(asm.target, why)
                     return
                 with contextlib.suppress(Exception):
-                    if decode(msg.data, SubmitAck).instance_id not in ("", target):
-                        continue  # a late ack from an instance we failed away from
-                acked = True
+                    asm.ack(decode(msg.data, SubmitAck).instance_id)
                 continue
             if not msg.subject.endswith(".out"):
                 continue  # .cancel: handled by the run
-            acked = True  # a chunk implies the submit was taken
             try:
                 chunk = decode(msg.data, TokenChunk)
             except Exception:  # noqa: BLE001 - a malformed chunk is a peer bug; skip it
+                asm.acked = True  # a chunk implies the submit was taken
                 log.warning("dropping malformed chunk", exc_info=True)
                 continue
-            if chunk.instance_id and chunk.instance_id in exclude:
-                continue  # a straggler from an instance we failed away from
-            if chunk.error is not None:
-                raise chunk.error.to_exception()
-            got_chunk = True
-            decode_streamed = decode_streamed or chunk.instance_id == route.decode_instance
-            start = len(sent)
-            if chunk.index + len(chunk.token_ids) <= start and chunk.finish_reason is None:
-                continue  # duplicate
-            if chunk.index < start:  # partial overlap: keep only the new tokens
-                skip = start - chunk.index
-                lps = chunk.logprobs[skip:] if chunk.logprobs else chunk.logprobs
-                chunk = chunk.model_copy(update={"index": start, "logprobs": lps,
-                                                 "token_ids": chunk.token_ids[skip:]})  # fmt: skip
-            sent.extend(chunk.token_ids)
-            yield chunk
-            if chunk.finish_reason is not None:
+            out = asm.chunk(chunk)
+            if out is None:
+                continue
+            yield out
+            if asm.finished:
                 return

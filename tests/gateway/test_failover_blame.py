@@ -13,8 +13,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from services.gateway.assembly import down_failover, owing_instance
 from services.gateway.config import GatewayConfig
-from services.gateway.pipeline import Pipeline, Prepared, down_failover, owing_instance
+from services.gateway.pipeline import Pipeline, Prepared
 from shared import bus
 from shared.engine.params import SamplingParams
 from shared.protocol import subjects
