@@ -35,6 +35,17 @@ Req = TypeVar("Req", bound=BaseModel)
 Rep = TypeVar("Rep", bound=BaseModel)
 
 
+def nats_servers(url: str) -> list[str]:
+    """The seed list in ``url`` (one URL or a comma-separated list of a cluster's servers);
+    raises `ConfigError` naming ``STRATA_NATS_URL`` for an empty entry or a non-NATS scheme."""
+    servers = [u.strip() for u in url.split(",")]
+    for u in servers:
+        if not u or u.split("://", 1)[0] not in ("nats", "tls", "ws", "wss") or "://" not in u:
+            raise ConfigError(f"invalid setting STRATA_NATS_URL (--nats-url): {u!r} in {url!r} "
+                              "is not a nats://host:port URL")
+    return servers
+
+
 async def connect(url: str, name: str, auth: NatsAuth | None = None,
                   on_disconnect: Callable[[], None] | None = None) -> NATS:
     """Connect, retrying forever while the server is unreachable or drops us; logs state changes.
@@ -68,7 +79,7 @@ async def connect(url: str, name: str, auth: NatsAuth | None = None,
 
     nc = NATS()
     connecting = asyncio.ensure_future(nc.connect(
-        url,
+        servers=nats_servers(url),
         name=name,
         max_reconnect_attempts=-1,
         reconnect_time_wait=0.5,

@@ -35,26 +35,30 @@ __all__ = [
 ]
 
 
-async def registry_bucket(js: JetStreamContext, bucket: str = REGISTRY_BUCKET) -> KeyValue:
-    """The registry bucket, created (history 1, file storage) if it does not exist yet."""
+async def registry_bucket(
+    js: JetStreamContext, bucket: str = REGISTRY_BUCKET, replicas: int = 1
+) -> KeyValue:
+    """The registry bucket, created (history 1, file storage, ``replicas`` copies) if it does
+    not exist yet."""
     try:
         return await js.key_value(bucket)
     except BucketNotFoundError:
         try:
             return await js.create_key_value(
-                bucket=bucket, history=1, description="Strata instance registry"
+                bucket=bucket, history=1, description="Strata instance registry",
+                replicas=replicas,
             )
         except Exception:  # noqa: BLE001 - another process created it first
             return await js.key_value(bucket)
 
 
 async def register_instance(
-    js: JetStreamContext, info: InstanceRecord, bucket: str = REGISTRY_BUCKET
+    js: JetStreamContext, info: InstanceRecord, bucket: str = REGISTRY_BUCKET, replicas: int = 1
 ) -> int:
     """Write (or overwrite) ``info`` under its instance id; returns the KV revision."""
     if not info.ts:
         info = info.model_copy(update={"ts": time.time()})
-    kv = await registry_bucket(js, bucket)
+    kv = await registry_bucket(js, bucket, replicas)
     return await kv.put(info.instance_id, encode(info))
 
 

@@ -92,7 +92,7 @@ async def run_kvstore(
     incarnation = new_incarnation()
     nc = await bus.connect(cfg.nats_url, name=f"{ROLE}-{cfg.instance_id}")
     js = nc.jetstream()
-    await ensure_kv_events_stream(js)
+    await ensure_kv_events_stream(js, cfg.js_replicas)
     event_subject = subjects.kv_events(cfg.instance_id)
 
     async def publish(ev: KVEvent) -> None:

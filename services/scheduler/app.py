@@ -70,14 +70,14 @@ KV_EVENTS_HEARTBEAT_S = 1.0
 
 
 async def follow_kv_events(
-    js, core: SchedulerCore, start_seq: int = 1
+    js, core: SchedulerCore, start_seq: int = 1, replicas: int = 1
 ) -> tuple[object, asyncio.Event]:
     """Replay the stream from ``start_seq`` (1: the start; after a snapshot: the sequence after
     it), then keep following it (one ordered consumer, so replay and live events never overlap).
     The event is set once the replay reached the stream's end. ``core.kv_seq`` tracks the last
     stream sequence applied (what a snapshot records). Events that fail validation are
     skipped and counted (`checked_kv_event`)."""
-    last = await ensure_kv_events_stream(js)
+    last = await ensure_kv_events_stream(js, replicas)
     replayed = asyncio.Event()
     if last < start_seq:
         replayed.set()
@@ -133,11 +133,13 @@ async def snapshot_loop(js, core: SchedulerCore, cfg: SchedulerConfig,
         await service.periodic(cfg.snapshot_interval, maybe, stop)
 
 
-async def watch_registry(js, core: SchedulerCore, stop: asyncio.Event, nc=None) -> None:
+async def watch_registry(
+    js, core: SchedulerCore, stop: asyncio.Event, nc=None, replicas: int = 1
+) -> None:
     """Apply registry records and deletions as they change. With ``nc``, the watcher is made
     again after each reconnect (a restarted nats-server lost its in-memory consumer; the new
     watcher delivers every key's latest entry, which is idempotent for the core)."""
-    kv = await registry_bucket(js)
+    kv = await registry_bucket(js, replicas=replicas)
     watcher = await kv.watchall()
     reconnects = nc.stats["reconnects"] if nc is not None else 0
     try:
@@ -211,7 +213,7 @@ async def run_scheduler(
         core.index, core.kv_seq = snap
         start_seq = core.kv_seq + 1
         log.info("prefix index loaded from a snapshot at stream seq %d", core.kv_seq)
-    kv_sub, replayed = await follow_kv_events(js, core, start_seq)
+    kv_sub, replayed = await follow_kv_events(js, core, start_seq, cfg.js_replicas)
     subs.append(kv_sub)
     await replayed.wait()
     replay_s = time.perf_counter() - t0
@@ -225,7 +227,7 @@ async def run_scheduler(
     metrics.KV_EVENTS_REPLAYED.set(core.index.events_applied)
     metrics.REPLAY_SECONDS.set(replay_s)
     metrics.PREFIX_INDEX_DIGEST.set_function(core.index.digest)  # computed on scrape only
-    reg_task = asyncio.create_task(watch_registry(js, core, stop, nc))
+    reg_task = asyncio.create_task(watch_registry(js, core, stop, nc, cfg.js_replicas))
     snap_task = asyncio.create_task(snapshot_loop(js, core, cfg, stop))
     subs.append(await nc.subscribe(subjects.LOAD_ALL, cb=on_load))
     await wait_for_members(core, cfg.load_interval * cfg.down_after)

@@ -81,7 +81,7 @@ async def start_worker(
             "kv_blocks": rt.port.stats().kv_blocks_total,
             "max_num_seqs": cfg.max_num_seqs, "max_model_len": m.max_position_embeddings,
         },
-    ))
+    ), replicas=cfg.js_replicas)
     # Liveness from its own thread and connection; engine-bound chores on the main loop.
     hb = await asyncio.to_thread(start_heartbeat, rt, nc, addr)
     chores = asyncio.create_task(housekeeping(nc, rt, stop or asyncio.Event()))
