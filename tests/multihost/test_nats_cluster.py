@@ -1,0 +1,166 @@
+"""A 3-node NATS cluster with JetStream across three namespace hosts: the KV-event stream and
+the registry are R3 (``js_replicas=3``); the scheduler's followers (`follow_kv_events`,
+`watch_registry`) run on a fourth host, connected through the seed list of all three servers.
+Killing the stream's leader node under a steady publisher loses no event (publishes retried
+with a message id, so none is stored twice), the follower's index gets every one, and the
+registry keeps the record written before the kill and takes one written after it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+import uuid
+
+import pytest
+
+from services.infra.nats_server import nats_binary
+from services.scheduler.app import follow_kv_events, watch_registry
+from shared import bus
+from shared.kv_events_stream import ensure_kv_events_stream
+from shared.protocol import subjects
+from shared.protocol.codec import encode
+from shared.protocol.kv import KVEvent
+from shared.protocol.sched import InstanceRecord
+from shared.registry import read_registry, register_instance
+from tests.multihost.netns import Net
+
+pytestmark = pytest.mark.timeout(150)
+
+NATS_HOSTS = (1, 2, 3)
+CLIENT_HOST = 4
+EVENTS = 120
+
+
+def start_cluster(net: Net, tmp_path) -> dict[str, object]:
+    """nats-server ``n<i>`` on host ``i`` (client port 4222, routes on 6222); returns name->proc."""
+    procs = {}
+    for i in NATS_HOSTS:
+        routes = ", ".join(f"nats-route://{net.addr(j)}:6222" for j in NATS_HOSTS if j != i)
+        conf = tmp_path / f"n{i}.conf"
+        conf.write_text(
+            f'server_name: n{i}\nlisten: "{net.addr(i)}:4222"\n'
+            f'jetstream {{ store_dir: "{tmp_path / f"js{i}"}" }}\n'
+            f'cluster {{ name: strata, listen: "{net.addr(i)}:6222", routes: [{routes}] }}\n'
+        )
+        log = open(tmp_path / f"n{i}.log", "wb")  # noqa: SIM115 - lives as long as the server
+        procs[f"n{i}"] = net.popen(i, [nats_binary(), "-c", str(conf)], stdout=log, stderr=log)
+    return procs
+
+
+class Core:
+    """What the followers call on the scheduler's core, recorded."""
+
+    def __init__(self) -> None:
+        self.kv_seq = 0
+        self.events: list[int] = []
+        self.records: list[str] = []
+
+    def on_kv_event(self, ev: KVEvent) -> None:
+        self.events.append(ev.seq)
+
+    def on_record(self, rec: InstanceRecord) -> None:
+        self.records.append(rec.instance_id)
+
+    def on_deregister(self, key: str) -> None:
+        pass
+
+
+def event(seq: int) -> bytes:
+    return encode(KVEvent(instance_id="decode-0", incarnation="x", seq=seq, tier="engine",
+                          kind="stored", hashes=[uuid.uuid4().hex]))  # fmt: skip
+
+
+async def until(cond, what: str, timeout: float = 60.0) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if await cond():
+            return
+        await asyncio.sleep(0.2)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+async def publish_retrying(js, seq: int) -> None:
+    """What a careful publisher does while a stream changes leader: retry the same message id
+    until the stream acknowledges it (the duplicate window drops a retry that did land)."""
+    for _ in range(100):
+        try:
+            await js.publish(subjects.kv_events("decode-0"), event(seq), timeout=2,
+                             headers={"Nats-Msg-Id": f"decode-0:{seq}"})  # fmt: skip
+            return
+        except Exception:  # noqa: BLE001 - timeout / no responders during the election
+            await asyncio.sleep(0.2)
+    raise AssertionError(f"event {seq} never acknowledged")
+
+
+async def scenario(net: Net, procs: dict) -> dict:
+    seeds = ",".join(f"nats://{net.addr(i)}:4222" for i in NATS_HOSTS)
+    nc = await bus.connect(seeds, "scheduler-mh")
+    pub = await bus.connect(seeds, "decode-mh")
+    js, pjs = nc.jetstream(), pub.jetstream()
+
+    async def stream_ready() -> bool:
+        try:
+            await ensure_kv_events_stream(pjs, replicas=3)
+            return True
+        except Exception:  # noqa: BLE001 - the cluster is still electing its meta leader
+            return False
+
+    await until(stream_ready, "the R3 stream (cluster formed)")
+    core, stop = Core(), asyncio.Event()
+    sub, replayed = await follow_kv_events(js, core, 1, replicas=3)
+    await replayed.wait()
+    watcher = asyncio.create_task(watch_registry(js, core, stop, nc, replicas=3))
+    try:
+        await register_instance(pjs, InstanceRecord(instance_id="decode-0", role="decode",
+                                                    incarnation="a"), replicas=3)  # fmt: skip
+        info = await pjs.stream_info(subjects.KV_EVENTS_STREAM)
+        reg = await pjs.stream_info(f"KV_{subjects.REGISTRY_BUCKET}")
+        leader = info.cluster.leader
+        for seq in range(1, EVENTS + 1):
+            if seq == EVENTS // 2:
+                os.killpg(procs[leader].pid, signal.SIGKILL)
+                procs[leader].wait(10)
+            await publish_retrying(pjs, seq)
+            await asyncio.sleep(0.01)
+        await register_instance(pjs, InstanceRecord(instance_id="decode-1", role="decode",
+                                                    incarnation="b"), replicas=3)  # fmt: skip
+
+        async def all_applied() -> bool:
+            return len(core.events) >= EVENTS and "decode-1" in core.records
+
+        await until(all_applied, "every event and the new record at the follower")
+        after = await pjs.stream_info(subjects.KV_EVENTS_STREAM)
+        records = await read_registry(pjs)
+        return {
+            "replicas": (info.config.num_replicas, reg.config.num_replicas),
+            "peers": len(info.cluster.replicas or []),
+            "killed": leader,
+            "new_leader": after.cluster.leader,
+            "stored": after.state.messages,
+            "events": list(core.events),
+            "records": sorted(records),
+            "urls": [str(nc.connected_url.netloc), str(pub.connected_url.netloc)],
+        }
+    finally:
+        stop.set()
+        await asyncio.gather(watcher, return_exceptions=True)
+        for c in (nc, pub):
+            await c.close()
+
+
+def test_losing_one_nats_node_loses_no_kv_event_or_registry_record(net_factory, tmp_path):
+    net = net_factory(4)
+    procs = start_cluster(net, tmp_path)
+    t0 = time.monotonic()
+    out = net.run_in(CLIENT_HOST, lambda: asyncio.run(scenario(net, procs)))
+    print(f"killed stream leader {out['killed']}, new leader {out['new_leader']}, "
+          f"clients on {out['urls']}, {time.monotonic() - t0:.1f}s")  # fmt: skip
+    assert out["replicas"] == (3, 3) and out["peers"] == 2
+    assert out["new_leader"] != out["killed"]
+    killed_addr = net.addr(int(out["killed"][1:]))
+    assert all(not u.startswith(killed_addr) for u in out["urls"])  # on survivors now
+    assert out["stored"] == EVENTS  # none lost, none stored twice
+    assert sorted(out["events"]) == list(range(1, EVENTS + 1))  # the index saw each once
+    assert {"decode-0", "decode-1"} <= set(out["records"])
