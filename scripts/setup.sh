@@ -45,6 +45,11 @@ if [ ! -x "$PY" ] || ! py_ok "$PY"; then
   fi
 fi
 
+# ---- 1b. iproute2 (`ip netns`) for the multi-host tests, when root -----------------------------
+if ! command -v ip >/dev/null && [ "$(id -u)" = 0 ]; then
+  apt_install iproute2 || log "no iproute2: tests/multihost will skip"
+fi
+
 # ---- 2. the project and its dependencies ------------------------------------------------------
 # Skip pip entirely when pyproject.toml is unchanged since the last successful install; otherwise
 # pip keeps what is already satisfied (torch from PyPI is a multi-GB build: never reinstalled).
