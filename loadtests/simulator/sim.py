@@ -21,7 +21,7 @@ from loadtests.simulator.trace import TraceRequest
 from services.scheduler.policies import Policy
 from services.scheduler.prefix_index import PrefixIndex
 from services.scheduler.rules import apply_kv_event, expect_routed, request_view
-from services.scheduler.types import ClusterState, Decision, InstanceView, RequestView
+from services.scheduler.types import ClusterState, InstanceView, RequestView, RouteDecision
 from shared.kvcache_rules import plan_reuse
 from shared.protocol.kv import KVEvent
 
@@ -125,7 +125,7 @@ class Simulation:
         if target.busy_until <= now and len(target.queue) == 1:
             self.start_prefill(now, target)
 
-    def decide(self, now: float, job: Job, req: RequestView) -> Decision:
+    def decide(self, now: float, job: Job, req: RequestView) -> RouteDecision:
         """The policy's decision on the instances as their latest load reports show them."""
         state = ClusterState([x.view for x in self.prefill], [x.view for x in self.decode], now)
         t0 = time.perf_counter()

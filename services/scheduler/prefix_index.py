@@ -47,7 +47,7 @@ def event_problem(ev: KVEvent, subject: str) -> str | None:
 
 
 @dataclass
-class PrefixMatch:
+class IndexMatch:
     """Leading blocks of a prompt found in the index. ``pool_tiers[i]`` is the fastest pool
     tier holding block ``i`` ("dram" | "ssd" | None), walked as far as an engine prefix or the
     pool reaches, so the pool's continuation after any instance's local prefix can be read off
@@ -203,11 +203,11 @@ class PrefixIndex:
                 acc ^= xxhash.xxh64_intdigest(f"{h}|{inst}|{bits}".encode())
         return acc & ((1 << 48) - 1)  # exact in a float64 gauge
 
-    def lookup(self, hashes: list[str], now: float | None = None) -> PrefixMatch:
+    def lookup(self, hashes: list[str], now: float | None = None) -> IndexMatch:
         """Leading blocks of ``hashes`` per instance (engine tier, counting unexpired
         expectations when ``now`` is given) and the pool tier of each block, walked while some
         instance still holds every block so far or the pool holds the block."""
-        match = PrefixMatch()
+        match = IndexMatch()
         current: set[str] | None = None  # instances holding every block so far (engine tier)
         pool_run = True  # the pool holds every block so far
         tiers_out = match.pool_tiers

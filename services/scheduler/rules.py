@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from services.scheduler.prefix_index import PrefixIndex, PrefixMatch
+from services.scheduler.prefix_index import IndexMatch, PrefixIndex
 from services.scheduler.types import CostModel, InstanceView, RequestView
 from shared.kvcache_rules import ReusePlan, plan_reuse
 from shared.protocol.kv import KVEvent
@@ -23,7 +23,7 @@ from shared.protocol.kv import KVEvent
 def request_view(
     request_id: str,
     num_prompt_tokens: int,
-    match: PrefixMatch | None,
+    match: IndexMatch | None,
     block_tokens: int,
     ttft_slo_s: float,
     *,

@@ -1,7 +1,8 @@
 """Narrow types between the scheduler core, the routing policies and the simulator.
 
 Policies see only these: an `InstanceView` per live instance, a `RequestView` (the request plus
-its prefix matches, already looked up in the index) and a `CostModel`. They return a `Decision`.
+its prefix matches, already looked up in the index) and a `CostModel`. They return a
+`RouteDecision`.
 Nothing here imports NATS; the simulator builds the same objects from simulated instances.
 """
 
@@ -98,7 +99,7 @@ class ClusterState:
 
 
 @dataclass(frozen=True)
-class Decision:
+class RouteDecision:
     """A policy's answer. ``prefill_instance == ""`` means the decode instance prefills itself.
     ``reject`` means the predicted TTFT breaks the request's SLO (retry after ``retry_after_s``)."""
 

@@ -23,7 +23,7 @@ from shared.service import announce_ready, run
 log = logging.getLogger(__name__)
 
 
-class VisionConfig(ModelServiceConfig):
+class VisionServiceConfig(ModelServiceConfig):
     """Vision service settings (model, device, dtype, torch threads, gRPC address inherited)."""
 
     cache_bytes: int = Field(256 << 20, ge=1, description="Embedding cache budget in bytes")
@@ -41,7 +41,7 @@ async def serve_vision(nc, core: VisionCore, instance_id: str, source_addr: str)
 
 
 def main(argv: list[str]) -> None:
-    cfg = VisionConfig.load(argv, role="vision")
+    cfg = VisionServiceConfig.load(argv, role="vision")
     if why := text_only_reason(cfg.model):
         sys.exit(f"strata serve vision: {why}; it needs no vision service")
     setup_logging("vision", cfg.instance_id, cfg.log_level)

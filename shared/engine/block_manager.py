@@ -5,7 +5,7 @@ lose), then cached blocks in least-recently-freed order. A cached block stays fi
 hash while it sits in the queue, so a later request can revive it; it is evicted only when the
 queue hands it out for new data. Evictions are recorded so the engine can copy the bytes out to
 the KV pool before the block is overwritten (``drain_evicted``), and every change to the set of
-cached hashes is recorded as a ``KVEvent`` (``drain_events``).
+cached hashes is recorded as a ``CacheEvent`` (``drain_events``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class KVEvent:
+class CacheEvent:
     """Blocks that became findable (``stored``) or stopped being findable (``removed``)."""
 
     kind: str  # "stored" | "removed"
@@ -37,7 +37,7 @@ class BlockManager:
         self.cached: dict[bytes, int] = {}
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._evicted: list[tuple[bytes, int]] = []
-        self._events: list[KVEvent] = []
+        self._events: list[CacheEvent] = []
 
     # ----- queries -------------------------------------------------------------------------
     @property
@@ -115,7 +115,7 @@ class BlockManager:
                 self.cached[h] = b
                 stored.append(h.hex())
         if stored:
-            self._events.append(KVEvent("stored", stored))
+            self._events.append(CacheEvent("stored", stored))
         return end
 
     def insert_cached(self, h: bytes) -> int | None:
@@ -130,7 +130,7 @@ class BlockManager:
         self.free_queue[b] = None
         self.block_hash[b] = h
         self.cached[h] = b
-        self._events.append(KVEvent("stored", [h.hex()]))
+        self._events.append(CacheEvent("stored", [h.hex()]))
         return b
 
     def _pop_free(self) -> int:
@@ -141,7 +141,7 @@ class BlockManager:
             if self.cached.get(h) == b:
                 del self.cached[h]
                 self._evicted.append((h, b))
-                self._events.append(KVEvent("removed", [h.hex()]))
+                self._events.append(CacheEvent("removed", [h.hex()]))
         self.ref_counts[b] = 1
         return b
 
@@ -154,6 +154,6 @@ class BlockManager:
         out, self._evicted = self._evicted, []
         return out
 
-    def drain_events(self) -> list[KVEvent]:
+    def drain_events(self) -> list[CacheEvent]:
         out, self._events = self._events, []
         return out

@@ -19,7 +19,7 @@ DEFAULT_LOAD_S = {"engine": 0.0, "dram": 2e-4, "ssd": 1e-3}
 
 
 @dataclass
-class CostModel:
+class ReuseCostModel:
     block_size: int
     prefill_s_per_token: float = 1e-3
     load_s_per_block: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_LOAD_S))

@@ -19,7 +19,7 @@ from prometheus_client import Counter
 from shared.engine.port import EnginePort
 from shared.kvtransfer.frames import frame_nbytes, frame_to_tensor, payload_nbytes
 from shared.kvtransfer.pool import PoolClient
-from shared.worker.cost import CostModel
+from shared.worker.cost import ReuseCostModel
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ POOL_STORED_BLOCKS = Counter("strata_prefix_pool_stored_blocks_total", "Blocks o
 
 
 class PoolLink:
-    def __init__(self, addrs: list[str], fingerprint: str, cost: CostModel, port: EnginePort,
+    def __init__(self, addrs: list[str], fingerprint: str, cost: ReuseCostModel, port: EnginePort,
                  int8: bool = False):  # fmt: skip
         self.pool = PoolClient(addrs)
         self.fingerprint = fingerprint

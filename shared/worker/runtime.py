@@ -23,7 +23,7 @@ from shared.protocol.kv import KVEvent
 from shared.protocol.load import LoadReport
 from shared.protocol.stream import Cancel, TokenChunk
 from shared.worker.config import WorkerConfig
-from shared.worker.cost import CostModel
+from shared.worker.cost import ReuseCostModel
 from shared.worker.heartbeat import Heartbeat
 from shared.worker.metrics import EngineMetrics
 from shared.worker.pool_link import PoolLink
@@ -48,7 +48,7 @@ class ModelRuntime:
     tokenizer: object = None
     incarnation: str = field(default_factory=new_incarnation)
     kv_seq: int = 0
-    cost: CostModel | None = None
+    cost: ReuseCostModel | None = None
     metrics: EngineMetrics | None = None
     prefilled_tokens: int = 0  # prompt tokens this instance computed (cached ones excluded)
     _rate_mark: tuple[int, float] = (0, 0.0)
@@ -69,7 +69,7 @@ class ModelRuntime:
         # seconds per token seed the load-vs-recompute cost model.
         self.port = EnginePort.open(self.loaded, self.cfg.engine_config(), self.tokenizer,
                                     warm_up_tokens=128)
-        self.cost = CostModel(self.cfg.block_size)
+        self.cost = ReuseCostModel(self.cfg.block_size)
         self.cost.prefill_s_per_token = self.port.warm_up_s_per_token
         self._rate_mark = (0, self.port.stats().forward_time_s)
         log.info("loaded %s (%s) in %.1fs", self.cfg.model, self.loaded.fingerprint[:12],

@@ -18,7 +18,7 @@ from shared.protocol.errors import StrataError
 from shared.protocol.kv import KVEvent
 from shared.protocol.load import LoadReport
 from shared.protocol.sched import RouteRequest
-from shared.worker.cost import CostModel as WorkerCost
+from shared.worker.cost import ReuseCostModel as WorkerCost
 
 LOAD_S = {"dram": 1.0, "ssd": 5.0}
 

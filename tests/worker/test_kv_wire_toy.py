@@ -1,5 +1,5 @@
 """Toy-size checks of the direct-transfer wire: `layer_groups`, `KVReceiver`'s frame checks,
-`merged_frames`, and `CostModel.blocks_to_load`. A recording sink stands in for the engine port
+`merged_frames`, and `ReuseCostModel.blocks_to_load`. A recording sink stands in for the engine port
 (the receiver's only dependency); no gRPC, no engine."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 
 from shared.kvtransfer.frames import tensor_to_frames
 from shared.protocol.errors import StrataError
-from shared.worker.cost import CostModel
+from shared.worker.cost import ReuseCostModel
 from shared.worker.kv_wire import KVReceiver, TransferFailed, kv_frames, layer_groups
 from shared.worker.layerwise import Piece, merged_frames
 
@@ -129,7 +129,7 @@ async def test_merged_frames_merges_small_layers_of_one_token_range():
 
 
 def test_blocks_to_load_picks_the_cheapest_prefix():
-    cm = CostModel(block_size=4, prefill_s_per_token=1e-3)  # recompute: 4 ms per block
+    cm = ReuseCostModel(block_size=4, prefill_s_per_token=1e-3)  # recompute: 4 ms per block
     cm.load_s_per_block.update({"dram": 1e-3, "ssd": 6e-3})
     assert cm.blocks_to_load(["dram", "dram", None, "dram"]) == 2  # stops at the gap
     assert cm.blocks_to_load(["ssd", "ssd"]) == 0  # slower than recomputing

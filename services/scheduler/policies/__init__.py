@@ -3,7 +3,7 @@
 Policy contract: a plain synchronous, deterministic object with
 
     name: str
-    choose(request: RequestView, state: ClusterState) -> Decision
+    choose(request: RequestView, state: ClusterState) -> RouteDecision
 
 ``state`` holds only live, non-excluded instances; ``state.decode`` is never empty (the core
 answers "unavailable" before asking). The same objects run in the service and the simulator.
@@ -14,13 +14,13 @@ from __future__ import annotations
 import importlib
 from typing import Any, Protocol
 
-from services.scheduler.types import ClusterState, CostModel, Decision, RequestView
+from services.scheduler.types import ClusterState, CostModel, RequestView, RouteDecision
 
 
 class Policy(Protocol):
     name: str
 
-    def choose(self, request: RequestView, state: ClusterState) -> Decision: ...
+    def choose(self, request: RequestView, state: ClusterState) -> RouteDecision: ...
 
 
 _REGISTRY: dict[str, str] = {

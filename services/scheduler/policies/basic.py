@@ -7,7 +7,13 @@ import numpy as np
 
 from services.scheduler.rules import predicted_ttft
 from services.scheduler.table import table_of
-from services.scheduler.types import ClusterState, CostModel, Decision, InstanceView, RequestView
+from services.scheduler.types import (
+    ClusterState,
+    CostModel,
+    InstanceView,
+    RequestView,
+    RouteDecision,
+)
 
 __all__ = ["LeastLoaded", "RoundRobin", "decode_load", "predicted_ttft"]
 
@@ -31,11 +37,11 @@ class RoundRobin:
         self._next[role] += 1
         return inst
 
-    def choose(self, request: RequestView, state: ClusterState) -> Decision:
+    def choose(self, request: RequestView, state: ClusterState) -> RouteDecision:
         dec = self._pick("decode", state.decode)
         target = self._pick("prefill", state.prefill) if state.prefill else dec
         ttft, cached = predicted_ttft(request, target, self.cost)
-        return Decision(
+        return RouteDecision(
             decode_instance=dec.instance_id,
             prefill_instance=target.instance_id if state.prefill else "",
             cached_tokens=cached,
@@ -54,7 +60,7 @@ class LeastLoaded:
         self.cost = cost
         self.batch_norm = batch_norm
 
-    def choose(self, request: RequestView, state: ClusterState) -> Decision:
+    def choose(self, request: RequestView, state: ClusterState) -> RouteDecision:
         dt = table_of(state.decode, state.decode_table)
         dec = state.decode[int(np.argmin(dt.decode_loads(self.batch_norm)))]  # first = lowest id
         if state.prefill:
@@ -64,7 +70,7 @@ class LeastLoaded:
         else:
             pre = dec
         ttft, cached = predicted_ttft(request, pre, self.cost)
-        return Decision(
+        return RouteDecision(
             decode_instance=dec.instance_id,
             prefill_instance=pre.instance_id if state.prefill else "",
             cached_tokens=cached,

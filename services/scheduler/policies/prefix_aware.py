@@ -37,9 +37,9 @@ from services.scheduler.table import RoleTable, table_of
 from services.scheduler.types import (
     ClusterState,
     CostModel,
-    Decision,
     InstanceView,
     RequestView,
+    RouteDecision,
 )
 
 
@@ -170,7 +170,7 @@ class PrefixAware:
             i = int(near[order[0]])
         return prefill[i], float(ttft[i]), int(cached[i])
 
-    def choose(self, request: RequestView, state: ClusterState) -> Decision:
+    def choose(self, request: RequestView, state: ClusterState) -> RouteDecision:
         dec, dec_load = self.choose_decode(request, state.decode, state.decode_table)
         self_ttft, self_cached = predicted_ttft(request, dec, self.cost)
         uncached_on_decode = request.num_prompt_tokens - self_cached
@@ -181,7 +181,7 @@ class PrefixAware:
             why = "no prefill instance" if not state.prefill else "short uncached prompt"
             return self._admit(
                 request,
-                Decision(
+                RouteDecision(
                     decode_instance=dec.instance_id,
                     cached_tokens=self_cached,
                     predicted_ttft_s=self_ttft,
@@ -191,7 +191,7 @@ class PrefixAware:
         pre, ttft, cached = self.choose_prefill(request, state.prefill, state.prefill_table)
         return self._admit(
             request,
-            Decision(
+            RouteDecision(
                 decode_instance=dec.instance_id,
                 prefill_instance=pre.instance_id,
                 cached_tokens=cached,
@@ -200,11 +200,11 @@ class PrefixAware:
             ),
         )
 
-    def _admit(self, request: RequestView, d: Decision) -> Decision:
+    def _admit(self, request: RequestView, d: RouteDecision) -> RouteDecision:
         slo = request.ttft_slo_s
         if self.opt.slo_reject and slo > 0 and d.predicted_ttft_s > slo:
             retry = max(self.opt.min_retry_after_s, d.predicted_ttft_s - slo)
-            return Decision(
+            return RouteDecision(
                 decode_instance=d.decode_instance,
                 prefill_instance=d.prefill_instance,
                 cached_tokens=d.cached_tokens,
