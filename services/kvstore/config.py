@@ -17,7 +17,11 @@ class KVStoreConfig(ServiceConfig):
         description="Max bytes of evicted blocks held while MinIO is slow or down "
         "(0 = same as dram_bytes); beyond it the oldest are dropped",
     )
-    minio_endpoint: str = Field("", description="MinIO host:port of the SSD tier ('' = DRAM only)")
+    minio_endpoint: str = Field(
+        "",
+        description="MinIO host:port of the SSD tier, or a "
+        "comma-separated list of one distributed MinIO's nodes ('' = DRAM only)",
+    )
     minio_access_key: str = Field(
         "", description="MinIO access key (`strata up`: a user limited to the KV bucket)"
     )

@@ -78,7 +78,9 @@ class Listing:
 
 
 class MinioTier:
-    """Blocks as objects in ``bucket`` (created if missing)."""
+    """Blocks as objects in ``bucket`` (created if missing). ``endpoint`` may be a
+    comma-separated list of one distributed MinIO's nodes: a call that cannot reach the current
+    node is tried once on each of the others, and the first that answers becomes current."""
 
     def __init__(
         self,
@@ -97,21 +99,41 @@ class MinioTier:
             maxsize=max_connections,
             retries=urllib3.Retry(total=1, backoff_factor=0.05, status_forcelist=[502, 503, 504]),
         )
-        self.client = Minio(
-            endpoint,
-            access_key=access_key,
-            secret_key=secret_key,
-            secure=secure,
-            region="us-east-1",
-            http_client=http,
-        )
+        self.endpoints = [e.strip() for e in endpoint.split(",") if e.strip()]
+        if not self.endpoints:
+            raise ValueError(f"no MinIO endpoint in {endpoint!r}")
+        self.clients = [
+            Minio(e, access_key=access_key, secret_key=secret_key, secure=secure,
+                  region="us-east-1", http_client=http)
+            for e in self.endpoints
+        ]  # fmt: skip
+        self.current = 0
+        self.failovers = 0  # times a call moved to another endpoint
         self._bucket_ready = False
 
+    @property
+    def client(self) -> Minio:
+        """The client of the endpoint calls go to now."""
+        return self.clients[self.current]
+
     def _call(self, fn, *args, **kwargs):
+        """``fn(client, *args, **kwargs)`` on the current endpoint, then on each other one while
+        the endpoint is unreachable."""
+        for attempt in range(len(self.clients)):
+            try:
+                return self._call_one(fn, *args, **kwargs)
+            except ObjectStoreError as exc:
+                if "unreachable" not in str(exc) or attempt == len(self.clients) - 1:
+                    raise
+                self.current = (self.current + 1) % len(self.clients)
+                self.failovers += 1
+        raise AssertionError("unreachable")
+
+    def _call_one(self, fn, *args, **kwargs):
         try:
             if not self._bucket_ready:
                 self.ensure_bucket()
-            return fn(*args, **kwargs)
+            return fn(self.client, *args, **kwargs)
         except S3Error as exc:
             if exc.code in ("NoSuchKey", "NoSuchObject"):
                 return None
@@ -139,13 +161,11 @@ class MinioTier:
         """Write one block as its own object."""
         name = object_name(key)
         self._call(
-            self.client.put_object,
-            self.bucket,
-            name,
-            io.BytesIO(data),
-            len(data),
-            content_type="application/octet-stream",
-        )
+            lambda c: c.put_object(
+                self.bucket, name, io.BytesIO(data), len(data),
+                content_type="application/octet-stream",
+            )
+        )  # fmt: skip
         return SsdLoc(name, 0, len(data))
 
     def put_chunk(self, fingerprint: str, blocks: list[tuple[str, bytes]]) -> dict[str, SsdLoc]:
@@ -153,18 +173,16 @@ class MinioTier:
         name = new_chunk_name(fingerprint)
         data, locs = pack_chunk(name, blocks)
         self._call(
-            self.client.put_object,
-            self.bucket,
-            name,
-            io.BytesIO(data),
-            len(data),
-            content_type="application/octet-stream",
-        )
+            lambda c: c.put_object(
+                self.bucket, name, io.BytesIO(data), len(data),
+                content_type="application/octet-stream",
+            )
+        )  # fmt: skip
         return locs
 
     def _read(self, name: str, offset: int = 0, length: int = 0) -> bytes | None:
-        def read() -> bytes:
-            resp = self.client.get_object(self.bucket, name, offset=offset, length=length)
+        def read(client: Minio) -> bytes:
+            resp = client.get_object(self.bucket, name, offset=offset, length=length)
             try:
                 return resp.read()
             finally:
@@ -200,15 +218,15 @@ class MinioTier:
         return parse_index(name, head)
 
     def delete(self, key: BlockKey) -> None:
-        self._call(self.client.remove_object, self.bucket, object_name(key))
+        self._call(lambda c: c.remove_object(self.bucket, object_name(key)))
 
     def list(self, fingerprint: str | None = None) -> Listing:
         """Every per-block object and chunk object (optionally of one fingerprint)."""
 
-        def listing() -> Listing:
+        def listing(client: Minio) -> Listing:
             prefix = None if fingerprint is None else fp_prefix(fingerprint)
             out = Listing()
-            for obj in self.client.list_objects(self.bucket, prefix=prefix, recursive=True):
+            for obj in client.list_objects(self.bucket, prefix=prefix, recursive=True):
                 name = obj.object_name or ""
                 fp = chunk_fingerprint(name)
                 if fp is not None:
