@@ -34,7 +34,7 @@ from shared.engine.port_types import KVConnector, LayerKV
 from shared.protocol import subjects
 from shared.protocol.codec import decode
 from shared.protocol.stream import TokenChunk
-from shared.protocol.work import SubmitAck, WorkItem
+from shared.protocol.work import PrefillWork, SubmitAck
 from shared.worker.app import start_worker
 from shared.worker.config import WorkerConfig
 
@@ -75,7 +75,7 @@ async def one_request(nc, prefill, decode_w, prompt, max_tokens=2, mode="direct"
             done.set()
 
     sub = await nc.subscribe(subjects.req_out(rid), cb=on)
-    item = WorkItem(request_id=rid, prompt_token_ids=prompt, transfer_mode=mode,
+    item = PrefillWork(request_id=rid, prompt_token_ids=prompt, transfer_mode=mode,
                     sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0,
                                             ignore_eos=True),
                     decode_instance=decode_w.rt.cfg.instance_id, decode_addr=decode_w.addr)

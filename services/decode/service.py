@@ -16,7 +16,7 @@ from shared import bus
 from shared.protocol import subjects
 from shared.protocol.errors import StrataError
 from shared.protocol.stream import TokenChunk, Usage
-from shared.protocol.work import WorkItem
+from shared.protocol.work import DecodeWork
 from shared.worker.images import fetch_mm_inputs
 from shared.worker.kv_metrics import KV_RECEIVED_BYTES, count_fallback
 from shared.worker.kv_wire import KVReceiver, PagedSink, TransferFailed
@@ -39,7 +39,7 @@ class DecodeService(RequestTasks):
         await self.receiver.drop(request_id)
         await super().cancel(request_id)
 
-    async def _run(self, item: WorkItem) -> None:
+    async def _run(self, item: DecodeWork) -> None:
         rid = item.request_id
         port = self.rt.port
         emitted = list(item.output_token_ids)
@@ -80,7 +80,7 @@ class DecodeService(RequestTasks):
             port.abort(rid)
             await publish_error(self.nc, rid, exc, self.instance_id)
 
-    async def _start(self, item: WorkItem, mm, emitted: list[int]):
+    async def _start(self, item: DecodeWork, mm, emitted: list[int]):
         """(engine output stream, whether the prompt was prefilled elsewhere): from pushed KV
         when it checks out, from pool blocks, else by recompute."""
         port = self.rt.port

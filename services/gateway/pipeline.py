@@ -226,7 +226,7 @@ class Pipeline:
         """Route and submit in one hop: the scheduler forwards the `WorkItem` to the instance it
         chose, which acks on ``strata.req.<rid>.ack`` (read by `_drain`)."""
         item = WorkItem(request_id=rid, prompt_token_ids=p.prompt_token_ids, sampling=p.sampling,
-                        priority=spec.priority, slo_class=spec.slo_class, images=p.images,
+                        priority=spec.priority, images=p.images,
                         output_token_ids=list(sent))  # fmt: skip
         req = RouteRequest(request_id=rid, num_prompt_tokens=len(p.prompt_token_ids),
                            block_hashes=p.block_hashes, priority=spec.priority,

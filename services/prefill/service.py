@@ -20,7 +20,7 @@ from shared.kvtransfer.client import get_client
 from shared.protocol import subjects
 from shared.protocol.errors import StrataError
 from shared.protocol.stream import TokenChunk, Usage
-from shared.protocol.work import SubmitAck, WorkItem
+from shared.protocol.work import DecodeWork, PrefillWork, SubmitAck, WorkItem
 from shared.worker import kv_wire
 from shared.worker.images import fetch_mm_inputs
 from shared.worker.kv_metrics import (
@@ -46,7 +46,7 @@ class PrefillService(RequestTasks):
             self.tap = LayerTap(asyncio.get_event_loop(), rt.port.kv_spec.num_layers)
             rt.port.set_connector(self.tap)
 
-    async def _run(self, item: WorkItem) -> None:
+    async def _run(self, item: PrefillWork) -> None:
         rid = item.request_id
         port = self.rt.port
         held = False
@@ -81,11 +81,9 @@ class PrefillService(RequestTasks):
                 if pushing is not None:
                     pushing.cancel()  # the decode instance drops the partial transfer
                 return
-            work = item.model_copy(update={
-                "first_token_id": out.new_token_ids[0],
-                "first_logprobs": out.new_logprobs[0] if out.new_logprobs else None,
-                "num_cached_tokens": out.num_cached_tokens,
-            })
+            work = DecodeWork(**{f: getattr(item, f) for f in WorkItem.model_fields},
+                              first_token_id=out.new_token_ids[0],
+                              num_cached_tokens=out.num_cached_tokens)  # fmt: skip
             if item.transfer_mode == "pool" and self.pool is not None:
                 # decode pulls them: store first (the blocks the pool holds already stay)
                 KV_SENT_BYTES.labels("pool").inc(await self.pool.store_blocks(new_blocks))
@@ -116,7 +114,7 @@ class PrefillService(RequestTasks):
             if held:
                 await port.release(rid)
 
-    async def _emit_first(self, item: WorkItem, out) -> bool:
+    async def _emit_first(self, item: PrefillWork, out) -> bool:
         """Publish the first token (this is the TTFT); True if it also ends the request."""
         n_prev = len(item.output_token_ids)
         done = item.sampling.max_tokens - n_prev <= 1 or out.finish_reason == "stop"

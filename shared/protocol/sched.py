@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from shared.protocol import subjects
 from shared.protocol.base import Msg
-from shared.protocol.work import WorkItem
+from shared.protocol.work import DecodeWork, PrefillWork, WorkItem
 
 
 class RouteRequest(Msg):
@@ -95,10 +95,10 @@ class InstanceRecord(Msg):
     ts: float = 0.0
 
 
-def routed_submit(item: WorkItem, route: RouteReply) -> tuple[str, WorkItem]:
-    """The submit subject and the `WorkItem` as the routed instance gets it: where the KV goes
-    after prefill, the transfer mode, ``max_tokens`` capped and speculation turned off by the
-    degradation level."""
+def routed_submit(item: WorkItem, route: RouteReply) -> tuple[str, PrefillWork | DecodeWork]:
+    """The submit subject and the message the routed instance gets: a `PrefillWork` (with where
+    the KV goes after prefill and the transfer mode) or, when decode prefills the prompt itself,
+    a `DecodeWork`; ``max_tokens`` capped and speculation turned off by the degradation level."""
     sampling = item.sampling
     if route.max_tokens_cap and sampling.max_tokens > route.max_tokens_cap:
         sampling = sampling.model_copy(update={
@@ -106,10 +106,10 @@ def routed_submit(item: WorkItem, route: RouteReply) -> tuple[str, WorkItem]:
             "min_tokens": min(sampling.min_tokens, route.max_tokens_cap)})  # fmt: skip
     if not route.speculation and sampling.speculation:
         sampling = sampling.model_copy(update={"speculation": False})
-    item = item.model_copy(update={
-        "sampling": sampling, "decode_instance": route.decode_instance,
-        "decode_addr": route.decode_addr,
-        "transfer_mode": "pool" if route.transfer_mode == "pool" else "direct"})  # fmt: skip
-    target = (subjects.prefill_submit(route.prefill_instance) if route.prefill_instance
-              else subjects.decode_submit(route.decode_instance))  # fmt: skip
-    return target, item
+    base = {f: getattr(item, f) for f in WorkItem.model_fields} | {"sampling": sampling}
+    if route.prefill_instance:
+        mode = "pool" if route.transfer_mode == "pool" else "direct"
+        work = PrefillWork(**base, decode_instance=route.decode_instance,
+                           decode_addr=route.decode_addr, transfer_mode=mode)  # fmt: skip
+        return subjects.prefill_submit(route.prefill_instance), work
+    return subjects.decode_submit(route.decode_instance), DecodeWork(**base)

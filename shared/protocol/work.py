@@ -18,23 +18,31 @@ class ImageRef(Msg):
 
 
 class WorkItem(Msg):
-    """Everything a prefill or decode instance needs to run one request."""
+    """A request sent in full, once: what the gateway hands the scheduler inside
+    `RouteRequest.submit`, and what every instance's submit message extends."""
 
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
     priority: int = 0
-    slo_class: str = "interactive"
     images: list[ImageRef] = []
     # Failover: tokens already streamed to the client; generation resumes after them.
     output_token_ids: list[int] = []
-    # Where the KV goes after prefill (prefill.submit only).
-    decode_instance: str = ""
-    decode_addr: str = ""
+
+
+class PrefillWork(WorkItem):
+    """`strata.prefill.<id>.submit` (from the scheduler): the request and where its KV goes."""
+
+    decode_instance: str
+    decode_addr: str
     transfer_mode: TransferMode = "direct"
-    # Decode.submit from a prefill instance: the first token sampled there, and whether KV was pushed.
+
+
+class DecodeWork(WorkItem):
+    """`strata.decode.<id>.submit`: from the scheduler (decode prefills the prompt itself: the
+    defaults) or from a prefill instance (its first token and how the KV was handed over)."""
+
     first_token_id: int | None = None
-    first_logprobs: dict[int, float] | None = None
     kv_pushed: bool = False
     kv_num_tokens: int = 0
     kv_layerwise: bool = False  # the pushed KV left layer by layer (labels decode's byte counter)

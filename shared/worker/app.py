@@ -16,7 +16,7 @@ from shared.logs import setup_logging
 from shared.model.validate import validate_checkpoint
 from shared.protocol import subjects
 from shared.protocol.sched import InstanceRecord
-from shared.protocol.work import WorkItem
+from shared.protocol.work import DecodeWork, PrefillWork
 from shared.registry import deregister_instance, register_instance
 from shared.service import StartupError, announce_ready, run
 from shared.worker.config import WorkerConfig
@@ -62,8 +62,9 @@ async def start_worker(
 ) -> Worker:
     """Bring an instance up on an open NATS connection (used by the app and by tests).
 
-    ``make_service(runtime, nc)`` returns an object with ``submit(WorkItem)``,
-    ``cancel(request_id)``, ``tasks`` and optionally ``receiver`` (its KVTransfer handler).
+    ``make_service(runtime, nc)`` returns an object with ``submit(work)`` (a `PrefillWork` or
+    `DecodeWork`), ``cancel(request_id)``, ``tasks`` and optionally ``receiver`` (its KVTransfer
+    handler).
     """
     if rt is None:
         rt = ModelRuntime(cfg, role)
@@ -71,8 +72,10 @@ async def start_worker(
     svc = make_service(rt, nc)
     handler = getattr(svc, "receiver", None) or KVTransferHandler()
     server, addr = await start_kv_server(handler, cfg.grpc_host, cfg.grpc_port)
-    submit = subjects.prefill_submit if role == "prefill" else subjects.decode_submit
-    await bus.serve(nc, submit(cfg.instance_id), WorkItem, svc.submit)
+    if role == "prefill":
+        await bus.serve(nc, subjects.prefill_submit(cfg.instance_id), PrefillWork, svc.submit)
+    else:
+        await bus.serve(nc, subjects.decode_submit(cfg.instance_id), DecodeWork, svc.submit)
     await subscribe_cancels(nc, svc.cancel)
     m = rt.loaded.config
     await register_instance(nc.jetstream(), InstanceRecord(

@@ -12,8 +12,9 @@ from shared.worker.runtime import ModelRuntime
 
 
 class RequestTasks:
-    """Accepts a `WorkItem` (the ack returns at once), runs ``_run(item)`` in its own task, and
-    cancels that task on `cancel`. Subclasses implement ``_run``."""
+    """Accepts a submit (a `PrefillWork` or `DecodeWork`; the ack returns at once), runs
+    ``_run(item)`` in its own task, and cancels that task on `cancel`. Subclasses implement
+    ``_run``."""
 
     def __init__(self, rt: ModelRuntime, nc: NATS):
         self.rt = rt

@@ -10,19 +10,19 @@ from shared.engine.params import EngineConfig, SamplingParams
 from shared.model.loader import load_model
 from shared.protocol.codec import decode, encode
 from shared.protocol.sched import RouteReply, routed_submit
-from shared.protocol.work import WorkItem
+from shared.protocol.work import DecodeWork, WorkItem
 
 CFG = dict(kv_cache_bytes=1 << 20, block_size=4, max_num_batched_tokens=64, max_num_seqs=8)
 PROMPT = [5, 6, 7, 8, 9] * 4  # repetitive: the n-gram proposer always finds a draft
 
 
-def _received(level: int) -> WorkItem:
+def _received(level: int) -> DecodeWork:
     item = WorkItem(request_id=f"r{level}", prompt_token_ids=PROMPT,
                     sampling=SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))  # fmt: skip
     route = RouteReply(decode_instance="d0", decode_addr="127.0.0.1:1", degrade_level=level,
                        speculation=level == 0)  # fmt: skip
     _, routed = routed_submit(item, route)
-    return decode(encode(routed), WorkItem)
+    return decode(encode(routed), DecodeWork)
 
 
 def test_level_1_request_runs_without_drafts(qwen_ckpt):

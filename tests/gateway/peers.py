@@ -23,7 +23,7 @@ from shared.protocol.sched import (
 from shared.protocol.stream import Cancel, TokenChunk, Usage
 from shared.protocol.tok import ImageSpan, TokenizeReply, TokenizeRequest
 from shared.protocol.vision import ImageInfo, VisionEncodeReply, VisionEncodeRequest
-from shared.protocol.work import SubmitAck, WorkItem
+from shared.protocol.work import DecodeWork, SubmitAck
 
 IMG_TOKENS = 4
 ROLES = ("tokenizer", "vision", "scheduler")
@@ -37,7 +37,7 @@ class Peers:
         self.decodes: dict[str, dict] = {}  # instance -> behaviour
         self.alive: list[str] = []
         self.routes: list[RouteRequest] = []
-        self.items: list[WorkItem] = []
+        self.items: list[DecodeWork] = []
         self.cancels: list[str] = []
         self.windows: dict[str, tuple[float, float]] = {}
         self.subs = []
@@ -83,14 +83,14 @@ class Peers:
         self.decodes[inst] = {"stall_after": stall_after, "resend": resend, "gap": gap}
         self.alive.append(inst)
 
-        async def submit(item: WorkItem) -> SubmitAck:
+        async def submit(item: DecodeWork) -> SubmitAck:
             self.items.append(item)
             if refuse:
                 return SubmitAck(instance_id=inst, accepted=False)
             asyncio.get_running_loop().create_task(self.generate(inst, item))
             return SubmitAck(instance_id=inst)
 
-        self.subs.append(await bus.serve(self.nc, subjects.decode_submit(inst), WorkItem, submit))
+        self.subs.append(await bus.serve(self.nc, subjects.decode_submit(inst), DecodeWork, submit))
 
     async def tok(self, req: TokenizeRequest) -> TokenizeReply:
         t0 = time.time()
@@ -122,7 +122,7 @@ class Peers:
 
     async def route(self, req: RouteRequest) -> RouteReply:
         """First live instance not excluded; like the real scheduler, a request that carries its
-        WorkItem is submitted there (ack to ``strata.req.<id>.ack``)."""
+        DecodeWork is submitted there (ack to ``strata.req.<id>.ack``)."""
         self.routes.append(req)
         for inst in self.alive:
             if inst not in req.exclude:
@@ -139,7 +139,7 @@ class Peers:
                                                       incarnation="x", grpc_addr="", alive=True)
                                          for i in self.alive])  # fmt: skip
 
-    async def generate(self, inst: str, item: WorkItem) -> None:
+    async def generate(self, inst: str, item: DecodeWork) -> None:
         b = self.decodes[inst]
         start = len(item.output_token_ids)
         if b["resend"] and start:  # a resumed instance that repeats what was already sent

@@ -249,7 +249,7 @@ async def test_degradation_levels(nats_url, nc):
             await set_level(1)
             assert (await c.post("/v1/chat/completions", json=body)).status_code == 200
             assert (
-                peers.items[-1].sampling.max_tokens == 40 and peers.items[-1].slo_class == "batch"
+                peers.items[-1].sampling.max_tokens == 40 and peers.routes[-1].slo_class == "batch"
             )
             await set_level(2)
             r = await c.post("/v1/chat/completions", json=body)

@@ -22,7 +22,7 @@ from shared.protocol import subjects
 from shared.protocol.codec import encode
 from shared.protocol.sched import RouteReply, RouteRequest, SchedulerState, routed_submit
 from shared.protocol.stream import TokenChunk
-from shared.protocol.work import SubmitAck, WorkItem
+from shared.protocol.work import DecodeWork, PrefillWork, SubmitAck, WorkItem
 
 DISAGG = RouteReply(decode_instance="dec-a", decode_addr="h:1", prefill_instance="pre-a")
 SELF = RouteReply(decode_instance="dec-a", decode_addr="h:1")
@@ -77,23 +77,24 @@ class Fleet:
     async def add_prefill(self, inst: str, mode: str) -> None:
         self.prefills[inst] = mode
 
-        async def submit(item: WorkItem) -> SubmitAck:
+        async def submit(item: PrefillWork) -> SubmitAck:
             self.submits.append((inst, item))
             if mode == "handoff":
                 asyncio.get_running_loop().create_task(self._handoff(inst, item))
             return SubmitAck(instance_id=inst)
 
-        self.subs.append(await bus.serve(self.nc, subjects.prefill_submit(inst), WorkItem, submit))
+        subject = subjects.prefill_submit(inst)
+        self.subs.append(await bus.serve(self.nc, subject, PrefillWork, submit))
 
     async def add_decode(self, inst: str, gap: float = 0.0, stall_after: int | None = None):
         self.decodes[inst] = {"gap": gap, "stall_after": stall_after}
 
-        async def submit(item: WorkItem) -> SubmitAck:
+        async def submit(item: DecodeWork) -> SubmitAck:
             self.submits.append((inst, item))
             asyncio.get_running_loop().create_task(self._generate(inst, item))
             return SubmitAck(instance_id=inst)
 
-        self.subs.append(await bus.serve(self.nc, subjects.decode_submit(inst), WorkItem, submit))
+        self.subs.append(await bus.serve(self.nc, subjects.decode_submit(inst), DecodeWork, submit))
 
     async def _chunk(self, inst: str, item: WorkItem, i: int) -> None:
         last = i == item.sampling.max_tokens - 1

@@ -17,7 +17,7 @@ from shared.protocol.codec import decode, encode
 from shared.protocol.errors import ErrorInfo, StrataError
 from shared.protocol.sched import InstancesRequest, RouteRequest
 from shared.protocol.stream import TokenChunk
-from shared.protocol.work import SubmitAck, WorkItem
+from shared.protocol.work import DecodeWork, SubmitAck
 from tests.gateway.harness import gateway
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -119,7 +119,7 @@ async def test_stream_errors_before_the_first_token_get_the_real_status(nats_url
             refuse.clear()
 
             # a decode instance that fails after its first token: the stream is already 200
-            async def late_failure(item: WorkItem) -> SubmitAck:
+            async def late_failure(item: DecodeWork) -> SubmitAck:
                 out = subjects.req_out(item.request_id)
                 await bus.publish(nc, out, TokenChunk(request_id=item.request_id, index=0,
                                                       token_ids=[5], text="t0 ",
@@ -129,7 +129,7 @@ async def test_stream_errors_before_the_first_token_get_the_real_status(nats_url
                     error=ErrorInfo(code="internal", message="engine fell over")))  # fmt: skip
                 return SubmitAck(instance_id="dec-late")
 
-            peers.subs.append(await bus.serve(nc, subjects.decode_submit("dec-late"), WorkItem,
+            peers.subs.append(await bus.serve(nc, subjects.decode_submit("dec-late"), DecodeWork,
                                               late_failure))  # fmt: skip
             peers.alive[:] = ["dec-late"]
             r = await c.post("/v1/chat/completions", json={**CHAT, "stream": True})

@@ -8,6 +8,7 @@ import json
 import httpx
 import pytest
 
+from shared.protocol.work import DecodeWork
 from tests.gateway.harness import gateway
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
@@ -144,8 +145,9 @@ async def test_failover_dedupes_indices(nats_url):
 
 
 async def test_route_and_submit_in_one_hop(nats_url):
-    """The scheduler submits the WorkItem it routed (route fields filled in there); the gateway
-    reads the instance's ack and chunks without a submit round trip of its own."""
+    """The scheduler submits the work it routed (as the routed instance's message: a decode
+    instance gets a `DecodeWork`); the gateway reads the instance's ack and chunks without a
+    submit round trip of its own."""
     async with gateway(nats_url) as (url, peers, _):
         async with httpx.AsyncClient(base_url=url) as c:
             r = await c.post("/v1/completions", json={"model": "tiny", "prompt": "ab",
@@ -153,7 +155,7 @@ async def test_route_and_submit_in_one_hop(nats_url):
         assert r.json()["choices"][0]["text"] == "t0 t1 "
         assert len(peers.routes) == 1 and peers.routes[0].submit is not None
         item = peers.items[0]
-        assert item.decode_instance == "dec-0" and item.decode_addr == "127.0.0.1:2"
+        assert isinstance(item, DecodeWork) and item.first_token_id is None
         assert item.request_id == peers.routes[0].request_id
 
 

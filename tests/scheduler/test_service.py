@@ -30,7 +30,7 @@ from shared.protocol.sched import (
     SchedulerState,
     routed_submit,
 )
-from shared.protocol.work import SubmitAck, WorkItem
+from shared.protocol.work import DecodeWork, PrefillWork, SubmitAck, WorkItem
 from shared.registry import deregister_instance, read_registry, register_instance
 
 
@@ -149,13 +149,13 @@ async def test_route_with_submit_forwards_the_item_and_the_instance_acks_the_req
     goes to ``strata.req.<id>.ack`` (the requester), the route reply to the requester as usual."""
     async with scheduler(nats_url, policy="least_loaded"):
         d = uid("decode")
-        got: list[WorkItem] = []
+        got: list[DecodeWork] = []
 
-        async def submit(item: WorkItem) -> SubmitAck:
+        async def submit(item: DecodeWork) -> SubmitAck:
             got.append(item)
             return SubmitAck(instance_id=d)
 
-        sub = await bus.serve(nc, subjects.decode_submit(d), WorkItem, submit)
+        sub = await bus.serve(nc, subjects.decode_submit(d), DecodeWork, submit)
         await report(nc, d, "decode", kv_blocks_total=100, kv_blocks_free=100)
         await eventually(lambda: route(nc))
         rid = uid("r")
@@ -171,9 +171,7 @@ async def test_route_with_submit_forwards_the_item_and_the_instance_acks_the_req
         rep = await bus.request(nc, subjects.SCHED_ROUTE, req, RouteReply, timeout=5)
         assert rep.decode_instance == d
         assert (await asyncio.wait_for(acks.get(), 5)).instance_id == d
-        assert [(i.request_id, i.decode_instance, i.decode_addr) for i in got] == [
-            (rid, d, rep.decode_addr)
-        ]
+        assert [(i.request_id, i.prompt_token_ids) for i in got] == [(rid, [1, 2, 3])]
         await ack_sub.unsubscribe()
         await sub.unsubscribe()
 
@@ -184,12 +182,13 @@ def test_routed_submit_fills_route_fields_and_caps_max_tokens():
     route = RouteReply(decode_instance="d1", decode_addr="h:1", prefill_instance="p1",
                        transfer_mode="pool", max_tokens_cap=50)  # fmt: skip
     target, out = routed_submit(item, route)
-    assert target == subjects.prefill_submit("p1")
+    assert target == subjects.prefill_submit("p1") and isinstance(out, PrefillWork)
     assert (out.decode_instance, out.decode_addr, out.transfer_mode) == ("d1", "h:1", "pool")
     assert (out.sampling.max_tokens, out.sampling.min_tokens) == (50, 50)
     target, out = routed_submit(item, RouteReply(decode_instance="d2", decode_addr="h:2"))
     assert target == subjects.decode_submit("d2") and out.sampling.max_tokens == 100
-    assert out.transfer_mode == "direct" and item.decode_instance == ""  # the input is unchanged
+    assert isinstance(out, DecodeWork) and out.first_token_id is None  # decode prefills itself
+    assert item.sampling.max_tokens == 100  # the input is unchanged
 
 
 async def test_least_loaded_and_round_robin_routes(nc, nats_url):

@@ -19,7 +19,7 @@ from shared.protocol.codec import decode, encode, encode_error
 from shared.protocol.errors import HTTP_STATUS, StrataError
 from shared.protocol.load import LoadReport
 from shared.protocol.stream import TokenChunk, Usage
-from shared.protocol.work import ImageRef, WorkItem
+from shared.protocol.work import DecodeWork, ImageRef, PrefillWork, WorkItem
 
 
 def _all_message_models() -> list[type[BaseModel]]:
@@ -37,7 +37,14 @@ SAMPLES = {
         request_id="r1", prompt_token_ids=[1, 2, 3],
         sampling=SamplingParams(max_tokens=5, temperature=0.5, seed=7, stop=["\n"]),
         images=[ImageRef(offset=1, length=2, hash="ab" * 32, source_addr="127.0.0.1:1")],
-        first_token_id=9, first_logprobs={9: -0.1, 4: -2.5},
+    ),
+    "PrefillWork": PrefillWork(
+        request_id="r1", prompt_token_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=5),
+        decode_instance="d0", decode_addr="127.0.0.1:2", transfer_mode="pool",
+    ),
+    "DecodeWork": DecodeWork(
+        request_id="r1", prompt_token_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=5),
+        output_token_ids=[4], first_token_id=9, kv_pushed=True, kv_num_tokens=3,
     ),
     "TokenChunk": TokenChunk(
         request_id="r1", index=3, token_ids=[5, 6], text="hé", logprobs=[{5: -0.5}, {6: -1.0}],

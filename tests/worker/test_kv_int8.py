@@ -20,7 +20,7 @@ from services.decode.service import DecodeService
 from services.prefill.service import PrefillService
 from shared.engine.params import SamplingParams
 from shared.protocol import subjects
-from shared.protocol.work import WorkItem
+from shared.protocol.work import PrefillWork
 from shared.worker.app import start_worker
 from shared.worker.config import WorkerConfig
 from tests.worker.kv_counters import Transfers, assert_moved, kv_bytes
@@ -99,7 +99,7 @@ async def test_int8_push_matches_fp32(int8_cluster, nc, fp32_run, prefill, mode)
     *_, d = int8_cluster
     prompt = PROMPTS[mode]
     t = Transfers()
-    item = WorkItem(
+    item = PrefillWork(
         request_id=f"r-int8-{mode}",
         prompt_token_ids=prompt,
         sampling=PARAMS,
@@ -117,7 +117,7 @@ async def test_int8_pool_store_and_load_matches_fp32(int8_cluster, nc, fp32_run,
     p, _, d = int8_cluster
     store, _ = kvstore
     t = Transfers()
-    item = WorkItem(
+    item = PrefillWork(
         request_id="r-int8-pool",
         prompt_token_ids=PROMPTS["pool"],
         sampling=PARAMS,

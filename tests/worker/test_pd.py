@@ -19,7 +19,7 @@ from shared.engine.params import SamplingParams
 from shared.protocol import subjects
 from shared.protocol.codec import decode
 from shared.protocol.stream import TokenChunk
-from shared.protocol.work import SubmitAck, WorkItem
+from shared.protocol.work import DecodeWork, PrefillWork, SubmitAck, WorkItem
 from shared.worker.app import start_worker
 from shared.worker.config import WorkerConfig
 from tests.worker.kv_counters import Transfers, assert_moved, kv_bytes
@@ -95,7 +95,9 @@ def _tokens(chunks: list[TokenChunk]) -> list[int]:
 
 
 def _item(rid, prompt_ids, **kw) -> WorkItem:
-    return WorkItem(request_id=rid, prompt_token_ids=prompt_ids,
+    """A prefill submit when ``kw`` names a decode instance, else a decode submit."""
+    cls = PrefillWork if "decode_instance" in kw else DecodeWork
+    return cls(request_id=rid, prompt_token_ids=prompt_ids,
                     sampling=SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
                                             ignore_eos=True), **kw)
 
@@ -162,9 +164,9 @@ async def test_cancel_frees_kv_everywhere(pd, nc, prompt_ids):
 
     p, d = pd
     rid = "r-cancel"
-    item = WorkItem(request_id=rid, prompt_token_ids=prompt_ids,
-                    sampling=SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True),
-                    decode_instance="d-test", decode_addr=d.addr)
+    item = PrefillWork(request_id=rid, prompt_token_ids=prompt_ids,
+                       sampling=SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True),
+                       decode_instance="d-test", decode_addr=d.addr)
     chunks: list[TokenChunk] = []
     got_some, ended = asyncio.Event(), asyncio.Event()
 

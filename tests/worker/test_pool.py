@@ -16,7 +16,7 @@ from services.decode.service import DecodeService
 from services.prefill.service import PrefillService
 from shared.engine.params import SamplingParams
 from shared.protocol import subjects
-from shared.protocol.work import WorkItem
+from shared.protocol.work import DecodeWork, PrefillWork
 from shared.worker.app import start_worker
 from shared.worker.config import WorkerConfig
 from tests.worker.kv_counters import Transfers, assert_moved, kv_bytes
@@ -64,8 +64,8 @@ async def test_prefix_computed_on_a_is_reused_on_b(cluster, nc, model_dir):
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 
     def item(rid, prompt, **kw):
-        return WorkItem(request_id=rid, prompt_token_ids=prompt, sampling=params,
-                        decode_instance="dd", decode_addr=dd.addr, **kw)
+        return PrefillWork(request_id=rid, prompt_token_ids=prompt, sampling=params,
+                           decode_instance="dd", decode_addr=dd.addr, **kw)
 
     t = Transfers()
     await _run(nc, subjects.prefill_submit("pa"), item("r-a", p1))
@@ -100,10 +100,10 @@ async def test_pool_blocks_missing_fall_back_to_recompute(cluster, nc, model_dir
     prompt = [(i * 29 + 3) % 2000 + 10 for i in range(40)]
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     t = Transfers()
-    work = WorkItem(request_id="r-miss", prompt_token_ids=prompt, sampling=params,
+    work = DecodeWork(request_id="r-miss", prompt_token_ids=prompt, sampling=params,
                     kv_block_hashes=["ab" * 16, "cd" * 16])
     chunks = await _run(nc, subjects.decode_submit("dd"), work)
     assert t.moved() == {"fallback:pool_miss": 1}
     ref = await _run(nc, subjects.decode_submit("dd"),
-                     WorkItem(request_id="r-miss-ref", prompt_token_ids=prompt, sampling=params))
+                     DecodeWork(request_id="r-miss-ref", prompt_token_ids=prompt, sampling=params))
     assert _tokens(chunks) == _tokens(ref) and len(_tokens(ref)) == 4
