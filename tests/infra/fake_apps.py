@@ -3,7 +3,8 @@
 `write_fake_apps(dir)` creates ``<dir>/fakeapps/<role>/app.py`` for every role; point
 ``STRATA_APP_PACKAGE=fakeapps`` and PYTHONPATH at ``dir`` and `strata serve <role>` runs them.
 Each one writes its pid (and its grandchild's) under ``FAKE_PID_DIR``, prints the ready line,
-and waits for SIGTERM; ``FAKE_CRASH=<role or instance>`` makes it fail before it is ready;
+and waits for SIGTERM; ``FAKE_CRASH=<role or instance>`` makes it fail before it is ready
+(so does a file ``<FAKE_PID_DIR>/<instance>.crash``, for restarts that fail);
 ``FAKE_LOAD_CONFIG=1`` makes it read the common ``STRATA_*`` settings (a bad one stops it);
 the gateway serves ``/health`` and ``/v1/models`` on ``STRATA_HOST:STRATA_PORT``.
 """
@@ -47,7 +48,8 @@ def main(argv):
     print(f"{{inst}} starting argv={{argv}} threads={{os.environ.get('STRATA_TORCH_THREADS', '-')}}",
           flush=True)
     pid_dir = os.environ.get("FAKE_PID_DIR")
-    if os.environ.get("FAKE_CRASH") in (ROLE, inst):
+    crash_file = os.path.join(pid_dir or ".", inst + ".crash")  # appears: later starts fail
+    if os.environ.get("FAKE_CRASH") in (ROLE, inst) or (pid_dir and os.path.exists(crash_file)):
         print("loading weights...", flush=True)
         print("boom: fake failure in " + inst, flush=True)
         sys.exit(3)

@@ -199,3 +199,51 @@ def _pid_of(exe: str, marker: str) -> int:
             if cmd and os.path.basename(cmd[0].decode()) == exe and marker.encode() in b" ".join(cmd):
                 return int(entry)
     return 0
+
+
+def test_strata_up_restarts_a_crash_then_gives_up_on_a_required_role(fake):
+    """A crashed service comes back by itself (one line with the count, and the count on the
+    launcher's metrics port); one that then keeps failing before it is ready is given up with
+    one line, and losing the only decode instance stops `strata up` with exit code 1."""
+    env = dict(os.environ, **fake["env"])
+    proc = subprocess.Popen(up_cmd(fake, "--no-minio", "--vision", "0", "--kvstore", "0"),
+                            env=env, cwd=repo_root(), text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    lines: list[str] = []
+
+    def read_until(needle: str, timeout: float = 90) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            assert line, "strata up exited early:\n" + "".join(lines)
+            lines.append(line)
+            if needle in line:
+                return line
+        raise AssertionError(f"no {needle!r} in:\n" + "".join(lines))
+
+    def decode_pid() -> int:
+        return int((fake["pid_dir"] / "decode-0.pids").read_text().split()[-2])
+
+    try:
+        metrics = read_until("restart counts: ").split("restart counts: ")[1].strip()
+        read_until("Ctrl-C stops everything")
+        os.kill(decode_pid(), signal.SIGKILL)
+        read_until("decode-0 exited with code -9; restarting (restart 1, backoff 0.5s)")
+        read_until("[decode-0] STRATA_READY")
+        with urllib.request.urlopen(metrics, timeout=5) as r:
+            assert 'strata_launcher_restarts_total{service="decode-0"} 1.0' in r.read().decode()
+        (fake["pid_dir"] / "decode-0.crash").write_text("")  # every later start fails
+        os.kill(decode_pid(), signal.SIGKILL)
+        gave_up = read_until("giving up", timeout=120)
+        assert "decode-0 exited with code 3; giving up after 5 failed starts in a row (last: " \
+               "boom: fake failure in decode-0)" in gave_up, gave_up
+        rest, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(30)
+    text = "".join(lines) + rest
+    assert proc.returncode == 1, text
+    assert text.count("decode-0 exited with code 3; restarting") == 4  # then the 5th: give up
+    assert "no decode left: decode-0 cannot start (required role); stopping" in text
+    assert all_dead(recorded_pids(fake["pid_dir"]))
