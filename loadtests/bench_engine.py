@@ -19,9 +19,10 @@ from pathlib import Path
 import torch
 
 from shared.engine.engine import LLMEngine
-from shared.engine.params import EngineConfig, SamplingParams
+from shared.engine.params import EngineConfig
 from shared.model.default_model import build_benchmark_model
 from shared.model.loader import load_model
+from shared.protocol.sampling import SamplingParams
 
 MODEL_DIR = Path(".cache/bench_model")
 VOCAB = [1000]  # set from the model config in main()

@@ -53,9 +53,9 @@ def engine_side(model_dir: str, prompts: list[str], out_len: int, conc: int,
     """The in-process engine on the same token ids the tokenizer service produces, all prompts
     offered at once with at most ``conc`` running (the cluster's concurrency)."""
     from shared.engine.engine import LLMEngine
-    from shared.engine.params import SamplingParams
     from shared.model.loader import load_model
     from shared.model.tokenizer import Tokenizer
+    from shared.protocol.sampling import SamplingParams
     from shared.worker.config import WorkerConfig
 
     torch.set_num_threads(threads)

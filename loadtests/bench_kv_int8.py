@@ -18,9 +18,10 @@ import torch
 from services.launcher import ensure_model
 from shared.engine import commands as cmd
 from shared.engine.engine import LLMEngine
-from shared.engine.params import EngineConfig, SamplingParams
+from shared.engine.params import EngineConfig
 from shared.kvtransfer.frames import frame_nbytes, frames_to_tensor, tensor_to_frames
 from shared.model.loader import load_model
+from shared.protocol.sampling import SamplingParams
 
 
 def transfer(kv: torch.Tensor, int8: bool) -> tuple[torch.Tensor, int]:

@@ -29,10 +29,10 @@ from services.kvstore.config import KVStoreConfig
 from services.launcher import ensure_model
 from services.prefill.service import PrefillService
 from shared import bus
-from shared.engine.params import SamplingParams
 from shared.engine.port_types import KVConnector, LayerKV
 from shared.protocol import subjects
 from shared.protocol.codec import decode
+from shared.protocol.sampling import SamplingParams
 from shared.protocol.stream import TokenChunk
 from shared.protocol.work import PrefillWork, SubmitAck
 from shared.worker.app import start_worker

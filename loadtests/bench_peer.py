@@ -132,9 +132,9 @@ def engine_run(model_dir: str, prompts: list[str], wl: Workload, threads: int) -
     import torch
 
     from shared.engine.engine import LLMEngine
-    from shared.engine.params import SamplingParams
     from shared.model.loader import load_model
     from shared.model.tokenizer import Tokenizer
+    from shared.protocol.sampling import SamplingParams
     from shared.worker.config import WorkerConfig
 
     torch.set_num_threads(threads)

@@ -21,11 +21,11 @@ import time
 import torch
 
 from loadtests.bench_engine import MODEL_DIR, VOCAB, engine, workload
-from shared.engine.params import SamplingParams, StructuredSpec
 from shared.engine.structured import GrammarCache, tokenizer_info
 from shared.model.default_model import build_benchmark_model
 from shared.model.loader import load_model
 from shared.model.tokenizer import Tokenizer
+from shared.protocol.sampling import SamplingParams, StructuredSpec
 
 RECORD = {
     "type": "object",

@@ -39,7 +39,7 @@ def _engine(model_dir: str, prefix_caching: bool = False):
 
 def prefill_s_per_token(engine, vocab: int, lengths=LENGTHS, repeats: int = 2) -> dict[int, float]:
     """Median seconds per prompt token of a single uncached prefill of each length."""
-    from shared.engine.params import SamplingParams
+    from shared.protocol.sampling import SamplingParams
 
     one = SamplingParams(max_tokens=1, temperature=0.0)
     engine.generate([[7] * 32], one)  # first-call overheads
@@ -57,7 +57,7 @@ def prefill_s_per_token(engine, vocab: int, lengths=LENGTHS, repeats: int = 2) -
 
 def decode_step_s(engine, batches=BATCHES, steps: int = 12) -> dict[int, float]:
     """Mean engine step time with ``b`` sequences all decoding (prefill steps excluded)."""
-    from shared.engine.params import SamplingParams
+    from shared.protocol.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
     out = {}

@@ -99,8 +99,8 @@ def measure_engine(model_dir: str, threads: int, batch: int, ctx: int, steps: in
     import random
 
     from shared.engine.engine import LLMEngine
-    from shared.engine.params import SamplingParams
     from shared.model.loader import load_model
+    from shared.protocol.sampling import SamplingParams
     from shared.worker.config import WorkerConfig
 
     torch.set_num_threads(threads)

@@ -1,9 +1,10 @@
 """The engine's boundary: code outside ``shared/engine`` reaches the engine only through its port.
 
-Services and the worker library may import from ``shared.engine`` only the port, its types and
-the request-side modules (sampling parameters, the block-hash definition the gateway shares,
-structured-output specs); they never run lambdas on the engine thread nor touch the model
-runner, block tables, reservations or the scheduler's lists.
+Services and the worker library may import from ``shared.engine`` only the port, its types,
+the engine configuration and the structured-output compiler (sampling parameters and the
+block-hash definition are protocol: ``shared.protocol.sampling``, ``shared.protocol.hashing``);
+they never run lambdas on the engine thread nor touch the model runner, block tables,
+reservations or the scheduler's lists.
 """
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ALLOWED = {
     "shared.engine.port",  # EnginePort
     "shared.engine.port_types",  # what crosses it
-    "shared.engine.params",  # SamplingParams rides the bus; EngineConfig builds the engine
-    "shared.engine.hashing",  # the block-hash definition the gateway and scheduler share
+    "shared.engine.params",  # EngineConfig builds the engine
     "shared.engine.structured",  # structured-output request specs (validated at the gateway)
 }
 INTERNALS = re.compile(
@@ -73,5 +73,15 @@ def test_the_check_catches_each_kind_of_reach():
     assert violations("x.py", "t = seq.block_table\n")
     assert violations("x.py", "r = e.reserved['x']\n")
     assert violations("x.py", "s = engine.current\n")
-    ok = "from shared.engine.port import EnginePort\nfrom shared.engine.params import SamplingParams\n"
+    ok = "from shared.engine.port import EnginePort\nfrom shared.engine.params import EngineConfig\n"
     assert violations("x.py", ok) == []
+
+
+def test_the_protocol_imports_nothing_from_the_engine():
+    """What rides the bus (sampling parameters, block hashes, dtype names) is defined in
+    ``shared/protocol``; the engine imports it, never the other way round."""
+    files = sorted((ROOT / "shared" / "protocol").rglob("*.py"))
+    assert any(p.name == "sampling.py" for p in files)
+    bad = [f"{p.relative_to(ROOT)}: imports {m}" for p in files
+           for m in engine_imports(p.read_text())]  # fmt: skip
+    assert not bad, "\n".join(bad)

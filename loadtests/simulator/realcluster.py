@@ -100,9 +100,10 @@ def reference_hit_rate(model_dir: str, jobs: list[Job], warmup: list[Job] = (),
     import torch
 
     from shared.engine.engine import LLMEngine
-    from shared.engine.params import EngineConfig, SamplingParams
+    from shared.engine.params import EngineConfig
     from shared.model.loader import load_model
     from shared.model.tokenizer import Tokenizer
+    from shared.protocol.sampling import SamplingParams
 
     torch.set_num_threads(min(2, torch.get_num_threads()))
     tok = Tokenizer.from_dir(model_dir)

@@ -14,9 +14,9 @@ from typing import Any
 
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from services.gateway.tools import tool_choice_spec
-from shared.engine.params import StructuredSpec
 from shared.engine.structured import GrammarCache, GrammarError
 from shared.protocol.errors import StrataError
+from shared.protocol.sampling import StructuredSpec
 
 
 class ConstraintError(StrataError):

@@ -18,9 +18,9 @@ from pydantic import ValidationError
 from services.gateway.config import GatewayConfig
 from services.gateway.constraints import request_constraint
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest, body_schema
-from shared.engine.hashing import hash_blocks, mm_extra_keys, model_salt, to_hex
-from shared.engine.params import SamplingParams, StructuredSpec
 from shared.protocol.errors import StrataError
+from shared.protocol.hashing import hash_blocks, mm_extra_keys, model_salt, to_hex
+from shared.protocol.sampling import SamplingParams, StructuredSpec
 from shared.protocol.sched import DegradeRules
 
 

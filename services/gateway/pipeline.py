@@ -26,10 +26,10 @@ from services.gateway.assembly import Failover, StreamAssembler
 from services.gateway.config import GatewayConfig
 from services.gateway.core import GenerateSpec, block_hashes, sampling_for
 from shared import bus
-from shared.engine.params import SamplingParams
 from shared.protocol import subjects
 from shared.protocol.codec import decode
 from shared.protocol.errors import StrataError
+from shared.protocol.sampling import SamplingParams
 from shared.protocol.sched import DegradeRules, RouteReply, RouteRequest, SchedulerState
 from shared.protocol.stream import Cancel, TokenChunk
 from shared.protocol.tok import TokenizeReply, TokenizeRequest

@@ -17,8 +17,8 @@ import uuid
 from typing import Any
 
 from services.gateway.schemas import ChatCompletionRequest, NamedToolChoice
-from shared.engine.params import StructuredSpec
 from shared.protocol.errors import StrataError
+from shared.protocol.sampling import StructuredSpec
 
 HERMES = "hermes"
 LLAMA3 = "llama3"

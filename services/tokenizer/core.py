@@ -10,16 +10,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from shared.model.config import load_config, parse_dtype
 from shared.model.image import expand_image_placeholders
 from shared.model.loader import model_fingerprint
 from shared.model.tokenizer import Tokenizer
+from shared.protocol.dtypes import dtype_name
 from shared.protocol.errors import StrataError
 from shared.protocol.tok import ImageSpan, TokenizeReply, TokenizeRequest
 
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _IMAGE_PART_TYPES = ("image", "image_url", "input_image")
 _TEXT_PART_TYPES = ("text", "input_text")
 
@@ -32,7 +30,7 @@ class TokenizerCore:
         self.tokenizer = Tokenizer.from_dir(path)
         self.config = load_config(path)
         torch_dtype = parse_dtype(dtype, self.config.dtype) if dtype else self.config.dtype
-        self.kv_dtype = _DTYPE_NAMES.get(torch_dtype, str(torch_dtype).removeprefix("torch."))
+        self.kv_dtype = dtype_name(torch_dtype)
         self.fingerprint = model_fingerprint(path, self.config.architecture, torch_dtype)
         self.block_size = block_size
         self.max_model_len = self.config.max_position_embeddings

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 import torch
 
 from shared.engine.engine import LLMEngine
-from shared.engine.hashing import to_hex
-from shared.engine.params import SamplingParams
 from shared.engine.port_types import BlockEvent, EvictedBlock, MMInput, PrefixMatch, RequestKV
+from shared.protocol.hashing import to_hex
+from shared.protocol.sampling import SamplingParams
 
 
 class Command:

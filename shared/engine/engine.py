@@ -20,17 +20,19 @@ import torch
 
 from shared.engine.block_manager import BlockManager
 from shared.engine.detok import TextTracker
-from shared.engine.hashing import model_salt
 from shared.engine.kv_io import EngineKV
 from shared.engine.model_runner import ModelRunner, dtype_of
 from shared.engine.outputs import EngineStats, RequestOutput
-from shared.engine.params import EngineConfig, SamplingParams
+from shared.engine.params import EngineConfig
 from shared.engine.port_types import KVConnector
 from shared.engine.sampler import Sampler, SampleRow
 from shared.engine.scheduler import Scheduler, SchedulerOutput
 from shared.engine.sequence import MMInput, Sequence, SequenceStatus
 from shared.engine.spec_decode import NgramProposer, Proposer, eligible, verify_greedy
 from shared.engine.structured import Constraint, GrammarCache, allocate_bitmask, tokenizer_info
+from shared.protocol.dtypes import dtype_name
+from shared.protocol.hashing import model_salt
+from shared.protocol.sampling import SamplingParams
 
 
 class LLMEngine:
@@ -58,7 +60,7 @@ class LLMEngine:
             )
         self.runner = ModelRunner(model, num_blocks, config.block_size, kv_dtype)
         self.salt = model_salt(
-            loaded_model.fingerprint, str(kv_dtype).removeprefix("torch."), config.block_size
+            loaded_model.fingerprint, dtype_name(kv_dtype), config.block_size
         )
         self.eos_token_ids = list(loaded_model.config.eos_token_ids or [])
         self.bm = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import torch
 
 from shared.engine.block_manager import BlockManager
-from shared.engine.hashing import from_hex, hash_blocks, mm_extra_keys
 from shared.engine.model_runner import ModelRunner
 from shared.engine.port_types import EvictedBlock, KVConnector, LayerKV
 from shared.engine.sequence import MMInput
+from shared.protocol.hashing import from_hex, hash_blocks, mm_extra_keys
 
 
 @dataclass

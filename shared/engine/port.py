@@ -22,7 +22,7 @@ import torch
 
 from shared.engine import commands as cmd
 from shared.engine.engine import LLMEngine
-from shared.engine.params import EngineConfig, SamplingParams
+from shared.engine.params import EngineConfig
 from shared.engine.port_types import (
     BlockEvent,
     EngineStats,
@@ -34,6 +34,7 @@ from shared.engine.port_types import (
     RequestKV,
     RequestOutput,
 )
+from shared.protocol.sampling import SamplingParams
 
 
 class EnginePort:

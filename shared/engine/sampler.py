@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.engine.params import SamplingParams
 from shared.engine.structured import apply_bitmask
+from shared.protocol.sampling import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 

@@ -7,8 +7,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.engine.hashing import hash_blocks, mm_extra_keys
-from shared.engine.params import SamplingParams
+from shared.protocol.hashing import hash_blocks, mm_extra_keys
+from shared.protocol.sampling import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

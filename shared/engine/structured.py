@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import xgrammar as xgr
 
-from shared.engine.params import StructuredSpec
+from shared.protocol.sampling import StructuredSpec
 
 _ROOT = re.compile(r"\broot\b")
 _LOOSE_CHARS = r"[^\"\\\r\n]"  # EBNF of a string character, as xgrammar writes it...

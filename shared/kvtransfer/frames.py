@@ -16,32 +16,26 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from protos.kv_transfer_pb2 import BlockFrame
+from shared.protocol import dtypes
 
 DEFAULT_MAX_FRAME_BYTES = 4 * 1024 * 1024  # well under the 64 MiB limit; keeps frames pipelined
-
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "int8": torch.int8,
-}
-_NAMES = {v: k for k, v in _DTYPES.items()}
-
 
 class FrameError(ValueError):
     """A frame (or a chunk sequence) does not describe the tensor it claims to carry."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    if dtype not in _NAMES:
-        raise FrameError(f"unsupported KV dtype {dtype}; expected one of {sorted(_DTYPES)}")
-    return _NAMES[dtype]
+    try:
+        return dtypes.dtype_name(dtype)
+    except ValueError as exc:
+        raise FrameError(f"unsupported KV dtype: {exc}") from None
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    if name not in _DTYPES:
-        raise FrameError(f"unknown frame dtype {name!r}; expected one of {sorted(_DTYPES)}")
-    return _DTYPES[name]
+    try:
+        return dtypes.torch_dtype(name)
+    except ValueError as exc:
+        raise FrameError(f"unknown frame dtype: {exc}") from None
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:

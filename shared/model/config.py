@@ -17,14 +17,7 @@ from shared.model.archs import LLAVA_ARCHITECTURE, TEXT_ARCHITECTURES, architect
 from shared.model.archs import TEXT_FAMILIES as _TEXT_FAMILIES
 from shared.model.errors import CheckpointError
 from shared.model.validate import read_config_json
-
-_DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
-}
+from shared.protocol.dtypes import torch_dtype
 
 
 @dataclass(frozen=True)
@@ -107,10 +100,7 @@ def parse_dtype(value: Any, default: torch.dtype = torch.float32) -> torch.dtype
         return default
     if isinstance(value, torch.dtype):
         return value
-    name = str(value).removeprefix("torch.")
-    if name not in _DTYPES:
-        raise ValueError(f"unsupported dtype {value!r}")
-    return _DTYPES[name]
+    return torch_dtype(value, floats_only=True)
 
 
 def _eos_tuple(value: Any) -> tuple[int, ...]:

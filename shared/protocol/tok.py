@@ -30,7 +30,7 @@ class TokenizeReply(Msg):
     image_spans: list[ImageSpan] = []
     # The rendered prompt text (chat template output); useful for debugging and echo.
     text: str = ""
-    # What the gateway needs to compute KV block hashes (`shared.engine.hashing.model_salt`):
+    # What the gateway needs to compute KV block hashes (`shared.protocol.hashing.model_salt`):
     model_fingerprint: str = ""  # `shared.model.loader` fingerprint of the checkpoint
     kv_dtype: str = ""  # "float32" | "bfloat16" | "float16"
     block_size: int = 16

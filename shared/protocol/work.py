@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-from shared.engine.params import SamplingParams
 from shared.protocol.base import Msg
+from shared.protocol.sampling import SamplingParams
 
 TransferMode = Literal["direct", "pool"]
 

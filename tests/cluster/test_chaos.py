@@ -27,13 +27,13 @@ import msgpack
 import pytest
 import torch
 
-from shared.engine.params import SamplingParams
 from shared.protocol import subjects
 from shared.protocol.api import GenerateEvent, GenerateRequest
 from shared.protocol.codec import decode, encode
 from shared.protocol.errors import StrataError
 from shared.protocol.kv import KVEvent
 from shared.protocol.load import LoadReport
+from shared.protocol.sampling import SamplingParams
 from shared.protocol.sched import InstancesRequest, RouteRequest, SchedulerState
 from shared.protocol.stream import Cancel
 from shared.protocol.tok import TokenizeRequest

@@ -35,9 +35,10 @@ def reference(model_dir: str, msgs: list[list[dict]]) -> list[list[tuple[str, fl
     """Greedy (token text, logprob) per output token, computed in-process by the same engine
     code with no services involved."""
     from shared.engine.engine import LLMEngine
-    from shared.engine.params import EngineConfig, SamplingParams
+    from shared.engine.params import EngineConfig
     from shared.model.loader import load_model
     from shared.model.tokenizer import Tokenizer
+    from shared.protocol.sampling import SamplingParams
 
     tok = Tokenizer.from_dir(model_dir)
     engine = LLMEngine(load_model(model_dir), EngineConfig(kv_cache_bytes=64 << 20))

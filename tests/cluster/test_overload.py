@@ -46,8 +46,9 @@ def measured_rate(model_dir: str) -> float:
     import torch
 
     from shared.engine.engine import LLMEngine
-    from shared.engine.params import EngineConfig, SamplingParams
+    from shared.engine.params import EngineConfig
     from shared.model.loader import load_model
+    from shared.protocol.sampling import SamplingParams
 
     torch.set_num_threads(1)
     engine = LLMEngine(load_model(model_dir), EngineConfig(enable_prefix_caching=False))

@@ -47,9 +47,10 @@ def client(cluster):
 def reference_text(default_model_dir) -> str:
     """Greedy continuation computed in-process by the same engine code, no services involved."""
     from shared.engine.engine import LLMEngine
-    from shared.engine.params import EngineConfig, SamplingParams
+    from shared.engine.params import EngineConfig
     from shared.model.loader import load_model
     from shared.model.tokenizer import Tokenizer
+    from shared.protocol.sampling import SamplingParams
 
     tok = Tokenizer.from_dir(default_model_dir)
     ids = tok.encode(tok.apply_chat_template(PROMPT, add_generation_prompt=True))

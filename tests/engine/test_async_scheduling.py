@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 
 from shared.engine.engine import LLMEngine
-from shared.engine.params import EngineConfig, SamplingParams
+from shared.engine.params import EngineConfig
 from shared.model.loader import load_model
+from shared.protocol.sampling import SamplingParams
 from tests.engine.conftest import prompts
 
 

@@ -6,9 +6,10 @@ for a request routed at level 0 — with identical greedy tokens either way."""
 from __future__ import annotations
 
 from shared.engine.engine import LLMEngine
-from shared.engine.params import EngineConfig, SamplingParams
+from shared.engine.params import EngineConfig
 from shared.model.loader import load_model
 from shared.protocol.codec import decode, encode
+from shared.protocol.sampling import SamplingParams
 from shared.protocol.sched import RouteReply, routed_submit
 from shared.protocol.work import DecodeWork, WorkItem
 

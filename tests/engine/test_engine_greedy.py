@@ -1,8 +1,9 @@
 import pytest
 
 from shared.engine.engine import LLMEngine
-from shared.engine.params import EngineConfig, SamplingParams
+from shared.engine.params import EngineConfig
 from shared.model.loader import load_model
+from shared.protocol.sampling import SamplingParams
 from tests.engine.conftest import hf_greedy, prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

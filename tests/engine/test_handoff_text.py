@@ -9,8 +9,9 @@ client saw an extra leading U+FFFD. Prefill now publishes `RequestOutput.handoff
 from __future__ import annotations
 
 from shared.engine.engine import LLMEngine
-from shared.engine.params import EngineConfig, SamplingParams
+from shared.engine.params import EngineConfig
 from shared.model.loader import load_model
+from shared.protocol.sampling import SamplingParams
 from tests.engine.conftest import prompts
 from tests.engine.handoff import hand_over
 

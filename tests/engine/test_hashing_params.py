@@ -4,8 +4,9 @@ import sys
 import pytest
 from pydantic import ValidationError
 
-from shared.engine.hashing import from_hex, hash_blocks, mm_extra_keys, model_salt, to_hex
-from shared.engine.params import EngineConfig, SamplingParams
+from shared.engine.params import EngineConfig
+from shared.protocol.hashing import from_hex, hash_blocks, mm_extra_keys, model_salt, to_hex
+from shared.protocol.sampling import SamplingParams
 
 
 def test_hash_chain_full_blocks_only_and_parent_continuation():
@@ -21,7 +22,7 @@ def test_hash_chain_full_blocks_only_and_parent_continuation():
 
 def test_hash_stable_across_processes():
     code = (
-        "from shared.engine.hashing import *;"
+        "from shared.protocol.hashing import *;"
         "print(hash_blocks(list(range(8)),4,model_salt('fp','float32',4))[1].hex())"
     )
     other = subprocess.run(

@@ -11,10 +11,11 @@ import torch
 from PIL import Image
 
 from shared.engine.engine import LLMEngine
-from shared.engine.params import EngineConfig, SamplingParams
+from shared.engine.params import EngineConfig
 from shared.engine.sequence import MMInput
 from shared.model.image import ImageProcessor, expand_image_placeholders, image_content_hash
 from shared.model.loader import load_model
+from shared.protocol.sampling import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,7 +1,7 @@
 from shared.engine.block_manager import BlockManager
-from shared.engine.params import SamplingParams
 from shared.engine.scheduler import Scheduler
 from shared.engine.sequence import Sequence, SequenceStatus
+from shared.protocol.sampling import SamplingParams
 
 SALT = b"s" * 16
 P = SamplingParams(max_tokens=4, temperature=0.0)

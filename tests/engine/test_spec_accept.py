@@ -2,8 +2,9 @@
 tokens land in full blocks that are committed to the prefix cache, and the counters add up."""
 
 from shared.engine.engine import LLMEngine
-from shared.engine.params import EngineConfig, SamplingParams
+from shared.engine.params import EngineConfig
 from shared.model.loader import load_model
+from shared.protocol.sampling import SamplingParams
 from tests.engine.conftest import prompts
 
 CFG = dict(kv_cache_bytes=1 << 20, block_size=4, max_num_batched_tokens=64, max_num_seqs=8)

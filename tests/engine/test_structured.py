@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from shared.engine.engine import LLMEngine
-from shared.engine.params import EngineConfig, SamplingParams, StructuredSpec
+from shared.engine.params import EngineConfig
 from shared.engine.sampler import Sampler, SampleRow
 from shared.engine.structured import (
     GrammarCache,
@@ -25,6 +25,7 @@ from shared.engine.structured import (
 )
 from shared.model.loader import load_model
 from shared.model.tokenizer import Tokenizer
+from shared.protocol.sampling import SamplingParams, StructuredSpec
 
 SCHEMA = {
     "type": "object",

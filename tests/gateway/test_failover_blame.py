@@ -17,9 +17,9 @@ from services.gateway.assembly import down_failover, owing_instance
 from services.gateway.config import GatewayConfig
 from services.gateway.pipeline import Pipeline, Prepared
 from shared import bus
-from shared.engine.params import SamplingParams
 from shared.protocol import subjects
 from shared.protocol.codec import encode
+from shared.protocol.sampling import SamplingParams
 from shared.protocol.sched import RouteReply, RouteRequest, SchedulerState, routed_submit
 from shared.protocol.stream import TokenChunk
 from shared.protocol.work import DecodeWork, PrefillWork, SubmitAck, WorkItem

@@ -19,8 +19,8 @@ from services.gateway.readiness import Readiness
 from services.infra.nats_server import start_nats
 from services.infra.procs import signal_group
 from shared import bus
-from shared.engine.params import SamplingParams
 from shared.protocol.errors import StrataError
+from shared.protocol.sampling import SamplingParams
 from tests.gateway.test_failover_blame import Fleet
 
 pytestmark = pytest.mark.timeout(120)

@@ -19,13 +19,14 @@ from PIL import Image
 
 from services.tokenizer.core import TokenizerCore
 from shared.engine.engine import LLMEngine
-from shared.engine.params import EngineConfig, SamplingParams
+from shared.engine.params import EngineConfig
 from shared.engine.sequence import MMInput
 from shared.model.default_model import CHAT_TEMPLATE, train_tokenizer
 from shared.model.errors import CheckpointError
 from shared.model.image import ImageProcessor, image_content_hash
 from shared.model.loader import load_model
 from shared.model.tokenizer import Tokenizer
+from shared.protocol.sampling import SamplingParams
 from shared.protocol.tok import TokenizeRequest
 
 transformers = pytest.importorskip("transformers")

@@ -15,12 +15,12 @@ import pytest
 from services.scheduler.app import run_scheduler
 from services.scheduler.config import SchedulerConfig
 from shared import bus
-from shared.engine.params import SamplingParams
 from shared.protocol import subjects
 from shared.protocol.codec import decode
 from shared.protocol.errors import StrataError
 from shared.protocol.kv import KVEvent
 from shared.protocol.load import LoadReport
+from shared.protocol.sampling import SamplingParams
 from shared.protocol.sched import (
     InstanceRecord,
     InstancesReply,

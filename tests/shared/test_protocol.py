@@ -14,10 +14,10 @@ import pytest
 from pydantic import BaseModel
 
 import shared.protocol as protocol_pkg
-from shared.engine.params import SamplingParams
 from shared.protocol.codec import decode, encode, encode_error
 from shared.protocol.errors import HTTP_STATUS, StrataError
 from shared.protocol.load import LoadReport
+from shared.protocol.sampling import SamplingParams
 from shared.protocol.stream import TokenChunk, Usage
 from shared.protocol.work import DecodeWork, ImageRef, PrefillWork, WorkItem
 

@@ -15,9 +15,9 @@ import pytest
 from services.decode.service import DecodeService
 from services.prefill.service import PrefillService
 from shared import bus
-from shared.engine.params import SamplingParams
 from shared.protocol import subjects
 from shared.protocol.codec import decode
+from shared.protocol.sampling import SamplingParams
 from shared.protocol.stream import TokenChunk
 from shared.protocol.work import DecodeWork, PrefillWork, SubmitAck, WorkItem
 from shared.worker.app import start_worker

@@ -14,8 +14,8 @@ import pytest
 
 from services.decode.service import DecodeService
 from services.prefill.service import PrefillService
-from shared.engine.params import SamplingParams
 from shared.protocol import subjects
+from shared.protocol.sampling import SamplingParams
 from shared.protocol.work import DecodeWork, PrefillWork
 from shared.worker.app import start_worker
 from shared.worker.config import WorkerConfig
