@@ -6,6 +6,11 @@ takes images and the gateway accepts them, a vision encoder. `Readiness` probes 
 ``ready_cache_s``, so a busy load balancer or a burst of requests costs at most one probe round
 per period (concurrent callers share the round in flight). `summarize` is the pure core: probe
 results plus which checks were ever ok -> a `ReadyState` with a message naming what is missing.
+
+A probe that times out is told apart from one nobody answers: a role that was ok and is only slow
+to answer (the scheduler under a burst of 500 streams on 2 cores) is ``busy``, which does not
+refuse requests; the request path has its own timeouts and failover. No responders means the
+role is gone, and requests get 503 at once.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 from nats.aio.client import Client as NATS
 
@@ -35,6 +41,10 @@ _PHRASES = {
     "decode": ("no decode instance is ready", "no decode instance is available"),
 }
 
+BUSY = "busy"
+"""A probe result: the role did not answer in time (it has responders, so it is there)."""
+Probe = bool | None | Literal["busy"]
+
 
 @dataclass(frozen=True)
 class ReadyState:
@@ -42,8 +52,9 @@ class ReadyState:
 
     ``status``: "ready" (every check ok), "starting" (each failing check has never been ok since
     the gateway started), or "degraded" (a check that was ok fails now). ``checks`` maps each
-    check to "ok", "starting", "down", or "unknown" (decode while the scheduler is not
-    answering: nobody to ask). ``message`` names what is missing ("" when ready)."""
+    check to "ok", "busy" (was ok, answered too slowly now: still ready), "starting", "down", or
+    "unknown" (decode while the scheduler is not answering: nobody to ask). ``message`` names
+    what is missing ("" when ready)."""
 
     status: str
     checks: dict[str, str]
@@ -58,16 +69,19 @@ class ReadyState:
         return {"status": self.status, "checks": dict(self.checks)}
 
 
-def summarize(results: dict[str, bool | None], seen: set[str]) -> ReadyState:
-    """Probe ``results`` (check -> ok; None = could not be asked) and the checks ``seen`` ok
-    before (updated in place with the ok ones) -> the verdict."""
+def summarize(results: dict[str, Probe], seen: set[str]) -> ReadyState:
+    """Probe ``results`` (check -> ok; None = could not be asked; ``BUSY`` = timed out) and the
+    checks ``seen`` ok before (updated in place with the ok ones) -> the verdict. A busy check
+    that was ok before counts as up; one never seen ok is still starting."""
     checks: dict[str, str] = {}
     phrases: list[str] = []
     for name in CHECKS:
         if name not in results:
             continue
         ok = results[name]
-        if ok:
+        if ok == BUSY and name in seen:
+            checks[name] = "busy"
+        elif ok is True:
             seen.add(name)
             checks[name] = "ok"
         elif ok is None:
@@ -127,31 +141,35 @@ class Readiness:
         if self.need_vision:
             calls.append(self._ping(subjects.VISION_PING))
         got = await asyncio.gather(*calls)
-        results: dict[str, bool | None] = {}
+        results: dict[str, Probe] = {}
         for name, res in zip(names, got, strict=True):
-            if name == "scheduler":
-                reply = res
-                results["scheduler"] = reply is not None
-                results["decode"] = None if reply is None else any(
-                    i.alive and i.role == "decode" for i in reply.instances)  # fmt: skip
-            else:
+            if name != "scheduler":
                 results[name] = res
+            elif isinstance(res, InstancesReply):
+                results["scheduler"] = True
+                results["decode"] = any(i.alive and i.role == "decode" for i in res.instances)
+            else:  # busy: decode as last seen (nobody else to ask); gone: unknown
+                results["scheduler"] = res
+                last = self._state.checks.get("decode") if self._state is not None else None
+                known = res == BUSY and last in ("ok", "down", "starting")
+                results["decode"] = last == "ok" if known else None
         st = summarize(results, self._seen)
         self._state, self._at = st, self.clock()
         return st
 
-    async def _ping(self, subject: str) -> bool:
+    async def _ping(self, subject: str) -> Probe:
         try:
             await bus.request(self.nc, subject, Ping(sender="gateway"), Pong,
                               self.cfg.health_timeout)  # fmt: skip
-        except StrataError:
-            return False
+        except StrataError as exc:
+            return BUSY if exc.code == "timeout" else False
         return True
 
-    async def _instances(self) -> InstancesReply | None:
+    async def _instances(self) -> InstancesReply | bool | str:
+        """The scheduler's decode instances, or ``BUSY`` (timed out) / False (nobody answers)."""
         try:
             return await bus.request(self.nc, subjects.SCHED_INSTANCES,
                                      InstancesRequest(role="decode"), InstancesReply,
                                      self.cfg.health_timeout)  # fmt: skip
-        except StrataError:
-            return None
+        except StrataError as exc:
+            return BUSY if exc.code == "timeout" else False

@@ -11,10 +11,11 @@ import httpx
 
 from services.gateway.app import needs_vision
 from services.gateway.config import GatewayConfig
-from services.gateway.readiness import Readiness, summarize
+from services.gateway.readiness import BUSY, Readiness, summarize
 from shared.protocol import subjects
 from shared.protocol.api import GenerateEvent, GenerateRequest
 from shared.protocol.codec import decode, encode
+from shared.protocol.sched import InstanceInfo, InstancesReply
 from tests.gateway.harness import gateway
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -41,6 +42,48 @@ def test_summarize_starting_ready_degraded():
     assert st.message == "tokenizer not available; vision encoder not available"
     st = summarize({"tokenizer": True, "scheduler": False, "decode": None}, seen)
     assert st.status == "degraded" and st.message == "scheduler not available"
+
+
+
+def test_a_slow_role_that_was_up_is_busy_not_down():
+    """A probe that times out (the role is there, answering slowly under load) does not make the
+    gateway refuse requests once the role was ok; before that it is still starting."""
+    seen: set[str] = set()
+    st = summarize({"tokenizer": BUSY, "scheduler": True, "decode": True}, seen)
+    assert st.status == "starting" and st.message == "starting: tokenizer not ready"
+    summarize({"tokenizer": True, "scheduler": True, "decode": True}, seen)
+    st = summarize({"tokenizer": BUSY, "scheduler": BUSY, "decode": True}, seen)
+    assert st.ready and st.checks == {"tokenizer": "busy", "scheduler": "busy", "decode": "ok"}
+
+
+async def test_readiness_tells_a_slow_scheduler_from_a_gone_one(nats_url, nc):
+    """Against a real nats-server: a scheduler that answers, then answers later than the probe
+    waits, keeps the gateway ready (decode as last seen); once nobody subscribes it is down."""
+    from tests.gateway.peers import Peers
+
+    cfg = GatewayConfig(nats_url=nats_url, health_timeout=0.3, ready_cache_s=0)
+    peers = await Peers(nc).start(("tokenizer",))
+    delay = [0.0]
+
+    async def instances(msg) -> None:
+        await asyncio.sleep(delay[0])
+        await msg.respond(encode(InstancesReply(instances=[InstanceInfo(
+            instance_id="dec-s", role="decode", incarnation="x", grpc_addr="", alive=True)])))  # fmt: skip
+
+    sub = await nc.subscribe(subjects.SCHED_INSTANCES, cb=instances)
+    try:
+        r = Readiness(nc, cfg, need_vision=False)
+        assert (await r.state()).ready
+        delay[0] = 1.0  # three times the probe's wait
+        st = await r.state()
+        assert st.ready and st.checks == {"tokenizer": "ok", "scheduler": "busy", "decode": "ok"}
+        await r.require()  # a request is not refused
+        await sub.unsubscribe()
+        st = await r.state()
+        assert not st.ready and st.message == "scheduler not available"
+        assert st.checks["scheduler"] == "down"
+    finally:
+        await peers.stop()
 
 
 def test_vision_is_needed_only_for_a_multimodal_model_that_takes_images(tmp_path):
