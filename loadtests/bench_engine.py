@@ -66,8 +66,12 @@ def p1(lm, path, n: int, out_len: int, repeats: int = 3) -> list[str]:
 
     def hf_single() -> list:
         with torch.no_grad():
-            return [hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                **gen)[0, len(p) :] for p in ps]  # fmt: skip
+            return [
+                hf.generate(
+                    torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), **gen
+                )[0, len(p) :]
+                for p in ps
+            ]
 
     times: dict[str, list[float]] = {"strata": [], "batched": [], "single": []}
     for _ in range(repeats):  # every side the same number of runs, alternated
@@ -218,9 +222,11 @@ def spec(lm, n: int) -> list[str]:
     sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     cyclic = cyclic_prompts(lm, n)
     rows = [f"Cyclic prompts found: {len(cyclic)} of {4 * n} seeds (greedy tail periodic)"]
-    sets = {"random prompts repeated 4x": [
-        workload(1, seed=6 + i, lo=32, hi=32)[0] * 4 for i in range(n)
-    ]}  # fmt: skip
+    sets = {
+        "random prompts repeated 4x": [
+            workload(1, seed=6 + i, lo=32, hi=32)[0] * 4 for i in range(n)
+        ]
+    }
     if cyclic:
         sets["cyclic (greedy continuation repeats the prompt)"] = cyclic
     for name, ps in sets.items():
@@ -309,10 +315,12 @@ def overlap(lm, n: int, out_len: int, rounds: int = 3) -> list[str]:
             eng.close()
             if on not in best or wall < best[on][0]:
                 best[on] = (wall, st)
-    lines = [f"Overlap ({n} prompts, {out_len} out, best of {rounds}, alternated):",
-             "| async scheduling | wall s | steps | ahead steps | forward s | step s | "
-             "device idle ms (per step) | engine idle ms |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    lines = [
+        f"Overlap ({n} prompts, {out_len} out, best of {rounds}, alternated):",
+        "| async scheduling | wall s | steps | ahead steps | forward s | step s | "
+        "device idle ms (per step) | engine idle ms |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for on in (False, True):
         wall, st = best[on]
         lines.append(

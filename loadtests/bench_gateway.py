@@ -48,8 +48,7 @@ def p2_prompts(n: int, seed: int = 0, lo: int = 64, hi: int = 480) -> list[str]:
     return [" ".join(words(rng, rng.randint(lo, hi))) for _ in range(n)]
 
 
-def engine_side(model_dir: str, prompts: list[str], out_len: int, conc: int,
-                threads: int) -> dict:  # fmt: skip
+def engine_side(model_dir: str, prompts: list[str], out_len: int, conc: int, threads: int) -> dict:
     """The in-process engine on the same token ids the tokenizer service produces, all prompts
     offered at once with at most ``conc`` running (the cluster's concurrency)."""
     from shared.engine.engine import LLMEngine
@@ -70,21 +69,35 @@ def engine_side(model_dir: str, prompts: list[str], out_len: int, conc: int,
         out = eng.generate(ids, sp)
         wall, cpu = time.perf_counter() - t, time.process_time() - cpu
     eng.close()
-    return {"wall": wall, "cpu": cpu, "tokens": sum(map(len, out)), "errors": 0,
-            "prompt_tokens": sum(map(len, ids)), "ttft_p50": float("nan")}  # fmt: skip
+    return {
+        "wall": wall,
+        "cpu": cpu,
+        "tokens": sum(map(len, out)),
+        "errors": 0,
+        "prompt_tokens": sum(map(len, ids)),
+        "ttft_p50": float("nan"),
+    }
 
 
-def cluster_side(model_dir: str, prompts: list[str], out_len: int, conc: int,
-                 **cluster_kw) -> dict:  # fmt: skip
+def cluster_side(model_dir: str, prompts: list[str], out_len: int, conc: int, **cluster_kw) -> dict:
     """A fresh `Cluster` (as `strata up` starts it, with ``cluster_kw`` on top), driven through
     the gateway by the load generator; CPU is summed over every service process."""
     from services.launcher import Cluster
 
     jobs = [Job(i, out_len, prompt=p) for i, p in enumerate(prompts)]
-    with open(os.devnull, "w") as sink, Cluster(model_dir, log_stream=sink, die_with_parent=True,
-                                               log_level="WARNING", **cluster_kw) as c:  # fmt: skip
-        cfg = RunConfig(c.gateway_url, os.path.basename(model_dir), request_timeout=600,
-                        deadline=1800, progress=False)  # fmt: skip
+    with (
+        open(os.devnull, "w") as sink,
+        Cluster(
+            model_dir, log_stream=sink, die_with_parent=True, log_level="WARNING", **cluster_kw
+        ) as c,
+    ):
+        cfg = RunConfig(
+            c.gateway_url,
+            os.path.basename(model_dir),
+            request_timeout=600,
+            deadline=1800,
+            progress=False,
+        )
         warm = [Job(1000 + i, 2, prompt=p) for i, p in enumerate(prompts[:2])]
         asyncio.run(run_jobs(warm, cfg, concurrency=2))
         pids = {n: p.proc.pid for n, p in c.sup.procs.items()}
@@ -95,9 +108,16 @@ def cluster_side(model_dir: str, prompts: list[str], out_len: int, conc: int,
         res, wall = asyncio.run(run_jobs(jobs, cfg, concurrency=conc))
         per_proc = {n: proc_cpu([pid]) - before[n] for n, pid in pids.items()}
     s = summarize(res, wall, conc)
-    return {"wall": wall, "cpu": sum(per_proc.values()), "per_proc": per_proc,
-            "tokens": s.completion_tokens, "prompt_tokens": s.prompt_tokens,
-            "errors": s.requests - s.ok, "ttft_p50": s.ttft.p50, "tbt_p50": s.tbt.p50}  # fmt: skip
+    return {
+        "wall": wall,
+        "cpu": sum(per_proc.values()),
+        "per_proc": per_proc,
+        "tokens": s.completion_tokens,
+        "prompt_tokens": s.prompt_tokens,
+        "errors": s.requests - s.ok,
+        "ttft_p50": s.ttft.p50,
+        "tbt_p50": s.tbt.p50,
+    }
 
 
 def cpu_per_token(n: int, out_len: int) -> list[str]:
@@ -109,9 +129,13 @@ def cpu_per_token(n: int, out_len: int) -> list[str]:
     prompts = p2_prompts(n)
     eng = engine_side(model_dir, prompts, out_len, 16, 2)
     c = cluster_side(model_dir, prompts, out_len, 16)
-    rows = [f"CPU per output token, default cluster vs in-process engine ({n} prompts, {out_len} "
-            f"out, concurrency 16; load average {os.getloadavg()[0]:.2f}):", "",
-            "| process | CPU ms per output token | share |", "| --- | ---: | ---: |"]  # fmt: skip
+    rows = [
+        f"CPU per output token, default cluster vs in-process engine ({n} prompts, {out_len} "
+        f"out, concurrency 16; load average {os.getloadavg()[0]:.2f}):",
+        "",
+        "| process | CPU ms per output token | share |",
+        "| --- | ---: | ---: |",
+    ]
     total = c["cpu"]
     for name, sec in sorted(c["per_proc"].items(), key=lambda kv: -kv[1]):
         rows.append(f"| {name} | {sec / c['tokens'] * 1e3:.2f} | {sec / total:.0%} |")
@@ -151,20 +175,25 @@ def p2(n: int, out_len: int, threads: int, repeats: int) -> list[str]:
         load.append(os.getloadavg()[0])
     rates = {k: [r["tokens"] / r["wall"] for r in v] for k, v in runs.items()}
     base = statistics.median(rates["in-process engine"])
-    rows = [f"P2: {n} prompts of 64-480 tokens, {out_len} out, greedy, ignore_eos, concurrency "
-            f"{conc}, benchmark model; {repeats} runs per side, alternated; engine {threads} torch "
-            f"threads; load average (1 min) {min(load):.2f}-{max(load):.2f}", "",
-            "| side | out tok/s median | best | spread (min-max) | ratio (median / engine median)"
-            " | TTFT p50 median | out tok per CPU-s | errors |",
-            "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    rows = [
+        f"P2: {n} prompts of 64-480 tokens, {out_len} out, greedy, ignore_eos, concurrency "
+        f"{conc}, benchmark model; {repeats} runs per side, alternated; engine {threads} torch "
+        f"threads; load average (1 min) {min(load):.2f}-{max(load):.2f}",
+        "",
+        "| side | out tok/s median | best | spread (min-max) | ratio (median / engine median)"
+        " | TTFT p50 median | out tok per CPU-s | errors |",
+        "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |",
+    ]
     for name, rs in runs.items():
         r = rates[name]
         per_cpu = statistics.median(x["tokens"] / x["cpu"] for x in rs)
         ttft = statistics.median(x["ttft_p50"] for x in rs) * 1e3
-        rows.append(f"| {name} | {statistics.median(r):.1f} | {max(r):.1f} | {min(r):.1f}-"
-                    f"{max(r):.1f} | {statistics.median(r) / base:.2f} | "
-                    f"{'-' if ttft != ttft else f'{ttft:.0f} ms'} | {per_cpu:.1f} | "
-                    f"{sum(x['errors'] for x in rs)} |")  # fmt: skip
+        rows.append(
+            f"| {name} | {statistics.median(r):.1f} | {max(r):.1f} | {min(r):.1f}-"
+            f"{max(r):.1f} | {statistics.median(r) / base:.2f} | "
+            f"{'-' if ttft != ttft else f'{ttft:.0f} ms'} | {per_cpu:.1f} | "
+            f"{sum(x['errors'] for x in rs)} |"
+        )
     return rows
 
 
@@ -252,18 +281,39 @@ def latency(n: int, real: bool) -> list[str]:
 
     nats = start_nats(data_dir=tempfile.mkdtemp(prefix="bench-nats-"))
     port = free_port()
-    env = {**os.environ, "STRATA_NATS_URL": nats.url, "STRATA_PORT": str(port),
-           "STRATA_MODEL_NAME": "tiny", "STRATA_LOG_LEVEL": "WARNING",
-           "STRATA_FIRST_TOKEN_TIMEOUT": "30", "PYTHONPATH": os.getcwd()}  # fmt: skip
+    env = {
+        **os.environ,
+        "STRATA_NATS_URL": nats.url,
+        "STRATA_PORT": str(port),
+        "STRATA_MODEL_NAME": "tiny",
+        "STRATA_LOG_LEVEL": "WARNING",
+        "STRATA_FIRST_TOKEN_TIMEOUT": "30",
+        "PYTHONPATH": os.getcwd(),
+    }
     if real:  # text requests only: no vision service in this path
         env.update(STRATA_MODEL=ensure_model(""), STRATA_MAX_IMAGES="0")
-    procs = [subprocess.Popen([sys.executable, "-c", _PEERS, nats.url, "decode" if real else "all"],
-                              env=env, stdout=subprocess.PIPE)]  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _PEERS, nats.url, "decode" if real else "all"],
+            env=env,
+            stdout=subprocess.PIPE,
+        )
+    ]
     for role in ("tokenizer", "scheduler") if real else ():
-        procs.append(subprocess.Popen([sys.executable, "-m", "services.cli", "serve", role],
-                                      env=env, stdout=subprocess.DEVNULL))  # fmt: skip
-    procs.append(subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "gateway"],
-                                  env=env, stdout=subprocess.DEVNULL))  # fmt: skip
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "services.cli", "serve", role],
+                env=env,
+                stdout=subprocess.DEVNULL,
+            )
+        )
+    procs.append(
+        subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "serve", "gateway"],
+            env=env,
+            stdout=subprocess.DEVNULL,
+        )
+    )
     floor_port = free_port()
     procs.append(subprocess.Popen([sys.executable, "-c", _FLOOR, str(floor_port)], env=env))
     url = f"http://127.0.0.1:{port}"
@@ -281,8 +331,7 @@ def latency(n: int, real: bool) -> list[str]:
         _wait_ready(url)
         text = " ".join(["word"] * 40)
         for conc in (1, 16):
-            jobs = [Job(i, 1, messages=[{"role": "user", "content": text}])
-                    for i in range(n)]  # fmt: skip
+            jobs = [Job(i, 1, messages=[{"role": "user", "content": text}]) for i in range(n)]
             got: dict[str, list[float]] = {url: [], floor_url: []}
             for _ in range(3):
                 for u in (url, floor_url):
@@ -295,11 +344,13 @@ def latency(n: int, real: bool) -> list[str]:
             gw, fl = got[url], got[floor_url]
             q = statistics.quantiles(gw, n=100)
             med = statistics.median(gw) - statistics.median(fl)
-            rows.append(f"- concurrency {conc}: through the gateway median "
-                        f"{statistics.median(gw) * 1e3:.2f} ms, p90 {q[89] * 1e3:.2f} ms, "
-                        f"p99 {q[98] * 1e3:.2f} ms; bare HTTP server median "
-                        f"{statistics.median(fl) * 1e3:.2f} ms -> gateway-added median "
-                        f"{med * 1e3:.2f} ms")  # fmt: skip
+            rows.append(
+                f"- concurrency {conc}: through the gateway median "
+                f"{statistics.median(gw) * 1e3:.2f} ms, p90 {q[89] * 1e3:.2f} ms, "
+                f"p99 {q[98] * 1e3:.2f} ms; bare HTTP server median "
+                f"{statistics.median(fl) * 1e3:.2f} ms -> gateway-added median "
+                f"{med * 1e3:.2f} ms"
+            )
     finally:
         for p in procs:
             p.terminate()
@@ -330,22 +381,36 @@ def streams(n: int, out_len: int) -> list[str]:
 
     model_dir = ensure_model("")
     rng = random.Random("streams")
-    jobs = [Job(i, out_len, messages=[{"role": "user", "content": " ".join(words(rng, 12))}])
-            for i in range(n)]  # fmt: skip
-    with open(os.devnull, "w") as sink, Cluster(model_dir, prefill=1, decode=1, vision=0,
-                                               kvstore=0, minio=False, log_stream=sink,
-                                               die_with_parent=True, log_level="WARNING",
-                                               torch_threads=1) as c:  # fmt: skip
-        cfg = RunConfig(c.gateway_url, "default", request_timeout=300, deadline=600,
-                        progress=False)  # fmt: skip
+    jobs = [
+        Job(i, out_len, messages=[{"role": "user", "content": " ".join(words(rng, 12))}])
+        for i in range(n)
+    ]
+    with (
+        open(os.devnull, "w") as sink,
+        Cluster(
+            model_dir,
+            prefill=1,
+            decode=1,
+            vision=0,
+            kvstore=0,
+            minio=False,
+            log_stream=sink,
+            die_with_parent=True,
+            log_level="WARNING",
+            torch_threads=1,
+        ) as c,
+    ):
+        cfg = RunConfig(c.gateway_url, "default", request_timeout=300, deadline=600, progress=False)
         res, wall = asyncio.run(run_jobs(jobs, cfg, concurrency=n))
     s = summarize(res, wall, n)
     errs = s.errors_by_status or "none"
-    return [f"{n} concurrent streams (default tiny model, prefill=1 decode=1, {out_len} tokens "
-            f"each, all sent at once):",
-            f"- ok {s.ok}/{s.requests}, errors {errs}, wall {wall:.1f} s, "
-            f"{s.output_tokens_per_s:.0f} out tok/s, TTFT p50 {s.ttft.p50:.2f} s / "
-            f"p99 {s.ttft.p99:.2f} s, TBT p50 {s.tbt.p50 * 1e3:.0f} ms"]  # fmt: skip
+    return [
+        f"{n} concurrent streams (default tiny model, prefill=1 decode=1, {out_len} tokens "
+        f"each, all sent at once):",
+        f"- ok {s.ok}/{s.requests}, errors {errs}, wall {wall:.1f} s, "
+        f"{s.output_tokens_per_s:.0f} out tok/s, TTFT p50 {s.ttft.p50:.2f} s / "
+        f"p99 {s.ttft.p99:.2f} s, TBT p50 {s.tbt.p50 * 1e3:.0f} ms",
+    ]
 
 
 def main() -> None:

@@ -29,8 +29,13 @@ from shared.model import cpu_kernels
 from shared.model.attention import _context, _serial
 from shared.model.layers import Gemm
 
-GEMM_SHAPES = [(16, 512, 2816), (16, 1408, 512), (64, 512, 2816), (1024, 512, 2816),
-               (1024, 1408, 512)]  # fmt: skip
+GEMM_SHAPES = [
+    (16, 512, 2816),
+    (16, 1408, 512),
+    (64, 512, 2816),
+    (1024, 512, 2816),
+    (1024, 1408, 512),
+]
 
 
 def alternate(fns: dict, repeats: int) -> dict[str, float]:
@@ -47,8 +52,11 @@ def alternate(fns: dict, repeats: int) -> dict[str, float]:
 
 
 def gemm(repeats: int) -> list[str]:
-    rows = ["| rows x in -> out | F.linear (MKL) ms | oneDNN prepacked ms | speed-up | max err MKL"
-            " | max err oneDNN |", "| --- | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    rows = [
+        "| rows x in -> out | F.linear (MKL) ms | oneDNN prepacked ms | speed-up | max err MKL"
+        " | max err oneDNN |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
     g = torch.Generator().manual_seed(0)
     for m, k, n in GEMM_SHAPES:
         x = torch.randn(m, k, generator=g)
@@ -58,8 +66,10 @@ def gemm(repeats: int) -> list[str]:
         exact = (x.double() @ w.double().T).float()
         err_mkl = (F.linear(x, w) - exact).abs().max().item()
         err_dnn = (packed(x) - exact).abs().max().item()
-        rows.append(f"| {m} x {k} -> {n} | {ms['mkl']:.3f} | {ms['onednn']:.3f} | "
-                    f"{ms['mkl'] / ms['onednn']:.2f}x | {err_mkl:.1e} | {err_dnn:.1e} |")  # fmt: skip
+        rows.append(
+            f"| {m} x {k} -> {n} | {ms['mkl']:.3f} | {ms['onednn']:.3f} | "
+            f"{ms['mkl'] / ms['onednn']:.2f}x | {err_mkl:.1e} | {err_dnn:.1e} |"
+        )
     return rows
 
 
@@ -68,8 +78,11 @@ def int8(repeats: int) -> list[str]:
 
     import torch.ao.nn.quantized.dynamic as nnqd
 
-    rows = ["| rows x in -> out | fp32 prepacked ms | fbgemm W8A8 dynamic ms | int8pack_mm ms |"
-            " max err W8A8 | max err int8pack |", "| --- | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    rows = [
+        "| rows x in -> out | fp32 prepacked ms | fbgemm W8A8 dynamic ms | int8pack_mm ms |"
+        " max err W8A8 | max err int8pack |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
     g = torch.Generator().manual_seed(1)
     for m, k, n in GEMM_SHAPES:
         x = torch.randn(m, k, generator=g)
@@ -79,17 +92,28 @@ def int8(repeats: int) -> list[str]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             dyn = nnqd.Linear(k, n, bias_=False, dtype=torch.qint8)
-            dyn.set_weight_bias(torch.quantize_per_channel(
-                w, scale, torch.zeros(n, dtype=torch.long), 0, torch.qint8), None)  # fmt: skip
+            dyn.set_weight_bias(
+                torch.quantize_per_channel(
+                    w, scale, torch.zeros(n, dtype=torch.long), 0, torch.qint8
+                ),
+                None,
+            )
         packed = Gemm(w, None)
-        ms = alternate({"fp32": partial(packed, x), "w8a8": partial(dyn, x),
-                        "pack": partial(torch.ops.aten._weight_int8pack_mm, x, w8, scale)},
-                       repeats)  # fmt: skip
+        ms = alternate(
+            {
+                "fp32": partial(packed, x),
+                "w8a8": partial(dyn, x),
+                "pack": partial(torch.ops.aten._weight_int8pack_mm, x, w8, scale),
+            },
+            repeats,
+        )
         ref = F.linear(x, w)
         e_dyn = (dyn(x) - ref).abs().max().item()
         e_pack = (torch.ops.aten._weight_int8pack_mm(x, w8, scale) - ref).abs().max().item()
-        rows.append(f"| {m} x {k} -> {n} | {ms['fp32']:.3f} | {ms['w8a8']:.3f} | {ms['pack']:.3f}"
-                    f" | {e_dyn:.1e} | {e_pack:.1e} |")  # fmt: skip
+        rows.append(
+            f"| {m} x {k} -> {n} | {ms['fp32']:.3f} | {ms['w8a8']:.3f} | {ms['pack']:.3f}"
+            f" | {e_dyn:.1e} | {e_pack:.1e} |"
+        )
     return rows
 
 
@@ -122,14 +146,17 @@ def _attention_case(n_seq: int, repeats: int) -> dict[str, float]:
 
     fns = {"torch": torch_path}
     if cpu_kernels.available():
-        fns["native"] = partial(cpu_kernels.decode_attention, q, k_cache, v_cache, tables, lens,
-                                scale)  # fmt: skip
+        fns["native"] = partial(
+            cpu_kernels.decode_attention, q, k_cache, v_cache, tables, lens, scale
+        )
     return alternate(fns, repeats)
 
 
 def decode_attention(repeats: int) -> list[str]:
-    rows = ["| sequences | torch path ms | native kernel ms | speed-up |",
-            "| ---: | ---: | ---: | ---: |"]  # fmt: skip
+    rows = [
+        "| sequences | torch path ms | native kernel ms | speed-up |",
+        "| ---: | ---: | ---: | ---: |",
+    ]
     for n_seq in (16, 64):
         ms = _attention_case(n_seq, repeats)
         nat = ms.get("native", float("nan"))
@@ -147,7 +174,9 @@ def main() -> None:
         print(f"## {threads} torch thread(s); load average (1 min) {os.getloadavg()[0]:.2f}\n")
         print("GEMM, benchmark-model shapes:\n")
         print("\n".join(gemm(a.repeats)) + "\n")
-        print("Decode attention, one layer, contexts 64-544, block 16, 8 heads / 4 KV heads x 64:\n")
+        print(
+            "Decode attention, one layer, contexts 64-544, block 16, 8 heads / 4 KV heads x 64:\n"
+        )
         print("\n".join(decode_attention(a.repeats)) + "\n", flush=True)
         print("int8 GEMM options, same shapes:\n")
         print("\n".join(int8(a.repeats)) + "\n", flush=True)

@@ -77,14 +77,20 @@ def main() -> None:
             outs[int8] = toks
         total += len(outs[False])
         agree += sum(x == y for x, y in zip(outs[False], outs[True], strict=False))
-    print(f"model: {model_dir}, {args.prompts} prompts x {args.prompt_tokens} tokens, "
-          f"{args.tokens} greedy tokens each")
+    print(
+        f"model: {model_dir}, {args.prompts} prompts x {args.prompt_tokens} tokens, "
+        f"{args.tokens} greedy tokens each"
+    )
     print("| KV on the wire | bytes | ratio |\n|---|---:|---:|")
-    print(f"| float32 | {bytes_fp} | 1.00x |\n| int8 + per-row scales | {bytes_q} | "
-          f"{bytes_fp / bytes_q:.2f}x smaller |")
+    print(
+        f"| float32 | {bytes_fp} | 1.00x |\n| int8 + per-row scales | {bytes_q} | "
+        f"{bytes_fp / bytes_q:.2f}x smaller |"
+    )
     print(f"\nmax |KV error| after int8 round trip: {max_err:.4g}")
-    print(f"greedy agreement (position-wise) int8 vs float32 KV: {agree}/{total} "
-          f"= {agree / total:.1%}")
+    print(
+        f"greedy agreement (position-wise) int8 vs float32 KV: {agree}/{total} "
+        f"= {agree / total:.1%}"
+    )
 
 
 if __name__ == "__main__":

@@ -34,13 +34,16 @@ def _meta(q_lens: list[int], ctx_lens: list[int], blocks_per_seq: int, block_siz
     for q in q_lens:
         qsl.append(qsl[-1] + q)
     tables = torch.arange(len(q_lens) * blocks_per_seq).view(len(q_lens), blocks_per_seq)
-    slots = torch.cat([
-        tables[i].repeat_interleave(block_size)[c - q : c] * block_size
-        + torch.arange(c - q, c) % block_size
-        for i, (q, c) in enumerate(zip(q_lens, ctx_lens, strict=True))
-    ])  # fmt: skip
-    return AttentionMetadata(torch.tensor(qsl), torch.tensor(ctx_lens), tables, slots,
-                             list(q_lens), list(ctx_lens))  # fmt: skip
+    slots = torch.cat(
+        [
+            tables[i].repeat_interleave(block_size)[c - q : c] * block_size
+            + torch.arange(c - q, c) % block_size
+            for i, (q, c) in enumerate(zip(q_lens, ctx_lens, strict=True))
+        ]
+    )
+    return AttentionMetadata(
+        torch.tensor(qsl), torch.tensor(ctx_lens), tables, slots, list(q_lens), list(ctx_lens)
+    )
 
 
 def _timed(fn) -> float:
@@ -71,8 +74,9 @@ def bench(args) -> list[tuple[str, float, float]]:
     g = torch.Generator().manual_seed(0)
     vocab = ours.config.vocab_size
     blocks = -(-max(t, ctx + 1) // bs)
-    cache = KVCache.allocate(ours.num_layers, b * blocks, bs, ours.num_kv_heads, ours.head_dim,
-                             ours.dtype)  # fmt: skip
+    cache = KVCache.allocate(
+        ours.num_layers, b * blocks, bs, ours.num_kv_heads, ours.head_dim, ours.dtype
+    )
     rows = []
 
     # prefill: B fresh prompts of T tokens
@@ -87,8 +91,9 @@ def bench(args) -> list[tuple[str, float, float]]:
 
     def hf_prefill():
         with torch.inference_mode():
-            return hf(prompts, cache=DynamicCache(config=hf.config), use_cache=True,
-                      logits_to_keep=1).logits  # fmt: skip
+            return hf(
+                prompts, cache=DynamicCache(config=hf.config), use_cache=True, logits_to_keep=1
+            ).logits
 
     ref = hf_prefill()[:, -1]
     assert (ours_prefill() - ref).abs().max() < 1e-3, "outputs differ"
@@ -96,8 +101,12 @@ def bench(args) -> list[tuple[str, float, float]]:
 
     # decode: B sequences with CTX cached tokens, one new token each
     ctx_ids = torch.randint(0, vocab, (b, ctx), generator=g)
-    ours(ctx_ids.flatten(), torch.arange(ctx).repeat(b), _meta([ctx] * b, [ctx] * b, blocks, bs),
-         cache)  # fmt: skip
+    ours(
+        ctx_ids.flatten(),
+        torch.arange(ctx).repeat(b),
+        _meta([ctx] * b, [ctx] * b, blocks, bs),
+        cache,
+    )
     new = torch.randint(0, vocab, (b,), generator=g)
     dmeta = _meta([1] * b, [ctx + 1] * b, blocks, bs)
     dpos = torch.full((b,), ctx)
@@ -118,8 +127,9 @@ def bench(args) -> list[tuple[str, float, float]]:
             return out
 
     assert (ours_decode() - hf_decode()[:, -1]).abs().max() < 1e-3, "outputs differ"
-    rows.append((f"decode step {b}x1 @ctx {ctx}",
-                 *_compare(ours_decode, hf_decode, args.repeats * 4)))  # fmt: skip
+    rows.append(
+        (f"decode step {b}x1 @ctx {ctx}", *_compare(ours_decode, hf_decode, args.repeats * 4))
+    )
     return rows
 
 
@@ -135,8 +145,10 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     import transformers
 
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, "
-          f"threads {args.threads}, device cpu")  # fmt: skip
+    print(
+        f"torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"threads {args.threads}, device cpu"
+    )
     print("| case | strata ms | transformers ms | ratio (hf/strata) |")
     print("| --- | ---: | ---: | ---: |")
     for name, ours_s, hf_s in bench(args):

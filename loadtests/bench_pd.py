@@ -75,10 +75,14 @@ async def one_request(nc, prefill, decode_w, prompt, max_tokens=2, mode="direct"
             done.set()
 
     sub = await nc.subscribe(subjects.req_out(rid), cb=on)
-    item = PrefillWork(request_id=rid, prompt_token_ids=prompt, transfer_mode=mode,
-                    sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                            ignore_eos=True),
-                    decode_instance=decode_w.rt.cfg.instance_id, decode_addr=decode_w.addr)
+    item = PrefillWork(
+        request_id=rid,
+        prompt_token_ids=prompt,
+        transfer_mode=mode,
+        sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+        decode_instance=decode_w.rt.cfg.instance_id,
+        decode_addr=decode_w.addr,
+    )
     t0 = time.perf_counter()
     await bus.request(nc, subjects.prefill_submit(prefill.rt.cfg.instance_id), item, SubmitAck)
     await asyncio.wait_for(done.wait(), 600)
@@ -93,8 +97,11 @@ def rand_prompt(n: int, vocab: int) -> list[int]:
 async def p5(nc, prefill, dec, lengths, repeats, vocab) -> list[str]:
     tap = prefill.svc.tap
     clock = LastLayerClock(tap)
-    rows = ["| prompt tokens | after-prefill handoff (ms) | layer-wise handoff (ms) | ratio | "
-            "after-prefill TTFT (ms) | layer-wise TTFT (ms) |", "|---:|---:|---:|---:|---:|---:|"]
+    rows = [
+        "| prompt tokens | after-prefill handoff (ms) | layer-wise handoff (ms) | ratio | "
+        "after-prefill TTFT (ms) | layer-wise TTFT (ms) |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
     for n in lengths:
         res: dict[str, list[tuple[float, float]]] = {"after": [], "layer": []}
         for _ in range(repeats):
@@ -116,8 +123,7 @@ async def p5(nc, prefill, dec, lengths, repeats, vocab) -> list[str]:
     return rows
 
 
-async def p4(nc, prefill_a, prefill_b, dec, n, repeats, vocab, fillers: int,
-             kvstore) -> list[str]:
+async def p4(nc, prefill_a, prefill_b, dec, n, repeats, vocab, fillers: int, kvstore) -> list[str]:
     """TTFT on prefill B (which never saw the prompt) when its prefix is nowhere (recompute),
     in the kvstore's DRAM (computed by A), or only in MinIO (A's blocks spilled out of DRAM by
     ``fillers`` other prompts of the same length)."""
@@ -143,13 +149,18 @@ async def p4(nc, prefill_a, prefill_b, dec, n, repeats, vocab, fillers: int,
                 restored += kvstore.core.stats.restore_bytes - b0
     base = statistics.median(res["recompute"])
     rows = [f"| case ({n}-token prompt) | TTFT (ms) | speed-up vs recompute |", "|---|---:|---:|"]
-    for case, label in (("recompute", "recompute"), ("dram", "kvstore DRAM hit"),
-                        ("ssd", "MinIO (SSD tier) hit")):
+    for case, label in (
+        ("recompute", "recompute"),
+        ("dram", "kvstore DRAM hit"),
+        ("ssd", "MinIO (SSD tier) hit"),
+    ):
         m = statistics.median(res[case])
         rows.append(f"| {label} | {m:.0f} | {base / m:.2f}x |")
         print(rows[-1], flush=True)
-    rows.append(f"\nMinIO hits restored {restored / repeats / 2**20:.1f} MiB per request in "
-                f"{gets / repeats:.0f} GETs (the kvstore's ranged reads).")
+    rows.append(
+        f"\nMinIO hits restored {restored / repeats / 2**20:.1f} MiB per request in "
+        f"{gets / repeats:.0f} GETs (the kvstore's ranged reads)."
+    )
     return rows
 
 
@@ -171,23 +182,37 @@ async def main_async(args) -> None:
     minio = start_minio() if not args.skip_p4 else None
     try:
         nc = await bus.connect(nats.url, "bench")
-        common = dict(nats_url=nats.url, model=model, kv_cache_bytes=args.kv_bytes,
-                      torch_threads=args.threads, max_num_batched_tokens=args.chunk,
-                      frame_merge_bytes=args.merge_bytes)
+        common = dict(
+            nats_url=nats.url,
+            model=model,
+            kv_cache_bytes=args.kv_bytes,
+            torch_threads=args.threads,
+            max_num_batched_tokens=args.chunk,
+            frame_merge_bytes=args.merge_bytes,
+        )
         stop_kv, kv_task = asyncio.Event(), None
         if minio is not None:
-            kv_cfg = KVStoreConfig.load([], role="kvstore", instance_id="bkv", nats_url=nats.url,
-                                        minio_endpoint=minio.endpoint,
-                                        minio_access_key=minio.kv_access_key,
-                                        minio_secret_key=minio.kv_secret_key,
-                                        dram_bytes=args.kvstore_dram_bytes)
+            kv_cfg = KVStoreConfig.load(
+                [],
+                role="kvstore",
+                instance_id="bkv",
+                nats_url=nats.url,
+                minio_endpoint=minio.endpoint,
+                minio_access_key=minio.kv_access_key,
+                minio_secret_key=minio.kv_secret_key,
+                dram_bytes=args.kvstore_dram_bytes,
+            )
             ready = asyncio.get_running_loop().create_future()
             kv_task = asyncio.create_task(
-                run_kvstore(kv_cfg, stop_kv, on_ready=lambda s, a: ready.set_result((s, a))))
+                run_kvstore(kv_cfg, stop_kv, on_ready=lambda s, a: ready.set_result((s, a)))
+            )
             kvstore, common["kvstore_addrs"] = await asyncio.wait_for(ready, 60)
         workers = []
-        for role, iid, cls in (("prefill", "bp", PrefillService), ("decode", "bd", DecodeService),
-                               ("prefill", "bp2", PrefillService)):
+        for role, iid, cls in (
+            ("prefill", "bp", PrefillService),
+            ("decode", "bd", DecodeService),
+            ("prefill", "bp2", PrefillService),
+        ):
             if iid == "bp2" and minio is None:
                 continue
             # P5's prefill has the layer tap (it switches it per request); the others run the
@@ -199,10 +224,12 @@ async def main_async(args) -> None:
         cfg = prefill.rt.loaded.config
         vocab = cfg.vocab_size
         params = sum(p.numel() for p in prefill.rt.loaded.model.parameters()) / 1e6
-        print(f"model: {model} ({params:.1f}M params, {cfg.num_layers} layers, "
-              f"{cfg.num_kv_heads} kv heads x {cfg.head_dim}, {cfg.dtype}), torch threads "
-              f"{args.threads}/process, prefill chunk {args.chunk} tokens, "
-              f"{len(os.sched_getaffinity(0))} cores, load average {os.getloadavg()[0]:.1f}")
+        print(
+            f"model: {model} ({params:.1f}M params, {cfg.num_layers} layers, "
+            f"{cfg.num_kv_heads} kv heads x {cfg.head_dim}, {cfg.dtype}), torch threads "
+            f"{args.threads}/process, prefill chunk {args.chunk} tokens, "
+            f"{len(os.sched_getaffinity(0))} cores, load average {os.getloadavg()[0]:.1f}"
+        )
         await one_request(nc, prefill, dec, rand_prompt(64, vocab))  # warm-up
         print("\n### P5: PD handoff (prefill's last layer -> decode's first token)\n")
         rows = await p5(nc, prefill, dec, args.lengths, args.repeats, vocab)
@@ -210,10 +237,21 @@ async def main_async(args) -> None:
         if minio is not None:
             n = args.p4_tokens
             lw = "layer-wise" if workers[2].rt.cfg.layerwise_transfer else "after-prefill"
-            print(f"\n### P4: TTFT of a {n}-token prompt on a prefill instance that never saw it "
-                  f"(default transfer mode here: {lw})\n")
-            rows = await p4(nc, prefill, workers[2], dec, n, args.repeats, vocab, kvstore=kvstore,
-                            fillers=args.fillers)
+            print(
+                f"\n### P4: TTFT of a {n}-token prompt on a prefill instance that never saw it "
+                f"(default transfer mode here: {lw})\n"
+            )
+            rows = await p4(
+                nc,
+                prefill,
+                workers[2],
+                dec,
+                n,
+                args.repeats,
+                vocab,
+                kvstore=kvstore,
+                fillers=args.fillers,
+            )
             print("\n".join(rows))
         for w in workers:
             await w.stop()
@@ -238,10 +276,18 @@ def main() -> None:
     ap.add_argument("--kv-bytes", type=int, default=512 << 20)
     ap.add_argument("--skip-p4", action="store_true")
     ap.add_argument("--p4-tokens", type=int, default=8192)
-    ap.add_argument("--kvstore-dram-bytes", type=int, default=40 << 20,
-                    help="kvstore DRAM budget (P4 spills to MinIO past it)")
-    ap.add_argument("--fillers", type=int, default=2,
-                    help="P4: prompts pushed through A to spill the measured prefix to MinIO")
+    ap.add_argument(
+        "--kvstore-dram-bytes",
+        type=int,
+        default=40 << 20,
+        help="kvstore DRAM budget (P4 spills to MinIO past it)",
+    )
+    ap.add_argument(
+        "--fillers",
+        type=int,
+        default=2,
+        help="P4: prompts pushed through A to spill the measured prefix to MinIO",
+    )
     args = ap.parse_args()
     args.lengths = [int(x) for x in args.lengths.split(",")]
     torch.set_num_threads(args.threads)

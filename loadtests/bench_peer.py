@@ -78,12 +78,21 @@ def model_for(size: str) -> str:
 def run_stats(res: list[RequestResult], wall: float) -> dict:
     ok = [r for r in res if r.ok]
     ttft = [r.ttft for r in ok if r.ttft is not None]
-    tpot = [(r.e2e - r.ttft) / (r.completion_tokens - 1) for r in ok
-            if r.e2e is not None and r.ttft is not None and r.completion_tokens > 1]  # fmt: skip
-    return {"tok_s": sum(r.completion_tokens for r in ok) / wall, "errors": len(res) - len(ok),
-            "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
-            "tpot_p50": percentile(tpot, 50), "tbt_p50": percentile([g for r in ok for g in r.itl], 50),
-            "prompt_tokens": [r.prompt_tokens for r in res], "load": os.getloadavg()[0]}  # fmt: skip
+    tpot = [
+        (r.e2e - r.ttft) / (r.completion_tokens - 1)
+        for r in ok
+        if r.e2e is not None and r.ttft is not None and r.completion_tokens > 1
+    ]
+    return {
+        "tok_s": sum(r.completion_tokens for r in ok) / wall,
+        "errors": len(res) - len(ok),
+        "ttft_p50": percentile(ttft, 50),
+        "ttft_p99": percentile(ttft, 99),
+        "tpot_p50": percentile(tpot, 50),
+        "tbt_p50": percentile([g for r in ok for g in r.itl], 50),
+        "prompt_tokens": [r.prompt_tokens for r in res],
+        "load": os.getloadavg()[0],
+    }
 
 
 def drive(url: str, model: str, prompts: list[str], wl: Workload) -> dict:
@@ -92,8 +101,11 @@ def drive(url: str, model: str, prompts: list[str], wl: Workload) -> dict:
     warm = [Job(10_000 + i, 4, prompt=p) for i, p in enumerate(wl.prompts("warm-up", 2))]
     asyncio.run(run_jobs(warm, cfg, concurrency=2))
     load = os.getloadavg()[0]
-    res, wall = asyncio.run(run_jobs([Job(i, wl.out, prompt=p) for i, p in enumerate(prompts)],
-                                     cfg, concurrency=wl.conc))  # fmt: skip
+    res, wall = asyncio.run(
+        run_jobs(
+            [Job(i, wl.out, prompt=p) for i, p in enumerate(prompts)], cfg, concurrency=wl.conc
+        )
+    )
     return {**run_stats(res, wall), "load": load}
 
 
@@ -102,9 +114,17 @@ def greedy(url: str, model: str, prompts: list[str], n_out: int = 32) -> list[li
     out = []
     with httpx.Client(timeout=300) as c:
         for p in prompts:
-            r = c.post(url + "/v1/completions", json={
-                "model": model, "prompt": p, "max_tokens": n_out, "temperature": 0,
-                "ignore_eos": True, "logprobs": 1})  # fmt: skip
+            r = c.post(
+                url + "/v1/completions",
+                json={
+                    "model": model,
+                    "prompt": p,
+                    "max_tokens": n_out,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "logprobs": 1,
+                },
+            )
             r.raise_for_status()
             ch = r.json()["choices"][0]
             out.append(list((ch.get("logprobs") or {}).get("tokens") or [ch["text"]]))
@@ -150,8 +170,16 @@ def engine_run(model_dir: str, prompts: list[str], wl: Workload, threads: int) -
         wall = time.perf_counter() - t
     eng.close()
     nan = math.nan
-    return {"tok_s": sum(map(len, out)) / wall, "errors": 0, "ttft_p50": nan, "ttft_p99": nan,
-            "tpot_p50": nan, "tbt_p50": nan, "prompt_tokens": list(map(len, ids)), "load": load}  # fmt: skip
+    return {
+        "tok_s": sum(map(len, out)) / wall,
+        "errors": 0,
+        "ttft_p50": nan,
+        "ttft_p99": nan,
+        "tpot_p50": nan,
+        "tbt_p50": nan,
+        "prompt_tokens": list(map(len, ids)),
+        "load": load,
+    }
 
 
 def fmt_ms(x: float) -> str:
@@ -159,22 +187,29 @@ def fmt_ms(x: float) -> str:
 
 
 def table(name: str, wl: Workload, runs: dict[str, list[dict]], note: str) -> list[str]:
-    rows = [f"#### {name}: {wl.n} prompts of {wl.lo}-{wl.hi} tokens, {wl.out} out, concurrency "
-            f"{wl.conc} ({note})", "",
-            "| side | runs | out tok/s (median) | spread (min-max) | TTFT p50 | TTFT p99 | TPOT p50 "
-            "| TBT p50 | errors | load avg |",
-            "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- |"]  # fmt: skip
+    rows = [
+        f"#### {name}: {wl.n} prompts of {wl.lo}-{wl.hi} tokens, {wl.out} out, concurrency "
+        f"{wl.conc} ({note})",
+        "",
+        "| side | runs | out tok/s (median) | spread (min-max) | TTFT p50 | TTFT p99 | TPOT p50 "
+        "| TBT p50 | errors | load avg |",
+        "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
     for side, rs in runs.items():
         if not rs:
             continue
         rate = [r["tok_s"] for r in rs]
-        med = {k: statistics.median(r[k] for r in rs)
-               for k in ("ttft_p50", "ttft_p99", "tpot_p50", "tbt_p50")}  # fmt: skip
+        med = {
+            k: statistics.median(r[k] for r in rs)
+            for k in ("ttft_p50", "ttft_p99", "tpot_p50", "tbt_p50")
+        }
         load = [r["load"] for r in rs]
-        rows.append(f"| {side} | {len(rs)} | {statistics.median(rate):.1f} | {min(rate):.1f}-"
-                    f"{max(rate):.1f} | {fmt_ms(med['ttft_p50'])} | {fmt_ms(med['ttft_p99'])} | "
-                    f"{fmt_ms(med['tpot_p50'])} | {fmt_ms(med['tbt_p50'])} | "
-                    f"{sum(r['errors'] for r in rs)} | {min(load):.2f}-{max(load):.2f} |")  # fmt: skip
+        rows.append(
+            f"| {side} | {len(rs)} | {statistics.median(rate):.1f} | {min(rate):.1f}-"
+            f"{max(rate):.1f} | {fmt_ms(med['ttft_p50'])} | {fmt_ms(med['ttft_p99'])} | "
+            f"{fmt_ms(med['tpot_p50'])} | {fmt_ms(med['tbt_p50'])} | "
+            f"{sum(r['errors'] for r in rs)} | {min(load):.2f}-{max(load):.2f} |"
+        )
     return rows
 
 
@@ -249,16 +284,21 @@ def main() -> None:
                             model_dir,
                             [p for ps in prompts.values() for p in ps],
                         )
-                        notes.append("tokenization: " + (why or "vLLM's /tokenize gives Strata's "
-                                                         "ids for every prompt"))  # fmt: skip
+                        notes.append(
+                            "tokenization: "
+                            + (why or "vLLM's /tokenize gives Strata's ids for every prompt")
+                        )
                     for w, wl in wls.items():
                         runs[w][side].append(drive(srv.url, model_dir, prompts[w], wl))
                     got_greedy.setdefault(side, greedy(srv.url, model_dir, gprompts))
             else:
                 kw = VARIANTS.get(side, {})
-                with open(os.path.join(log_dir, "strata.log"), "a") as log, Cluster(
-                        model_dir, log_stream=log, die_with_parent=True, log_level="WARNING",
-                        **kw) as c:  # fmt: skip
+                with (
+                    open(os.path.join(log_dir, "strata.log"), "a") as log,
+                    Cluster(
+                        model_dir, log_stream=log, die_with_parent=True, log_level="WARNING", **kw
+                    ) as c,
+                ):
                     if rep == 0:
                         notes.append(f"{side}: {c.shape.line}")
                     name = os.path.basename(model_dir)
@@ -266,9 +306,12 @@ def main() -> None:
                         runs[w][side].append(drive(c.gateway_url, name, prompts[w], wl))
                     got_greedy.setdefault(side, greedy(c.gateway_url, name, gprompts))
     n_params = _params(model_dir)
-    out = [f"### bench_peer: {cpu_name()}, {threads} usable cores; model {a.model_size} "
-           f"({n_params / 1e6:.1f}M params, fp32, random weights); greedy, ignore_eos, streamed "
-           f"/v1/completions; {a.repeats} run(s) per side, order alternated", ""]  # fmt: skip
+    out = [
+        f"### bench_peer: {cpu_name()}, {threads} usable cores; model {a.model_size} "
+        f"({n_params / 1e6:.1f}M params, fp32, random weights); greedy, ignore_eos, streamed "
+        f"/v1/completions; {a.repeats} run(s) per side, order alternated",
+        "",
+    ]
     for w, wl in wls.items():
         out += table(w, wl, runs[w], f"engine: {threads} torch threads") + [""]
         if peer in sides:
@@ -280,8 +323,10 @@ def main() -> None:
     if peer in got_greedy:
         for s, toks in got_greedy.items():
             if s != peer:
-                out.append(f"- greedy {s} vs vLLM ({a.greedy_prompts} prompts, 32 tokens): "
-                           f"{agreement(toks, got_greedy[peer])}")  # fmt: skip
+                out.append(
+                    f"- greedy {s} vs vLLM ({a.greedy_prompts} prompts, 32 tokens): "
+                    f"{agreement(toks, got_greedy[peer])}"
+                )
     out += [f"- {n}" for n in notes]
     text = "\n".join(out)
     print(text, flush=True)

@@ -65,13 +65,25 @@ def throughput(lm, tok, prompts, out_len: int, share: float) -> tuple[float, int
 
 def compile_times(tok, vocab: int, repeats: int) -> list[str]:
     rows = []
-    tools = {"format": "hermes", "parallel": True, "schema": {"anyOf": [
-        {"type": "object", "required": ["name", "arguments"], "properties": {
-            "name": {"const": f"fn_{i}"}, "arguments": RECORD}} for i in range(8)]}}  # fmt: skip
-    specs = {"record schema": StructuredSpec(kind="json_schema", spec=json.dumps(RECORD)),
-             "array-of-records schema": SPEC,
-             "8 tools, hermes, parallel": StructuredSpec(kind="tool_calls",
-                                                         spec=json.dumps(tools))}  # fmt: skip
+    tools = {
+        "format": "hermes",
+        "parallel": True,
+        "schema": {
+            "anyOf": [
+                {
+                    "type": "object",
+                    "required": ["name", "arguments"],
+                    "properties": {"name": {"const": f"fn_{i}"}, "arguments": RECORD},
+                }
+                for i in range(8)
+            ]
+        },
+    }
+    specs = {
+        "record schema": StructuredSpec(kind="json_schema", spec=json.dumps(RECORD)),
+        "array-of-records schema": SPEC,
+        "8 tools, hermes, parallel": StructuredSpec(kind="tool_calls", spec=json.dumps(tools)),
+    }
     for name, spec in specs.items():
         cold, hot = [], []
         for _ in range(repeats):
@@ -82,8 +94,9 @@ def compile_times(tok, vocab: int, repeats: int) -> list[str]:
             t = time.perf_counter()
             cache.get(spec)
             hot.append(time.perf_counter() - t)
-        rows.append(f"| {name} | {statistics.median(cold) * 1e3:.1f} | "
-                    f"{statistics.median(hot) * 1e6:.1f} |")  # fmt: skip
+        rows.append(
+            f"| {name} | {statistics.median(cold) * 1e3:.1f} | {statistics.median(hot) * 1e6:.1f} |"
+        )
     return rows
 
 
@@ -107,15 +120,19 @@ def main() -> None:
             for s in shares:
                 rates[s].append(throughput(lm, tok, prompts, args.out_len, s)[0])
     base = statistics.median(rates[0.0])
-    print(f"load average (1 min) before/after: {load_before:.2f}/{os.getloadavg()[0]:.2f}; torch threads "
-          f"{torch.get_num_threads()}; n={args.n}, out_len={args.out_len}, "
-          f"repeats={args.repeats}\n")  # fmt: skip
+    print(
+        f"load average (1 min) before/after: {load_before:.2f}/{os.getloadavg()[0]:.2f}; torch threads "
+        f"{torch.get_num_threads()}; n={args.n}, out_len={args.out_len}, "
+        f"repeats={args.repeats}\n"
+    )
     print("| constrained | tokens/s (median) | best | spread | vs 0 % |")
     print("| --- | --- | --- | --- | --- |")
     for s in shares:
         r = rates[s]
-        print(f"| {s:.0%} | {statistics.median(r):.1f} | {max(r):.1f} | "
-              f"{max(r) - min(r):.1f} | {statistics.median(r) / base:.2f}x |")  # fmt: skip
+        print(
+            f"| {s:.0%} | {statistics.median(r):.1f} | {max(r):.1f} | "
+            f"{max(r) - min(r):.1f} | {statistics.median(r) / base:.2f}x |"
+        )
     print("\n| grammar | compile cold (ms, median) | cached lookup (µs, median) |")
     print("| --- | --- | --- |")
     print("\n".join(compile_times(tok, lm.config.vocab_size, args.repeats)))

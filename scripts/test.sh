@@ -13,6 +13,8 @@ log() { if [ -t 2 ]; then printf '\033[1m[test]\033[0m %s\n' "$*" >&2; else prin
 
 log "ruff check"
 "$PY" -m ruff check .
+log "ruff format --check"
+"$PY" -m ruff format --check .
 
 log "pytest (per-test timeout ${STRATA_TEST_TIMEOUT:-300}s)"
 export STRATA_TEST_THREADS="${STRATA_TEST_THREADS:-1}"

@@ -1,10 +1,10 @@
 """The `strata` command.
 
-    strata serve <role> [flags...]     run one service in this process (flags: see --help)
-    strata up [--model DIR] [...]      the whole cluster on this machine, Ctrl-C stops it
-    strata model build-default [DIR]   write the built-in default model (default: the cache)
-    strata model build-benchmark [DIR] write the standard benchmark model
-    strata nats-credentials [FILE]     NATS passwords per role for compose (default compose/.env)
+strata serve <role> [flags...]     run one service in this process (flags: see --help)
+strata up [--model DIR] [...]      the whole cluster on this machine, Ctrl-C stops it
+strata model build-default [DIR]   write the built-in default model (default: the cache)
+strata model build-benchmark [DIR] write the standard benchmark model
+strata nats-credentials [FILE]     NATS passwords per role for compose (default compose/.env)
 """
 
 from __future__ import annotations
@@ -51,8 +51,10 @@ def serve(role: str, argv: list[str]) -> int:
     except ModuleNotFoundError as exc:
         if exc.name not in (package, f"{package}.{role}", module):
             raise  # the app exists but one of its own imports is missing: show the traceback
-        say(f"the {role} service is not available: module {module} not found "
-            f"(is services/{role}/app.py written and the project installed?)")
+        say(
+            f"the {role} service is not available: module {module} not found "
+            f"(is services/{role}/app.py written and the project installed?)"
+        )
         return 1
     main = getattr(app, "main", None)
     if not callable(main):
@@ -77,36 +79,76 @@ def up_parser(prog: str = "strata up") -> argparse.ArgumentParser:
     p.add_argument("--nats-port", type=int, default=0, help="nats-server port (0 = free port)")
     p.add_argument("--minio-port", type=int, default=0, help="MinIO port (0 = free port)")
     p.add_argument("--no-minio", action="store_true", help="no MinIO (KV pool stays in DRAM)")
-    p.add_argument("--data-dir", default=os.path.join(_root(), ".data"),
-                   help="NATS/MinIO data and service logs (default: .data/)")
+    p.add_argument(
+        "--data-dir",
+        default=os.path.join(_root(), ".data"),
+        help="NATS/MinIO data and service logs (default: .data/)",
+    )
     for role in ("scheduler", "tokenizer", "vision", "kvstore", "decode"):
-        p.add_argument(f"--{role}", type=int, default=getattr(d, role), metavar="N",
-                       help=f"{role} instances (default {getattr(d, role)})")
-    p.add_argument("--prefill", type=int, default=None, metavar="N",
-                   help="prefill instances; 0 = decode prefills (default: from the machine: "
-                   "0 below 8 cores, else 1)")
-    p.add_argument("--torch-threads", type=int, default=None, metavar="N",
-                   help="torch threads per prefill/decode process (default: its share of the "
-                   "cores)")
+        p.add_argument(
+            f"--{role}",
+            type=int,
+            default=getattr(d, role),
+            metavar="N",
+            help=f"{role} instances (default {getattr(d, role)})",
+        )
+    p.add_argument(
+        "--prefill",
+        type=int,
+        default=None,
+        metavar="N",
+        help="prefill instances; 0 = decode prefills (default: from the machine: "
+        "0 below 8 cores, else 1)",
+    )
+    p.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="torch threads per prefill/decode process (default: its share of the cores)",
+    )
     p.add_argument("--device", default=d.device, help="torch device: cpu or cuda[:N]")
     p.add_argument("--log-level", default=d.log_level)
-    p.add_argument("--metrics-port-base", type=int, default=0,
-                   help="first Prometheus port, +1 per process (0 = free ports)")
+    p.add_argument(
+        "--metrics-port-base",
+        type=int,
+        default=0,
+        help="first Prometheus port, +1 per process (0 = free ports)",
+    )
     p.add_argument("--ready-timeout", type=float, default=d.ready_timeout)
-    p.add_argument("--no-restart", action="store_true",
-                   help="do not restart crashed services, nats-server or MinIO")
-    p.add_argument("--launcher-metrics-port", type=int, default=0, metavar="PORT",
-                   help="port of strata_launcher_restarts_total (0 = a free port)")
-    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra env for every service (repeatable)")
+    p.add_argument(
+        "--no-restart",
+        action="store_true",
+        help="do not restart crashed services, nats-server or MinIO",
+    )
+    p.add_argument(
+        "--launcher-metrics-port",
+        type=int,
+        default=0,
+        metavar="PORT",
+        help="port of strata_launcher_restarts_total (0 = a free port)",
+    )
+    p.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra env for every service (repeatable)",
+    )
     p.add_argument("--no-color", action="store_true", help="plain log prefixes")
-    p.add_argument("--no-nats-auth", action="store_true",
-                   help="NATS without users (anyone on the network may use every subject)")
+    p.add_argument(
+        "--no-nats-auth",
+        action="store_true",
+        help="NATS without users (anyone on the network may use every subject)",
+    )
     p.add_argument("--nats-tls-cert", default="", help="nats-server TLS certificate (TLS on)")
     p.add_argument("--nats-tls-key", default="", help="nats-server TLS key")
     p.add_argument("--nats-tls-ca", default="", help="CA of the server certificate (for clients)")
-    p.add_argument("--nats-tls-verify", action="store_true",
-                   help="clients must present a certificate signed by --nats-tls-ca")
+    p.add_argument(
+        "--nats-tls-verify",
+        action="store_true",
+        help="clients must present a certificate signed by --nats-tls-ca",
+    )
     return p
 
 
@@ -118,14 +160,33 @@ def config_from_args(a: argparse.Namespace) -> ClusterConfig:
             raise SystemExit(f"strata up: --env expects KEY=VALUE, got {item!r}")
         env[key] = value
     return ClusterConfig(
-        model=a.model, host=a.host, port=a.port, nats_port=a.nats_port, minio_port=a.minio_port,
-        minio=not a.no_minio, data_dir=os.path.abspath(a.data_dir), scheduler=a.scheduler,
-        tokenizer=a.tokenizer, vision=a.vision, kvstore=a.kvstore, prefill=a.prefill,
-        decode=a.decode, torch_threads=a.torch_threads, device=a.device, log_level=a.log_level,
-        metrics_port_base=a.metrics_port_base, ready_timeout=a.ready_timeout, env=env,
-        die_with_parent=True, restart=not a.no_restart,
-        launcher_metrics_port=a.launcher_metrics_port, nats_auth=not a.no_nats_auth, nats_tls_cert=a.nats_tls_cert,
-        nats_tls_key=a.nats_tls_key, nats_tls_ca=a.nats_tls_ca, nats_tls_verify=a.nats_tls_verify,
+        model=a.model,
+        host=a.host,
+        port=a.port,
+        nats_port=a.nats_port,
+        minio_port=a.minio_port,
+        minio=not a.no_minio,
+        data_dir=os.path.abspath(a.data_dir),
+        scheduler=a.scheduler,
+        tokenizer=a.tokenizer,
+        vision=a.vision,
+        kvstore=a.kvstore,
+        prefill=a.prefill,
+        decode=a.decode,
+        torch_threads=a.torch_threads,
+        device=a.device,
+        log_level=a.log_level,
+        metrics_port_base=a.metrics_port_base,
+        ready_timeout=a.ready_timeout,
+        env=env,
+        die_with_parent=True,
+        restart=not a.no_restart,
+        launcher_metrics_port=a.launcher_metrics_port,
+        nats_auth=not a.no_nats_auth,
+        nats_tls_cert=a.nats_tls_cert,
+        nats_tls_key=a.nats_tls_key,
+        nats_tls_ca=a.nats_tls_ca,
+        nats_tls_verify=a.nats_tls_verify,
     )
 
 
@@ -143,8 +204,10 @@ def up(argv: list[str]) -> int:
         say(f"bad setting {flag}: {e['msg']} (got {e.get('input')!r})")
         return 2
     if not cfg.model:
-        say(f"no --model: serving the built-in default model ({default_model_dir()}, "
-            "generated on first use)")
+        say(
+            f"no --model: serving the built-in default model ({default_model_dir()}, "
+            "generated on first use)"
+        )
         try:
             cfg = cfg.model_copy(update={"model": ensure_model("")})
         except RuntimeError as exc:
@@ -155,9 +218,11 @@ def up(argv: list[str]) -> int:
     rc = 0
     try:
         infra = "nats-server, MinIO" if cfg.minio else "nats-server"
-        say(f"starting {infra} and the services ({cluster.cfg.prefill} prefill, "
+        say(
+            f"starting {infra} and the services ({cluster.cfg.prefill} prefill, "
             f"{cluster.cfg.decode} decode); "
-            f"logs in {cluster.log_dir}")
+            f"logs in {cluster.log_dir}"
+        )
         cluster.start()
         _banner(cluster)
         while cluster.watchdog is not None:  # restarts crashed processes (services.infra.restart)
@@ -169,9 +234,15 @@ def up(argv: list[str]) -> int:
         while cluster.watchdog is None:
             time.sleep(0.5)
             for p in cluster.sup.exited():
-                say(f"{p.name} exited with code {p.returncode}; last lines:\n"
-                    + "\n".join(f"  | {line}" for line in p.tail))
-            if cluster.nats is None or cluster.nats.proc is None or cluster.nats.proc.poll() is not None:
+                say(
+                    f"{p.name} exited with code {p.returncode}; last lines:\n"
+                    + "\n".join(f"  | {line}" for line in p.tail)
+                )
+            if (
+                cluster.nats is None
+                or cluster.nats.proc is None
+                or cluster.nats.proc.poll() is not None
+            ):
                 say("nats-server exited; stopping")
                 rc = 1
                 break
@@ -206,18 +277,23 @@ def _banner(cluster) -> None:
             name = json.load(r)["data"][0]["id"]
     except (OSError, ValueError, KeyError, IndexError):
         pass
-    body = json.dumps({"model": name, "messages": [{"role": "user", "content": "Hello!"}],
-                       "max_tokens": 32})
+    body = json.dumps(
+        {"model": name, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32}
+    )
     say(f"Strata is up at {url}  (model {name!r}; NATS {cluster.nats_url})")
     say(f"try:  curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'")
     if cluster.cfg.nats_auth:
         from services.infra.nats_auth import API_USER, password_file
 
-        say(f"NATS API (strata.api.v1.generate): user {API_USER!r}, password in "
-            f"{password_file(cluster.nats.cred_dir, API_USER)}, reply inboxes under _INBOX.api")
+        say(
+            f"NATS API (strata.api.v1.generate): user {API_USER!r}, password in "
+            f"{password_file(cluster.nats.cred_dir, API_USER)}, reply inboxes under _INBOX.api"
+        )
     if cluster.watchdog is not None:
-        say(f"crashed processes are restarted (backoff 0.5s doubling to 30s); restart counts: "
-            f"http://{cluster.cfg.host}:{cluster.launcher_metrics_port}/metrics")
+        say(
+            f"crashed processes are restarted (backoff 0.5s doubling to 30s); restart counts: "
+            f"http://{cluster.cfg.host}:{cluster.launcher_metrics_port}/metrics"
+        )
     say("Ctrl-C stops everything.")
 
 
@@ -232,8 +308,11 @@ def model_cmd(argv: list[str]) -> int:
         if a.dir:
             from shared.model import default_model
 
-            build = (default_model.build_benchmark_model if a.what == "build-benchmark"
-                     else default_model.build_default_model)
+            build = (
+                default_model.build_benchmark_model
+                if a.what == "build-benchmark"
+                else default_model.build_default_model
+            )
             out = str(build(a.dir))
         else:
             out = ensure_model("", benchmark=a.what == "build-benchmark")
@@ -269,14 +348,20 @@ def main(argv: list[str] | None = None) -> None:
 def nats_credentials_cmd(argv: list[str]) -> int:
     """Random NATS passwords for compose/docker-compose.yml's users (kept if already there)."""
     p = argparse.ArgumentParser(prog="strata nats-credentials")
-    p.add_argument("file", nargs="?", default=os.path.join(_root(), "compose", ".env"),
-                   help="env file docker compose reads (default: compose/.env), mode 0600")
+    p.add_argument(
+        "file",
+        nargs="?",
+        default=os.path.join(_root(), "compose", ".env"),
+        help="env file docker compose reads (default: compose/.env), mode 0600",
+    )
     a = p.parse_args(argv)
     from services.infra.nats_auth import write_env_file
 
     users = write_env_file(a.file)
-    say(f"NATS passwords for {', '.join(users)} in {a.file} (0600); external NATS API clients "
-        f"log in as 'api' with STRATA_NATS_PASSWORD_API")
+    say(
+        f"NATS passwords for {', '.join(users)} in {a.file} (0600); external NATS API clients "
+        f"log in as 'api' with STRATA_NATS_PASSWORD_API"
+    )
     return 0
 
 

@@ -71,32 +71,56 @@ class ClusterConfig(BaseModel):
     tokenizer: int = Field(1, ge=1, le=64, description="Tokenizer replicas (queue group)")
     vision: int = Field(1, ge=0, le=64, description="Vision encoder replicas (0 = text only)")
     kvstore: int = Field(1, ge=0, le=64, description="kvstore instances (0 = no KV pool)")
-    prefill: int | None = Field(None, ge=0, le=64, description="Prefill instances (0 = decode "
-                                "prefills; None = from the machine, see services.shape)")
+    prefill: int | None = Field(
+        None,
+        ge=0,
+        le=64,
+        description="Prefill instances (0 = decode "
+        "prefills; None = from the machine, see services.shape)",
+    )
     decode: int = Field(1, ge=1, le=64, description="Decode instances")
-    torch_threads: int | None = Field(None, ge=1, le=256, description="torch threads per "
-                                      "prefill/decode process (None = from the shape)")
+    torch_threads: int | None = Field(
+        None,
+        ge=1,
+        le=256,
+        description="torch threads per prefill/decode process (None = from the shape)",
+    )
     device: str = Field("cpu", description="torch device of model processes")
     log_level: str = Field("INFO", description="Log level of every service")
-    metrics_port_base: int = Field(0, ge=0, le=65000,
-                                   description="First Prometheus port, +1 per process (0 = free)")
+    metrics_port_base: int = Field(
+        0, ge=0, le=65000, description="First Prometheus port, +1 per process (0 = free)"
+    )
     env: dict[str, str] = Field(default_factory=dict, description="Extra env for every service")
-    role_args: dict[str, list[str]] = Field(default_factory=dict,
-                                            description="Extra `strata serve` flags per role")
+    role_args: dict[str, list[str]] = Field(
+        default_factory=dict, description="Extra `strata serve` flags per role"
+    )
     ready_timeout: float = Field(300.0, gt=0, description="Seconds to wait for readiness")
     stop_timeout: float = Field(10.0, gt=0, description="Seconds between SIGTERM and SIGKILL")
     die_with_parent: bool = Field(False, description="Children die if the launcher is killed")
-    restart: bool = Field(False, description="Restart crashed services, nats-server and MinIO "
-                          "with backoff (services.infra.restart); `strata up` turns it on")
-    launcher_metrics_port: int = Field(0, ge=0, le=65535, description="With restart: port of "
-                                       "strata_launcher_restarts_total (0 = a free port)")
-    nats_auth: bool = Field(True, description="Per-role NATS users and permissions (anonymous "
-                            "clients refused); credentials in <data-dir>/nats/credentials")
+    restart: bool = Field(
+        False,
+        description="Restart crashed services, nats-server and MinIO "
+        "with backoff (services.infra.restart); `strata up` turns it on",
+    )
+    launcher_metrics_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="With restart: port of strata_launcher_restarts_total (0 = a free port)",
+    )
+    nats_auth: bool = Field(
+        True,
+        description="Per-role NATS users and permissions (anonymous "
+        "clients refused); credentials in <data-dir>/nats/credentials",
+    )
     nats_tls_cert: str = Field("", description="nats-server TLS certificate ('' = no TLS)")
     nats_tls_key: str = Field("", description="nats-server TLS key")
     nats_tls_ca: str = Field("", description="CA of the server certificate, given to clients")
-    nats_tls_verify: bool = Field(False, description="Clients must present a certificate "
-                                  "signed by nats_tls_ca (set STRATA_NATS_TLS_CERT/KEY via env)")
+    nats_tls_verify: bool = Field(
+        False,
+        description="Clients must present a certificate "
+        "signed by nats_tls_ca (set STRATA_NATS_TLS_CERT/KEY via env)",
+    )
 
 
 def default_model_dir() -> str:
@@ -133,18 +157,30 @@ def vision_replicas(model_dir: str, requested: int) -> tuple[int, str]:
 class Cluster:
     """A local cluster: `start()` / `stop()`, `gateway_url`, `kill()` / `restart()` a service."""
 
-    def __init__(self, model_dir: str = "", config: ClusterConfig | None = None, *,
-                 log_stream: IO[str] | None = None, color: bool | None = None, **overrides: Any):
+    def __init__(
+        self,
+        model_dir: str = "",
+        config: ClusterConfig | None = None,
+        *,
+        log_stream: IO[str] | None = None,
+        color: bool | None = None,
+        **overrides: Any,
+    ):
         base = (config or ClusterConfig()).model_dump()
         base.update(overrides)
         if model_dir:
             base["model"] = model_dir
         cfg = ClusterConfig.model_validate(base)
-        self.shape: Shape = choose_shape(usable_cores(), _accelerators(cfg.device),
-                                         prefill=cfg.prefill, decode=cfg.decode,
-                                         torch_threads=cfg.torch_threads)  # fmt: skip
-        self.cfg = cfg.model_copy(update={"prefill": self.shape.prefill,
-                                          "torch_threads": self.shape.torch_threads})  # fmt: skip
+        self.shape: Shape = choose_shape(
+            usable_cores(),
+            _accelerators(cfg.device),
+            prefill=cfg.prefill,
+            decode=cfg.decode,
+            torch_threads=cfg.torch_threads,
+        )
+        self.cfg = cfg.model_copy(
+            update={"prefill": self.shape.prefill, "torch_threads": self.shape.torch_threads}
+        )
         self._own_data = not self.cfg.data_dir
         self.data_dir = os.path.abspath(self.cfg.data_dir) if self.cfg.data_dir else ""
         self.sup = Supervisor(LogSink(log_stream, color))
@@ -195,23 +231,29 @@ class Cluster:
         checkpoint (`validate_checkpoint`), the MinIO binary. Raises one-line errors."""
         if port_open(self.cfg.host, self.port):
             raise RuntimeError(f"gateway port {self.port} is already in use (pass --port)")
-        for what, port, flag in (("nats-server", self.cfg.nats_port, "--nats-port"),
-                                 ("MinIO", self.cfg.minio_port if self.cfg.minio else 0,
-                                  "--minio-port")):  # fmt: skip
+        for what, port, flag in (
+            ("nats-server", self.cfg.nats_port, "--nats-port"),
+            ("MinIO", self.cfg.minio_port if self.cfg.minio else 0, "--minio-port"),
+        ):
             if port and port_open("127.0.0.1", port):
-                raise RuntimeError(f"{what} port {port} is already in use (pass {flag} with a "
-                                   "free port, or 0 for any)")  # fmt: skip
+                raise RuntimeError(
+                    f"{what} port {port} is already in use (pass {flag} with a "
+                    "free port, or 0 for any)"
+                )
         self.model_dir = ensure_model(self.cfg.model)
         if self.cfg.minio:
             given = os.environ.get("STRATA_MINIO_BIN")
             if given and not os.path.isfile(given):
-                raise RuntimeError(f"STRATA_MINIO_BIN={given}: no such file (fix the path, or "
-                                   "pass --no-minio: the KV pool then stays in DRAM)")  # fmt: skip
+                raise RuntimeError(
+                    f"STRATA_MINIO_BIN={given}: no such file (fix the path, or "
+                    "pass --no-minio: the KV pool then stays in DRAM)"
+                )
             try:
                 minio_binary(build=False)
             except RuntimeError as exc:
-                raise RuntimeError(f"{exc}; or pass --no-minio (the KV pool then stays in "
-                                   "DRAM)") from None  # fmt: skip
+                raise RuntimeError(
+                    f"{exc}; or pass --no-minio (the KV pool then stays in DRAM)"
+                ) from None
 
     def _start(self) -> None:
         self._preflight()
@@ -219,15 +261,23 @@ class Cluster:
             self.data_dir = tempfile.mkdtemp(prefix="strata-cluster-")
         os.makedirs(self.log_dir, exist_ok=True)
         self.sup.log_dir = self.log_dir
-        self.nats = NatsServer(self.cfg.nats_port or free_port(), os.path.join(self.data_dir, "nats"),
-                               die_with_parent=self.cfg.die_with_parent, auth=self.cfg.nats_auth,
-                               tls_cert=self.cfg.nats_tls_cert, tls_key=self.cfg.nats_tls_key,
-                               tls_ca=self.cfg.nats_tls_ca, tls_verify=self.cfg.nats_tls_verify)
+        self.nats = NatsServer(
+            self.cfg.nats_port or free_port(),
+            os.path.join(self.data_dir, "nats"),
+            die_with_parent=self.cfg.die_with_parent,
+            auth=self.cfg.nats_auth,
+            tls_cert=self.cfg.nats_tls_cert,
+            tls_key=self.cfg.nats_tls_key,
+            tls_ca=self.cfg.nats_tls_ca,
+            tls_verify=self.cfg.nats_tls_verify,
+        )
         self.nats.start(self._infra_log("nats"))
         if self.cfg.minio:
-            self.minio = MinioServer(self.cfg.minio_port or free_port(),
-                                     os.path.join(self.data_dir, "minio"),
-                                     die_with_parent=self.cfg.die_with_parent)
+            self.minio = MinioServer(
+                self.cfg.minio_port or free_port(),
+                os.path.join(self.data_dir, "minio"),
+                die_with_parent=self.cfg.die_with_parent,
+            )
             self.minio.start(self._infra_log("minio"))
         self.sup.sink.write("strata", self.shape.line)
         counts = {r: getattr(self.cfg, r) for r in ROLES if r != "gateway"}
@@ -248,11 +298,14 @@ class Cluster:
         units: list = [ServerUnit("nats", self.nats, self._infra_log("nats"), True)]
         if self.minio is not None:
             units.append(ServerUnit("minio", self.minio, self._infra_log("minio"), False))
-        units += [ServiceUnit(self.sup, spec, name.rsplit("-", 1)[0] in REQUIRED_ROLES)
-                  for name, spec in self.specs.items()]  # fmt: skip
+        units += [
+            ServiceUnit(self.sup, spec, name.rsplit("-", 1)[0] in REQUIRED_ROLES)
+            for name, spec in self.specs.items()
+        ]
         self.watchdog = Watchdog(units, say=lambda line: self.sup.sink.write("strata", line))
-        self.launcher_metrics_port = serve_restart_metrics(self.watchdog, self.cfg.host,
-                                                           self.cfg.launcher_metrics_port)
+        self.launcher_metrics_port = serve_restart_metrics(
+            self.watchdog, self.cfg.host, self.cfg.launcher_metrics_port
+        )
         self.watchdog.start()
 
     def _infra_log(self, name: str) -> IO[str]:
@@ -271,7 +324,9 @@ class Cluster:
     def wait_healthy(self, timeout: float = 60.0) -> None:
         """Wait until the gateway's /health answers 200 (tokenizer, scheduler and a live decode
         instance answer; vision too for a model that takes images)."""
-        wait_until(self.healthy, timeout, f"gateway {self.gateway_url}/health", alive=self.sup.check)
+        wait_until(
+            self.healthy, timeout, f"gateway {self.gateway_url}/health", alive=self.sup.check
+        )
 
     def stop(self) -> None:
         """Stop every service (SIGTERM, then SIGKILL after stop_timeout), then NATS and MinIO."""
@@ -294,21 +349,33 @@ class Cluster:
         self.stop()
 
     # ---- one service ----
-    def service_spec(self, role: str, index: int, args: list[str] | tuple[str, ...] = (),
-                     env: dict[str, str] | None = None) -> ProcSpec:
+    def service_spec(
+        self,
+        role: str,
+        index: int,
+        args: list[str] | tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+    ) -> ProcSpec:
         """The command and env of instance ``<role>-<index>`` (ports chosen here)."""
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r} (one of {', '.join(ROLES)})")
         name = f"{role}-{index}"
         assert self.nats is not None, "start() the cluster first"
         e = {
-            "STRATA_NATS_URL": self.nats.url, "STRATA_INSTANCE_ID": name,
-            "STRATA_LOG_LEVEL": self.cfg.log_level, "STRATA_MODEL": self.model_dir,
-            "STRATA_METRICS_PORT": str(self._metrics_port()), "STRATA_DEVICE": self.cfg.device,
-            "STRATA_GRPC_HOST": self.cfg.host, "PYTHONPATH": _pythonpath(),
+            "STRATA_NATS_URL": self.nats.url,
+            "STRATA_INSTANCE_ID": name,
+            "STRATA_LOG_LEVEL": self.cfg.log_level,
+            "STRATA_MODEL": self.model_dir,
+            "STRATA_METRICS_PORT": str(self._metrics_port()),
+            "STRATA_DEVICE": self.cfg.device,
+            "STRATA_GRPC_HOST": self.cfg.host,
+            "PYTHONPATH": _pythonpath(),
         }
-        e.update(self.nats_credentials(role).env(password_file(self.nats.cred_dir, role)
-                                                 if self.nats.auth else ""))  # fmt: skip
+        e.update(
+            self.nats_credentials(role).env(
+                password_file(self.nats.cred_dir, role) if self.nats.auth else ""
+            )
+        )
         cpus = self.shape.model_cpus.get(name) if role in ("prefill", "decode") else None
         if role in ("prefill", "decode"):
             e["STRATA_TORCH_THREADS"] = str(self.cfg.torch_threads)
@@ -324,17 +391,26 @@ class Cluster:
         if role == "kvstore":
             e["STRATA_GRPC_PORT"] = self._kvstore_addrs[index].rsplit(":", 1)[1]
             if self.minio is not None:
-                e.update(STRATA_MINIO_ENDPOINT=self.minio.endpoint,
-                         STRATA_MINIO_ACCESS_KEY=self.minio.kv_access_key,
-                         STRATA_MINIO_SECRET_KEY=self.minio.kv_secret_key)
+                e.update(
+                    STRATA_MINIO_ENDPOINT=self.minio.endpoint,
+                    STRATA_MINIO_ACCESS_KEY=self.minio.kv_access_key,
+                    STRATA_MINIO_SECRET_KEY=self.minio.kv_secret_key,
+                )
         if role == "gateway":
             e.update(STRATA_HOST=self.cfg.host, STRATA_PORT=str(self.port))
             if not self.cfg.vision:  # text only: refuse images, readiness needs no vision
                 e["STRATA_MAX_IMAGES"] = "0"
         e.update(self.cfg.env)
         e.update(env or {})
-        argv = [sys.executable, "-m", "services.cli", "serve", role,
-                *self.cfg.role_args.get(role, []), *args]
+        argv = [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "serve",
+            role,
+            *self.cfg.role_args.get(role, []),
+            *args,
+        ]
         return ProcSpec(name, argv, e, cwd=repo_root(), die_with_parent=self.cfg.die_with_parent)
 
     def nats_credentials(self, user: str) -> NatsAuth:
@@ -349,8 +425,14 @@ class Cluster:
         self._next_metrics += 1
         return self._next_metrics - 1
 
-    def start_service(self, role: str, index: int | None = None, args: list[str] | tuple = (),
-                      env: dict[str, str] | None = None, wait: bool = True) -> str:
+    def start_service(
+        self,
+        role: str,
+        index: int | None = None,
+        args: list[str] | tuple = (),
+        env: dict[str, str] | None = None,
+        wait: bool = True,
+    ) -> str:
         """Start one more instance (``index`` default: the next free one); returns its name."""
         if index is None:
             index = len(self.names(role))

@@ -23,8 +23,12 @@ PD_MIN_CORES = 8
 """Usable cores from which prefill and decode get separate processes on CPU."""
 AFFINITY_ENV = "STRATA_CPU_AFFINITY"
 """Cores a service process pins itself to at start-up (``"0-3,6"``; unset = no pinning)."""
-SERVICE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "RAYON_NUM_THREADS": "1",
-                      "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+SERVICE_THREAD_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "RAYON_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
 """Env of non-model services: one compute thread, so they never steal the engine's cores."""
 
 
@@ -49,8 +53,14 @@ def usable_cores() -> list[int]:
         return list(range(os.cpu_count() or 1))
 
 
-def choose_shape(cores: list[int], accelerators: int = 0, *, prefill: int | None = None,
-                 decode: int = 1, torch_threads: int | None = None) -> Shape:  # fmt: skip
+def choose_shape(
+    cores: list[int],
+    accelerators: int = 0,
+    *,
+    prefill: int | None = None,
+    decode: int = 1,
+    torch_threads: int | None = None,
+) -> Shape:
     """The shape for ``cores`` (usable core ids) and ``accelerators`` (devices the model
     processes run on; 0 = CPU); ``prefill`` / ``torch_threads`` None = choose."""
     n = len(cores)
@@ -73,16 +83,22 @@ def choose_shape(cores: list[int], accelerators: int = 0, *, prefill: int | None
             model_cpus[name] = model_cores[i * per : (i + 1) * per]
         model_cpus["decode-0"] += model_cores[len(names) * per :]
     colocated = prefill == 0
-    where = f"{n} core{'s' if n != 1 else ''}" + (f", {accelerators} accelerators"
-                                                  if accelerators else "")  # fmt: skip
+    where = f"{n} core{'s' if n != 1 else ''}" + (
+        f", {accelerators} accelerators" if accelerators else ""
+    )
     if colocated:
-        line = (f"shape: colocated prefill+decode on {where} ({decode} decode x {threads} torch "
-                f"threads); pass --prefill 1 to disaggregate")  # fmt: skip
+        line = (
+            f"shape: colocated prefill+decode on {where} ({decode} decode x {threads} torch "
+            f"threads); pass --prefill 1 to disaggregate"
+        )
     else:
-        line = (f"shape: disaggregated, {prefill} prefill + {decode} decode on {where} "
-                f"({threads} torch threads each"
-                + (f", {len(service_cpus)} cores kept for services" if service_cpus else "")
-                + ")" + ("; pass --prefill 0 to colocate" if auto else ""))  # fmt: skip
+        line = (
+            f"shape: disaggregated, {prefill} prefill + {decode} decode on {where} "
+            f"({threads} torch threads each"
+            + (f", {len(service_cpus)} cores kept for services" if service_cpus else "")
+            + ")"
+            + ("; pass --prefill 0 to colocate" if auto else "")
+        )
     return Shape(prefill, decode, threads, colocated, model_cpus, service_cpus, line)
 
 

@@ -31,8 +31,13 @@ class BadMessages:
     logs rate-limited warnings. ``subject`` labels are the subscription (a fixed pattern such as
     ``strata.kv.events.>``), so a publisher cannot grow the label set."""
 
-    def __init__(self, counter, logger: logging.Logger, interval: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic):  # fmt: skip
+    def __init__(
+        self,
+        counter,
+        logger: logging.Logger,
+        interval: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.counter = counter
         self.log = logger
         self.interval = interval

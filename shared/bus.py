@@ -41,13 +41,19 @@ def nats_servers(url: str) -> list[str]:
     servers = [u.strip() for u in url.split(",")]
     for u in servers:
         if not u or u.split("://", 1)[0] not in ("nats", "tls", "ws", "wss") or "://" not in u:
-            raise ConfigError(f"invalid setting STRATA_NATS_URL (--nats-url): {u!r} in {url!r} "
-                              "is not a nats://host:port URL")
+            raise ConfigError(
+                f"invalid setting STRATA_NATS_URL (--nats-url): {u!r} in {url!r} "
+                "is not a nats://host:port URL"
+            )
     return servers
 
 
-async def connect(url: str, name: str, auth: NatsAuth | None = None,
-                  on_disconnect: Callable[[], None] | None = None) -> NATS:
+async def connect(
+    url: str,
+    name: str,
+    auth: NatsAuth | None = None,
+    on_disconnect: Callable[[], None] | None = None,
+) -> NATS:
     """Connect, retrying forever while the server is unreachable or drops us; logs state changes.
     Subscriptions are sent again on reconnect; ``on_disconnect`` is called (in the event loop)
     each time the connection drops, e.g. to fail what cannot wait for the reconnect.
@@ -78,18 +84,20 @@ async def connect(url: str, name: str, auth: NatsAuth | None = None,
             log.debug("nats error: %s", exc)
 
     nc = NATS()
-    connecting = asyncio.ensure_future(nc.connect(
-        servers=nats_servers(url),
-        name=name,
-        max_reconnect_attempts=-1,
-        reconnect_time_wait=0.5,
-        connect_timeout=5,
-        allow_reconnect=True,
-        disconnected_cb=on_disconnected,
-        reconnected_cb=on_reconnected,
-        error_cb=on_error,
-        **auth.connect_kwargs(),
-    ))  # fmt: skip
+    connecting = asyncio.ensure_future(
+        nc.connect(
+            servers=nats_servers(url),
+            name=name,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+            connect_timeout=5,
+            allow_reconnect=True,
+            disconnected_cb=on_disconnected,
+            reconnected_cb=on_reconnected,
+            error_cb=on_error,
+            **auth.connect_kwargs(),
+        )
+    )
     await asyncio.wait({connecting, refused}, return_when=asyncio.FIRST_COMPLETED)
     if connecting.done():
         connecting.result()
@@ -99,8 +107,10 @@ async def connect(url: str, name: str, auth: NatsAuth | None = None,
         await connecting
     with contextlib.suppress(Exception):
         await nc.close()
-    raise ConfigError(f"nats-server {url} refused login as {_who(auth)} "
-                      "(check STRATA_NATS_USER and STRATA_NATS_PASSWORD[_FILE])")  # fmt: skip
+    raise ConfigError(
+        f"nats-server {url} refused login as {_who(auth)} "
+        "(check STRATA_NATS_USER and STRATA_NATS_PASSWORD[_FILE])"
+    )
 
 
 def _who(auth: NatsAuth) -> str:
@@ -157,8 +167,9 @@ async def serve(
                 status = "error"
                 why = one_line(exc)
                 bad.report(_family(subject), m.subject, why)
-                await _reply_error(m, StrataError("bad_request", f"invalid {req_type.__name__}: "
-                                                  f"{why}"))  # fmt: skip
+                await _reply_error(
+                    m, StrataError("bad_request", f"invalid {req_type.__name__}: {why}")
+                )
                 return
             rep = await handler(req)
             if m.reply and rep is not None:

@@ -29,15 +29,19 @@ class ServiceConfig(BaseModel):
         description="NATS server URL, or a comma-separated seed list of a cluster's servers",
     )
     js_replicas: int = Field(
-        1, ge=1, le=5, description="JetStream replicas of the KV-event stream and the registry "
-        "bucket when this process creates them (1: one server; 3: a 3-node cluster)"
+        1,
+        ge=1,
+        le=5,
+        description="JetStream replicas of the KV-event stream and the registry "
+        "bucket when this process creates them (1: one server; 3: a 3-node cluster)",
     )
     instance_id: str = Field("", description="Unique instance name (default: <role>-<random>)")
     log_level: str = Field("INFO", description="Python log level")
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics port (0 = off)")
     metrics_host: str = Field(
-        "", description="Address /metrics binds ('' = the service's own: host or grpc_host, "
-        "else 127.0.0.1)"
+        "",
+        description="Address /metrics binds ('' = the service's own: host or grpc_host, "
+        "else 127.0.0.1)",
     )
 
     @property

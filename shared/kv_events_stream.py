@@ -19,8 +19,11 @@ async def ensure_kv_events_stream(js, replicas: int = 1) -> int:
     except NotFoundError:
         with contextlib.suppress(Exception):
             await js.add_stream(
-                StreamConfig(name=subjects.KV_EVENTS_STREAM, subjects=[subjects.KV_EVENTS_ALL],
-                             num_replicas=replicas)
+                StreamConfig(
+                    name=subjects.KV_EVENTS_STREAM,
+                    subjects=[subjects.KV_EVENTS_ALL],
+                    num_replicas=replicas,
+                )
             )
         info = await js.stream_info(subjects.KV_EVENTS_STREAM)
     return info.state.last_seq

@@ -13,7 +13,9 @@ HANDLER_REQUESTS = Counter(
     "strata_handler_requests_total", "Bus requests handled", ["subject", "status"]
 )
 HANDLER_LATENCY = Histogram(
-    "strata_handler_latency_seconds", "Bus handler latency", ["subject"],
+    "strata_handler_latency_seconds",
+    "Bus handler latency",
+    ["subject"],
     buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30),
 )
 BAD_MESSAGES = Counter(
@@ -37,5 +39,7 @@ def serve_metrics(port: int, host: str = "127.0.0.1") -> None:
         try:
             start_http_server(port, addr=host)
         except OSError as exc:
-            raise StartupError(f"metrics port {port} cannot be bound ({exc.strerror or exc}); "
-                               "set STRATA_METRICS_PORT (--metrics-port) to a free port or 0") from exc  # fmt: skip
+            raise StartupError(
+                f"metrics port {port} cannot be bound ({exc.strerror or exc}); "
+                "set STRATA_METRICS_PORT (--metrics-port) to a free port or 0"
+            ) from exc

@@ -57,20 +57,26 @@ class NatsAuth(BaseModel):
                 with open(path) as f:
                     password = f.read().strip()
             except OSError as exc:
-                raise ConfigError(f"STRATA_NATS_PASSWORD_FILE={path}: cannot read it "
-                                  f"({exc.strerror})") from None  # fmt: skip
+                raise ConfigError(
+                    f"STRATA_NATS_PASSWORD_FILE={path}: cannot read it ({exc.strerror})"
+                ) from None
         if password and not user:
             raise ConfigError("STRATA_NATS_PASSWORD is set but STRATA_NATS_USER is not")
-        auth = cls(user=user, password=password,
-                   inbox_prefix=env.get("STRATA_NATS_INBOX_PREFIX", ""),
-                   tls_ca=env.get("STRATA_NATS_TLS_CA", ""),
-                   tls_cert=env.get("STRATA_NATS_TLS_CERT", ""),
-                   tls_key=env.get("STRATA_NATS_TLS_KEY", ""))  # fmt: skip
+        auth = cls(
+            user=user,
+            password=password,
+            inbox_prefix=env.get("STRATA_NATS_INBOX_PREFIX", ""),
+            tls_ca=env.get("STRATA_NATS_TLS_CA", ""),
+            tls_cert=env.get("STRATA_NATS_TLS_CERT", ""),
+            tls_key=env.get("STRATA_NATS_TLS_KEY", ""),
+        )
         if bool(auth.tls_cert) != bool(auth.tls_key):
             raise ConfigError("STRATA_NATS_TLS_CERT and STRATA_NATS_TLS_KEY go together")
-        for var, value in (("STRATA_NATS_TLS_CA", auth.tls_ca),
-                           ("STRATA_NATS_TLS_CERT", auth.tls_cert),
-                           ("STRATA_NATS_TLS_KEY", auth.tls_key)):  # fmt: skip
+        for var, value in (
+            ("STRATA_NATS_TLS_CA", auth.tls_ca),
+            ("STRATA_NATS_TLS_CERT", auth.tls_cert),
+            ("STRATA_NATS_TLS_KEY", auth.tls_key),
+        ):
             if value and not os.path.isfile(value):
                 raise ConfigError(f"{var}={value}: no such file")
         return auth
@@ -83,10 +89,12 @@ class NatsAuth(BaseModel):
             out["STRATA_NATS_PASSWORD_FILE"] = password_file
         elif self.password:
             out["STRATA_NATS_PASSWORD"] = self.password
-        for var, value in (("STRATA_NATS_INBOX_PREFIX", self.inbox_prefix),
-                           ("STRATA_NATS_TLS_CA", self.tls_ca),
-                           ("STRATA_NATS_TLS_CERT", self.tls_cert),
-                           ("STRATA_NATS_TLS_KEY", self.tls_key)):  # fmt: skip
+        for var, value in (
+            ("STRATA_NATS_INBOX_PREFIX", self.inbox_prefix),
+            ("STRATA_NATS_TLS_CA", self.tls_ca),
+            ("STRATA_NATS_TLS_CERT", self.tls_cert),
+            ("STRATA_NATS_TLS_KEY", self.tls_key),
+        ):
             if value:
                 out[var] = value
         return out

@@ -45,7 +45,9 @@ async def registry_bucket(
     except BucketNotFoundError:
         try:
             return await js.create_key_value(
-                bucket=bucket, history=1, description="Strata instance registry",
+                bucket=bucket,
+                history=1,
+                description="Strata instance registry",
                 replicas=replicas,
             )
         except Exception:  # noqa: BLE001 - another process created it first

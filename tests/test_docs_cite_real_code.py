@@ -18,15 +18,20 @@ SNAKE = re.compile(r"^[a-z][a-z0-9]*(?:_[a-z0-9]+)+$")
 
 @lru_cache(maxsize=1)
 def source() -> str:
-    return "\n".join(p.read_text() for base in ("services", "shared", "loadtests", "protos")
-                     for p in (ROOT / base).rglob("*.py"))  # fmt: skip
+    return "\n".join(
+        p.read_text()
+        for base in ("services", "shared", "loadtests", "protos")
+        for p in (ROOT / base).rglob("*.py")
+    )
 
 
 def defined(name: str) -> bool:
     """A class, function, method, attribute or config field of that name is defined, or it is a
     registered string (a policy name, a bucket name)."""
-    pat = (rf"(?:\b(?:class|def)\s+{name}\b)|(?:^\s*(?:self\.)?{name}\s*[:=])"
-           rf"|(?:[\"']{name}[\"'])")
+    pat = (
+        rf"(?:\b(?:class|def)\s+{name}\b)|(?:^\s*(?:self\.)?{name}\s*[:=])"
+        rf"|(?:[\"']{name}[\"'])"
+    )
     return re.search(pat, source(), re.M) is not None
 
 

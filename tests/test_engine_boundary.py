@@ -73,7 +73,9 @@ def test_the_check_catches_each_kind_of_reach():
     assert violations("x.py", "t = seq.block_table\n")
     assert violations("x.py", "r = e.reserved['x']\n")
     assert violations("x.py", "s = engine.current\n")
-    ok = "from shared.engine.port import EnginePort\nfrom shared.engine.params import EngineConfig\n"
+    ok = (
+        "from shared.engine.port import EnginePort\nfrom shared.engine.params import EngineConfig\n"
+    )
     assert violations("x.py", ok) == []
 
 
@@ -82,6 +84,7 @@ def test_the_protocol_imports_nothing_from_the_engine():
     ``shared/protocol``; the engine imports it, never the other way round."""
     files = sorted((ROOT / "shared" / "protocol").rglob("*.py"))
     assert any(p.name == "sampling.py" for p in files)
-    bad = [f"{p.relative_to(ROOT)}: imports {m}" for p in files
-           for m in engine_imports(p.read_text())]  # fmt: skip
+    bad = [
+        f"{p.relative_to(ROOT)}: imports {m}" for p in files for m in engine_imports(p.read_text())
+    ]
     assert not bad, "\n".join(bad)

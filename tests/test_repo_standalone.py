@@ -70,13 +70,28 @@ def test_data_reading_tests_pass_in_a_copy_with_nothing_beside_it(files, tmp_pat
     env = dict(os.environ, PYTHONPATH=str(clone), STRATA_CACHE=str(tmp_path / "cache"))
     probe = subprocess.run(
         [sys.executable, "-c", "import loadtests, services; print(loadtests.__file__)"],
-        cwd=clone, env=env, capture_output=True, text=True, check=True,
+        cwd=clone,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     assert probe.stdout.strip().startswith(str(clone)), probe.stdout  # the copy's code runs
     r = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-         "tests/scheduler/test_simulator.py", "tests/loadgen/test_pure.py"],
-        cwd=clone, env=env, capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "tests/scheduler/test_simulator.py",
+            "tests/loadgen/test_pure.py",
+        ],
+        cwd=clone,
+        env=env,
+        capture_output=True,
+        text=True,
     )
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert " passed" in r.stdout and "failed" not in r.stdout, r.stdout[-2000:]

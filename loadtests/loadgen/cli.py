@@ -91,13 +91,28 @@ def levels(text: str) -> list[int]:
 
 def build_jobs(a: argparse.Namespace) -> list[Job]:
     if a.trace:
-        scale = TraceScale(a.length_scale, a.output_scale, a.time_scale, a.max_input,
-                           a.max_output, a.max_requests, a.seed)  # fmt: skip
+        scale = TraceScale(
+            a.length_scale,
+            a.output_scale,
+            a.time_scale,
+            a.max_input,
+            a.max_output,
+            a.max_requests,
+            a.seed,
+        )
         jobs = trace_jobs(load_trace(a.trace, a.max_requests), scale)
     else:
-        spec = SyntheticSpec(a.num_requests, a.input_min, a.input_max, a.output_tokens,
-                             a.tenants, a.system_prompt_tokens, a.image_fraction,
-                             a.api == "chat", a.seed)  # fmt: skip
+        spec = SyntheticSpec(
+            a.num_requests,
+            a.input_min,
+            a.input_max,
+            a.output_tokens,
+            a.tenants,
+            a.system_prompt_tokens,
+            a.image_fraction,
+            a.api == "chat",
+            a.seed,
+        )
         arrivals = poisson_arrivals(a.num_requests, a.rate, a.seed) if a.rate else None
         jobs = synthetic_jobs(spec, arrivals)
     if a.concurrency:  # closed loop ignores arrival times
@@ -118,23 +133,40 @@ def target(a: argparse.Namespace) -> Iterator[str]:
     from services.launcher import Cluster
 
     print("starting cluster ...", file=sys.stderr)
-    with open(os.devnull, "w") as sink, Cluster(
-        a.model, prefill=a.prefill, decode=a.decode, vision=a.vision, kvstore=a.kvstore,
-        minio=a.kvstore > 0, torch_threads=a.torch_threads, log_stream=sink,
-        die_with_parent=True, log_level="WARNING",
-    ) as c:  # fmt: skip
+    with (
+        open(os.devnull, "w") as sink,
+        Cluster(
+            a.model,
+            prefill=a.prefill,
+            decode=a.decode,
+            vision=a.vision,
+            kvstore=a.kvstore,
+            minio=a.kvstore > 0,
+            torch_threads=a.torch_threads,
+            log_stream=sink,
+            die_with_parent=True,
+            log_level="WARNING",
+        ) as c,
+    ):
         yield c.gateway_url
 
 
-async def run(a: argparse.Namespace, url: str) -> tuple[list[RequestResult], Summary,
-                                                        list[Summary]]:  # fmt: skip
+async def run(
+    a: argparse.Namespace, url: str
+) -> tuple[list[RequestResult], Summary, list[Summary]]:
     headers = {}
     if a.slo_class:
         headers["X-Strata-Slo-Class"] = a.slo_class
     if a.ttft_slo_ms:
         headers["X-Strata-TTFT-SLO-Ms"] = str(a.ttft_slo_ms)
-    cfg = RunConfig(url, a.model_name or await served_model(url), a.request_timeout, a.duration,
-                    headers=headers, progress=not a.no_progress)  # fmt: skip
+    cfg = RunConfig(
+        url,
+        a.model_name or await served_model(url),
+        a.request_timeout,
+        a.duration,
+        headers=headers,
+        progress=not a.no_progress,
+    )
     jobs = build_jobs(a)
     if not a.concurrency:
         results, wall = await run_jobs(jobs, cfg, desc="open loop")

@@ -49,9 +49,14 @@ class RunConfig:
 
 
 def body_of(job: Job, cfg: RunConfig) -> dict:
-    body = {"model": cfg.model, "stream": True, "stream_options": {"include_usage": True},
-            "max_tokens": job.max_tokens, "temperature": cfg.temperature,
-            "ignore_eos": cfg.ignore_eos}  # fmt: skip
+    body = {
+        "model": cfg.model,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_tokens": job.max_tokens,
+        "temperature": cfg.temperature,
+        "ignore_eos": cfg.ignore_eos,
+    }
     if job.prompt is not None:
         body["prompt"] = job.prompt
     else:
@@ -65,9 +70,13 @@ async def send(client: httpx.AsyncClient, job: Job, cfg: RunConfig, t0: float) -
     res = RequestResult(job.index, start - t0, tenant=job.tenant, image=job.image)
     last = None
     try:
-        async with client.stream("POST", cfg.url + job.endpoint, json=body_of(job, cfg),
-                                 headers={**cfg.headers, **job.headers},
-                                 timeout=cfg.request_timeout) as resp:  # fmt: skip
+        async with client.stream(
+            "POST",
+            cfg.url + job.endpoint,
+            json=body_of(job, cfg),
+            headers={**cfg.headers, **job.headers},
+            timeout=cfg.request_timeout,
+        ) as resp:
             res.status = resp.status_code
             if resp.status_code != 200:
                 body = await resp.aread()
@@ -116,8 +125,9 @@ def _content(choice: dict) -> bool:
 
 
 def new_client(max_connections: int) -> httpx.AsyncClient:
-    limits = httpx.Limits(max_connections=max_connections,
-                          max_keepalive_connections=max_connections)  # fmt: skip
+    limits = httpx.Limits(
+        max_connections=max_connections, max_keepalive_connections=max_connections
+    )
     return httpx.AsyncClient(limits=limits, timeout=None)
 
 
@@ -128,8 +138,9 @@ async def served_model(url: str) -> str:
         return r.json()["data"][0]["id"]
 
 
-async def run_jobs(jobs: list[Job], cfg: RunConfig, concurrency: int = 0,
-                   desc: str = "requests") -> tuple[list[RequestResult], float]:  # fmt: skip
+async def run_jobs(
+    jobs: list[Job], cfg: RunConfig, concurrency: int = 0, desc: str = "requests"
+) -> tuple[list[RequestResult], float]:
     """Send ``jobs``: open loop at their ``arrival`` offsets when ``concurrency`` is 0, else
     closed loop with at most ``concurrency`` in flight. Returns (results, wall seconds)."""
     limit = concurrency or len(jobs) or 1

@@ -77,28 +77,46 @@ def plot_throughput(levels: list[Summary], path: Path) -> None:
     plt.close(fig)
 
 
-def write_report(out_dir: str | Path, config: dict[str, Any], overall: Summary,
-                 results: list[RequestResult], sweep: list[Summary] | None = None) -> Path:  # fmt: skip
+def write_report(
+    out_dir: str | Path,
+    config: dict[str, Any],
+    overall: Summary,
+    results: list[RequestResult],
+    sweep: list[Summary] | None = None,
+) -> Path:
     """Write results.json, report.md and plots under ``out_dir``; returns the report path."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     sweep = sweep or []
-    (out / "results.json").write_text(json.dumps({
-        "config": config,
-        "summary": overall.to_dict(),
-        "sweep": [s.to_dict() for s in sweep],
-        "requests": [asdict(r) for r in results],
-    }, indent=1, default=str))  # fmt: skip
+    (out / "results.json").write_text(
+        json.dumps(
+            {
+                "config": config,
+                "summary": overall.to_dict(),
+                "sweep": [s.to_dict() for s in sweep],
+                "requests": [asdict(r) for r in results],
+            },
+            indent=1,
+            default=str,
+        )
+    )
     ok = [r for r in results if r.ok]
     if sweep:
-        by_level = {f"c={s.concurrency}": [r for r in ok if r.concurrency == s.concurrency]
-                    for s in sweep}  # fmt: skip
+        by_level = {
+            f"c={s.concurrency}": [r for r in ok if r.concurrency == s.concurrency] for s in sweep
+        }
     else:
         by_level = {"all": ok}
-    plot_cdf({k: [r.ttft for r in v if r.ttft is not None] for k, v in by_level.items()},
-             "TTFT CDF", out / "ttft_cdf.png")  # fmt: skip
-    plot_cdf({k: [g for r in v for g in r.itl] for k, v in by_level.items()},
-             "TBT (inter-token) CDF", out / "tbt_cdf.png")  # fmt: skip
+    plot_cdf(
+        {k: [r.ttft for r in v if r.ttft is not None] for k, v in by_level.items()},
+        "TTFT CDF",
+        out / "ttft_cdf.png",
+    )
+    plot_cdf(
+        {k: [g for r in v for g in r.itl] for k, v in by_level.items()},
+        "TBT (inter-token) CDF",
+        out / "tbt_cdf.png",
+    )
     lines = [
         "# Strata load test",
         "",

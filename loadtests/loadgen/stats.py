@@ -71,8 +71,14 @@ class Dist:
     def of(cls, values: list[float]) -> Dist:
         if not values:
             return cls(0, math.nan, math.nan, math.nan, math.nan, math.nan)
-        return cls(len(values), sum(values) / len(values), percentile(values, 50),
-                   percentile(values, 90), percentile(values, 99), max(values))  # fmt: skip
+        return cls(
+            len(values),
+            sum(values) / len(values),
+            percentile(values, 50),
+            percentile(values, 90),
+            percentile(values, 99),
+            max(values),
+        )
 
 
 @dataclass

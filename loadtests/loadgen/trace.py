@@ -17,8 +17,9 @@ from pathlib import Path
 from loadtests.loadgen.workload import WORDS, Job
 
 TRACE_BLOCK_TOKENS = 512
-DEFAULT_TRACE = (Path(__file__).resolve().parents[1] / "data" / "mooncake"
-                 / "conversation_trace.jsonl")  # fmt: skip
+DEFAULT_TRACE = (
+    Path(__file__).resolve().parents[1] / "data" / "mooncake" / "conversation_trace.jsonl"
+)
 """The vendored trace (Apache-2.0, see loadtests/data/mooncake/README.md)."""
 
 
@@ -64,8 +65,14 @@ def load_trace(path: str | Path = DEFAULT_TRACE, limit: int | None = None) -> li
             if not line.strip():
                 continue
             d = json.loads(line)
-            rows.append(TraceRow(float(d["timestamp"]), int(d["input_length"]),
-                                 int(d["output_length"]), tuple(d["hash_ids"])))  # fmt: skip
+            rows.append(
+                TraceRow(
+                    float(d["timestamp"]),
+                    int(d["input_length"]),
+                    int(d["output_length"]),
+                    tuple(d["hash_ids"]),
+                )
+            )
     return rows
 
 

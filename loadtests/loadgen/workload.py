@@ -99,8 +99,10 @@ class SyntheticSpec:
 def synthetic_jobs(spec: SyntheticSpec, arrivals: list[float] | None = None) -> list[Job]:
     """``spec.num_requests`` jobs; ``arrivals`` (same length) sets their arrival offsets."""
     rng = random.Random(f"synthetic:{spec.seed}")
-    systems = [" ".join(words(random.Random(f"tenant:{spec.seed}:{t}"), spec.system_prompt_tokens))
-               for t in range(spec.tenants)]  # fmt: skip
+    systems = [
+        " ".join(words(random.Random(f"tenant:{spec.seed}:{t}"), spec.system_prompt_tokens))
+        for t in range(spec.tenants)
+    ]
     jobs = []
     for i in range(spec.num_requests):
         user = " ".join(words(rng, rng.randint(spec.input_min, spec.input_max)))
@@ -116,9 +118,12 @@ def synthetic_jobs(spec: SyntheticSpec, arrivals: list[float] | None = None) -> 
             msgs.append({"role": "system", "content": systems[tenant]})
         content: Any = user
         if image:
-            content = [{"type": "text", "text": user},
-                       {"type": "image_url", "image_url": {"url": image_data_url(i)}}]  # fmt: skip
+            content = [
+                {"type": "text", "text": user},
+                {"type": "image_url", "image_url": {"url": image_data_url(i)}},
+            ]
         msgs.append({"role": "user", "content": content})
-        jobs.append(Job(i, spec.output_tokens, messages=msgs, arrival=arrival, tenant=tenant,
-                        image=image))  # fmt: skip
+        jobs.append(
+            Job(i, spec.output_tokens, messages=msgs, arrival=arrival, tenant=tenant, image=image)
+        )
     return jobs

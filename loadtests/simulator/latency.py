@@ -72,8 +72,14 @@ def decision_latency(
         for n, iid in enumerate(rng.sample(ids, 3)):
             seq[iid] += 1
             depth = blocks if full_depth and n == 0 else rng.randrange(1, blocks + 1)
-            ev = KVEvent.model_construct(instance_id=iid, incarnation="a", seq=seq[iid],
-                                         tier="engine", kind="stored", hashes=_chain(k, depth))  # fmt: skip
+            ev = KVEvent.model_construct(
+                instance_id=iid,
+                incarnation="a",
+                seq=seq[iid],
+                tier="engine",
+                kind="stored",
+                hashes=_chain(k, depth),
+            )
             core.on_kv_event(ev)
     gc.collect()
     index_bytes = _rss_bytes() - rss0
@@ -122,16 +128,26 @@ def row(policy: str, d: dict[str, float]) -> str:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--instances", type=int, default=10000)
-    ap.add_argument("--index-blocks", type=int, default=1_000_000,
-                    help="distinct blocks in the index (chains of --blocks, full depth once)")  # fmt: skip
+    ap.add_argument(
+        "--index-blocks",
+        type=int,
+        default=1_000_000,
+        help="distinct blocks in the index (chains of --blocks, full depth once)",
+    )
     ap.add_argument("--blocks", type=int, default=64, help="blocks per prompt prefix")
     ap.add_argument("--requests", type=int, default=3000)
     ap.add_argument("--policies", default="round_robin,least_loaded,prefix_aware")
     a = ap.parse_args(argv)
     print(HEADER)
     for p in a.policies.split(","):
-        d = decision_latency(a.instances, p, prefixes=a.index_blocks // a.blocks,
-                             blocks=a.blocks, requests=a.requests, full_depth=True)  # fmt: skip
+        d = decision_latency(
+            a.instances,
+            p,
+            prefixes=a.index_blocks // a.blocks,
+            blocks=a.blocks,
+            requests=a.requests,
+            full_depth=True,
+        )
         print(row(p, d), flush=True)
 
 

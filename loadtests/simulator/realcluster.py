@@ -56,9 +56,15 @@ class TenantWorkload:
         """One request per tenant, sent one at a time before the measured run: every policy
         starts from a fleet that has seen each system prompt once (steady state)."""
         rng = random.Random(f"warmup:{self.seed}")
-        return [Job(-1 - t, self.max_tokens, tenant=t,
-                    prompt=self._system(t) + " " + " ".join(words(rng, self.user_words)))
-                for t in range(self.tenants)]  # fmt: skip
+        return [
+            Job(
+                -1 - t,
+                self.max_tokens,
+                tenant=t,
+                prompt=self._system(t) + " " + " ".join(words(rng, self.user_words)),
+            )
+            for t in range(self.tenants)
+        ]
 
     def jobs(self) -> list[Job]:
         rng = random.Random(f"realcluster:{self.seed}")
@@ -92,8 +98,9 @@ class PolicyRun:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
-def reference_hit_rate(model_dir: str, jobs: list[Job], warmup: list[Job] = (),
-                       block_size: int = 16) -> float:  # fmt: skip
+def reference_hit_rate(
+    model_dir: str, jobs: list[Job], warmup: list[Job] = (), block_size: int = 16
+) -> float:
     """Engine-tier prefix hit rate of ``jobs`` run one by one, in arrival order (after
     ``warmup``, not counted), on a single in-process `LLMEngine` whose cache holds everything
     (the best any routing can do)."""
@@ -107,8 +114,9 @@ def reference_hit_rate(model_dir: str, jobs: list[Job], warmup: list[Job] = (),
 
     torch.set_num_threads(min(2, torch.get_num_threads()))
     tok = Tokenizer.from_dir(model_dir)
-    engine = LLMEngine(load_model(model_dir), EngineConfig(kv_cache_bytes=256 << 20,
-                                                           block_size=block_size))
+    engine = LLMEngine(
+        load_model(model_dir), EngineConfig(kv_cache_bytes=256 << 20, block_size=block_size)
+    )
     params = SamplingParams(max_tokens=1, temperature=0.0)
     cached = total = 0
     with torch.inference_mode():
@@ -140,9 +148,15 @@ def start_cluster(model_dir: str, attempts: int = 3, **overrides) -> Cluster:
     raise AssertionError("unreachable")
 
 
-def run_policy(model_dir: str, policy: str, jobs: list[Job], warmup: list[Job] = (),
-               prefill: int = 4, prefill_kv_bytes: int = 16 << 20,
-               log_dir: str = "") -> PolicyRun:  # fmt: skip
+def run_policy(
+    model_dir: str,
+    policy: str,
+    jobs: list[Job],
+    warmup: list[Job] = (),
+    prefill: int = 4,
+    prefill_kv_bytes: int = 16 << 20,
+    log_dir: str = "",
+) -> PolicyRun:
     """Start a cluster (``prefill`` instances, 1 decode, no kvstore), send ``warmup`` one at a
     time, then ``jobs`` open-loop through the REST gateway (measured), stop it. Engine caches
     are ``prefill_kv_bytes`` per prefill instance: one instance cannot hold every tenant's
@@ -151,14 +165,20 @@ def run_policy(model_dir: str, policy: str, jobs: list[Job], warmup: list[Job] =
     sched = ["--policy", policy, "--short-prompt-tokens", "0"]
     if log_dir:  # keep every service's log (and the scheduler's routing decisions)
         sched += ["--log-level", "DEBUG"]
-    c = start_cluster(model_dir, prefill=prefill, decode=1, kvstore=0, vision=0, minio=False,
-                      torch_threads=1, log_stream=log,
-                      data_dir=os.path.join(log_dir, policy) if log_dir else "",
-                      role_args={"scheduler": sched,
-                                 "prefill": ["--kv-cache-bytes", str(prefill_kv_bytes)]})
+    c = start_cluster(
+        model_dir,
+        prefill=prefill,
+        decode=1,
+        kvstore=0,
+        vision=0,
+        minio=False,
+        torch_threads=1,
+        log_stream=log,
+        data_dir=os.path.join(log_dir, policy) if log_dir else "",
+        role_args={"scheduler": sched, "prefill": ["--kv-cache-bytes", str(prefill_kv_bytes)]},
+    )
     try:
-        cfg = RunConfig(url=c.gateway_url, request_timeout=120.0, deadline=300.0,
-                        progress=False)
+        cfg = RunConfig(url=c.gateway_url, request_timeout=120.0, deadline=300.0, progress=False)
         from loadtests.loadgen.client import served_model
 
         cfg.model = asyncio.run(served_model(c.gateway_url))
@@ -171,9 +191,16 @@ def run_policy(model_dir: str, policy: str, jobs: list[Job], warmup: list[Job] =
         log.close()
     run = PolicyRun(policy, wall_s=wall)
     for r in results:
-        run.requests.append({"start": round(r.start, 3), "tenant": r.tenant, "ok": r.ok,
-                             "prompt": r.prompt_tokens, "cached": r.cached_tokens,
-                             "ttft": round(r.ttft or r.e2e or 0.0, 3)})
+        run.requests.append(
+            {
+                "start": round(r.start, 3),
+                "tenant": r.tenant,
+                "ok": r.ok,
+                "prompt": r.prompt_tokens,
+                "cached": r.cached_tokens,
+                "ttft": round(r.ttft or r.e2e or 0.0, 3),
+            }
+        )
         if not r.ok:
             run.errors += 1
             run.error_samples = (run.error_samples + [f"{r.status}: {r.error}"])[:3]
@@ -189,12 +216,16 @@ def run_policy(model_dir: str, policy: str, jobs: list[Job], warmup: list[Job] =
 
 
 def table(ref: float, runs: list[PolicyRun]) -> str:
-    lines = ["| policy | ok | errors | prefix hit | of single-instance | TTFT p50 (s) | "
-             "TTFT p99 (s) |", "|---|---|---|---|---|---|---|",
-             f"| single instance (in-process reference) | | | {ref:.1%} | 100% | | |"]
+    lines = [
+        "| policy | ok | errors | prefix hit | of single-instance | TTFT p50 (s) | TTFT p99 (s) |",
+        "|---|---|---|---|---|---|---|",
+        f"| single instance (in-process reference) | | | {ref:.1%} | 100% | | |",
+    ]
     for r in runs:
-        lines.append(f"| {r.policy} | {r.ok} | {r.errors} | {r.hit_rate:.1%} | "
-                     f"{r.hit_rate / ref:.0%} | {r.ttft_p50_s:.3f} | {r.ttft_p99_s:.3f} |")
+        lines.append(
+            f"| {r.policy} | {r.ok} | {r.errors} | {r.hit_rate:.1%} | "
+            f"{r.hit_rate / ref:.0%} | {r.ttft_p50_s:.3f} | {r.ttft_p99_s:.3f} |"
+        )
     return "\n".join(lines)
 
 
@@ -215,20 +246,30 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--log-dir", default="", help="keep each run's service logs here")
     p.add_argument("--out", default="", help="write the results as JSON here")
     a = p.parse_args(argv)
-    w = TenantWorkload(a.requests, a.tenants, a.system_words, a.user_words, a.max_tokens,
-                       a.rate, a.seed)
+    w = TenantWorkload(
+        a.requests, a.tenants, a.system_words, a.user_words, a.max_tokens, a.rate, a.seed
+    )
     model = ensure_model(a.model)
     jobs, warm = w.jobs(), w.warmup_jobs()
     t0 = time.perf_counter()
     ref = reference_hit_rate(model, jobs, warm)
-    runs = [run_policy(model, pol, jobs, warm, a.prefill, a.prefill_kv_mib << 20, a.log_dir)
-            for pol in a.policies.split(",")]
+    runs = [
+        run_policy(model, pol, jobs, warm, a.prefill, a.prefill_kv_mib << 20, a.log_dir)
+        for pol in a.policies.split(",")
+    ]
     print(table(ref, runs))
     print(f"({time.perf_counter() - t0:.0f}s; workload {asdict(w)})")
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"workload": asdict(w), "reference_hit_rate": ref,
-                       "runs": [asdict(r) | {"hit_rate": r.hit_rate} for r in runs]}, f, indent=1)
+            json.dump(
+                {
+                    "workload": asdict(w),
+                    "reference_hit_rate": ref,
+                    "runs": [asdict(r) | {"hit_rate": r.hit_rate} for r in runs],
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

@@ -42,8 +42,18 @@ def events(n: int, instances: int = 16, seed: int = 0) -> list[bytes]:
             hashes = [f"{k:012x}{j:020x}" for j in range(4)]
             held[i].extend(hashes)
             kind = "stored"
-        out.append(encode(KVEvent(instance_id=f"prefill-{i}", incarnation="a", seq=seq[i],
-                                  tier="engine", kind=kind, hashes=hashes)))  # fmt: skip
+        out.append(
+            encode(
+                KVEvent(
+                    instance_id=f"prefill-{i}",
+                    incarnation="a",
+                    seq=seq[i],
+                    tier="engine",
+                    kind=kind,
+                    hashes=hashes,
+                )
+            )
+        )
     return out
 
 
@@ -53,8 +63,12 @@ def in_process(raw: list[bytes]) -> tuple[dict[str, float], PrefixIndex]:
     for b in raw:
         idx.apply(decode(b, KVEvent))
     dt = time.perf_counter() - t0
-    return {"events": len(raw), "seconds": dt, "us_per_event": dt / len(raw) * 1e6,
-            "blocks": len(idx)}, idx  # fmt: skip
+    return {
+        "events": len(raw),
+        "seconds": dt,
+        "us_per_event": dt / len(raw) * 1e6,
+        "blocks": len(idx),
+    }, idx
 
 
 def snapshot_cost(idx: PrefixIndex) -> dict[str, float]:
@@ -87,8 +101,12 @@ async def jetstream(raw: list[bytes]) -> dict[str, float]:
         # each event on its own instance's subject (the scheduler checks they match)
         subj = [subjects.kv_events(decode(b, KVEvent).instance_id) for b in raw]
         for i in range(0, len(raw), 1000):  # publish in windows of 1000 acks
-            await asyncio.gather(*(js.publish(s, b) for s, b in
-                                   zip(subj[i:i + 1000], raw[i:i + 1000], strict=True)))  # fmt: skip
+            await asyncio.gather(
+                *(
+                    js.publish(s, b)
+                    for s, b in zip(subj[i : i + 1000], raw[i : i + 1000], strict=True)
+                )
+            )
         publish_s = time.perf_counter() - t0
         core = SchedulerCore(SchedulerConfig.load([], role="scheduler"))
         t0 = time.perf_counter()
@@ -99,8 +117,13 @@ async def jetstream(raw: list[bytes]) -> dict[str, float]:
         await nc.drain()
     finally:
         server.stop()
-    return {"events": len(raw), "publish_s": publish_s, "seconds": replay_s,
-            "us_per_event": replay_s / len(raw) * 1e6, "blocks": len(core.index)}  # fmt: skip
+    return {
+        "events": len(raw),
+        "publish_s": publish_s,
+        "seconds": replay_s,
+        "us_per_event": replay_s / len(raw) * 1e6,
+        "blocks": len(core.index),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -110,16 +133,22 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     raw = events(max(a.events, a.js_events))
     r, idx = in_process(raw[: a.events])
-    print(f"in-process decode+apply: {r['events']} events in {r['seconds']:.2f}s "
-          f"({r['us_per_event']:.1f} us/event), {r['blocks']} blocks")
+    print(
+        f"in-process decode+apply: {r['events']} events in {r['seconds']:.2f}s "
+        f"({r['us_per_event']:.1f} us/event), {r['blocks']} blocks"
+    )
     c = snapshot_cost(idx)
-    print(f"snapshot of {c['blocks']} blocks: save (state + msgpack) {c['save_s']:.2f}s, "
-          f"load (msgpack + from_state) {c['load_s']:.2f}s, {c['mb']:.1f} MB")
+    print(
+        f"snapshot of {c['blocks']} blocks: save (state + msgpack) {c['save_s']:.2f}s, "
+        f"load (msgpack + from_state) {c['load_s']:.2f}s, {c['mb']:.1f} MB"
+    )
     if a.js_events:
         j = asyncio.run(jetstream(raw[: a.js_events]))
-        print(f"JetStream replay: {j['events']} events in {j['seconds']:.2f}s "
-              f"({j['us_per_event']:.1f} us/event; publish took {j['publish_s']:.1f}s), "
-              f"{j['blocks']} blocks -> 1M events ~ {j['us_per_event']:.0f} s")
+        print(
+            f"JetStream replay: {j['events']} events in {j['seconds']:.2f}s "
+            f"({j['us_per_event']:.1f} us/event; publish took {j['publish_s']:.1f}s), "
+            f"{j['blocks']} blocks -> 1M events ~ {j['us_per_event']:.0f} s"
+        )
 
 
 if __name__ == "__main__":

@@ -97,8 +97,13 @@ def calibrated(path: str, model: str) -> tuple[dict[str, float], float]:
     with open(path) as f:
         models = {m["model"]: m for m in json.load(f)["models"]}
     c = models[model]["constants"]
-    fields = ("prefill_tokens_per_s", "decode_step_s", "decode_step_per_seq_s",
-              "dram_tokens_per_s", "ssd_tokens_per_s")  # fmt: skip
+    fields = (
+        "prefill_tokens_per_s",
+        "decode_step_s",
+        "decode_step_per_seq_s",
+        "dram_tokens_per_s",
+        "ssd_tokens_per_s",
+    )
     consts = {k: float(c[k]) for k in fields if k in c}
     return consts, consts["prefill_tokens_per_s"] / SimConfig.prefill_tokens_per_s
 
@@ -110,13 +115,24 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rate-scales", default="1.0,1.5")
     ap.add_argument("--num-prefill", "--prefill", type=int, default=SimConfig.num_prefill)
     ap.add_argument("--num-decode", "--decode", type=int, default=SimConfig.num_decode)
-    ap.add_argument("--engine-blocks", type=int, default=SimConfig.engine_cache_blocks,
-                    help="engine-cache capacity per instance in 512-token trace blocks")
-    ap.add_argument("--pool", choices=POOL_MODES, default="write-through",
-                    help="off: no pool; on: blocks evicted from engine caches go to the pool; "
-                    "write-through: prefill also writes every block to it")
-    ap.add_argument("--policies", default=",".join(VARIANTS),
-                    help=f"comma-separated subset of {', '.join(VARIANTS)}")
+    ap.add_argument(
+        "--engine-blocks",
+        type=int,
+        default=SimConfig.engine_cache_blocks,
+        help="engine-cache capacity per instance in 512-token trace blocks",
+    )
+    ap.add_argument(
+        "--pool",
+        choices=POOL_MODES,
+        default="write-through",
+        help="off: no pool; on: blocks evicted from engine caches go to the pool; "
+        "write-through: prefill also writes every block to it",
+    )
+    ap.add_argument(
+        "--policies",
+        default=",".join(VARIANTS),
+        help=f"comma-separated subset of {', '.join(VARIANTS)}",
+    )
     ap.add_argument("--json", default="", help="write the rows to this JSON file")
     ap.add_argument("--num-long", type=int, default=SimConfig.num_long)
     ap.add_argument("--ttft-slo", type=float, default=SimConfig.ttft_slo_s)

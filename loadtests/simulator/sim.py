@@ -82,7 +82,10 @@ class Simulation:
             reserved_long=long,
         )
         return SimInstance(
-            view, LRU(c.engine_cache_blocks), Announcer(iid, self.on_kv_event), c.prefill_tokens_per_s
+            view,
+            LRU(c.engine_cache_blocks),
+            Announcer(iid, self.on_kv_event),
+            c.prefill_tokens_per_s,
         )
 
     def on_kv_event(self, ev: KVEvent) -> bool:
@@ -109,8 +112,14 @@ class Simulation:
         for x in self.prefill + self.decode:
             x.refresh(now, self.cfg.decode_kv_blocks if x.view.role == "decode" else 0)
         m = self.index.lookup(list(job.hashes), now)
-        req = request_view(str(job.rid), job.input_len, m, self.cfg.block_tokens,
-                           self.cfg.ttft_slo_s, max_tokens=job.output_len)  # fmt: skip
+        req = request_view(
+            str(job.rid),
+            job.input_len,
+            m,
+            self.cfg.block_tokens,
+            self.cfg.ttft_slo_s,
+            max_tokens=job.output_len,
+        )
         d = self.decide(now, job, req)
         if d.reject:
             self.rejected += 1

@@ -31,7 +31,10 @@ class DecodeService(RequestTasks):
         super().__init__(rt, nc)
         spec = rt.port.kv_spec
         self.receiver = KVReceiver(
-            rt.fingerprint, PagedSink(rt.port), spec.num_layers, (spec.kv_heads, spec.head_dim),
+            rt.fingerprint,
+            PagedSink(rt.port),
+            spec.num_layers,
+            (spec.kv_heads, spec.head_dim),
             spec.dtype,
         )
 
@@ -58,22 +61,38 @@ class DecodeService(RequestTasks):
                 if out.finished:
                     # The prompt's cache hit is where it was computed: blocks this instance
                     # already held when pushed/pooled KV arrived are not a prefill saving.
-                    cached = item.num_cached_tokens if prefilled_elsewhere else max(
-                        item.num_cached_tokens, out.num_cached_tokens)
-                    usage = Usage(prompt_tokens=len(item.prompt_token_ids),
-                                  completion_tokens=len(emitted), cached_tokens=cached)
+                    cached = (
+                        item.num_cached_tokens
+                        if prefilled_elsewhere
+                        else max(item.num_cached_tokens, out.num_cached_tokens)
+                    )
+                    usage = Usage(
+                        prompt_tokens=len(item.prompt_token_ids),
+                        completion_tokens=len(emitted),
+                        cached_tokens=cached,
+                    )
                 chunk = TokenChunk(
-                    request_id=rid, index=index, token_ids=out.new_token_ids, text=out.text_delta,
-                    logprobs=out.new_logprobs, finish_reason=out.finish_reason if out.finished
-                    else None, usage=usage, instance_id=self.instance_id,
+                    request_id=rid,
+                    index=index,
+                    token_ids=out.new_token_ids,
+                    text=out.text_delta,
+                    logprobs=out.new_logprobs,
+                    finish_reason=out.finish_reason if out.finished else None,
+                    usage=usage,
+                    instance_id=self.instance_id,
                 )
                 index += len(out.new_token_ids)
                 await bus.publish(self.nc, subjects.req_out(rid), chunk)
         except asyncio.CancelledError:
             log.info("decode of %s cancelled", rid)
             port.abort(rid)
-            await bus.publish(self.nc, subjects.req_out(rid), TokenChunk(
-                request_id=rid, index=index, finish_reason="abort", instance_id=self.instance_id))
+            await bus.publish(
+                self.nc,
+                subjects.req_out(rid),
+                TokenChunk(
+                    request_id=rid, index=index, finish_reason="abort", instance_id=self.instance_id
+                ),
+            )
         except Exception as exc:  # noqa: BLE001 - the request fails; the service does not
             REQUESTS_FAILED.labels("decode").inc()
             log.warning("decode of %s failed: %s", rid, exc)
@@ -87,8 +106,9 @@ class DecodeService(RequestTasks):
         rid = item.request_id
         if item.kv_pushed and item.first_token_id is not None:
             try:
-                nbytes = await self.receiver.take(rid, item.kv_num_tokens,
-                                                  self.rt.cfg.transfer_timeout)
+                nbytes = await self.receiver.take(
+                    rid, item.kv_num_tokens, self.rt.cfg.transfer_timeout
+                )
                 mode = "layerwise" if item.kv_layerwise else "after_prefill"
                 KV_RECEIVED_BYTES.labels(mode).inc(nbytes)
                 context = list(item.prompt_token_ids) + list(item.output_token_ids)
@@ -96,8 +116,14 @@ class DecodeService(RequestTasks):
                 # of the prompt, so only the rest of max_tokens / min_tokens is still due.
                 sent = len(item.output_token_ids)
                 sampling = item.sampling.resumed(sent)
-                return port.generate_prefilled(rid, context, item.first_token_id, sampling,
-                                               priority=item.priority, mm_inputs=mm), True
+                return port.generate_prefilled(
+                    rid,
+                    context,
+                    item.first_token_id,
+                    sampling,
+                    priority=item.priority,
+                    mm_inputs=mm,
+                ), True
             except StrataError as exc:
                 count_fallback(exc.reason if isinstance(exc, TransferFailed) else "broken")
                 log.warning("KV transfer for %s failed (%s); recomputing locally", rid, exc)
@@ -113,6 +139,12 @@ class DecodeService(RequestTasks):
                 count_fallback("pool_miss")
             else:
                 pooled = True
-        stream = port.generate(rid, item.prompt_token_ids, item.sampling, priority=item.priority,
-                             mm_inputs=mm, output_token_ids=emitted)
+        stream = port.generate(
+            rid,
+            item.prompt_token_ids,
+            item.sampling,
+            priority=item.priority,
+            mm_inputs=mm,
+            output_token_ids=emitted,
+        )
         return stream, pooled

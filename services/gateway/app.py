@@ -65,9 +65,11 @@ def bind_http(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        raise StartupError(f"gateway port {port} on {host} cannot be bound "
-                           f"({exc.strerror or exc}); pass --port (STRATA_PORT) with a free "
-                           "port, or 0 for any") from None  # fmt: skip
+        raise StartupError(
+            f"gateway port {port} on {host} cannot be bound "
+            f"({exc.strerror or exc}); pass --port (STRATA_PORT) with a free "
+            "port, or 0 for any"
+        ) from None
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
@@ -88,8 +90,15 @@ async def build_service(nc, cfg: GatewayConfig) -> GatewayService:
     await pipeline.start()
     auth = Auth.from_config(cfg.api_keys, cfg.api_key_file)
     readiness = Readiness(nc, cfg, needs_vision(cfg))
-    return GatewayService(pipeline, cfg, served_name(cfg), auth, token_speller(cfg.model),
-                          readiness, **model_text(cfg.model))  # fmt: skip
+    return GatewayService(
+        pipeline,
+        cfg,
+        served_name(cfg),
+        auth,
+        token_speller(cfg.model),
+        readiness,
+        **model_text(cfg.model),
+    )
 
 
 def main(argv: list[str]) -> None:
@@ -100,14 +109,24 @@ def main(argv: list[str]) -> None:
 
     async def amain(stop: asyncio.Event) -> None:
         services: list[GatewayService] = []  # filled below; the hook fails its open streams
-        nc = await bus.connect(cfg.nats_url, f"gateway-{cfg.instance_id}",
-                               on_disconnect=lambda: [s.pipeline.nats_lost() for s in services])
+        nc = await bus.connect(
+            cfg.nats_url,
+            f"gateway-{cfg.instance_id}",
+            on_disconnect=lambda: [s.pipeline.nats_lost() for s in services],
+        )
         service = await build_service(nc, cfg)
         services.append(service)
         await serve_api(nc, service)
         metrics.serve_metrics(cfg.metrics_port, cfg.metrics_bind)
-        server = uvicorn.Server(uvicorn.Config(build_app(service), host=cfg.host, port=cfg.port,
-                                               log_level="warning", lifespan="off"))  # fmt: skip
+        server = uvicorn.Server(
+            uvicorn.Config(
+                build_app(service),
+                host=cfg.host,
+                port=cfg.port,
+                log_level="warning",
+                lifespan="off",
+            )
+        )
         task = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started and not task.done():
             await asyncio.sleep(0.05)

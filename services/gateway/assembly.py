@@ -106,8 +106,9 @@ class StreamAssembler:
         if c.index < start:  # partial overlap: keep only the new tokens
             skip = start - c.index
             lps = c.logprobs[skip:] if c.logprobs else c.logprobs
-            c = c.model_copy(update={"index": start, "logprobs": lps,
-                                     "token_ids": c.token_ids[skip:]})  # fmt: skip
+            c = c.model_copy(
+                update={"index": start, "logprobs": lps, "token_ids": c.token_ids[skip:]}
+            )
         self.sent.extend(c.token_ids)
         if c.finish_reason is not None:
             self.finished = True
@@ -121,13 +122,17 @@ class StreamAssembler:
         """Nothing arrived for ``waited`` s: blame the instance that owed the next message."""
         if self.awaiting_ack:
             return Failover(self.target, f"submit: no ack for {waited:.1f}s")
-        return Failover(owing_instance(self.route, self.got_chunk),
-                        f"stall: no tokens for {waited:.1f}s")  # fmt: skip
+        return Failover(
+            owing_instance(self.route, self.got_chunk), f"stall: no tokens for {waited:.1f}s"
+        )
 
     def fail(self, fo: Failover, rid: str) -> None:
         """Give up the route: exclude ``fo.instance`` next time, or raise ``unavailable`` once
         ``max_failovers`` instances failed."""
         if len(self.exclude) >= self.max_failovers:
-            raise StrataError("unavailable", f"request {rid} failed on {len(self.exclude) + 1} "
-                              f"instances (last: {fo.instance}: {fo.why})")  # fmt: skip
+            raise StrataError(
+                "unavailable",
+                f"request {rid} failed on {len(self.exclude) + 1} "
+                f"instances (last: {fo.instance}: {fo.why})",
+            )
         self.exclude.append(fo.instance)

@@ -71,8 +71,11 @@ class Auth:
 
     @classmethod
     def from_config(cls, api_keys: str, key_file: str) -> Auth:
-        keys = {k.strip(): KeyPolicy(name=f"env-{i}") for i, k in
-                enumerate(api_keys.split(",")) if k.strip()}  # fmt: skip
+        keys = {
+            k.strip(): KeyPolicy(name=f"env-{i}")
+            for i, k in enumerate(api_keys.split(","))
+            if k.strip()
+        }
         if key_file:
             keys.update(load_key_file(key_file))
         return cls(keys)
@@ -81,8 +84,7 @@ class Auth:
         """The caller's policy (None when auth is off); 401 / 403 otherwise."""
         policy = self.check_key(header)
         if policy is not None and "*" not in policy.models and model not in policy.models:
-            raise ApiError("forbidden", f"this API key may not use model '{model}'",
-                           param="model")  # fmt: skip
+            raise ApiError("forbidden", f"this API key may not use model '{model}'", param="model")
         return policy
 
     def check_key(self, header: str | None) -> KeyPolicy | None:
@@ -108,18 +110,25 @@ class Auth:
         if policy is None:
             return
         now = self.clock()
-        for limit, buckets, amount, what in ((policy.rpm, self._req, 1, "requests"),
-                                             (policy.tpm, self._tok, tokens, "tokens")):  # fmt: skip
+        for limit, buckets, amount, what in (
+            (policy.rpm, self._req, 1, "requests"),
+            (policy.tpm, self._tok, tokens, "tokens"),
+        ):
             if not limit:
                 continue
             b = buckets.setdefault(policy.name, _Bucket(cap=limit, level=limit, stamp=now))
             wait = b.take(amount, now)
             if wait == float("inf"):
-                raise ApiError("rate_limited", f"request needs {amount} {what}, over this key's "
-                               f"limit of {limit} per minute")  # fmt: skip
+                raise ApiError(
+                    "rate_limited",
+                    f"request needs {amount} {what}, over this key's limit of {limit} per minute",
+                )
             if wait > 0:
-                raise ApiError("rate_limited", f"rate limit of {limit} {what} per minute "
-                               "exceeded", retry_after=round(wait, 3))  # fmt: skip
+                raise ApiError(
+                    "rate_limited",
+                    f"rate limit of {limit} {what} per minute exceeded",
+                    retry_after=round(wait, 3),
+                )
 
 
 def load_key_file(path: str) -> dict[str, KeyPolicy]:

@@ -51,8 +51,10 @@ def _sources(req: ChatCompletionRequest | CompletionRequest) -> list[tuple[str, 
         out.append(("response_format", StructuredSpec(kind="json")))
     elif rf is not None and rf.type == "json_schema":
         if rf.json_schema is None or rf.json_schema.schema_ is None:
-            raise ConstraintError("response_format json_schema needs json_schema.schema",
-                                  "response_format.json_schema")  # fmt: skip
+            raise ConstraintError(
+                "response_format json_schema needs json_schema.schema",
+                "response_format.json_schema",
+            )
         text = _schema_text(rf.json_schema.schema_, "response_format.json_schema.schema")
         out.append(("response_format", StructuredSpec(kind="json_schema", spec=text)))
     if req.guided_json is not None:
@@ -66,15 +68,21 @@ def _sources(req: ChatCompletionRequest | CompletionRequest) -> list[tuple[str, 
         out.append(("guided_grammar", StructuredSpec(kind="grammar", spec=req.guided_grammar)))
     so = req.structured_outputs
     if so is not None:
-        given = [k for k in ("json_", "regex", "choice", "grammar", "json_object")
-                 if getattr(so, k) not in (None, False)]  # fmt: skip
+        given = [
+            k
+            for k in ("json_", "regex", "choice", "grammar", "json_object")
+            if getattr(so, k) not in (None, False)
+        ]
         if len(given) != 1:
-            raise ConstraintError("structured_outputs needs exactly one of json, regex, choice, "
-                                  "grammar, json_object", "structured_outputs")  # fmt: skip
+            raise ConstraintError(
+                "structured_outputs needs exactly one of json, regex, choice, grammar, json_object",
+                "structured_outputs",
+            )
         k = given[0]
         if k == "json_":
-            spec = StructuredSpec(kind="json_schema",
-                                  spec=_schema_text(so.json_, "structured_outputs.json"))  # fmt: skip
+            spec = StructuredSpec(
+                kind="json_schema", spec=_schema_text(so.json_, "structured_outputs.json")
+            )
         elif k == "choice":
             spec = _choice(so.choice or [], "structured_outputs.choice")
         elif k == "json_object":
@@ -85,8 +93,9 @@ def _sources(req: ChatCompletionRequest | CompletionRequest) -> list[tuple[str, 
     return out
 
 
-def request_constraint(req: ChatCompletionRequest | CompletionRequest, tool_format: str = "hermes"
-                       ) -> tuple[str, StructuredSpec] | None:  # fmt: skip
+def request_constraint(
+    req: ChatCompletionRequest | CompletionRequest, tool_format: str = "hermes"
+) -> tuple[str, StructuredSpec] | None:
     """(the field it came from, the one constraint of ``req``), None for free text; a 400 for
     two sources or a bad one."""
     sources = _sources(req)

@@ -96,9 +96,12 @@ def check_text(obj: Any, where: str = "body") -> None:
                 try:
                     o.encode("utf-8")
                 except UnicodeEncodeError:
-                    raise ApiError("bad_request", f"invalid text in '{path}': a lone UTF-16 "
-                                   "surrogate (\\ud800-\\udfff) is not a character",
-                                   param=path) from None  # fmt: skip
+                    raise ApiError(
+                        "bad_request",
+                        f"invalid text in '{path}': a lone UTF-16 "
+                        "surrogate (\\ud800-\\udfff) is not a character",
+                        param=path,
+                    ) from None
         elif isinstance(o, dict):
             for k, v in o.items():
                 stack.append((k, path))
@@ -111,10 +114,13 @@ def validation_error(exc: ValidationError) -> ApiError:
     errors = exc.errors()
     unknown = [".".join(str(p) for p in e["loc"]) for e in errors if e["type"] == "extra_forbidden"]
     if unknown:
-        return ApiError("bad_request", f"unknown field{'s' if len(unknown) > 1 else ''} "
-                        f"{', '.join(repr(u) for u in unknown)}: not supported by this server "
-                        "(docs/STRUCTURED.md lists the accepted fields)",
-                        param=unknown[0])  # fmt: skip
+        return ApiError(
+            "bad_request",
+            f"unknown field{'s' if len(unknown) > 1 else ''} "
+            f"{', '.join(repr(u) for u in unknown)}: not supported by this server "
+            "(docs/STRUCTURED.md lists the accepted fields)",
+            param=unknown[0],
+        )
     e = errors[0]
     loc = ".".join(str(p) for p in e["loc"]) or "body"
     more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
@@ -136,13 +142,19 @@ def build_spec(
     except ValidationError as exc:
         raise validation_error(exc) from None
     if req.model != served_model:
-        raise ApiError("not_found", f"model '{req.model}' does not exist; this gateway serves "
-                       f"'{served_model}'", param="model")  # fmt: skip
+        raise ApiError(
+            "not_found",
+            f"model '{req.model}' does not exist; this gateway serves '{served_model}'",
+            param="model",
+        )
     if req.n > cfg.max_n:
         raise ApiError("bad_request", f"n must be <= {cfg.max_n}", param="n")
     if req.best_of is not None and req.best_of > 1:
-        raise ApiError("bad_request", "best_of > 1 is not supported (use n for several "
-                       "choices)", param="best_of")  # fmt: skip
+        raise ApiError(
+            "bad_request",
+            "best_of > 1 is not supported (use n for several choices)",
+            param="best_of",
+        )
     _check_logit_bias(req.logit_bias)
     try:
         found = request_constraint(req, tool_format)
@@ -150,8 +162,9 @@ def build_spec(
         raise ApiError("bad_request", exc.message, param=getattr(exc, "param", None)) from None
     mt = _max_tokens(req)
     if mt is not None and mt > cfg.max_tokens_limit:
-        raise ApiError("bad_request", f"max_tokens must be <= {cfg.max_tokens_limit}",
-                       param="max_tokens")  # fmt: skip
+        raise ApiError(
+            "bad_request", f"max_tokens must be <= {cfg.max_tokens_limit}", param="max_tokens"
+        )
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     if any(s == "" for s in stops) or len(stops) > 16:
         raise ApiError("bad_request", "stop must be 1..16 non-empty strings", param="stop")
@@ -160,14 +173,21 @@ def build_spec(
     if isinstance(req, ChatCompletionRequest):
         if not req.messages:
             raise ApiError("bad_request", "messages must not be empty", param="messages")
-        urls = [_url(p.image_url) for m in req.messages if isinstance(m.content, list)
-                for p in m.content if p.type == "image_url"]  # fmt: skip
+        urls = [
+            _url(p.image_url)
+            for m in req.messages
+            if isinstance(m.content, list)
+            for p in m.content
+            if p.type == "image_url"
+        ]
         if urls and cfg.max_images == 0:  # a text-only model (see app.build_service)
-            raise ApiError("bad_request", f"model '{served_model}' does not accept images",
-                           param="messages")  # fmt: skip
+            raise ApiError(
+                "bad_request", f"model '{served_model}' does not accept images", param="messages"
+            )
         if len(urls) > cfg.max_images:
-            raise ApiError("bad_request", f"at most {cfg.max_images} images per request",
-                           param="messages")  # fmt: skip
+            raise ApiError(
+                "bad_request", f"at most {cfg.max_images} images per request", param="messages"
+            )
         prompts: list[Any] = [req.messages]
     else:
         urls = []
@@ -177,18 +197,21 @@ def build_spec(
         if len(prompts) * req.n > cfg.max_n:
             raise ApiError("bad_request", f"len(prompt) * n must be <= {cfg.max_n}", param="n")
     param, constraint = found if found else ("", None)
-    return GenerateSpec(kind, req, prompts, urls, priority, slo, ttft_slo_ms, constraint, param,
-                        tool_format)  # fmt: skip
+    return GenerateSpec(
+        kind, req, prompts, urls, priority, slo, ttft_slo_ms, constraint, param, tool_format
+    )
 
 
 def _check_logit_bias(bias: dict[str, float] | None) -> None:
     for k, v in (bias or {}).items():
         if not (k.isdigit() and int(k) <= 2**31 - 1):
-            raise ApiError("bad_request", f"logit_bias key {k!r} is not a token id",
-                           param="logit_bias")  # fmt: skip
+            raise ApiError(
+                "bad_request", f"logit_bias key {k!r} is not a token id", param="logit_bias"
+            )
         if not -100.0 <= v <= 100.0:
-            raise ApiError("bad_request", f"logit_bias[{k}] = {v} is outside [-100, 100]",
-                           param="logit_bias")  # fmt: skip
+            raise ApiError(
+                "bad_request", f"logit_bias[{k}] = {v} is outside [-100, 100]", param="logit_bias"
+            )
 
 
 def _url(image_url: Any) -> str:
@@ -210,12 +233,14 @@ def _scheduling(req: Any, headers: dict[str, str]) -> tuple[int, str, float]:
         try:
             priority = int(headers["x-strata-priority"])
         except ValueError:
-            raise ApiError("bad_request", "X-Strata-Priority must be an integer",
-                           param="priority") from None  # fmt: skip
+            raise ApiError(
+                "bad_request", "X-Strata-Priority must be an integer", param="priority"
+            ) from None
     slo = req.slo_class or headers.get("x-strata-slo-class", "interactive")
     if slo not in ("interactive", "batch"):
-        raise ApiError("bad_request", "SLO class must be 'interactive' or 'batch'",
-                       param="slo_class")  # fmt: skip
+        raise ApiError(
+            "bad_request", "SLO class must be 'interactive' or 'batch'", param="slo_class"
+        )
     ttft = req.ttft_slo_ms or 0.0
     if "x-strata-ttft-slo-ms" in headers:
         try:
@@ -223,8 +248,11 @@ def _scheduling(req: Any, headers: dict[str, str]) -> tuple[int, str, float]:
         except ValueError:
             ttft = math.nan
         if not 0.0 < ttft <= 3_600_000:  # also rejects nan and inf
-            raise ApiError("bad_request", "X-Strata-TTFT-SLO-Ms must be a number of ms in "
-                           "(0, 3600000]", param="ttft_slo_ms")  # fmt: skip
+            raise ApiError(
+                "bad_request",
+                "X-Strata-TTFT-SLO-Ms must be a number of ms in (0, 3600000]",
+                param="ttft_slo_ms",
+            )
     return priority, slo, ttft
 
 
@@ -232,32 +260,47 @@ def admit(spec: GenerateSpec, degrade_level: int, rules: DegradeRules) -> None:
     """Apply the scheduler's degradation level and rules before routing: 2 refuses batch, 3
     keeps top priority only (the scheduler enforces the same rules on route)."""
     if degrade_level >= 3 and spec.priority > rules.top_priority:
-        raise ApiError("overloaded", "server overloaded: only top-priority requests are admitted",
-                       retry_after=rules.retry_after_s)  # fmt: skip
+        raise ApiError(
+            "overloaded",
+            "server overloaded: only top-priority requests are admitted",
+            retry_after=rules.retry_after_s,
+        )
     if degrade_level >= 2 and spec.slo_class == "batch":
-        raise ApiError("overloaded", "server overloaded: batch requests are refused for now",
-                       retry_after=rules.retry_after_s)  # fmt: skip
+        raise ApiError(
+            "overloaded",
+            "server overloaded: batch requests are refused for now",
+            retry_after=rules.retry_after_s,
+        )
 
 
 def sampling_for(
-    spec: GenerateSpec, prompt_len: int, max_model_len: int, cfg: GatewayConfig,
-    degrade_level: int = 0, rules: DegradeRules | None = None,
-) -> SamplingParams:  # fmt: skip
+    spec: GenerateSpec,
+    prompt_len: int,
+    max_model_len: int,
+    cfg: GatewayConfig,
+    degrade_level: int = 0,
+    rules: DegradeRules | None = None,
+) -> SamplingParams:
     """SamplingParams for one prompt of ``prompt_len`` tokens (context length checked here)."""
     r = spec.request
     if max_model_len and prompt_len >= max_model_len:
-        raise ApiError("context_length_exceeded", f"prompt has {prompt_len} tokens; this model's "
-                       f"context length is {max_model_len}", param="messages"
-                       if spec.kind == "chat" else "prompt")  # fmt: skip
+        raise ApiError(
+            "context_length_exceeded",
+            f"prompt has {prompt_len} tokens; this model's context length is {max_model_len}",
+            param="messages" if spec.kind == "chat" else "prompt",
+        )
     room = (max_model_len - prompt_len) if max_model_len else cfg.max_tokens_limit
     asked = _max_tokens(r)
     if degrade_level >= 1 and spec.slo_class == "batch":  # level 1 trims batch work first
         cap = (rules or DegradeRules()).batch_max_tokens_cap
         asked = min(asked or cfg.default_max_tokens, cap)
     if asked is not None and asked > room:
-        raise ApiError("context_length_exceeded", f"prompt ({prompt_len} tokens) + max_tokens "
-                       f"({asked}) exceeds the context length {max_model_len}",
-                       param="max_tokens")  # fmt: skip
+        raise ApiError(
+            "context_length_exceeded",
+            f"prompt ({prompt_len} tokens) + max_tokens "
+            f"({asked}) exceeds the context length {max_model_len}",
+            param="max_tokens",
+        )
     max_tokens = asked if asked is not None else min(cfg.default_max_tokens, room)
     stops = [r.stop] if isinstance(r.stop, str) else list(r.stop or [])
     try:
@@ -299,8 +342,18 @@ def block_hashes(
 
 def error_body(err: StrataError) -> dict[str, Any]:
     """OpenAI-style error object."""
-    kind = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-            404: "not_found_error", 429: "rate_limit_error"}.get(err.http_status,
-                                                                 "server_error")  # fmt: skip
-    return {"error": {"message": err.message, "type": kind,
-                      "param": getattr(err, "param", None), "code": err.code}}  # fmt: skip
+    kind = {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        403: "permission_error",
+        404: "not_found_error",
+        429: "rate_limit_error",
+    }.get(err.http_status, "server_error")
+    return {
+        "error": {
+            "message": err.message,
+            "type": kind,
+            "param": getattr(err, "param", None),
+            "code": err.code,
+        }
+    }

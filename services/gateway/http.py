@@ -71,8 +71,9 @@ class _RequireKey:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and self.auth.enabled and scope["path"] not in OPEN_PATHS:
-            header = next((v.decode("latin-1") for k, v in scope["headers"]
-                           if k == b"authorization"), None)  # fmt: skip
+            header = next(
+                (v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None
+            )
             try:
                 self.auth.check_key(header)
             except StrataError as exc:
@@ -143,12 +144,21 @@ def build_app(service: GatewayService) -> FastAPI:
         async for part in request.stream():
             raw += part
             if len(raw) > cfg.max_body_bytes:
-                raise ApiError("bad_request",
-                               f"request body is larger than {cfg.max_body_bytes} bytes")  # fmt: skip
+                raise ApiError(
+                    "bad_request", f"request body is larger than {cfg.max_body_bytes} bytes"
+                )
         body = parse_json(raw)
         headers = dict(request.headers)
-        run = await _race(service.open(kind, body, headers, request.headers.get("authorization"),
-                                       request.headers.get("x-request-id", "")), request)  # fmt: skip
+        run = await _race(
+            service.open(
+                kind,
+                body,
+                headers,
+                request.headers.get("authorization"),
+                request.headers.get("x-request-id", ""),
+            ),
+            request,
+        )
         if not run.spec.request.stream:
             try:
                 return JSONResponse(await _race(run.complete(), request))
@@ -182,9 +192,17 @@ def build_app(service: GatewayService) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": service.served_model, "object": "model",
-                                            "created": int(time.time()),
-                                            "owned_by": "strata"}]}  # fmt: skip
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": service.served_model,
+                    "object": "model",
+                    "created": int(time.time()),
+                    "owned_by": "strata",
+                }
+            ],
+        }
 
     async def ready() -> Response:
         st = await service.readiness.state()
@@ -234,8 +252,9 @@ class _SSEResponse(StreamingResponse):
     """
 
     def __init__(self, run, hold: float):
-        super().__init__(iter(()), media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache"})  # fmt: skip
+        super().__init__(
+            iter(()), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
         self.run = run
         self.hold = hold
 
@@ -263,11 +282,15 @@ class _SSEResponse(StreamingResponse):
                         if not held and run.first_token_at is None:
                             continue  # role chunks only: the next round holds them
                         started = True
-                        await send({"type": "http.response.start", "status": self.status_code,
-                                    "headers": self.raw_headers})  # fmt: skip
+                        await send(
+                            {
+                                "type": "http.response.start",
+                                "status": self.status_code,
+                                "headers": self.raw_headers,
+                            }
+                        )
                     if body:
-                        await send({"type": "http.response.body", "body": body,
-                                    "more_body": True})  # fmt: skip
+                        await send({"type": "http.response.body", "body": body, "more_body": True})
                         body = b""
             except StrataError as exc:
                 failed = exc
@@ -278,15 +301,25 @@ class _SSEResponse(StreamingResponse):
                 return  # client gone
             if failed is not None and not started:  # nothing sent yet: the real status
                 resp = error_response(failed)
-                await send({"type": "http.response.start", "status": resp.status_code,
-                            "headers": resp.raw_headers})  # fmt: skip
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": resp.status_code,
+                        "headers": resp.raw_headers,
+                    }
+                )
                 await send({"type": "http.response.body", "body": resp.body})
                 return
             if failed is not None:
                 body += _line(error_body(failed))
             if not started:
-                await send({"type": "http.response.start", "status": self.status_code,
-                            "headers": self.raw_headers})  # fmt: skip
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": self.status_code,
+                        "headers": self.raw_headers,
+                    }
+                )
             await send({"type": "http.response.body", "body": body + _DONE, "more_body": False})
         finally:
             disc.cancel()

@@ -76,8 +76,9 @@ def _local(url: str, cfg: GatewayConfig) -> bytes:
     path = Path(path_str)
     path = (path if path.is_absolute() else root / path).resolve()
     if not path.is_relative_to(root):
-        raise ApiError("forbidden", "image path is outside the allowed image folder",
-                       param="messages")  # fmt: skip
+        raise ApiError(
+            "forbidden", "image path is outside the allowed image folder", param="messages"
+        )
     if not path.is_file():
         raise _bad("image file does not exist")
     if path.stat().st_size > cfg.max_image_bytes:
@@ -89,20 +90,26 @@ _REDIRECTS = (301, 302, 303, 307, 308)
 MAX_REDIRECTS = 5
 
 
-async def fetch_image(url: str, cfg: GatewayConfig, resolve: Resolver = system_resolve,
-                      blocked: Callable[[IPAddress], str | None] = blocked_reason) -> bytes:  # fmt: skip
+async def fetch_image(
+    url: str,
+    cfg: GatewayConfig,
+    resolve: Resolver = system_resolve,
+    blocked: Callable[[IPAddress], str | None] = blocked_reason,
+) -> bytes:
     """GET a remote image with SSRF checks at every hop: the host must be on
     ``remote_image_hosts`` when that is set; a host not named there must resolve only to public
     addresses (``blocked``). The connection goes to the checked address (original Host header
     and TLS SNI), and redirects are followed here, each hop checked the same way (403 naming the
     host and why)."""
     if not cfg.allow_remote_images:
-        raise ApiError("forbidden", "fetching remote image URLs is disabled on this server",
-                       param="messages")  # fmt: skip
+        raise ApiError(
+            "forbidden", "fetching remote image URLs is disabled on this server", param="messages"
+        )
     hosts = {h.strip().lower() for h in cfg.remote_image_hosts.split(",") if h.strip()}
     try:
-        async with httpx.AsyncClient(timeout=cfg.bus_timeout, follow_redirects=False,
-                                     trust_env=False) as client:  # fmt: skip
+        async with httpx.AsyncClient(
+            timeout=cfg.bus_timeout, follow_redirects=False, trust_env=False
+        ) as client:
             for _ in range(MAX_REDIRECTS + 1):
                 target, headers, ext = await _pin(url, hosts, resolve, blocked)
                 async with client.stream("GET", target, headers=headers, extensions=ext) as resp:
@@ -115,16 +122,18 @@ async def fetch_image(url: str, cfg: GatewayConfig, resolve: Resolver = system_r
                     async for chunk in resp.aiter_bytes():
                         buf += chunk
                         if len(buf) > cfg.max_image_bytes:
-                            raise _bad(f"image is larger than the limit of "
-                                       f"{cfg.max_image_bytes} bytes")  # fmt: skip
+                            raise _bad(
+                                f"image is larger than the limit of {cfg.max_image_bytes} bytes"
+                            )
                     return bytes(buf)
     except httpx.HTTPError as exc:
         raise _bad(f"could not fetch image: {type(exc).__name__}") from None
     raise _bad(f"image URL redirected more than {MAX_REDIRECTS} times")
 
 
-async def _pin(url: str, hosts: set[str], resolve: Resolver,
-               blocked: Callable[[IPAddress], str | None]) -> tuple[str, dict, dict]:  # fmt: skip
+async def _pin(
+    url: str, hosts: set[str], resolve: Resolver, blocked: Callable[[IPAddress], str | None]
+) -> tuple[str, dict, dict]:
     """The URL to connect to (the host replaced by its checked address), the Host header and
     the TLS SNI extension; `ApiError` 403 for a host that may not be fetched."""
     parts = urlsplit(url)
@@ -147,9 +156,12 @@ async def _pin(url: str, hosts: set[str], resolve: Resolver,
         for ip in addrs:
             why = blocked(ip)
             if why:
-                raise ApiError("forbidden", f"image host {host!r} resolves to {ip}, a {why} "
-                               "address; remote images must come from public addresses",
-                               param="messages")  # fmt: skip
+                raise ApiError(
+                    "forbidden",
+                    f"image host {host!r} resolves to {ip}, a {why} "
+                    "address; remote images must come from public addresses",
+                    param="messages",
+                )
     ip = addrs[0]
     netloc = f"[{ip}]" if ip.version == 6 else str(ip)
     target = urlunsplit((parts.scheme, f"{netloc}:{port}", parts.path or "/", parts.query, ""))

@@ -9,15 +9,18 @@ _ITL = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 TTFT = Histogram("strata:time_to_first_token_seconds", "Arrival to first token", buckets=_LAT)
 ITL = Histogram("strata:inter_token_latency_seconds", "Gap between streamed tokens", buckets=_ITL)
-TPOT = Histogram("strata:time_per_output_token_seconds", "Decode time / output tokens",
-                 buckets=_ITL)  # fmt: skip
+TPOT = Histogram(
+    "strata:time_per_output_token_seconds", "Decode time / output tokens", buckets=_ITL
+)
 E2E = Histogram("strata:e2e_request_latency_seconds", "Arrival to last token", buckets=_LAT)
-QUEUE = Histogram("strata:request_queue_time_seconds", "Arrival to submit (tokenize, encode, "
-                  "route)", buckets=_LAT)  # fmt: skip
+QUEUE = Histogram(
+    "strata:request_queue_time_seconds", "Arrival to submit (tokenize, encode, route)", buckets=_LAT
+)
 TOKENIZE = Histogram("strata:tokenize_seconds", "Tokenizer round trip", buckets=_LAT)
 VISION = Histogram("strata:vision_encode_seconds", "Vision encode round trip", buckets=_LAT)
-EPD_OVERLAP = Histogram("strata:epd_overlap_seconds", "Time tokenize and encode ran together",
-                        buckets=_LAT)  # fmt: skip
+EPD_OVERLAP = Histogram(
+    "strata:epd_overlap_seconds", "Time tokenize and encode ran together", buckets=_LAT
+)
 RUNNING = Gauge("strata:num_requests_running", "Streams past their first token")
 WAITING = Gauge("strata:num_requests_waiting", "Requests before their first token")
 PROMPT_TOKENS = Counter("strata:prompt_tokens", "Prompt tokens of finished requests")

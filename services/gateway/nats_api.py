@@ -58,8 +58,15 @@ async def serve_api(nc: NATS, service: GatewayService):
                 run.close()
             await send(GenerateEvent(request_id=rid, done=True))
         except StrataError as exc:
-            await send(GenerateEvent(request_id=rid, done=True, error=exc.info(),
-                                     status=exc.http_status, data=error_body(exc)))  # fmt: skip
+            await send(
+                GenerateEvent(
+                    request_id=rid,
+                    done=True,
+                    error=exc.info(),
+                    status=exc.http_status,
+                    data=error_body(exc),
+                )
+            )
         except Exception as exc:  # noqa: BLE001 - last line of defence: a 500 event
             log.exception("api.v1.generate failed")
             err = StrataError("internal", f"{type(exc).__name__}: {exc}")
@@ -92,8 +99,14 @@ def _check_stream_subject(subject: str) -> None:
     may publish only to ``_INBOX.api.>`` anyway (`services.infra.nats_auth`)."""
     if not subject:
         return
-    bad = (subject.startswith((f"{subjects.PREFIX}.", "$")) or any(c in subject for c in "*> \t")
-           or "" in subject.split("."))
+    bad = (
+        subject.startswith((f"{subjects.PREFIX}.", "$"))
+        or any(c in subject for c in "*> \t")
+        or "" in subject.split(".")
+    )
     if bad:
-        raise ApiError("bad_request", f"stream_subject {subject[:80]!r} is not allowed: use a "
-                       "subject of your own, e.g. under _INBOX.api. (no wildcards, not strata.*)")
+        raise ApiError(
+            "bad_request",
+            f"stream_subject {subject[:80]!r} is not allowed: use a "
+            "subject of your own, e.g. under _INBOX.api. (no wildcards, not strata.*)",
+        )

@@ -15,15 +15,19 @@ ERROR_SCHEMA = {
     "title": "ErrorResponse",
     "description": "OpenAI-style error body",
     "required": ["error"],
-    "properties": {"error": {
-        "type": "object",
-        "required": ["message", "type", "code"],
-        "properties": {"message": {"type": "string", "description": "what is wrong, in words"},
-                       "type": {"type": "string", "examples": ["invalid_request_error"]},
-                       "param": {"type": ["string", "null"], "description": "field at fault"},
-                       "code": {"type": "string", "examples": ["bad_request"]}},
-    }},
-}  # fmt: skip
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "code"],
+            "properties": {
+                "message": {"type": "string", "description": "what is wrong, in words"},
+                "type": {"type": "string", "examples": ["invalid_request_error"]},
+                "param": {"type": ["string", "null"], "description": "field at fault"},
+                "code": {"type": "string", "examples": ["bad_request"]},
+            },
+        }
+    },
+}
 
 ERRORS = {
     400: "Bad request: malformed or too deeply nested JSON, invalid text, a field out of range, "
@@ -41,8 +45,10 @@ _RETRY_AFTER = {"Retry-After": {"description": "seconds to wait", "schema": {"ty
 
 
 def _error(status: int, why: str) -> dict[str, Any]:
-    doc: dict[str, Any] = {"description": why, "content": {"application/json": {
-        "schema": _ERROR_REF}}}  # fmt: skip
+    doc: dict[str, Any] = {
+        "description": why,
+        "content": {"application/json": {"schema": _ERROR_REF}},
+    }
     if status in (429, 503):
         doc["headers"] = _RETRY_AFTER
     return doc
@@ -52,9 +58,10 @@ def body_doc(model: type) -> dict[str, Any]:
     """``openapi_extra`` of a route that reads ``model`` as its raw JSON body."""
     schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
     schema.pop("$defs", None)  # added to components by `install`
-    return {"requestBody": {"required": True,
-                            "content": {"application/json": {"schema": schema}}},
-            "responses": {str(s): _error(s, why) for s, why in ERRORS.items()}}  # fmt: skip
+    return {
+        "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
+        "responses": {str(s): _error(s, why) for s, why in ERRORS.items()},
+    }
 
 
 def install(app: FastAPI) -> None:

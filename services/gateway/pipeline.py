@@ -38,6 +38,7 @@ from shared.protocol.work import ImageRef, SubmitAck, WorkItem
 
 log = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
 class _Down:
     """Queue item: the scheduler declared ``instance_id`` (watched by this request) down."""
@@ -120,15 +121,19 @@ class Pipeline:
     def unwatch_cancel(self, rid: str) -> None:
         self._cancel_cbs.pop(rid, None)
 
-    async def prepare(self, spec: GenerateSpec, prompt: object, images: list[bytes],
-                      rid: str) -> Prepared:  # fmt: skip
+    async def prepare(
+        self, spec: GenerateSpec, prompt: object, images: list[bytes], rid: str
+    ) -> Prepared:
         """Tokenize and vision-encode at the same time, then build sampling and block hashes."""
         if spec.kind == "chat":
             from services.gateway.schemas import dump_messages, dump_tools
 
-            tok_req = TokenizeRequest(request_id=rid, messages=dump_messages(spec.request),
-                                      add_generation_prompt=spec.request.add_generation_prompt,
-                                      tools=dump_tools(spec.request))  # fmt: skip
+            tok_req = TokenizeRequest(
+                request_id=rid,
+                messages=dump_messages(spec.request),
+                add_generation_prompt=spec.request.add_generation_prompt,
+                tools=dump_tools(spec.request),
+            )
         else:
             tok_req = TokenizeRequest(request_id=rid, prompt=str(prompt))
 
@@ -141,8 +146,11 @@ class Pipeline:
         calls = [timed(bus.request(self.nc, subjects.TOK_ENCODE, tok_req, TokenizeReply, timeout))]
         if images:
             vreq = VisionEncodeRequest(request_id=rid, images=images)
-            calls.append(timed(bus.request(self.nc, subjects.VISION_ENCODE, vreq,
-                                           VisionEncodeReply, timeout)))  # fmt: skip
+            calls.append(
+                timed(
+                    bus.request(self.nc, subjects.VISION_ENCODE, vreq, VisionEncodeReply, timeout)
+                )
+            )
         results = await asyncio.gather(*calls)
         tok, tok_win = results[0]
         m.TOKENIZE.observe(tok_win[1] - tok_win[0])
@@ -151,24 +159,40 @@ class Pipeline:
         if images:
             vis, vis_win = results[1]
             m.VISION.observe(vis_win[1] - vis_win[0])
-            m.EPD_OVERLAP.observe(max(0.0, min(tok_win[1], vis_win[1]) - max(tok_win[0],
-                                                                              vis_win[0])))  # fmt: skip
+            m.EPD_OVERLAP.observe(
+                max(0.0, min(tok_win[1], vis_win[1]) - max(tok_win[0], vis_win[0]))
+            )
             if len(vis.images) != len(tok.image_spans):
-                raise StrataError("bad_request", f"{len(tok.image_spans)} image placeholders but "
-                                  f"{len(vis.images)} images")  # fmt: skip
-            refs = [ImageRef(offset=s.offset, length=s.length, hash=i.hash,
-                             source_addr=vis.source_addr)
-                    for s, i in zip(tok.image_spans, vis.images, strict=True)]  # fmt: skip
-        sampling = sampling_for(spec, len(tok.token_ids), tok.max_model_len, self.cfg,
-                                self.degrade_level, self.degrade_rules)  # fmt: skip
-        hashes = block_hashes(tok.token_ids, [(r.offset, r.length, r.hash) for r in refs],
-                              tok.model_fingerprint, tok.kv_dtype or "float32", tok.block_size)  # fmt: skip
+                raise StrataError(
+                    "bad_request",
+                    f"{len(tok.image_spans)} image placeholders but {len(vis.images)} images",
+                )
+            refs = [
+                ImageRef(offset=s.offset, length=s.length, hash=i.hash, source_addr=vis.source_addr)
+                for s, i in zip(tok.image_spans, vis.images, strict=True)
+            ]
+        sampling = sampling_for(
+            spec,
+            len(tok.token_ids),
+            tok.max_model_len,
+            self.cfg,
+            self.degrade_level,
+            self.degrade_rules,
+        )
+        hashes = block_hashes(
+            tok.token_ids,
+            [(r.offset, r.length, r.hash) for r in refs],
+            tok.model_fingerprint,
+            tok.kv_dtype or "float32",
+            tok.block_size,
+        )
         return Prepared(tok.token_ids, sampling, refs, hashes)
 
     async def cancel(self, rid: str, reason: str = "client disconnected") -> None:
         with contextlib.suppress(Exception):
-            await bus.publish(self.nc, subjects.req_cancel(rid), Cancel(request_id=rid,
-                                                                        reason=reason))  # fmt: skip
+            await bus.publish(
+                self.nc, subjects.req_cancel(rid), Cancel(request_id=rid, reason=reason)
+            )
             m.CANCELS.inc()
 
     async def stream(self, rid: str, p: Prepared, spec: GenerateSpec) -> AsyncIterator[TokenChunk]:
@@ -221,24 +245,37 @@ class Pipeline:
             if not self._watchers.get(inst):
                 self._watchers.pop(inst, None)
 
-    async def _route(self, rid: str, p: Prepared, spec: GenerateSpec, exclude: list[str],
-                     sent: list[int]) -> RouteReply:  # fmt: skip
+    async def _route(
+        self, rid: str, p: Prepared, spec: GenerateSpec, exclude: list[str], sent: list[int]
+    ) -> RouteReply:
         """Route and submit in one hop: the scheduler forwards the `WorkItem` to the instance it
         chose, which acks on ``strata.req.<rid>.ack`` (read by `_drain`)."""
-        item = WorkItem(request_id=rid, prompt_token_ids=p.prompt_token_ids, sampling=p.sampling,
-                        priority=spec.priority, images=p.images,
-                        output_token_ids=list(sent))  # fmt: skip
-        req = RouteRequest(request_id=rid, num_prompt_tokens=len(p.prompt_token_ids),
-                           block_hashes=p.block_hashes, priority=spec.priority,
-                           slo_class=spec.slo_class, max_tokens=p.sampling.max_tokens,
-                           exclude=list(exclude), ttft_slo_ms=spec.ttft_slo_ms,
-                           submit=item)  # fmt: skip
+        item = WorkItem(
+            request_id=rid,
+            prompt_token_ids=p.prompt_token_ids,
+            sampling=p.sampling,
+            priority=spec.priority,
+            images=p.images,
+            output_token_ids=list(sent),
+        )
+        req = RouteRequest(
+            request_id=rid,
+            num_prompt_tokens=len(p.prompt_token_ids),
+            block_hashes=p.block_hashes,
+            priority=spec.priority,
+            slo_class=spec.slo_class,
+            max_tokens=p.sampling.max_tokens,
+            exclude=list(exclude),
+            ttft_slo_ms=spec.ttft_slo_ms,
+            submit=item,
+        )
         # Scheduler replicas share a queue group; one that dies mid-request leaves the request
         # unanswered, so a timed-out route is asked once more (another replica answers).
         for attempt in (0, 1):
             try:
-                route = await bus.request(self.nc, subjects.SCHED_ROUTE, req, RouteReply,
-                                          self.cfg.bus_timeout / 2)  # fmt: skip
+                route = await bus.request(
+                    self.nc, subjects.SCHED_ROUTE, req, RouteReply, self.cfg.bus_timeout / 2
+                )
                 break
             except StrataError as exc:
                 if exc.code != "timeout":
@@ -266,8 +303,9 @@ class Pipeline:
             return f"submit: {ack.instance_id or target} refused the request"
         return None
 
-    async def _drain(self, rid: str, q: asyncio.Queue,
-                     asm: StreamAssembler) -> AsyncIterator[TokenChunk | Failover]:  # fmt: skip
+    async def _drain(
+        self, rid: str, q: asyncio.Queue, asm: StreamAssembler
+    ) -> AsyncIterator[TokenChunk | Failover]:
         """Decode the queue's messages and feed them to ``asm``; yields the client-visible
         chunks in order, and a `Failover` that ends the route."""
         ack_subject = subjects.req_ack(rid)

@@ -100,8 +100,13 @@ def summarize(results: dict[str, Probe], seen: set[str]) -> ReadyState:
 class Readiness:
     """Probes the roles a request needs and caches the verdict (see the module doc)."""
 
-    def __init__(self, nc: NATS, cfg: GatewayConfig, need_vision: bool,
-                 clock: Callable[[], float] = time.monotonic):  # fmt: skip
+    def __init__(
+        self,
+        nc: NATS,
+        cfg: GatewayConfig,
+        need_vision: bool,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.nc = nc
         self.cfg = cfg
         self.need_vision = need_vision
@@ -117,8 +122,9 @@ class Readiness:
         callers). With ``wait=False`` a stale *ready* verdict is returned at once and refreshed
         in the background, so the request path of a healthy cluster never waits on a probe."""
         if not self.nc.is_connected:  # probes would only time out while it reconnects
-            return ReadyState("degraded", {"nats": "down"},
-                              "gateway lost its NATS connection (reconnecting)")  # fmt: skip
+            return ReadyState(
+                "degraded", {"nats": "down"}, "gateway lost its NATS connection (reconnecting)"
+            )
         st = self._state
         if st is not None and self.clock() - self._at < self.cfg.ready_cache_s:
             return st
@@ -159,8 +165,9 @@ class Readiness:
 
     async def _ping(self, subject: str) -> Probe:
         try:
-            await bus.request(self.nc, subject, Ping(sender="gateway"), Pong,
-                              self.cfg.health_timeout)  # fmt: skip
+            await bus.request(
+                self.nc, subject, Ping(sender="gateway"), Pong, self.cfg.health_timeout
+            )
         except StrataError as exc:
             return BUSY if exc.code == "timeout" else False
         return True
@@ -168,8 +175,12 @@ class Readiness:
     async def _instances(self) -> InstancesReply | bool | str:
         """The scheduler's decode instances, or ``BUSY`` (timed out) / False (nobody answers)."""
         try:
-            return await bus.request(self.nc, subjects.SCHED_INSTANCES,
-                                     InstancesRequest(role="decode"), InstancesReply,
-                                     self.cfg.health_timeout)  # fmt: skip
+            return await bus.request(
+                self.nc,
+                subjects.SCHED_INSTANCES,
+                InstancesRequest(role="decode"),
+                InstancesReply,
+                self.cfg.health_timeout,
+            )
         except StrataError as exc:
             return BUSY if exc.code == "timeout" else False

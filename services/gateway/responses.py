@@ -48,16 +48,25 @@ def usage(choices: list[ChoiceState], prompt_lens: list[int]) -> dict[str, Any]:
     )
     prompt = sum(prompt_lens)
     cached = max((c.cached_tokens for c in choices), default=0)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 class Formatter:
     """Builds the response objects of one request."""
 
-    def __init__(self, kind: str, request_id: str, model: str, token_str: Callable[[int], str],
-                 logprobs: int | None):  # fmt: skip
+    def __init__(
+        self,
+        kind: str,
+        request_id: str,
+        model: str,
+        token_str: Callable[[int], str],
+        logprobs: int | None,
+    ):
         self.kind = kind
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + request_id
         self.model = model
@@ -71,30 +80,52 @@ class Formatter:
 
     def role_chunk(self, index: int) -> dict[str, Any]:
         """First chat chunk of a choice: the assistant role with empty content."""
-        choice = {"index": index, "delta": {"role": "assistant", "content": ""},
-                  "logprobs": None, "finish_reason": None}  # fmt: skip
+        choice = {
+            "index": index,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
         return {**self._head("chat.completion.chunk"), "choices": [choice]}
 
     def chunk(self, index: int, c: TokenChunk, text_offset: int = 0) -> dict[str, Any]:
         lps = self._logprobs(c.token_ids, c.logprobs or [], text_offset)
         if self.kind == "chat":
-            choice = {"index": index, "delta": {"content": c.text} if c.text else {},
-                      "logprobs": lps, "finish_reason": c.finish_reason}  # fmt: skip
+            choice = {
+                "index": index,
+                "delta": {"content": c.text} if c.text else {},
+                "logprobs": lps,
+                "finish_reason": c.finish_reason,
+            }
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": index, "text": c.text, "logprobs": lps,
-                  "finish_reason": c.finish_reason}  # fmt: skip
+        choice = {"index": index, "text": c.text, "logprobs": lps, "finish_reason": c.finish_reason}
         return {**self._head("text_completion"), "choices": [choice]}
 
     def tool_call_chunks(self, index: int, k: int, call: dict[str, Any]) -> list[dict[str, Any]]:
         """Call ``k`` of a choice as OpenAI stream fragments: id, type and name with empty
         arguments, then the arguments."""
         f = call["function"]
-        head = {"index": k, "id": call["id"], "type": "function",
-                "function": {"name": f["name"], "arguments": ""}}  # fmt: skip
+        head = {
+            "index": k,
+            "id": call["id"],
+            "type": "function",
+            "function": {"name": f["name"], "arguments": ""},
+        }
         args = {"index": k, "function": {"arguments": f["arguments"]}}
-        return [{**self._head("chat.completion.chunk"), "choices": [
-            {"index": index, "delta": {"tool_calls": [d]}, "logprobs": None,
-             "finish_reason": None}]} for d in (head, args)]  # fmt: skip
+        return [
+            {
+                **self._head("chat.completion.chunk"),
+                "choices": [
+                    {
+                        "index": index,
+                        "delta": {"tool_calls": [d]},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ],
+            }
+            for d in (head, args)
+        ]
 
     def finish_chunk(self, index: int, reason: str) -> dict[str, Any]:
         choice = {"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}
@@ -104,8 +135,9 @@ class Formatter:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         return {**self._head(obj), "choices": [], "usage": use}
 
-    def final(self, choices: list[ChoiceState], prompt_lens: list[int],
-              echo: list[str] | None = None) -> dict[str, Any]:  # fmt: skip
+    def final(
+        self, choices: list[ChoiceState], prompt_lens: list[int], echo: list[str] | None = None
+    ) -> dict[str, Any]:
         out = []
         for c in sorted(choices, key=lambda c: c.index):
             text = "".join(c.text)
@@ -117,15 +149,28 @@ class Formatter:
                 if calls:
                     message["tool_calls"] = calls
                     reason = "tool_calls" if reason == "stop" else reason
-                out.append({"index": c.index, "message": message, "logprobs": lps,
-                            "finish_reason": reason})  # fmt: skip
+                out.append(
+                    {"index": c.index, "message": message, "logprobs": lps, "finish_reason": reason}
+                )
             elif self.kind == "chat":
-                out.append({"index": c.index, "message": {"role": "assistant", "content": text},
-                            "logprobs": lps, "finish_reason": c.finish_reason})  # fmt: skip
+                out.append(
+                    {
+                        "index": c.index,
+                        "message": {"role": "assistant", "content": text},
+                        "logprobs": lps,
+                        "finish_reason": c.finish_reason,
+                    }
+                )
             else:
                 prefix = echo[c.index] if echo else ""
-                out.append({"index": c.index, "text": prefix + text, "logprobs": lps,
-                            "finish_reason": c.finish_reason})  # fmt: skip
+                out.append(
+                    {
+                        "index": c.index,
+                        "text": prefix + text,
+                        "logprobs": lps,
+                        "finish_reason": c.finish_reason,
+                    }
+                )
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
         return {**self._head(obj), "choices": out, "usage": usage(choices, prompt_lens)}
 
@@ -138,18 +183,36 @@ class Formatter:
             for tid, lp in rows:
                 tok = self.token_str(tid)
                 top = sorted(lp.items(), key=lambda kv: -kv[1])[: self.top_n]
-                content.append({"token": tok, "logprob": lp.get(tid, -9999.0),
-                                "bytes": list(tok.encode()),
-                                "top_logprobs": [{"token": self.token_str(t), "logprob": v,
-                                                  "bytes": list(self.token_str(t).encode())}
-                                                 for t, v in top]})  # fmt: skip
+                content.append(
+                    {
+                        "token": tok,
+                        "logprob": lp.get(tid, -9999.0),
+                        "bytes": list(tok.encode()),
+                        "top_logprobs": [
+                            {
+                                "token": self.token_str(t),
+                                "logprob": v,
+                                "bytes": list(self.token_str(t).encode()),
+                            }
+                            for t, v in top
+                        ],
+                    }
+                )
             return {"content": content}
         tokens, offsets, pos = [], [], text_offset
         for tid, _ in rows:
             tokens.append(self.token_str(tid))
             offsets.append(pos)
             pos += len(tokens[-1])
-        return {"tokens": tokens, "token_logprobs": [lp.get(t, -9999.0) for t, lp in rows],
-                "top_logprobs": [{self.token_str(t): v for t, v in sorted(
-                    lp.items(), key=lambda kv: -kv[1])[: max(self.top_n, 1)]} for _, lp in rows],
-                "text_offset": offsets}  # fmt: skip
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.get(t, -9999.0) for t, lp in rows],
+            "top_logprobs": [
+                {
+                    self.token_str(t): v
+                    for t, v in sorted(lp.items(), key=lambda kv: -kv[1])[: max(self.top_n, 1)]
+                }
+                for _, lp in rows
+            ],
+            "text_offset": offsets,
+        }

@@ -195,9 +195,17 @@ def dump_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
         if m.tool_call_id is not None:
             d["tool_call_id"] = m.tool_call_id
         if m.tool_calls:
-            d["tool_calls"] = [{"id": c.id, "type": "function", "function": {
-                "name": c.function.name, "arguments": _arguments(c.function.arguments)}}
-                for c in m.tool_calls]  # fmt: skip
+            d["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {
+                        "name": c.function.name,
+                        "arguments": _arguments(c.function.arguments),
+                    },
+                }
+                for c in m.tool_calls
+            ]
         out.append(d)
     return out
 

@@ -48,10 +48,18 @@ _REQUEST_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 class GatewayService:
     """Validation, auth and admission in front of a `Pipeline`."""
 
-    def __init__(self, pipeline: Pipeline, cfg: GatewayConfig, served_model: str,
-                 auth: Auth, token_str: Callable[[int], str], readiness: Readiness,
-                 tokenizer=None, grammars: GrammarCache | None = None,
-                 tool_format: str = "hermes"):  # fmt: skip
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        cfg: GatewayConfig,
+        served_model: str,
+        auth: Auth,
+        token_str: Callable[[int], str],
+        readiness: Readiness,
+        tokenizer=None,
+        grammars: GrammarCache | None = None,
+        tool_format: str = "hermes",
+    ):
         self.pipeline = pipeline
         self.cfg = cfg
         self.served_model = served_model
@@ -62,26 +70,38 @@ class GatewayService:
         self.grammars = grammars  # validates constraints here; None: the engine does
         self.tool_format = tool_format
 
-    async def open(self, kind: str, body: dict[str, Any], headers: dict[str, str],
-                   api_key: str | None, request_id: str = "") -> Run:  # fmt: skip
+    async def open(
+        self,
+        kind: str,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        api_key: str | None,
+        request_id: str = "",
+    ) -> Run:
         arrival = time.perf_counter()
         model = body.get("model") if isinstance(body.get("model"), str) else ""
         policy = self.auth.authenticate(api_key, model)
         spec = build_spec(kind, body, self.cfg, self.served_model, headers, self.tool_format)
         if spec.constraint is not None and self.grammars is not None:
-            await asyncio.to_thread(check_constraint, spec.constraint, self.grammars,
-                                    spec.constraint_param)  # fmt: skip
+            await asyncio.to_thread(
+                check_constraint, spec.constraint, self.grammars, spec.constraint_param
+            )
         admit(spec, self.pipeline.degrade_level, self.pipeline.degrade_rules)
         if request_id and not _REQUEST_ID.fullmatch(request_id):
-            raise StrataError("bad_request", "request id must be 1-128 characters from "
-                              "[A-Za-z0-9_-] (it becomes part of NATS subjects)")  # fmt: skip
+            raise StrataError(
+                "bad_request",
+                "request id must be 1-128 characters from "
+                "[A-Za-z0-9_-] (it becomes part of NATS subjects)",
+            )
         await self.readiness.require()  # 503 naming what is missing while the cluster starts
         rid = request_id or uuid.uuid4().hex
         images = await asyncio.gather(*(load_image(u, self.cfg) for u in spec.image_urls))
-        prepared = await asyncio.gather(*(self.pipeline.prepare(spec, p, list(images), rid)
-                                          for p in spec.prompts))  # fmt: skip
-        self.auth.charge(policy, sum(len(p.prompt_token_ids) + p.sampling.max_tokens
-                                     for p in prepared))  # fmt: skip
+        prepared = await asyncio.gather(
+            *(self.pipeline.prepare(spec, p, list(images), rid) for p in spec.prompts)
+        )
+        self.auth.charge(
+            policy, sum(len(p.prompt_token_ids) + p.sampling.max_tokens for p in prepared)
+        )
         fmt = Formatter(kind, rid, self.served_model, self.token_str, spec.logprobs)
         if kind == "chat" and parses_tools(spec.request):
             fmt.tool_format = spec.tool_format
@@ -89,11 +109,13 @@ class GatewayService:
         run.start()  # no await after this: the caller owns the run (and closes it)
         return run
 
-
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model:
-            raise ApiError("not_found", f"model '{model}' does not exist; this gateway serves "
-                           f"'{self.served_model}'", param="model")  # fmt: skip
+            raise ApiError(
+                "not_found",
+                f"model '{model}' does not exist; this gateway serves '{self.served_model}'",
+                param="model",
+            )
 
     async def tokenize(self, body: dict[str, Any]) -> dict[str, Any]:
         """vLLM's ``/tokenize``: ``{count, max_model_len, tokens, token_strs}`` from the
@@ -109,14 +131,24 @@ class GatewayService:
         special = req.add_special_tokens if req.add_special_tokens is not None else not chat
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         msgs = dump_messages(req) if chat else None  # type: ignore[arg-type]
-        tok_req = TokenizeRequest(request_id=uuid.uuid4().hex, prompt=req.prompt, messages=msgs,
-                                  add_generation_prompt=req.add_generation_prompt,
-                                  add_special_tokens=special, tools=tools)  # fmt: skip
-        reply = await bus.request(self.pipeline.nc, subjects.TOK_ENCODE, tok_req, TokenizeReply,
-                                  self.cfg.bus_timeout)  # fmt: skip
+        tok_req = TokenizeRequest(
+            request_id=uuid.uuid4().hex,
+            prompt=req.prompt,
+            messages=msgs,
+            add_generation_prompt=req.add_generation_prompt,
+            add_special_tokens=special,
+            tools=tools,
+        )
+        reply = await bus.request(
+            self.pipeline.nc, subjects.TOK_ENCODE, tok_req, TokenizeReply, self.cfg.bus_timeout
+        )
         strs = [self.token_str(t) for t in reply.token_ids] if req.return_token_strs else None
-        return {"count": len(reply.token_ids), "max_model_len": reply.max_model_len,
-                "tokens": reply.token_ids, "token_strs": strs}  # fmt: skip
+        return {
+            "count": len(reply.token_ids),
+            "max_model_len": reply.max_model_len,
+            "tokens": reply.token_ids,
+            "token_strs": strs,
+        }
 
     def detokenize(self, body: dict[str, Any]) -> dict[str, Any]:
         """vLLM's ``/detokenize``: ``{prompt}`` for ``tokens`` (the gateway's own tokenizer)."""
@@ -130,8 +162,11 @@ class GatewayService:
         vocab = self.tokenizer.vocab_size
         bad = [t for t in req.tokens if t >= vocab]
         if bad:
-            raise ApiError("bad_request", f"token id {bad[0]} is not in the vocabulary (size "
-                           f"{vocab})", param="tokens")  # fmt: skip
+            raise ApiError(
+                "bad_request",
+                f"token id {bad[0]} is not in the vocabulary (size {vocab})",
+                param="tokens",
+            )
         return {"prompt": self.tokenizer.decode(req.tokens)}
 
 
@@ -145,8 +180,15 @@ class Run:
     the response is over, however it ended.
     """
 
-    def __init__(self, pipeline: Pipeline, spec: GenerateSpec, rid: str,
-                 prepared: list[Prepared], fmt: Formatter, arrival: float):  # fmt: skip
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        spec: GenerateSpec,
+        rid: str,
+        prepared: list[Prepared],
+        fmt: Formatter,
+        arrival: float,
+    ):
         self.pipeline = pipeline
         self.spec = spec
         self.request_id = rid
@@ -154,8 +196,9 @@ class Run:
         self.fmt = fmt
         self.arrival = arrival
         n = spec.n
-        self.choices = [ChoiceState(i, len(prepared[i // n].prompt_token_ids))
-                        for i in range(len(prepared) * n)]  # fmt: skip
+        self.choices = [
+            ChoiceState(i, len(prepared[i // n].prompt_token_ids)) for i in range(len(prepared) * n)
+        ]
         self.first_token_at: float | None = None
         self._last: float | None = None
         self.closed = False  # close() was called: the consumer stops, no more events
@@ -185,8 +228,9 @@ class Run:
     async def _pump(self, i: int) -> None:
         q = self._q
         try:
-            async for c in self.pipeline.stream(self._sub_id(i), self.prepared[i // self.spec.n],
-                                                self.spec):  # fmt: skip
+            async for c in self.pipeline.stream(
+                self._sub_id(i), self.prepared[i // self.spec.n], self.spec
+            ):
                 q.put_nowait((i, c))
             q.put_nowait((i, None))
         except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer
@@ -242,8 +286,11 @@ class Run:
             self._done = True
             for c in self.choices:
                 if c.finish_reason is None:
-                    abort = TokenChunk(request_id=self._sub_id(c.index),
-                                       index=len(c.token_ids), finish_reason="abort")  # fmt: skip
+                    abort = TokenChunk(
+                        request_id=self._sub_id(c.index),
+                        index=len(c.token_ids),
+                        finish_reason="abort",
+                    )
                     c.add(abort)
                     out.append((c.index, abort))
         elif item is None:

@@ -59,8 +59,13 @@ def call_schema(req: ChatCompletionRequest, fmt: str, only: str | None = None) -
         if only is not None and f.name != only:
             continue
         params = f.parameters or {"type": "object", "properties": {}}
-        options.append({"type": "object", "properties": {"name": {"const": f.name}, key: params},
-                        "required": ["name", key]})  # fmt: skip
+        options.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": f.name}, key: params},
+                "required": ["name", key],
+            }
+        )
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
@@ -75,8 +80,10 @@ def tool_choice_spec(req: ChatCompletionRequest, fmt: str) -> StructuredSpec | N
     if isinstance(choice, NamedToolChoice):
         names = [t.function.name for t in req.tools]
         if choice.function.name not in names:
-            raise _bad(f"tool_choice names function {choice.function.name!r}, which is not in "
-                       f"tools ({', '.join(names)})")  # fmt: skip
+            raise _bad(
+                f"tool_choice names function {choice.function.name!r}, which is not in "
+                f"tools ({', '.join(names)})"
+            )
         schema, parallel = call_schema(req, fmt, choice.function.name), False
     else:
         schema, parallel = call_schema(req, fmt), req.parallel_tool_calls and fmt == HERMES
@@ -86,8 +93,11 @@ def tool_choice_spec(req: ChatCompletionRequest, fmt: str) -> StructuredSpec | N
 
 def new_call(name: str, arguments: Any) -> dict[str, Any]:
     args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": args}}  # fmt: skip
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": args},
+    }
 
 
 def _call_from_json(text: str, fmt: str) -> dict[str, Any] | None:

@@ -44,9 +44,12 @@ class MinioCredentials:
                 return cls(**json.load(f))
         except FileNotFoundError:
             pass
-        creds = cls(root_user=f"strata-root-{secrets.token_hex(4)}",
-                    root_password=secrets.token_urlsafe(32), kv_user=KV_USER,
-                    kv_password=secrets.token_urlsafe(32))  # fmt: skip
+        creds = cls(
+            root_user=f"strata-root-{secrets.token_hex(4)}",
+            root_password=secrets.token_urlsafe(32),
+            kv_user=KV_USER,
+            kv_password=secrets.token_urlsafe(32),
+        )
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
@@ -56,14 +59,31 @@ class MinioCredentials:
 
 def bucket_policy(bucket: str) -> dict:
     """An IAM policy allowing object reads/writes and listing in ``bucket`` only."""
-    return {"Version": "2012-10-17", "Statement": [
-        {"Effect": "Allow", "Action": ["s3:GetBucketLocation", "s3:ListBucket",
-                                       "s3:ListBucketMultipartUploads"],
-         "Resource": [f"arn:aws:s3:::{bucket}"]},
-        {"Effect": "Allow", "Action": ["s3:GetObject", "s3:PutObject", "s3:DeleteObject",
-                                       "s3:AbortMultipartUpload", "s3:ListMultipartUploadParts"],
-         "Resource": [f"arn:aws:s3:::{bucket}/*"]},
-    ]}  # fmt: skip
+    return {
+        "Version": "2012-10-17",
+        "Statement": [
+            {
+                "Effect": "Allow",
+                "Action": [
+                    "s3:GetBucketLocation",
+                    "s3:ListBucket",
+                    "s3:ListBucketMultipartUploads",
+                ],
+                "Resource": [f"arn:aws:s3:::{bucket}"],
+            },
+            {
+                "Effect": "Allow",
+                "Action": [
+                    "s3:GetObject",
+                    "s3:PutObject",
+                    "s3:DeleteObject",
+                    "s3:AbortMultipartUpload",
+                    "s3:ListMultipartUploadParts",
+                ],
+                "Resource": [f"arn:aws:s3:::{bucket}/*"],
+            },
+        ],
+    }
 
 
 def minio_binary(build: bool = True) -> str:
@@ -77,11 +97,20 @@ def minio_binary(build: bool = True) -> str:
     go = shutil.which("go") or "/usr/local/go/bin/go"
     if not os.path.exists(go):
         raise RuntimeError("minio not found and Go is not installed to build it")
-    print("building MinIO with `go install github.com/minio/minio@latest` "
-          "(first time only; takes several minutes)...", file=sys.stderr, flush=True)
+    print(
+        "building MinIO with `go install github.com/minio/minio@latest` "
+        "(first time only; takes several minutes)...",
+        file=sys.stderr,
+        flush=True,
+    )
     gocache = os.path.join(cache_dir(), "go")
-    env = dict(os.environ, GOBIN=os.path.dirname(cached), GOPATH=gocache,
-               GOMODCACHE=os.path.join(gocache, "mod"), GOCACHE=os.path.join(gocache, "build"))
+    env = dict(
+        os.environ,
+        GOBIN=os.path.dirname(cached),
+        GOPATH=gocache,
+        GOMODCACHE=os.path.join(gocache, "mod"),
+        GOCACHE=os.path.join(gocache, "build"),
+    )
     subprocess.run([go, "install", "-v", "github.com/minio/minio@latest"], env=env, check=True)
     return cached
 
@@ -140,13 +169,29 @@ class MinioServer:
 
     def start(self, log_file=None, timeout: float = 60.0) -> MinioServer:
         os.makedirs(self.data_dir, exist_ok=True)
-        env = dict(os.environ, MINIO_ROOT_USER=self.access_key,
-                   MINIO_ROOT_PASSWORD=self.secret_key, MINIO_BROWSER="off")
-        cmd = [minio_binary(), "server", self.data_dir, "--address", self.endpoint, "--quiet",
-               "--console-address", f"{self.host}:{free_port()}"]
+        env = dict(
+            os.environ,
+            MINIO_ROOT_USER=self.access_key,
+            MINIO_ROOT_PASSWORD=self.secret_key,
+            MINIO_BROWSER="off",
+        )
+        cmd = [
+            minio_binary(),
+            "server",
+            self.data_dir,
+            "--address",
+            self.endpoint,
+            "--quiet",
+            "--console-address",
+            f"{self.host}:{free_port()}",
+        ]
         self.proc = subprocess.Popen(
-            cmd, env=env, stdout=log_file or subprocess.DEVNULL, stderr=subprocess.STDOUT,
-            start_new_session=True, preexec_fn=preexec(self.die_with_parent),
+            cmd,
+            env=env,
+            stdout=log_file or subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=preexec(self.die_with_parent),
         )
         wait_until(self.healthy, timeout, "minio", self.proc)
         self._provision()
@@ -187,6 +232,7 @@ def start_minio(
     port: int = 0, data_dir: str | None = None, log_file=None, die_with_parent: bool = False
 ) -> MinioServer:
     return MinioServer(
-        port=port or free_port(), die_with_parent=die_with_parent,
-        data_dir=data_dir or tempfile.mkdtemp(prefix="strata-minio-")
+        port=port or free_port(),
+        die_with_parent=die_with_parent,
+        data_dir=data_dir or tempfile.mkdtemp(prefix="strata-minio-"),
     ).start(log_file)

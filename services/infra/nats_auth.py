@@ -41,15 +41,30 @@ _KV_EVENTS = f"{_P}.kv.events.*"
 # role -> (publish, subscribe); every user also subscribes `_INBOX.<user>.>`.
 _TABLE: dict[str, tuple[list[str], list[str]]] = {
     "gateway": (
-        [s.TOK_ENCODE, s.TOK_PING, s.VISION_ENCODE, s.VISION_PING, s.SCHED_ROUTE,
-         s.SCHED_INSTANCES, s.REQ_CANCEL_ALL, f"{inbox_prefix(API_USER)}.>"],
+        [
+            s.TOK_ENCODE,
+            s.TOK_PING,
+            s.VISION_ENCODE,
+            s.VISION_PING,
+            s.SCHED_ROUTE,
+            s.SCHED_INSTANCES,
+            s.REQ_CANCEL_ALL,
+            f"{inbox_prefix(API_USER)}.>",
+        ],
         [s.API_GENERATE, s.API_CANCEL, s.SCHED_STATE, f"{_P}.req.*.*"],
     ),
     "tokenizer": ([], [s.TOK_ENCODE, s.TOK_PING]),
     "vision": ([], [s.VISION_ENCODE, s.VISION_PING]),
     "scheduler": (
-        [s.SCHED_STATE, s.SCHED_INSTANCES, s.prefill_submit("*"), s.decode_submit("*"), _JS_API,
-         "$JS.FC.>", f"$O.{SNAPSHOT_BUCKET}.>"],
+        [
+            s.SCHED_STATE,
+            s.SCHED_INSTANCES,
+            s.prefill_submit("*"),
+            s.decode_submit("*"),
+            _JS_API,
+            "$JS.FC.>",
+            f"$O.{SNAPSHOT_BUCKET}.>",
+        ],
         [s.SCHED_ROUTE, s.SCHED_INSTANCES, s.LOAD_ALL],
     ),
     "kvstore": (
@@ -65,7 +80,7 @@ _TABLE: dict[str, tuple[list[str], list[str]]] = {
         [s.decode_submit("*"), s.REQ_CANCEL_ALL],
     ),
     API_USER: ([f"{_P}.api.v1.>"], []),
-}  # fmt: skip
+}
 
 USERS: tuple[str, ...] = tuple(_TABLE)
 """Every user `strata up` creates: the service roles, then ``api``."""
@@ -84,8 +99,9 @@ def permissions(user: str) -> dict[str, object]:
 def authorization_block(passwords: dict[str, str]) -> str:
     """nats-server config text: one user per entry of ``passwords`` with its permissions. No
     ``no_auth_user``: a client without credentials is refused."""
-    users = [{"user": u, "password": p, "permissions": permissions(u)}
-             for u, p in passwords.items()]  # fmt: skip
+    users = [
+        {"user": u, "password": p, "permissions": permissions(u)} for u, p in passwords.items()
+    ]
     # The config format accepts JSON values; json.dumps quotes `$`, `>` and `*` safely.
     lines = ",\n    ".join(json.dumps(u) for u in users)
     return "authorization {\n  users: [\n    " + lines + "\n  ]\n}\n"

@@ -63,8 +63,11 @@ class NatsServer:
         auth is off); with TLS on it trusts the server certificate's CA (``tls_ca``)."""
         if self.auth and user not in self.passwords:
             raise KeyError(f"no NATS user {user!r} (one of {', '.join(self.passwords)})")
-        return NatsAuth(user=user if self.auth else "", password=self.passwords.get(user, ""),
-                        tls_ca=self.tls_ca if self.tls_cert else "")  # fmt: skip
+        return NatsAuth(
+            user=user if self.auth else "",
+            password=self.passwords.get(user, ""),
+            tls_ca=self.tls_ca if self.tls_cert else "",
+        )
 
     def config_text(self) -> str:
         """The nats-server config this server runs with."""
@@ -73,8 +76,9 @@ class NatsServer:
             self.passwords = nats_auth.ensure_credentials(self.cred_dir)
             text += nats_auth.authorization_block(self.passwords)
         if self.tls_cert:
-            text += nats_auth.tls_block(self.tls_cert, self.tls_key,
-                                        self.tls_ca if self.tls_verify else "")  # fmt: skip
+            text += nats_auth.tls_block(
+                self.tls_cert, self.tls_key, self.tls_ca if self.tls_verify else ""
+            )
         return text
 
     def start(self, log_file=None, timeout: float = 20.0) -> NatsServer:
@@ -85,11 +89,24 @@ class NatsServer:
         with os.fdopen(fd, "w") as f:
             f.write(text)
         os.chmod(conf, 0o600)
-        cmd = [nats_binary(), "-a", self.host, "-p", str(self.port), "-js",
-               "-sd", self.data_dir, "-c", conf]
+        cmd = [
+            nats_binary(),
+            "-a",
+            self.host,
+            "-p",
+            str(self.port),
+            "-js",
+            "-sd",
+            self.data_dir,
+            "-c",
+            conf,
+        ]
         self.proc = subprocess.Popen(
-            cmd, stdout=log_file or subprocess.DEVNULL, stderr=subprocess.STDOUT,
-            start_new_session=True, preexec_fn=preexec(self.die_with_parent),
+            cmd,
+            stdout=log_file or subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=preexec(self.die_with_parent),
         )
         wait_until(lambda: port_open(self.host, self.port), timeout, "nats-server", self.proc)
         return self
@@ -101,10 +118,15 @@ class NatsServer:
 
 
 def start_nats(
-    port: int = 0, data_dir: str | None = None, log_file=None, die_with_parent: bool = False,
+    port: int = 0,
+    data_dir: str | None = None,
+    log_file=None,
+    die_with_parent: bool = False,
     auth: bool = False,
 ) -> NatsServer:
     return NatsServer(
-        port=port or free_port(), die_with_parent=die_with_parent, auth=auth,
-        data_dir=data_dir or tempfile.mkdtemp(prefix="strata-nats-")
+        port=port or free_port(),
+        die_with_parent=die_with_parent,
+        auth=auth,
+        data_dir=data_dir or tempfile.mkdtemp(prefix="strata-nats-"),
     ).start(log_file)

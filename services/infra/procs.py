@@ -27,7 +27,10 @@ def port_open(host: str, port: int, timeout: float = 0.2) -> bool:
 
 
 def wait_until(
-    check: Callable[[], bool], timeout: float, what: str, proc=None,
+    check: Callable[[], bool],
+    timeout: float,
+    what: str,
+    proc=None,
     alive: Callable[[], None] | None = None,
 ) -> None:
     """Poll ``check`` until true; fail early with the process's exit code if ``proc`` died, or

@@ -59,8 +59,9 @@ class Backoff:
             self.start_failures = 0
         self.start_failures = 0 if was_ready else self.start_failures + 1
         if self.start_failures >= p.max_start_failures:
-            return Decision(False, 0.0, self.restarts,
-                            f"{self.start_failures} failed starts in a row")  # fmt: skip
+            return Decision(
+                False, 0.0, self.restarts, f"{self.start_failures} failed starts in a row"
+            )
         delay = self.delay
         self.delay = min(delay * 2, p.max_backoff)
         self.restarts += 1
@@ -117,8 +118,10 @@ class Watchdog:
 
     def restarts(self) -> dict[str, int]:
         """Restarts so far per unit name (the launcher's ``strata_launcher_restarts_total``)."""
-        return {u.name: self._state[u.name].backoff.restarts if u.name in self._state else 0
-                for u in self.units}  # fmt: skip
+        return {
+            u.name: self._state[u.name].backoff.restarts if u.name in self._state else 0
+            for u in self.units
+        }
 
     def given_up(self) -> list[str]:
         return [n for n, s in self._state.items() if s.given_up]
@@ -143,12 +146,16 @@ class Watchdog:
                 code = u.exit_code()
                 if not d.restart:
                     st.given_up = True
-                    self.say(f"{u.name} exited with code {code}; giving up after {d.why} "
-                             f"(last: {u.why() or 'no output'})")  # fmt: skip
+                    self.say(
+                        f"{u.name} exited with code {code}; giving up after {d.why} "
+                        f"(last: {u.why() or 'no output'})"
+                    )
                     self._check_role(u)
                     continue
-                self.say(f"{u.name} exited with code {code}; restarting (restart {d.restarts}, "
-                         f"backoff {d.delay:.1f}s)")  # fmt: skip
+                self.say(
+                    f"{u.name} exited with code {code}; restarting (restart {d.restarts}, "
+                    f"backoff {d.delay:.1f}s)"
+                )
                 st.due = now + d.delay
             if now >= st.due:
                 st.due = None
@@ -167,8 +174,9 @@ class Watchdog:
 
     # ---- thread ----
     def start(self, interval: float = 0.1) -> Watchdog:
-        self._thread = threading.Thread(target=self._run, args=(interval,), name="watchdog",
-                                        daemon=True)  # fmt: skip
+        self._thread = threading.Thread(
+            target=self._run, args=(interval,), name="watchdog", daemon=True
+        )
         self._thread.start()
         return self
 
@@ -190,8 +198,11 @@ def serve_restart_metrics(watchdog: Watchdog, host: str, port: int) -> int:
 
     class _Collector:
         def collect(self):
-            fam = CounterMetricFamily("strata_launcher_restarts", "Automatic restarts by the "
-                                      "launcher per service", labels=["service"])  # fmt: skip
+            fam = CounterMetricFamily(
+                "strata_launcher_restarts",
+                "Automatic restarts by the launcher per service",
+                labels=["service"],
+            )
             for name, n in sorted(watchdog.restarts().items()):
                 fam.add_metric([name], n)
             yield fam

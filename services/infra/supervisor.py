@@ -109,9 +109,16 @@ class Supervised:
         env = dict(os.environ, PYTHONUNBUFFERED="1", **spec.env)
         self._log = open(os.path.join(log_dir, f"{spec.name}.log"), "a") if log_dir else None
         self.proc = subprocess.Popen(
-            spec.argv, env=env, cwd=spec.cwd, stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
-            bufsize=1, start_new_session=True,
+            spec.argv,
+            env=env,
+            cwd=spec.cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+            bufsize=1,
+            start_new_session=True,
             preexec_fn=preexec(spec.die_with_parent),
         )
         if not spec.ready:
@@ -144,9 +151,9 @@ class Supervised:
                     self._log.write(line + "\n")
                     self._log.flush()
             if line.startswith(FATAL_LINE) and not self.fatal:
-                self.fatal = line[len(FATAL_LINE):].strip()
+                self.fatal = line[len(FATAL_LINE) :].strip()
             if line.startswith(READY_LINE) and not self.ready.is_set():
-                self.ready_detail = line[len(READY_LINE):].strip()
+                self.ready_detail = line[len(READY_LINE) :].strip()
                 self.ready.set()
             self.sink.write(self.name, line)
         self._eof.set()
@@ -159,8 +166,12 @@ class Supervised:
                 self._eof.wait(2.0)  # let the reader collect the last lines
                 if self.ready.is_set():
                     break
-                raise ServiceFailed(self.name, f"exited with code {self.proc.returncode} "
-                                    "before it was ready", list(self.tail), self.fatal)
+                raise ServiceFailed(
+                    self.name,
+                    f"exited with code {self.proc.returncode} before it was ready",
+                    list(self.tail),
+                    self.fatal,
+                )
             if time.monotonic() > deadline:
                 raise ServiceFailed(self.name, f"not ready after {timeout:.0f}s", list(self.tail))
 
@@ -234,13 +245,15 @@ class Supervisor:
         for p in self.procs.values():
             if p.name not in self._expected_exit and not p.alive():
                 p._eof.wait(2.0)
-                raise ServiceFailed(p.name, f"exited with code {p.returncode}", list(p.tail),
-                                    p.fatal)
+                raise ServiceFailed(
+                    p.name, f"exited with code {p.returncode}", list(p.tail), p.fatal
+                )
 
     def exited(self) -> list[Supervised]:
         """Processes that died unexpectedly (each reported once)."""
-        dead = [p for p in self.procs.values()
-                if p.name not in self._expected_exit and not p.alive()]
+        dead = [
+            p for p in self.procs.values() if p.name not in self._expected_exit and not p.alive()
+        ]
         for p in dead:
             self._expected_exit.add(p.name)
             p.finish()
@@ -261,4 +274,3 @@ class Supervisor:
 
     def stop_all(self, timeout: float = 10.0) -> None:
         self.stop(list(self.procs), timeout)
-

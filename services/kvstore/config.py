@@ -77,6 +77,8 @@ class KVStoreConfig(ServiceConfig):
     @classmethod
     def _credentials_with_endpoint(cls, v: str, info: ValidationInfo) -> str:
         if info.data.get("minio_endpoint") and not (v and info.data.get("minio_access_key")):
-            raise ValueError("STRATA_MINIO_ENDPOINT needs STRATA_MINIO_ACCESS_KEY and "
-                             "STRATA_MINIO_SECRET_KEY (MinIO has no default credentials)")  # fmt: skip
+            raise ValueError(
+                "STRATA_MINIO_ENDPOINT needs STRATA_MINIO_ACCESS_KEY and "
+                "STRATA_MINIO_SECRET_KEY (MinIO has no default credentials)"
+            )
         return v

@@ -103,10 +103,16 @@ class MinioTier:
         if not self.endpoints:
             raise ValueError(f"no MinIO endpoint in {endpoint!r}")
         self.clients = [
-            Minio(e, access_key=access_key, secret_key=secret_key, secure=secure,
-                  region="us-east-1", http_client=http)
+            Minio(
+                e,
+                access_key=access_key,
+                secret_key=secret_key,
+                secure=secure,
+                region="us-east-1",
+                http_client=http,
+            )
             for e in self.endpoints
-        ]  # fmt: skip
+        ]
         self.current = 0
         self.failovers = 0  # times a call moved to another endpoint
         self._bucket_ready = False
@@ -162,10 +168,13 @@ class MinioTier:
         name = object_name(key)
         self._call(
             lambda c: c.put_object(
-                self.bucket, name, io.BytesIO(data), len(data),
+                self.bucket,
+                name,
+                io.BytesIO(data),
+                len(data),
                 content_type="application/octet-stream",
             )
-        )  # fmt: skip
+        )
         return SsdLoc(name, 0, len(data))
 
     def put_chunk(self, fingerprint: str, blocks: list[tuple[str, bytes]]) -> dict[str, SsdLoc]:
@@ -174,10 +183,13 @@ class MinioTier:
         data, locs = pack_chunk(name, blocks)
         self._call(
             lambda c: c.put_object(
-                self.bucket, name, io.BytesIO(data), len(data),
+                self.bucket,
+                name,
+                io.BytesIO(data),
+                len(data),
                 content_type="application/octet-stream",
             )
-        )  # fmt: skip
+        )
         return locs
 
     def _read(self, name: str, offset: int = 0, length: int = 0) -> bytes | None:

@@ -61,12 +61,19 @@ class PrefillService(RequestTasks):
             direct = not (item.transfer_mode == "pool" and self.pool is not None)
             if direct and self.tap is not None:
                 q = self.tap.open(rid)  # before the engine can see the request
-                pushing = asyncio.create_task(self._push_layerwise(rid, q, len(context),
-                                                                   item.decode_addr))
+                pushing = asyncio.create_task(
+                    self._push_layerwise(rid, q, len(context), item.decode_addr)
+                )
             out = None
-            async for o in port.generate(rid, item.prompt_token_ids, params, priority=item.priority,
-                                       mm_inputs=mm, output_token_ids=item.output_token_ids,
-                                       hold_kv=True):
+            async for o in port.generate(
+                rid,
+                item.prompt_token_ids,
+                params,
+                priority=item.priority,
+                mm_inputs=mm,
+                output_token_ids=item.output_token_ids,
+                hold_kv=True,
+            ):
                 out = o
             held = True
             if out is None or not out.new_token_ids:
@@ -81,27 +88,41 @@ class PrefillService(RequestTasks):
                 if pushing is not None:
                     pushing.cancel()  # the decode instance drops the partial transfer
                 return
-            work = DecodeWork(**{f: getattr(item, f) for f in WorkItem.model_fields},
-                              first_token_id=out.new_token_ids[0],
-                              num_cached_tokens=out.num_cached_tokens)  # fmt: skip
+            work = DecodeWork(
+                **{f: getattr(item, f) for f in WorkItem.model_fields},
+                first_token_id=out.new_token_ids[0],
+                num_cached_tokens=out.num_cached_tokens,
+            )
             if item.transfer_mode == "pool" and self.pool is not None:
                 # decode pulls them: store first (the blocks the pool holds already stay)
                 KV_SENT_BYTES.labels("pool").inc(await self.pool.store_blocks(new_blocks))
                 work = work.model_copy(update={"kv_block_hashes": hashes})
             else:
                 if await self._pushed(rid, pushing, len(context), item.decode_addr):
-                    work = work.model_copy(update={"kv_pushed": True,
-                                                   "kv_num_tokens": len(context),
-                                                   "kv_layerwise": pushing is not None})
+                    work = work.model_copy(
+                        update={
+                            "kv_pushed": True,
+                            "kv_num_tokens": len(context),
+                            "kv_layerwise": pushing is not None,
+                        }
+                    )
                 self._store_later(new_blocks)
-            await bus.request(self.nc, subjects.decode_submit(item.decode_instance), work,
-                              SubmitAck, timeout=10.0)
+            await bus.request(
+                self.nc, subjects.decode_submit(item.decode_instance), work, SubmitAck, timeout=10.0
+            )
         except asyncio.CancelledError:
             log.info("prefill of %s cancelled", rid)
             port.abort(rid)
-            await bus.publish(self.nc, subjects.req_out(rid), TokenChunk(
-                request_id=rid, index=len(item.output_token_ids), finish_reason="abort",
-                instance_id=self.instance_id))
+            await bus.publish(
+                self.nc,
+                subjects.req_out(rid),
+                TokenChunk(
+                    request_id=rid,
+                    index=len(item.output_token_ids),
+                    finish_reason="abort",
+                    instance_id=self.instance_id,
+                ),
+            )
         except Exception as exc:  # noqa: BLE001 - the request fails; the service does not
             REQUESTS_FAILED.labels("prefill").inc()
             log.warning("prefill of %s failed: %s", rid, exc)
@@ -120,15 +141,22 @@ class PrefillService(RequestTasks):
         done = item.sampling.max_tokens - n_prev <= 1 or out.finish_reason == "stop"
         usage = None
         if done:
-            usage = Usage(prompt_tokens=len(item.prompt_token_ids), completion_tokens=n_prev + 1,
-                          cached_tokens=out.num_cached_tokens)
+            usage = Usage(
+                prompt_tokens=len(item.prompt_token_ids),
+                completion_tokens=n_prev + 1,
+                cached_tokens=out.num_cached_tokens,
+            )
         # A stream that goes on at decode leaves out the text the engine released only because
         # this stage ended (an incomplete character): decode emits it once it is complete.
         chunk = TokenChunk(
-            request_id=item.request_id, index=n_prev, token_ids=out.new_token_ids[:1],
-            text=out.text_delta if done else out.handoff_text, logprobs=out.new_logprobs,
+            request_id=item.request_id,
+            index=n_prev,
+            token_ids=out.new_token_ids[:1],
+            text=out.text_delta if done else out.handoff_text,
+            logprobs=out.new_logprobs,
             finish_reason=("stop" if out.finish_reason == "stop" else "length") if done else None,
-            usage=usage, instance_id=self.instance_id,
+            usage=usage,
+            instance_id=self.instance_id,
         )
         await bus.publish(self.nc, subjects.req_out(item.request_id), chunk)
         return done
@@ -147,8 +175,9 @@ class PrefillService(RequestTasks):
                 raise  # this request itself was cancelled, not just its transfer
             reason = fallback_reason(exc)
             count_fallback(reason)
-            log.warning("KV push of %s to %s failed (%s: %s); decode will recompute", rid, addr,
-                        reason, exc)
+            log.warning(
+                "KV push of %s to %s failed (%s: %s); decode will recompute", rid, addr, reason, exc
+            )
             return False
 
     def _store_later(self, blocks) -> None:
@@ -158,14 +187,18 @@ class PrefillService(RequestTasks):
         self.background.add(t)
         t.add_done_callback(self.background.discard)
 
-    async def _push_layerwise(self, rid: str, q: asyncio.Queue, num_tokens: int,
-                              addr: str) -> None:
+    async def _push_layerwise(self, rid: str, q: asyncio.Queue, num_tokens: int, addr: str) -> None:
         """Open the push stream now; frames flow as the engine finishes each layer."""
         if not addr:
             raise StrataError("bad_request", f"{rid}: no decode address to push KV to")
-        frames = merged_frames(q, request_id=rid, fingerprint=self.rt.fingerprint,
-                               total_tokens=num_tokens, merge_bytes=self.rt.cfg.frame_merge_bytes,
-                               int8=self.rt.cfg.kv_int8)
+        frames = merged_frames(
+            q,
+            request_id=rid,
+            fingerprint=self.rt.fingerprint,
+            total_tokens=num_tokens,
+            merge_bytes=self.rt.cfg.frame_merge_bytes,
+            int8=self.rt.cfg.kv_int8,
+        )
         # No deadline on the stream itself: it lives as long as the prefill computes. Once the
         # prefill is done, `_pushed` gives the rest `transfer_timeout` to land.
         await get_client(addr).push(counted_frames(frames, "layerwise"), timeout=None)
@@ -182,14 +215,20 @@ class PrefillService(RequestTasks):
             for layers in groups:
                 got = await port.read_kv(rid, layers)
                 if got.num_tokens < num_tokens:
-                    raise StrataError("internal", f"{rid}: only {got.num_tokens} of "
-                                      f"{num_tokens} tokens have KV")
+                    raise StrataError(
+                        "internal", f"{rid}: only {got.num_tokens} of {num_tokens} tokens have KV"
+                    )
                 kv = got.blocks.flatten(2, 3)[:, :, :num_tokens]
-                for f in kv_wire.kv_frames(kv, layers, request_id=rid,
-                                           fingerprint=self.rt.fingerprint,
-                                           total_layers=spec.num_layers,
-                                           int8=self.rt.cfg.kv_int8):
+                for f in kv_wire.kv_frames(
+                    kv,
+                    layers,
+                    request_id=rid,
+                    fingerprint=self.rt.fingerprint,
+                    total_layers=spec.num_layers,
+                    int8=self.rt.cfg.kv_int8,
+                ):
                     yield f
 
-        await get_client(addr).push(counted_frames(frames(), "after_prefill"),
-                                    timeout=self.rt.cfg.transfer_timeout)
+        await get_client(addr).push(
+            counted_frames(frames(), "after_prefill"), timeout=self.rt.cfg.transfer_timeout
+        )

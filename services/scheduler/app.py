@@ -95,8 +95,10 @@ async def follow_kv_events(
 
     extra = {}
     if start_seq > 1:
-        extra = dict(deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
-                     config=ConsumerConfig(opt_start_seq=start_seq))
+        extra = dict(
+            deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+            config=ConsumerConfig(opt_start_seq=start_seq),
+        )
     sub = await js.subscribe(
         subjects.KV_EVENTS_ALL,
         cb=on_event,
@@ -111,8 +113,7 @@ async def follow_kv_events(
     return sub, replayed
 
 
-async def snapshot_loop(js, core: SchedulerCore, cfg: SchedulerConfig,
-                        stop: asyncio.Event) -> None:
+async def snapshot_loop(js, core: SchedulerCore, cfg: SchedulerConfig, stop: asyncio.Event) -> None:
     """Every ``snapshot_interval``, if enough events were applied since the last one, store the
     index with the stream sequence it reflects (every replica may write; each snapshot is
     self-consistent, and the newest wins)."""
@@ -126,8 +127,12 @@ async def snapshot_loop(js, core: SchedulerCore, cfg: SchedulerConfig,
         nbytes = await save_snapshot(js, core.index, seq)
         done = applied
         metrics.SNAPSHOT_BYTES.set(nbytes)
-        log.info("prefix-index snapshot at stream seq %d (%d blocks, %d bytes)", seq,
-                 len(core.index), nbytes)
+        log.info(
+            "prefix-index snapshot at stream seq %d (%d blocks, %d bytes)",
+            seq,
+            len(core.index),
+            nbytes,
+        )
 
     if cfg.snapshot_interval > 0:
         await service.periodic(cfg.snapshot_interval, maybe, stop)

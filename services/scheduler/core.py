@@ -58,9 +58,13 @@ class SchedulerCore:
             # A new incarnation: the old process's cache is gone.
             self.index.new_incarnation(report.instance_id, report.incarnation)
         if obs.connection_changed:
-            log.warning("instance %s %s", report.instance_id,
-                        "reconnected to the bus: routable again" if report.connected else
-                        "lost its main bus connection: not routable until it reconnects")  # fmt: skip
+            log.warning(
+                "instance %s %s",
+                report.instance_id,
+                "reconnected to the bus: routable again"
+                if report.connected
+                else "lost its main bus connection: not routable until it reconnects",
+            )
         if obs.new or obs.restarted:
             view = self.members.members[report.instance_id].view
             view.cached_blocks = self.index.blocks_of(report.instance_id)
@@ -119,9 +123,11 @@ class SchedulerCore:
     @property
     def rules(self) -> DegradeRules:
         """The degradation rules this scheduler enforces and publishes for the gateways."""
-        return DegradeRules(batch_max_tokens_cap=self.cfg.batch_max_tokens_cap,
-                            top_priority=self.cfg.top_priority,
-                            retry_after_s=self.cfg.retry_after_s)  # fmt: skip
+        return DegradeRules(
+            batch_max_tokens_cap=self.cfg.batch_max_tokens_cap,
+            top_priority=self.cfg.top_priority,
+            retry_after_s=self.cfg.retry_after_s,
+        )
 
     # --- decisions ------------------------------------------------------------------------------
     def route(self, req: RouteRequest, now: float | None = None) -> RouteReply:
@@ -151,9 +157,12 @@ class SchedulerCore:
             prefill = [p for p in prefill if p.instance_id not in excl]
             state = ClusterState(prefill=prefill, decode=decode)
         else:
-            state = ClusterState(prefill=prefill, decode=decode,
-                                 prefill_table=self.members.table("prefill"),
-                                 decode_table=self.members.table("decode"))
+            state = ClusterState(
+                prefill=prefill,
+                decode=decode,
+                prefill_table=self.members.table("prefill"),
+                decode_table=self.members.table("decode"),
+            )
         if not decode:
             raise StrataError("unavailable", "no decode instance is available")
         view = self.request_view(req, now)
@@ -174,9 +183,15 @@ class SchedulerCore:
         self.members.touch(target)
         expect_routed(self.index, target.instance_id, req.block_hashes, now, self.cfg.expect_ttl_s)
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("route %s: prefill=%s decode=%s cached=%d ttft=%.3fs (%s)", req.request_id,
-                      d.prefill_instance or "-", d.decode_instance, d.cached_tokens,
-                      d.predicted_ttft_s, d.reason)
+            log.debug(
+                "route %s: prefill=%s decode=%s cached=%d ttft=%.3fs (%s)",
+                req.request_id,
+                d.prefill_instance or "-",
+                d.decode_instance,
+                d.cached_tokens,
+                d.predicted_ttft_s,
+                d.reason,
+            )
         trim = level >= 1 and req.slo_class == "batch"
         return RouteReply(
             decode_instance=dec.instance_id,
@@ -212,9 +227,17 @@ class SchedulerCore:
         slo_ms = req.ttft_slo_ms or (
             self.cfg.slo_batch_ms if req.slo_class == "batch" else self.cfg.slo_interactive_ms
         )
-        return request_view(req.request_id, req.num_prompt_tokens, m, self.block_size,
-                            slo_ms / 1000.0, priority=req.priority, slo_class=req.slo_class,
-                            max_tokens=req.max_tokens, exclude=frozenset(req.exclude))  # fmt: skip
+        return request_view(
+            req.request_id,
+            req.num_prompt_tokens,
+            m,
+            self.block_size,
+            slo_ms / 1000.0,
+            priority=req.priority,
+            slo_class=req.slo_class,
+            max_tokens=req.max_tokens,
+            exclude=frozenset(req.exclude),
+        )
 
     def instances(self, role: str = "") -> InstancesReply:
         out = []

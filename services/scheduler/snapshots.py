@@ -35,8 +35,9 @@ async def _store(js, create: bool):
 
 async def save_snapshot(js, index: PrefixIndex, last_seq: int) -> int:
     """Write the index as of stream sequence ``last_seq``; returns the snapshot's bytes."""
-    data = msgpack.packb({"v": VERSION, "last_seq": last_seq, "index": index.state()},
-                         use_bin_type=True)
+    data = msgpack.packb(
+        {"v": VERSION, "last_seq": last_seq, "index": index.state()}, use_bin_type=True
+    )
     store = await _store(js, create=True)
     await store.put(NAME, data)
     return len(data)

@@ -25,8 +25,18 @@ class RoleTable:
     reserved: bool, reserved for very long prompts.
     """
 
-    __slots__ = ("views", "pos", "queued", "rate", "batch", "kv_total", "kv_free_tokens",
-                 "kv_used", "cached_blocks", "reserved")  # fmt: skip
+    __slots__ = (
+        "views",
+        "pos",
+        "queued",
+        "rate",
+        "batch",
+        "kv_total",
+        "kv_free_tokens",
+        "kv_used",
+        "cached_blocks",
+        "reserved",
+    )
 
     def __init__(self, views: list[InstanceView]) -> None:
         self.views = views

@@ -75,9 +75,9 @@ class RequestView:
     def __post_init__(self) -> None:
         if not self.pool_tiers and self.pool_tokens:
             bt = self.block_tokens
-            self.pool_tiers = ("dram",) * -(-self.pool_dram_tokens // bt) + (
-                "ssd",
-            ) * -(-self.pool_ssd_tokens // bt)
+            self.pool_tiers = ("dram",) * -(-self.pool_dram_tokens // bt) + ("ssd",) * -(
+                -self.pool_ssd_tokens // bt
+            )
 
     @property
     def pool_tokens(self) -> int:

@@ -34,8 +34,9 @@ async def serve_tokenizer(nc, core: TokenizerCore):
         # Tokenizing is CPU work; a thread keeps the loop free for other requests.
         return await asyncio.to_thread(core.encode, req)
 
-    return await bus.serve(nc, subjects.TOK_ENCODE, TokenizeRequest, handle,
-                           queue=subjects.QUEUE_TOKENIZER)  # fmt: skip
+    return await bus.serve(
+        nc, subjects.TOK_ENCODE, TokenizeRequest, handle, queue=subjects.QUEUE_TOKENIZER
+    )
 
 
 def main(argv: list[str]) -> None:
@@ -49,8 +50,9 @@ def main(argv: list[str]) -> None:
         metrics.SERVICE_INFO.labels("tokenizer", cfg.instance_id).set(1)
         nc = await bus.connect(cfg.nats_url, f"tokenizer-{cfg.instance_id}")
         await serve_tokenizer(nc, core)
-        await bus.serve_ping(nc, subjects.TOK_PING, "tokenizer", cfg.instance_id,
-                             queue=subjects.QUEUE_TOKENIZER)  # fmt: skip
+        await bus.serve_ping(
+            nc, subjects.TOK_PING, "tokenizer", cfg.instance_id, queue=subjects.QUEUE_TOKENIZER
+        )
         await nc.flush()
         announce_ready("tokenizer", cfg.instance_id)
         await stop.wait()

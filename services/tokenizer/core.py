@@ -68,8 +68,9 @@ class TokenizerCore:
         if self.image_token_id is not None and self.config.num_image_tokens:
             found = sum(1 for t in ids if t == self.image_token_id)
             if found != n_images:
-                raise StrataError("bad_request", f"prompt has {found} image placeholders but "
-                                  f"{n_images} images")  # fmt: skip
+                raise StrataError(
+                    "bad_request", f"prompt has {found} image placeholders but {n_images} images"
+                )
             if n_images:
                 ids, spans = expand_image_placeholders(
                     ids, self.image_token_id, self.config.num_image_tokens
@@ -104,8 +105,10 @@ class TokenizerCore:
                         pieces.append(str(part.get("text") or ""))
                     elif kind in _IMAGE_PART_TYPES:
                         if self.image_text is None:
-                            raise StrataError("bad_request", "this model does not accept images "
-                                              "(text-only checkpoint)")  # fmt: skip
+                            raise StrataError(
+                                "bad_request",
+                                "this model does not accept images (text-only checkpoint)",
+                            )
                         pieces.append(self.image_text)
                         n_images += 1
                     else:

@@ -36,8 +36,9 @@ async def serve_vision(nc, core: VisionCore, instance_id: str, source_addr: str)
     async def handle(req: VisionEncodeRequest) -> VisionEncodeReply:
         return await asyncio.to_thread(core.encode, req, instance_id, source_addr)
 
-    return await bus.serve(nc, subjects.VISION_ENCODE, VisionEncodeRequest, handle,
-                           queue=subjects.QUEUE_VISION)  # fmt: skip
+    return await bus.serve(
+        nc, subjects.VISION_ENCODE, VisionEncodeRequest, handle, queue=subjects.QUEUE_VISION
+    )
 
 
 def main(argv: list[str]) -> None:
@@ -54,8 +55,9 @@ def main(argv: list[str]) -> None:
         metrics.SERVICE_INFO.labels("vision", cfg.instance_id).set(1)
         nc = await bus.connect(cfg.nats_url, f"vision-{cfg.instance_id}")
         await serve_vision(nc, core, cfg.instance_id, addr)
-        await bus.serve_ping(nc, subjects.VISION_PING, "vision", cfg.instance_id,
-                             queue=subjects.QUEUE_VISION)  # fmt: skip
+        await bus.serve_ping(
+            nc, subjects.VISION_PING, "vision", cfg.instance_id, queue=subjects.QUEUE_VISION
+        )
         await nc.flush()
         announce_ready("vision", cfg.instance_id, f"grpc={addr}")
         await stop.wait()

@@ -78,8 +78,14 @@ def decode_image(raw: bytes, max_pixels: int) -> Image.Image:
 class VisionCore:
     """One LLaVA checkpoint's image encoder with an embedding cache."""
 
-    def __init__(self, model_dir: str | Path, device: str = "cpu", dtype: str = "",
-                 cache_bytes: int = 256 << 20, max_pixels: int = 4096 * 4096):  # fmt: skip
+    def __init__(
+        self,
+        model_dir: str | Path,
+        device: str = "cpu",
+        dtype: str = "",
+        cache_bytes: int = 256 << 20,
+        max_pixels: int = 4096 * 4096,
+    ):
         torch_dtype = parse_dtype(dtype) if dtype else None
         self.loaded = load_model(model_dir, dtype=torch_dtype, device=device)
         if not self.loaded.config.is_multimodal:
@@ -94,15 +100,17 @@ class VisionCore:
     def fingerprint(self) -> str:
         return self.loaded.fingerprint
 
-    def encode(self, req: VisionEncodeRequest, instance_id: str = "",
-               source_addr: str = "") -> VisionEncodeReply:  # fmt: skip
+    def encode(
+        self, req: VisionEncodeRequest, instance_id: str = "", source_addr: str = ""
+    ) -> VisionEncodeReply:
         """Encode the images the cache lacks (one batched forward); reply with their hashes."""
         started = time.time()
         hashes = [image_content_hash(raw) for raw in req.images]
         images = [decode_image(raw, self.max_pixels) for raw in req.images]
         with self._lock:
-            missing = {h: img for h, img in zip(hashes, images, strict=True)
-                       if self.cache.get(h) is None}  # fmt: skip
+            missing = {
+                h: img for h, img in zip(hashes, images, strict=True) if self.cache.get(h) is None
+            }
             hits = len(set(hashes)) - len(missing)
             CACHE_EVENTS.labels("hit").inc(hits)
             CACHE_EVENTS.labels("miss").inc(len(missing))
@@ -114,11 +122,18 @@ class VisionCore:
                 IMAGES_ENCODED.inc(len(missing))
                 for h, e in zip(missing, embeds, strict=True):
                     self.cache.put(h, e.clone())
-        infos = [ImageInfo(hash=h, num_tokens=self.num_tokens, width=img.size[0],
-                           height=img.size[1]) for h, img in zip(hashes, images, strict=True)]  # fmt: skip
-        return VisionEncodeReply(images=infos, instance_id=instance_id, source_addr=source_addr,
-                                 cache_hits=hits, started_at=started,
-                                 finished_at=time.time())  # fmt: skip
+        infos = [
+            ImageInfo(hash=h, num_tokens=self.num_tokens, width=img.size[0], height=img.size[1])
+            for h, img in zip(hashes, images, strict=True)
+        ]
+        return VisionEncodeReply(
+            images=infos,
+            instance_id=instance_id,
+            source_addr=source_addr,
+            cache_hits=hits,
+            started_at=started,
+            finished_at=time.time(),
+        )
 
     def get(self, key: str) -> torch.Tensor | None:
         with self._lock:

@@ -26,9 +26,13 @@ class EmbeddingHandler(KVTransferHandler):
             t = self.core.get(key)
             if t is None:
                 continue
-            for f in tensor_to_frames(t, key=key, request_id=req.request_id,
-                                      num_tokens=t.shape[0],
-                                      fingerprint=self.core.fingerprint):  # fmt: skip
+            for f in tensor_to_frames(
+                t,
+                key=key,
+                request_id=req.request_id,
+                num_tokens=t.shape[0],
+                fingerprint=self.core.fingerprint,
+            ):
                 yield f
 
     async def query(self, req: QueryRequest) -> QueryReply:

@@ -42,8 +42,15 @@ class Add(Command):
     hold_kv: bool = False
 
     def run(self, e: LLMEngine) -> None:
-        e.add_request(self.request_id, self.prompt_token_ids, self.params, self.priority,
-                      self.mm_inputs, self.output_token_ids, self.hold_kv)  # fmt: skip
+        e.add_request(
+            self.request_id,
+            self.prompt_token_ids,
+            self.params,
+            self.priority,
+            self.mm_inputs,
+            self.output_token_ids,
+            self.hold_kv,
+        )
 
 
 @dataclass
@@ -59,8 +66,14 @@ class AddPrefilled(Command):
     mm_inputs: Sequence[MMInput] = ()
 
     def run(self, e: LLMEngine) -> None:
-        e.commit_prefilled(self.request_id, self.prompt_token_ids, self.first_token_id,
-                           self.params, self.priority, self.mm_inputs)  # fmt: skip
+        e.commit_prefilled(
+            self.request_id,
+            self.prompt_token_ids,
+            self.first_token_id,
+            self.params,
+            self.priority,
+            self.mm_inputs,
+        )
 
 
 @dataclass

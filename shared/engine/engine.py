@@ -59,9 +59,7 @@ class LLMEngine:
                 f"({per_block} B each)"
             )
         self.runner = ModelRunner(model, num_blocks, config.block_size, kv_dtype)
-        self.salt = model_salt(
-            loaded_model.fingerprint, dtype_name(kv_dtype), config.block_size
-        )
+        self.salt = model_salt(loaded_model.fingerprint, dtype_name(kv_dtype), config.block_size)
         self.eos_token_ids = list(loaded_model.config.eos_token_ids or [])
         self.bm = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -86,8 +84,15 @@ class LLMEngine:
         self.current: SchedulerOutput | None = None  # the step being executed
         self.kv = EngineKV(self.runner, self.bm, self.salt, config.collect_evicted_kv)
         self.connector: KVConnector | None = None  # layer-wise KV saving
-        self._t = {"forward": 0.0, "step": 0.0, "idle": 0.0, "last_fwd": 0.0, "last_step": 0.0,
-                   "device_idle": 0.0, "ahead": 0}  # fmt: skip
+        self._t = {
+            "forward": 0.0,
+            "step": 0.0,
+            "idle": 0.0,
+            "last_fwd": 0.0,
+            "last_step": 0.0,
+            "device_idle": 0.0,
+            "ahead": 0,
+        }
         self._steps = 0
         self._last_end: float | None = None
         self._fwd_end: float | None = None
@@ -107,8 +112,7 @@ class LLMEngine:
         if self._grammars is None:
             if self.tokenizer is None:
                 raise ValueError("structured outputs need the engine's tokenizer")
-            info = tokenizer_info(self.tokenizer, self.loaded.config.vocab_size,
-                                  self.eos_token_ids)  # fmt: skip
+            info = tokenizer_info(self.tokenizer, self.loaded.config.vocab_size, self.eos_token_ids)
             self._grammars = GrammarCache(info)
         return self._grammars
 
@@ -329,8 +333,11 @@ class LLMEngine:
                 verify[i] = logits[r : r + k].argmax(dim=-1).tolist()
             r += k
         bitmask = self._fill_bitmask(constrained)
-        res = (self.sampler(logits[where], rows, bitmask, [j for j, _ in constrained])
-               if rows else None)  # fmt: skip
+        res = (
+            self.sampler(logits[where], rows, bitmask, [j for j, _ in constrained])
+            if rows
+            else None
+        )
         for j, s in constrained:
             s.constraint.accept(res.token_ids[j])
         sampled: list[list[int]] = []
@@ -410,8 +417,9 @@ class LLMEngine:
         return out
 
     @staticmethod
-    def _output(seq: Sequence, new, lps, text: str, finished: bool,
-                held: str = "") -> RequestOutput:  # fmt: skip
+    def _output(
+        seq: Sequence, new, lps, text: str, finished: bool, held: str = ""
+    ) -> RequestOutput:
         return RequestOutput(
             request_id=seq.request_id,
             new_token_ids=list(new),

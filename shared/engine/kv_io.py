@@ -71,11 +71,13 @@ class EngineKV:
                 continue
             table = list(ss.seq.block_table)
             view = LayerKV(
-                layer=layer, num_layers=self.runner.kv.k.shape[0], token_start=ss.start,
+                layer=layer,
+                num_layers=self.runner.kv.k.shape[0],
+                token_start=ss.start,
                 token_end=ss.start + ss.num_new_tokens - ss.num_draft_tokens,
                 final=bool(ss.samples) and layer == self.runner.kv.k.shape[0] - 1,
                 _read=lambda ls, s, e, t=table: self.runner.read_tokens(t, ls, s, e),
-            )  # fmt: skip
+            )
             connector.save_layer(rid, layer, view)
 
     # ----- KV computed elsewhere (disaggregated prefill) ---------------------------------------

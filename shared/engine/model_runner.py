@@ -122,7 +122,8 @@ class ModelRunner:
         pos = [s.seq.num_tokens for s in out.scheduled]
         tables = _block_tables(out)
         slots = [
-            s.seq.block_table[p // bs] * bs + p % bs for s, p in zip(out.scheduled, pos, strict=True)
+            s.seq.block_table[p // bs] * bs + p % bs
+            for s, p in zip(out.scheduled, pos, strict=True)
         ]
         n = len(pos)
         ctx = [p + 1 for p in pos]
@@ -173,7 +174,9 @@ class ModelRunner:
         lay = slice(None) if layers is None else slice(layers.start, layers.stop)
         return torch.stack([self.kv.k[lay, idx], self.kv.v[lay, idx]], dim=1)
 
-    def read_tokens(self, block_table: Seq[int], layers: range, start: int, end: int) -> torch.Tensor:
+    def read_tokens(
+        self, block_table: Seq[int], layers: range, start: int, end: int
+    ) -> torch.Tensor:
         """``[len(layers), 2, end - start, kvh, hd]`` copy of token positions of one sequence."""
         L, nb, bs, h, d = self.kv.k.shape
         slots = self.slots_for(block_table, start, end).to(self.device)

@@ -51,8 +51,9 @@ class EnginePort:
         self._thread.start()
 
     @classmethod
-    def open(cls, loaded_model, config: EngineConfig, tokenizer=None,
-             warm_up_tokens: int = 0) -> EnginePort:  # fmt: skip
+    def open(
+        cls, loaded_model, config: EngineConfig, tokenizer=None, warm_up_tokens: int = 0
+    ) -> EnginePort:
         """Build the engine and start its thread. With ``warm_up_tokens``, one prefill of that
         many tokens runs first (first-call overheads are paid here; ``warm_up_s_per_token`` is
         its measured seconds per token) and its blocks are not announced as KV events."""
@@ -85,8 +86,15 @@ class EnginePort:
         """Stream outputs of one request; leaving the iterator early aborts it.
         ``output_token_ids`` resumes a request whose tokens were emitted elsewhere; with
         ``hold_kv`` its blocks stay after it finishes, until `release`."""
-        add = cmd.Add(request_id, list(prompt_ids), params, priority, list(mm_inputs),
-                      list(output_token_ids), hold_kv)  # fmt: skip
+        add = cmd.Add(
+            request_id,
+            list(prompt_ids),
+            params,
+            priority,
+            list(mm_inputs),
+            list(output_token_ids),
+            hold_kv,
+        )
         async for out in self._stream(request_id, add):
             yield out
 
@@ -102,8 +110,9 @@ class EnginePort:
     ) -> AsyncIterator[RequestOutput]:
         """Commit the KV written into ``request_id``'s reservation (`reserve_kv`, `write_kv`)
         and stream the decode; outputs start after ``first_token_id`` (emitted elsewhere)."""
-        add = cmd.AddPrefilled(request_id, list(prompt_ids), first_token_id, params, priority,
-                               list(mm_inputs))  # fmt: skip
+        add = cmd.AddPrefilled(
+            request_id, list(prompt_ids), first_token_id, params, priority, list(mm_inputs)
+        )
         async for out in self._stream(request_id, add):
             yield out
 
@@ -112,15 +121,20 @@ class EnginePort:
         self._submit(cmd.Abort(request_id))
 
     # ----- KV of a request -------------------------------------------------------------------
-    async def reserve_kv(self, request_id: str, num_tokens: int,
-                         prompt_ids: Sequence[int] | None = None,
-                         mm_inputs: Sequence[MMInput] = ()) -> int:  # fmt: skip
+    async def reserve_kv(
+        self,
+        request_id: str,
+        num_tokens: int,
+        prompt_ids: Sequence[int] | None = None,
+        mm_inputs: Sequence[MMInput] = (),
+    ) -> int:
         """Reserve blocks for KV computed elsewhere; returns the leading tokens already cached
         here (given the prompt), which `write_kv` skips. MemoryError when the cache is full."""
         return await self._ask(cmd.ReserveKV(request_id, num_tokens, prompt_ids, mm_inputs))
 
-    async def write_kv(self, request_id: str, layers: range, token_start: int,
-                       kv: torch.Tensor) -> int:  # fmt: skip
+    async def write_kv(
+        self, request_id: str, layers: range, token_start: int, kv: torch.Tensor
+    ) -> int:
         """Write ``[len(layers), 2, n, kvh, hd]`` at tokens ``[token_start, +n)`` of a
         reservation; returns the tokens written."""
         return await self._ask(cmd.WriteKV(request_id, layers, token_start, kv))
@@ -129,8 +143,12 @@ class EnginePort:
         """Drop a reservation and free its blocks; False when there was none."""
         return await self._ask(cmd.CancelKV(request_id))
 
-    async def read_kv(self, request_id: str, layers: range | None = None,
-                      block_indices: Sequence[int] | None = None) -> RequestKV:  # fmt: skip
+    async def read_kv(
+        self,
+        request_id: str,
+        layers: range | None = None,
+        block_indices: Sequence[int] | None = None,
+    ) -> RequestKV:
         """Copy a held request's KV blocks (all layers and blocks by default)."""
         return await self._ask(cmd.ReadKV(request_id, layers, block_indices))
 
@@ -165,8 +183,10 @@ class EnginePort:
         now. Read without locking (another thread may change the queues): an estimate for load
         reports, never used for correctness; may raise RuntimeError, then read again."""
         sched = self._engine.scheduler
-        return sum(max(0, q.num_tokens - q.num_computed_tokens - 1)
-                   for q in list(sched.waiting) + list(sched.running))  # fmt: skip
+        return sum(
+            max(0, q.num_tokens - q.num_computed_tokens - 1)
+            for q in list(sched.waiting) + list(sched.running)
+        )
 
     def set_connector(self, connector: KVConnector | None) -> None:
         """Hand each step's per-layer K/V to ``connector`` (set before its requests arrive)."""

@@ -20,9 +20,17 @@ from shared.engine.outputs import EngineStats, RequestOutput
 from shared.engine.sequence import MMInput
 
 __all__ = [
-    "BlockEvent", "EngineStats", "EvictedBlock", "KVConnector", "KVSpec", "LayerKV", "MMInput",
-    "PrefixMatch", "RequestKV", "RequestOutput",
-]  # fmt: skip
+    "BlockEvent",
+    "EngineStats",
+    "EvictedBlock",
+    "KVConnector",
+    "KVSpec",
+    "LayerKV",
+    "MMInput",
+    "PrefixMatch",
+    "RequestKV",
+    "RequestOutput",
+]
 
 
 class KVSpec(NamedTuple):

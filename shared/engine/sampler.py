@@ -54,9 +54,13 @@ class Sampler:
         self.eos_token_ids = list(eos_token_ids)
         self.generator = generator
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SampleRow],
-                 bitmask: torch.Tensor | None = None,
-                 mask_rows: Sequence[int] = ()) -> SampleResult:  # fmt: skip
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[SampleRow],
+        bitmask: torch.Tensor | None = None,
+        mask_rows: Sequence[int] = (),
+    ) -> SampleResult:
         """Pick one token per row. ``bitmask[j]`` (xgrammar layout, bit set = allowed) limits
         row ``mask_rows[j]`` to its grammar's next tokens; other rows are free. Logprobs are
         those of the model (before bias and mask)."""

@@ -64,8 +64,9 @@ def tokenizer_info(tokenizer, vocab_size: int, eos_token_ids: Iterable[int]) -> 
     for token, i in vocab.items():
         encoded[i] = token
     kind = xgr.TokenizerInfo._detect_vocab_type_from_vocab(vocab) or xgr.VocabType.RAW
-    return xgr.TokenizerInfo(encoded, kind, vocab_size=vocab_size,
-                             stop_token_ids=sorted(set(eos_token_ids)))  # fmt: skip
+    return xgr.TokenizerInfo(
+        encoded, kind, vocab_size=vocab_size, stop_token_ids=sorted(set(eos_token_ids))
+    )
 
 
 def _json_schema_grammar(text: str, strict: bool = True) -> xgr.Grammar:
@@ -75,8 +76,9 @@ def _json_schema_grammar(text: str, strict: bool = True) -> xgr.Grammar:
         raise GrammarError(f"JSON schema is not valid JSON: {exc}") from None
     if not isinstance(schema, dict | bool):
         raise GrammarError("JSON schema must be an object")
-    grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False,
-                                           strict_mode=strict)  # fmt: skip
+    grammar = xgr.Grammar.from_json_schema(
+        json.dumps(schema), any_whitespace=False, strict_mode=strict
+    )
     text = str(grammar)
     if _LOOSE_CHARS in text:  # xgrammar 0.2.8: a length-bounded string lets control chars in
         return xgr.Grammar.from_ebnf(text.replace(_LOOSE_CHARS, _JSON_CHARS))
@@ -109,8 +111,11 @@ def build_grammar(spec: StructuredSpec) -> xgr.Grammar:
             return xgr.Grammar.from_regex(spec.spec)
         if spec.kind == "choice":
             choices = json.loads(spec.spec)
-            if not (isinstance(choices, list) and choices
-                    and all(isinstance(c, str) and c for c in choices)):  # fmt: skip
+            if not (
+                isinstance(choices, list)
+                and choices
+                and all(isinstance(c, str) and c for c in choices)
+            ):
                 raise GrammarError("choice needs a non-empty list of non-empty strings")
             return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c) for c in choices))
         if spec.kind == "grammar":
@@ -156,8 +161,10 @@ class GrammarCache:
     def get(self, spec: StructuredSpec) -> xgr.CompiledGrammar:
         """The compiled grammar of ``spec``, compiling it on a miss (`GrammarError` if bad)."""
         if len(spec.spec.encode()) > self.limits.max_spec_bytes:
-            raise GrammarError(f"{spec.kind} constraint is {len(spec.spec.encode())} bytes; the "
-                               f"limit is {self.limits.max_spec_bytes}")  # fmt: skip
+            raise GrammarError(
+                f"{spec.kind} constraint is {len(spec.spec.encode())} bytes; the "
+                f"limit is {self.limits.max_spec_bytes}"
+            )
         key = spec_key(spec)
         with self._lock:
             hit = self._lru.get(key)
@@ -170,11 +177,15 @@ class GrammarCache:
         try:
             compiled = fut.result(timeout=self.limits.compile_timeout_s)
         except FutureTimeout:
-            raise GrammarError(f"{spec.kind} constraint took longer than "
-                               f"{self.limits.compile_timeout_s:g} s to compile") from None  # fmt: skip
+            raise GrammarError(
+                f"{spec.kind} constraint took longer than "
+                f"{self.limits.compile_timeout_s:g} s to compile"
+            ) from None
         if compiled.memory_size_bytes > self.limits.max_compiled_bytes:
-            raise GrammarError(f"{spec.kind} constraint compiles to {compiled.memory_size_bytes} "
-                               f"bytes; the limit is {self.limits.max_compiled_bytes}")  # fmt: skip
+            raise GrammarError(
+                f"{spec.kind} constraint compiles to {compiled.memory_size_bytes} "
+                f"bytes; the limit is {self.limits.max_compiled_bytes}"
+            )
         with self._lock:
             self._lru[key] = compiled
             while len(self._lru) > self.limits.cache_entries:

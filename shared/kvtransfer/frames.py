@@ -20,6 +20,7 @@ from shared.protocol import dtypes
 
 DEFAULT_MAX_FRAME_BYTES = 4 * 1024 * 1024  # well under the 64 MiB limit; keeps frames pipelined
 
+
 class FrameError(ValueError):
     """A frame (or a chunk sequence) does not describe the tensor it claims to carry."""
 

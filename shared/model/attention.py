@@ -103,8 +103,17 @@ class AttentionPlan:
         uniform = None
         if len(decodes) > 1 and len({d.context_len for d in decodes}) == 1:
             uniform = torch.cat([d.blocks for d in decodes])
-        return cls(num_tokens, block_size, decodes, uniform, decode_rows, decode_tables,
-                   decode_ctx, fresh_uniform, spans)  # fmt: skip
+        return cls(
+            num_tokens,
+            block_size,
+            decodes,
+            uniform,
+            decode_rows,
+            decode_tables,
+            decode_ctx,
+            fresh_uniform,
+            spans,
+        )
 
 
 @contextmanager

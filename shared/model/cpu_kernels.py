@@ -59,8 +59,12 @@ def _build() -> ctypes.CDLL | bool:
             with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
                 src, so = Path(tmp) / "k.c", Path(tmp) / "k.so"
                 src.write_text(source)
-                subprocess.run([cc, *_FLAGS, str(src), "-o", str(so), "-lm"], check=True,
-                               capture_output=True, timeout=120)  # fmt: skip
+                subprocess.run(
+                    [cc, *_FLAGS, str(src), "-o", str(so), "-lm"],
+                    check=True,
+                    capture_output=True,
+                    timeout=120,
+                )
                 os.replace(so, out)  # atomic: concurrent builders race harmlessly
         lib = ctypes.CDLL(str(out))
     except (OSError, subprocess.SubprocessError) as e:
@@ -68,8 +72,11 @@ def _build() -> ctypes.CDLL | bool:
         return False
     f = lib.strata_decode_attn_f32
     f.restype = None
-    f.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_void_p,
-                                                               ctypes.c_int64]
+    f.argtypes = (
+        [ctypes.c_void_p] * 5
+        + [ctypes.c_int64] * 6
+        + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int64]
+    )
     return lib
 
 
@@ -115,7 +122,19 @@ def decode_attention(
     _, bs, kvh, _ = k_cache.shape
     out = torch.empty_like(q)
     _lib.strata_decode_attn_f32(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), ctx.data_ptr(),
-        tables.shape[1], b, h, kvh, d, bs, scale, out.data_ptr(), torch.get_num_threads(),
-    )  # fmt: skip
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        tables.data_ptr(),
+        ctx.data_ptr(),
+        tables.shape[1],
+        b,
+        h,
+        kvh,
+        d,
+        bs,
+        scale,
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
     return out

@@ -64,13 +64,23 @@ def train_tokenizer(seed: int = 0) -> Tokenizer:
 def _text_config(vocab: int, eos: int, **dims) -> dict:
     theta = 1_000_000.0
     return {
-        "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "vocab_size": vocab,
-        "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": theta,
+        "model_type": "qwen3",
+        "architectures": ["Qwen3ForCausalLM"],
+        "vocab_size": vocab,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": theta,
         "rope_parameters": {"rope_theta": theta, "rope_type": "default"},
-        "max_position_embeddings": 16384, "tie_word_embeddings": False, "attention_bias": False,
-        "bos_token_id": None, "eos_token_id": eos, "initializer_range": 0.5,
-        "torch_dtype": "float32", "dtype": "float32", **dims,
-    }  # fmt: skip
+        "max_position_embeddings": 16384,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "bos_token_id": None,
+        "eos_token_id": eos,
+        "initializer_range": 0.5,
+        "torch_dtype": "float32",
+        "dtype": "float32",
+        **dims,
+    }
 
 
 def _init_weights(model: torch.nn.Module, seed: int, text_std: float) -> dict[str, torch.Tensor]:
@@ -101,21 +111,27 @@ def _write(out: Path, config: dict, tok: Tokenizer, seed: int, extra: dict[str, 
     mc = config_from_dict(config)
     with torch.device("meta"):
         model = model_class(mc)(mc)
-    save_file(_init_weights(model, seed, 0.5), str(out / "model.safetensors"),
-              metadata={"format": "pt"})  # fmt: skip
+    save_file(
+        _init_weights(model, seed, 0.5), str(out / "model.safetensors"), metadata={"format": "pt"}
+    )
     (out / "config.json").write_text(json.dumps(config, indent=2))
     tok.save(str(out / "tokenizer.json"))
     eos = [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")]
     files = {
         "tokenizer_config.json": {
-            "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None,
-            "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "unk_token": None,
-            "image_token": "<image>", "clean_up_tokenization_spaces": False,
-            "model_max_length": 4096, "chat_template": CHAT_TEMPLATE,
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": None,
+            "eos_token": "<|im_end|>",
+            "pad_token": "<|endoftext|>",
+            "unk_token": None,
+            "image_token": "<image>",
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": 4096,
+            "chat_template": CHAT_TEMPLATE,
         },
         "generation_config.json": {"bos_token_id": None, "eos_token_id": eos, "do_sample": False},
         **extra,
-    }  # fmt: skip
+    }
     for name, body in files.items():
         (out / name).write_text(json.dumps(body, indent=2, ensure_ascii=False))
     marker.write_text(f"{VERSION} seed={seed}\n")
@@ -131,30 +147,55 @@ def build_default_model(out_dir: str | Path, seed: int = 0) -> Path:
     tok = train_tokenizer()
     eos = tok.token_to_id("<|im_end|>")
     config = {
-        "architectures": ["LlavaForConditionalGeneration"], "model_type": "llava",
-        "torch_dtype": "float32", "dtype": "float32",
-        "image_token_index": tok.token_to_id("<image>"), "image_seq_length": 16,
-        "projector_hidden_act": "gelu", "vision_feature_layer": -2,
-        "vision_feature_select_strategy": "default", "multimodal_projector_bias": True,
+        "architectures": ["LlavaForConditionalGeneration"],
+        "model_type": "llava",
+        "torch_dtype": "float32",
+        "dtype": "float32",
+        "image_token_index": tok.token_to_id("<image>"),
+        "image_seq_length": 16,
+        "projector_hidden_act": "gelu",
+        "vision_feature_layer": -2,
+        "vision_feature_select_strategy": "default",
+        "multimodal_projector_bias": True,
         "tie_word_embeddings": False,
         "text_config": _text_config(
-            _vocab_size(tok), eos, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+            _vocab_size(tok),
+            eos,
+            hidden_size=256,
+            intermediate_size=768,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
         ),
         "vision_config": {
-            "model_type": "clip_vision_model", "hidden_size": 64, "intermediate_size": 256,
-            "num_hidden_layers": 2, "num_attention_heads": 4, "image_size": 64,
-            "patch_size": 16, "hidden_act": "quick_gelu", "layer_norm_eps": 1e-5,
-            "num_channels": 3, "projection_dim": 64,
+            "model_type": "clip_vision_model",
+            "hidden_size": 64,
+            "intermediate_size": 256,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "image_size": 64,
+            "patch_size": 16,
+            "hidden_act": "quick_gelu",
+            "layer_norm_eps": 1e-5,
+            "num_channels": 3,
+            "projection_dim": 64,
         },
-    }  # fmt: skip
+    }
     preprocessor = {
-        "image_processor_type": "CLIPImageProcessor", "do_resize": True,
-        "size": {"shortest_edge": 64}, "resample": 3, "do_center_crop": True,
-        "crop_size": {"height": 64, "width": 64}, "do_rescale": True,
-        "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": _CLIP_MEAN,
-        "image_std": _CLIP_STD, "do_convert_rgb": True,
-    }  # fmt: skip
+        "image_processor_type": "CLIPImageProcessor",
+        "do_resize": True,
+        "size": {"shortest_edge": 64},
+        "resample": 3,
+        "do_center_crop": True,
+        "crop_size": {"height": 64, "width": 64},
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": _CLIP_MEAN,
+        "image_std": _CLIP_STD,
+        "do_convert_rgb": True,
+    }
     return _write(Path(out_dir), config, tok, seed, {"preprocessor_config.json": preprocessor})
 
 
@@ -162,10 +203,15 @@ def build_benchmark_model(out_dir: str | Path, seed: int = 0) -> Path:
     """Text-only Qwen3: hidden 512, 8 layers, 8 heads / 4 KV heads of 64, fp32 (~24M params)."""
     tok = train_tokenizer()
     config = _text_config(
-        _vocab_size(tok), tok.token_to_id("<|im_end|>"), hidden_size=512,
-        intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
-        num_key_value_heads=4, head_dim=64,
-    )  # fmt: skip
+        _vocab_size(tok),
+        tok.token_to_id("<|im_end|>"),
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+    )
     return _write(Path(out_dir), config, tok, seed, {})
 
 
@@ -175,9 +221,15 @@ def build_benchmark_model_250m(out_dir: str | Path, seed: int = 0) -> Path:
     to 32768 (the tokenizer has 4096 ids; the rest are never produced by it)."""
     tok = train_tokenizer()
     config = _text_config(
-        32768, tok.token_to_id("<|im_end|>"), hidden_size=1024, intermediate_size=2816,
-        num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8, head_dim=64,
-    )  # fmt: skip
+        32768,
+        tok.token_to_id("<|im_end|>"),
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=16,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=64,
+    )
     return _write(Path(out_dir), config, tok, seed, {})
 
 

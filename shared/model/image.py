@@ -78,13 +78,15 @@ class ImageProcessor:
             resize_hw=hw if do_resize else None,
             crop_hw=(crop["height"], crop["width"]) if cfg.get("do_center_crop", False) else None,
             resample=int(cfg.get("resample", 3)),
-            rescale_factor=cfg.get("rescale_factor", 1 / 255) if cfg.get("do_rescale", True)
+            rescale_factor=cfg.get("rescale_factor", 1 / 255)
+            if cfg.get("do_rescale", True)
             else None,
-            mean=tuple(cfg.get("image_mean", _CLIP_MEAN)) if cfg.get("do_normalize", True)
+            mean=tuple(cfg.get("image_mean", _CLIP_MEAN))
+            if cfg.get("do_normalize", True)
             else None,
             std=tuple(cfg.get("image_std", _CLIP_STD)) if cfg.get("do_normalize", True) else None,
             convert_rgb=bool(cfg.get("do_convert_rgb", True)),
-        )  # fmt: skip
+        )
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ImageProcessor:
@@ -94,8 +96,9 @@ class ImageProcessor:
     def _resize(self, img: Image.Image) -> Image.Image:
         w, h = img.size
         if self.resize_hw is not None:
-            return img.resize((self.resize_hw[1], self.resize_hw[0]), self.resample,
-                              reducing_gap=None)  # fmt: skip
+            return img.resize(
+                (self.resize_hw[1], self.resize_hw[0]), self.resample, reducing_gap=None
+            )
         if self.resize_shortest_edge is not None:
             s = self.resize_shortest_edge
             short, long = (w, h) if w <= h else (h, w)
@@ -148,5 +151,7 @@ def image_processor_dict(path: str | Path) -> dict:
     legacy = path / "preprocessor_config.json"
     if legacy.is_file():
         return _read_json(legacy)
-    raise CheckpointError(f"{path}: no image processor settings (neither processor_config.json "
-                          "with an 'image_processor' entry nor preprocessor_config.json)")  # fmt: skip
+    raise CheckpointError(
+        f"{path}: no image processor settings (neither processor_config.json "
+        "with an 'image_processor' entry nor preprocessor_config.json)"
+    )

@@ -19,8 +19,15 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from shared.model.errors import CheckpointError
 
-_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
-                 "mask_token")  # fmt: skip
+_SPECIAL_KEYS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
 
 
 def _token_str(value: Any) -> str | None:
@@ -30,8 +37,9 @@ def _token_str(value: Any) -> str | None:
 
 
 def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)  # fmt: skip
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _raise_exception(message):
@@ -65,8 +73,18 @@ def compile_chat_template(source: str) -> jinja2.Template:
 
 def _clean_up_tokenization(text: str) -> str:
     """transformers' ``clean_up_tokenization`` (used when the config asks for it)."""
-    for a, b in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"),
-                 (" n't", "n't"), (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):  # fmt: skip
+    for a, b in (
+        (" .", "."),
+        (" ?", "?"),
+        (" !", "!"),
+        (" ,", ","),
+        (" ' ", "'"),
+        (" n't", "n't"),
+        (" 'm", "'m"),
+        (" 's", "'s"),
+        (" 've", "'ve"),
+        (" 're", "'re"),
+    ):
         text = text.replace(a, b)
     return text
 
@@ -91,8 +109,13 @@ def _load_template(path: Path, cfg: dict, processor: dict) -> str | None:
 class Tokenizer:
     """Encode/decode and chat templating for one checkpoint directory."""
 
-    def __init__(self, tok: HFTokenizer, config: dict, chat_template: str | None,
-                 extra_eos_ids: tuple[int, ...] = ()):  # fmt: skip
+    def __init__(
+        self,
+        tok: HFTokenizer,
+        config: dict,
+        chat_template: str | None,
+        extra_eos_ids: tuple[int, ...] = (),
+    ):
         self._tok = tok
         self.config = config
         self.chat_template = chat_template
@@ -122,8 +145,10 @@ class Tokenizer:
         path = Path(path)
         file = path / "tokenizer.json"
         if not file.is_file():
-            raise CheckpointError(f"{path}: no tokenizer.json (Strata needs the fast tokenizer "
-                                  "file; save it with tokenizer.save_pretrained(dir))")  # fmt: skip
+            raise CheckpointError(
+                f"{path}: no tokenizer.json (Strata needs the fast tokenizer "
+                "file; save it with tokenizer.save_pretrained(dir))"
+            )
         try:
             tok = HFTokenizer.from_file(str(file))
         except Exception as e:  # tokenizers raises a bare Exception for a bad file
@@ -181,8 +206,12 @@ class IncrementalDetokenizer:
     ``tokenizer.decode(output_ids)`` exactly.
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None,
-                 skip_special_tokens: bool = True):  # fmt: skip
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: list[int] | None = None,
+        skip_special_tokens: bool = True,
+    ):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.prompt_len = len(prompt_ids or ())

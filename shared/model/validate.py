@@ -63,8 +63,10 @@ def check_architecture(cfg: dict, file: Path) -> str:
         text = cfg.get("text_config") or {}
         mt = text.get("model_type", "llama") if isinstance(text, dict) else None
         if mt not in TEXT_FAMILIES:
-            raise CheckpointError(f"{file}: unsupported LLaVA text model_type {mt!r} "
-                                  f"(Strata serves {', '.join(TEXT_FAMILIES)})")  # fmt: skip
+            raise CheckpointError(
+                f"{file}: unsupported LLaVA text model_type {mt!r} "
+                f"(Strata serves {', '.join(TEXT_FAMILIES)})"
+            )
     return arch
 
 
@@ -76,21 +78,26 @@ def checkpoint_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
             weight_map = json.loads(index.read_text())["weight_map"]
             files = [path / f for f in sorted(set(weight_map.values()))]
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise CheckpointError(f"{index}: malformed index ({type(e).__name__}: {e}); "
-                                  "re-save the checkpoint with save_pretrained") from e  # fmt: skip
+            raise CheckpointError(
+                f"{index}: malformed index ({type(e).__name__}: {e}); "
+                "re-save the checkpoint with save_pretrained"
+            ) from e
         return files, weight_map
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise CheckpointError(f"{path}: no model.safetensors or {INDEX} (Strata loads "
-                              "safetensors weights; save with safe_serialization=True)")  # fmt: skip
+        raise CheckpointError(
+            f"{path}: no model.safetensors or {INDEX} (Strata loads "
+            "safetensors weights; save with safe_serialization=True)"
+        )
     return files, None
 
 
 def check_safetensors_header(file: Path) -> None:
     """The file exists and starts with a well-formed safetensors header (8-byte length + JSON)."""
     if not file.exists():
-        raise CheckpointError(f"{file}: weights shard listed in {INDEX} is missing; "
-                              "copy the complete checkpoint")  # fmt: skip
+        raise CheckpointError(
+            f"{file}: weights shard listed in {INDEX} is missing; copy the complete checkpoint"
+        )
     try:
         size = file.stat().st_size
         with open(file, "rb") as f:
@@ -103,8 +110,10 @@ def check_safetensors_header(file: Path) -> None:
     except (ValueError, UnicodeDecodeError):
         ok = False
     if not ok:
-        raise CheckpointError(f"{file}: not a valid safetensors file (truncated or corrupt "
-                              "header); copy or re-save the weights")  # fmt: skip
+        raise CheckpointError(
+            f"{file}: not a valid safetensors file (truncated or corrupt "
+            "header); copy or re-save the weights"
+        )
 
 
 def validate_checkpoint(path: str | Path) -> CheckpointInfo:
@@ -120,8 +129,10 @@ def validate_checkpoint(path: str | Path) -> CheckpointInfo:
     for f in files:
         check_safetensors_header(f)
     if not (p / TOKENIZER_FILE).is_file():
-        raise CheckpointError(f"{p}: no {TOKENIZER_FILE} (Strata needs the fast tokenizer file; "
-                              "save it with tokenizer.save_pretrained(dir))")  # fmt: skip
+        raise CheckpointError(
+            f"{p}: no {TOKENIZER_FILE} (Strata needs the fast tokenizer file; "
+            "save it with tokenizer.save_pretrained(dir))"
+        )
     return CheckpointInfo(p, arch, arch == LLAVA_ARCHITECTURE, tuple(files))
 
 

@@ -18,8 +18,10 @@ class StructuredSpec(BaseModel):
     kind: StructuredKind = Field(..., description="What ``spec`` is (see structured.py).")
     spec: str = Field("", description="JSON schema / regex / JSON list of choices / EBNF.")
     resumed_tokens: int = Field(
-        0, ge=0, description="Outputs counted into the prompt on a resume; the matcher replays "
-        "them too (decode's failover path passes prompt + sent tokens as the prompt)."
+        0,
+        ge=0,
+        description="Outputs counted into the prompt on a resume; the matcher replays "
+        "them too (decode's failover path passes prompt + sent tokens as the prompt).",
     )
 
 
@@ -71,8 +73,10 @@ class SamplingParams(BaseModel):
         replays the ``sent`` tokens too."""
         if not sent:
             return self
-        update: dict = {"max_tokens": max(1, self.max_tokens - sent),
-                        "min_tokens": max(0, self.min_tokens - sent)}  # fmt: skip
+        update: dict = {
+            "max_tokens": max(1, self.max_tokens - sent),
+            "min_tokens": max(0, self.min_tokens - sent),
+        }
         if self.structured is not None:
             update["structured"] = self.structured.model_copy(update={"resumed_tokens": sent})
         return self.model_copy(update=update)

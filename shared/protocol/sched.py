@@ -101,15 +101,22 @@ def routed_submit(item: WorkItem, route: RouteReply) -> tuple[str, PrefillWork |
     a `DecodeWork`; ``max_tokens`` capped and speculation turned off by the degradation level."""
     sampling = item.sampling
     if route.max_tokens_cap and sampling.max_tokens > route.max_tokens_cap:
-        sampling = sampling.model_copy(update={
-            "max_tokens": route.max_tokens_cap,
-            "min_tokens": min(sampling.min_tokens, route.max_tokens_cap)})  # fmt: skip
+        sampling = sampling.model_copy(
+            update={
+                "max_tokens": route.max_tokens_cap,
+                "min_tokens": min(sampling.min_tokens, route.max_tokens_cap),
+            }
+        )
     if not route.speculation and sampling.speculation:
         sampling = sampling.model_copy(update={"speculation": False})
     base = {f: getattr(item, f) for f in WorkItem.model_fields} | {"sampling": sampling}
     if route.prefill_instance:
         mode = "pool" if route.transfer_mode == "pool" else "direct"
-        work = PrefillWork(**base, decode_instance=route.decode_instance,
-                           decode_addr=route.decode_addr, transfer_mode=mode)  # fmt: skip
+        work = PrefillWork(
+            **base,
+            decode_instance=route.decode_instance,
+            decode_addr=route.decode_addr,
+            transfer_mode=mode,
+        )
         return subjects.prefill_submit(route.prefill_instance), work
     return subjects.decode_submit(route.decode_instance), DecodeWork(**base)

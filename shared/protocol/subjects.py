@@ -71,8 +71,12 @@ def admin(role: str, instance: str) -> str:
     return f"{PREFIX}.admin.{role}.{instance}"
 
 
-_ROLE_NAMES = {"tok": "tokenizer", "vision": "vision encoder", "sched": "scheduler",
-               "api": "gateway"}  # fmt: skip
+_ROLE_NAMES = {
+    "tok": "tokenizer",
+    "vision": "vision encoder",
+    "sched": "scheduler",
+    "api": "gateway",
+}
 
 
 def describe(subject: str) -> str:

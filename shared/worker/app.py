@@ -57,7 +57,11 @@ class Worker:
 
 
 async def start_worker(
-    cfg: WorkerConfig, role: str, make_service, nc: NATS, rt: ModelRuntime | None = None,
+    cfg: WorkerConfig,
+    role: str,
+    make_service,
+    nc: NATS,
+    rt: ModelRuntime | None = None,
     stop: asyncio.Event | None = None,
 ) -> Worker:
     """Bring an instance up on an open NATS connection (used by the app and by tests).
@@ -78,13 +82,22 @@ async def start_worker(
         await bus.serve(nc, subjects.decode_submit(cfg.instance_id), DecodeWork, svc.submit)
     await subscribe_cancels(nc, svc.cancel)
     m = rt.loaded.config
-    await register_instance(nc.jetstream(), InstanceRecord(
-        instance_id=cfg.instance_id, role=role, incarnation=rt.incarnation, grpc_addr=addr,
-        model=rt.model_name, capacity={
-            "kv_blocks": rt.port.stats().kv_blocks_total,
-            "max_num_seqs": cfg.max_num_seqs, "max_model_len": m.max_position_embeddings,
-        },
-    ), replicas=cfg.js_replicas)
+    await register_instance(
+        nc.jetstream(),
+        InstanceRecord(
+            instance_id=cfg.instance_id,
+            role=role,
+            incarnation=rt.incarnation,
+            grpc_addr=addr,
+            model=rt.model_name,
+            capacity={
+                "kv_blocks": rt.port.stats().kv_blocks_total,
+                "max_num_seqs": cfg.max_num_seqs,
+                "max_model_len": m.max_position_embeddings,
+            },
+        ),
+        replicas=cfg.js_replicas,
+    )
     # Liveness from its own thread and connection; engine-bound chores on the main loop.
     hb = await asyncio.to_thread(start_heartbeat, rt, nc, addr)
     chores = asyncio.create_task(housekeeping(nc, rt, stop or asyncio.Event()))

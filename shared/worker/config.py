@@ -63,7 +63,8 @@ class WorkerConfig(ModelServiceConfig):
     )
     kvstore_addrs: str = Field("", description="Comma-separated kvstore gRPC addresses (pool mode)")
     kv_int8: bool = Field(
-        False, description="Send and store KV as int8 with per-row float32 scales (~3.8x fewer bytes)"
+        False,
+        description="Send and store KV as int8 with per-row float32 scales (~3.8x fewer bytes)",
     )
 
     @field_validator("layerwise_transfer", mode="before")
@@ -94,5 +95,7 @@ class WorkerConfig(ModelServiceConfig):
             device=self.device,
             dtype=self.dtype or None,
             collect_evicted_kv=bool(self.kvstore_addrs.strip()),
-            async_scheduling=None if self.async_scheduling == "auto" else self.async_scheduling == "true",
+            async_scheduling=None
+            if self.async_scheduling == "auto"
+            else self.async_scheduling == "true",
         )

@@ -53,5 +53,6 @@ class ReuseCostModel:
     def _tier_load_s(self, tier: str) -> float:
         return self.load_s_per_block.get(tier, DEFAULT_LOAD_S["ssd"])
 
+
 def _ewma(old: float, new: float, alpha: float) -> float:
     return (1 - alpha) * old + alpha * new

@@ -39,10 +39,16 @@ from shared.protocol.base import Msg
 
 log = logging.getLogger(__name__)
 
-HEARTBEATS = Counter("strata_worker_heartbeats_total", "Load reports published by the "
-                     "heartbeat thread", ["role", "instance"])  # fmt: skip
-HEARTBEAT_FAILURES = Counter("strata_worker_heartbeat_failures_total", "Load reports the "
-                             "heartbeat thread could not build or publish", ["role", "instance"])  # fmt: skip
+HEARTBEATS = Counter(
+    "strata_worker_heartbeats_total",
+    "Load reports published by the heartbeat thread",
+    ["role", "instance"],
+)
+HEARTBEAT_FAILURES = Counter(
+    "strata_worker_heartbeat_failures_total",
+    "Load reports the heartbeat thread could not build or publish",
+    ["role", "instance"],
+)
 
 
 class HeartbeatError(RuntimeError):
@@ -57,8 +63,15 @@ class Heartbeat:
     up (or raises `HeartbeatError`); `stop` ends the thread and closes that connection.
     """
 
-    def __init__(self, nats_url: str, client_name: str, subject: str, build: Callable[[], Msg],
-                 interval: float, labels: tuple[str, str] = ("", "")):  # fmt: skip
+    def __init__(
+        self,
+        nats_url: str,
+        client_name: str,
+        subject: str,
+        build: Callable[[], Msg],
+        interval: float,
+        labels: tuple[str, str] = ("", ""),
+    ):
         self.nats_url = nats_url
         self.client_name = client_name
         self.subject = subject
@@ -76,11 +89,13 @@ class Heartbeat:
         self._thread.start()
         if not self._ready.wait(timeout):
             self._stop.set()
-            raise HeartbeatError(f"heartbeat: no NATS connection to {self.nats_url} "
-                                 f"within {timeout:.0f}s")  # fmt: skip
+            raise HeartbeatError(
+                f"heartbeat: no NATS connection to {self.nats_url} within {timeout:.0f}s"
+            )
         if self._error is not None:
-            raise HeartbeatError(f"heartbeat: cannot connect to NATS at {self.nats_url}: "
-                                 f"{self._error}") from self._error  # fmt: skip
+            raise HeartbeatError(
+                f"heartbeat: cannot connect to NATS at {self.nats_url}: {self._error}"
+            ) from self._error
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()

@@ -18,11 +18,15 @@ async def fetch_mm_inputs(images: list[ImageRef], dtype: torch.dtype) -> list:
         tensors = await get_client(ref.source_addr).pull_tensors([ref.hash], dtype=dtype)
         emb = tensors.get(ref.hash)
         if emb is None:
-            raise StrataError("unavailable", f"image {ref.hash[:12]} is no longer cached at "
-                              f"{ref.source_addr}")
+            raise StrataError(
+                "unavailable", f"image {ref.hash[:12]} is no longer cached at {ref.source_addr}"
+            )
         emb = emb.reshape(-1, emb.shape[-1]).to(dtype)
         if emb.shape[0] != ref.length:
-            raise StrataError("bad_request", f"image {ref.hash[:12]} has {emb.shape[0]} "
-                              f"embeddings for a span of {ref.length} tokens")
+            raise StrataError(
+                "bad_request",
+                f"image {ref.hash[:12]} has {emb.shape[0]} "
+                f"embeddings for a span of {ref.length} tokens",
+            )
         out.append(MMInput(offset=ref.offset, embeds=emb, content_hash=ref.hash))
     return out

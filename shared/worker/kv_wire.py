@@ -31,16 +31,27 @@ def layer_groups(num_layers: int, bytes_per_layer: int, merge_bytes: int) -> lis
 
 
 def kv_frames(
-    kv: torch.Tensor, layers: range, *, request_id: str, fingerprint: str, total_layers: int,
+    kv: torch.Tensor,
+    layers: range,
+    *,
+    request_id: str,
+    fingerprint: str,
+    total_layers: int,
     int8: bool = False,
 ) -> list[BlockFrame]:
     """Frames for ``kv`` = ``[len(layers), 2, n, kvh, hd]``; the frame holding the last layer
     is marked ``last``."""
     n = kv.shape[2]
     return tensor_to_frames(
-        kv.contiguous(), request_id=request_id, layer_start=layers.start, layer_end=layers.stop,
-        num_tokens=n, total_tokens=n, fingerprint=fingerprint,
-        last=layers.stop == total_layers, int8=int8,
+        kv.contiguous(),
+        request_id=request_id,
+        layer_start=layers.start,
+        layer_end=layers.stop,
+        num_tokens=n,
+        total_tokens=n,
+        fingerprint=fingerprint,
+        last=layers.stop == total_layers,
+        int8=int8,
     )
 
 
@@ -74,8 +85,9 @@ class PagedSink:
     async def open(self, request_id: str, num_tokens: int) -> None:
         await self.port.reserve_kv(request_id, num_tokens)
 
-    async def write(self, request_id: str, layers: range, token_start: int,
-                    kv: torch.Tensor) -> None:
+    async def write(
+        self, request_id: str, layers: range, token_start: int, kv: torch.Tensor
+    ) -> None:
         await self.port.write_kv(request_id, layers, token_start, kv)
 
     async def cancel(self, request_id: str) -> None:
@@ -138,8 +150,11 @@ class KVReceiver(KVTransferHandler):
 
     async def _accept(self, f: BlockFrame) -> None:
         if f.fingerprint != self.fingerprint:
-            raise StrataError("bad_request", f"KV for {f.request_id} comes from another model "
-                              f"({f.fingerprint[:12]} != {self.fingerprint[:12]})")
+            raise StrataError(
+                "bad_request",
+                f"KV for {f.request_id} comes from another model "
+                f"({f.fingerprint[:12]} != {self.fingerprint[:12]})",
+            )
         p = self._pending.get(f.request_id)
         if p is None:
             await self.expire()  # transfers whose request never showed up must not pile up
@@ -156,8 +171,11 @@ class KVReceiver(KVTransferHandler):
         n = f.num_tokens or p.num_tokens
         t0 = f.token_start
         if t0 + n > p.num_tokens or f.layer_end > p.num_layers or not layers:
-            raise StrataError("bad_request", f"KV frame for {f.request_id} is out of range "
-                              f"(layers {f.layer_start}-{f.layer_end}, tokens {t0}+{n})")
+            raise StrataError(
+                "bad_request",
+                f"KV frame for {f.request_id} is out of range "
+                f"(layers {f.layer_start}-{f.layer_end}, tokens {t0}+{n})",
+            )
         want = (len(layers), 2, n, *self.kv_tail)
         t = frame_to_tensor(f, dtype=self.dtype, shape=want)
         await self.sink.write(f.request_id, layers, t0, t)
@@ -166,8 +184,11 @@ class KVReceiver(KVTransferHandler):
         if f.last:
             need = p.num_layers * p.num_tokens
             if p.covered < need:
-                raise StrataError("bad_request", f"KV for {f.request_id} ended incomplete "
-                                  f"({p.covered}/{need} layer-token cells)")
+                raise StrataError(
+                    "bad_request",
+                    f"KV for {f.request_id} ended incomplete "
+                    f"({p.covered}/{need} layer-token cells)",
+                )
             p.done.set()
 
     async def take(self, request_id: str, num_tokens: int, timeout: float) -> int:
@@ -184,13 +205,17 @@ class KVReceiver(KVTransferHandler):
             await asyncio.wait_for(p.done.wait(), max(0.0, deadline - time.monotonic()))
         except TimeoutError:
             await self.drop(request_id)
-            raise TransferFailed("timeout", "timeout",
-                                 f"KV for {request_id} incomplete after {timeout}s") from None
+            raise TransferFailed(
+                "timeout", "timeout", f"KV for {request_id} incomplete after {timeout}s"
+            ) from None
         self._pending.pop(request_id, None)
         if p.num_tokens != num_tokens:
             await self.sink.cancel(request_id)
-            raise TransferFailed("bad_frame", "bad_request", f"KV for {request_id} covers "
-                                 f"{p.num_tokens} tokens, prompt has {num_tokens}")
+            raise TransferFailed(
+                "bad_frame",
+                "bad_request",
+                f"KV for {request_id} covers {p.num_tokens} tokens, prompt has {num_tokens}",
+            )
         return p.nbytes
 
     async def drop(self, request_id: str) -> None:

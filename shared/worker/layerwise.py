@@ -67,7 +67,12 @@ class LayerTap(KVConnector):
 
 
 async def merged_frames(
-    q: asyncio.Queue, *, request_id: str, fingerprint: str, total_tokens: int, merge_bytes: int,
+    q: asyncio.Queue,
+    *,
+    request_id: str,
+    fingerprint: str,
+    total_tokens: int,
+    merge_bytes: int,
     int8: bool = False,
 ) -> AsyncIterator[BlockFrame]:
     """Frames from a tap queue until the final piece; consecutive layers of one token range are
@@ -80,9 +85,15 @@ async def merged_frames(
         kv = torch.cat([p.kv for p in held], dim=0) if len(held) > 1 else held[0].kv
         first = held[0]
         frames = tensor_to_frames(
-            kv.contiguous(), request_id=request_id, layer_start=first.layers.start,
-            layer_end=held[-1].layers.stop, token_start=first.token_start,
-            num_tokens=kv.shape[2], total_tokens=total_tokens, fingerprint=fingerprint, last=last,
+            kv.contiguous(),
+            request_id=request_id,
+            layer_start=first.layers.start,
+            layer_end=held[-1].layers.stop,
+            token_start=first.token_start,
+            num_tokens=kv.shape[2],
+            total_tokens=total_tokens,
+            fingerprint=fingerprint,
+            last=last,
             int8=int8,
         )
         held.clear()
@@ -90,8 +101,9 @@ async def merged_frames(
 
     while True:
         piece: Piece = await q.get()
-        if held and (piece.token_start != held[-1].token_start
-                     or piece.layers.start != held[-1].layers.stop):
+        if held and (
+            piece.token_start != held[-1].token_start or piece.layers.start != held[-1].layers.stop
+        ):
             for f in flush(False):
                 yield f
         held.append(piece)

@@ -13,10 +13,12 @@ KV_USAGE = Gauge("strata:kv_cache_usage_perc", "Engine KV blocks in use (0-1)", 
 KV_BLOCKS_FREE = Gauge("strata:kv_cache_free_blocks", "Engine KV blocks free", _L)
 ENGINE_RUNNING = Gauge("strata:engine_num_requests_running", "Sequences in the running batch", _L)
 ENGINE_WAITING = Gauge("strata:engine_num_requests_waiting", "Sequences waiting or swapped", _L)
-PREFIX_QUERIES = Counter("strata:prefix_cache_queries", "Prompt tokens looked up in the engine "
-                         "prefix cache", _L)
-PREFIX_HITS = Counter("strata:prefix_cache_hits", "Prompt tokens found in the engine prefix "
-                      "cache", _L)
+PREFIX_QUERIES = Counter(
+    "strata:prefix_cache_queries", "Prompt tokens looked up in the engine prefix cache", _L
+)
+PREFIX_HITS = Counter(
+    "strata:prefix_cache_hits", "Prompt tokens found in the engine prefix cache", _L
+)
 PREEMPTIONS = Counter("strata:num_preemptions", "Sequences preempted for KV or priority", _L)
 
 
@@ -33,9 +35,11 @@ class EngineMetrics:
         KV_BLOCKS_FREE.labels(*lab).set(s.kv_blocks_free)
         ENGINE_RUNNING.labels(*lab).set(s.running)
         ENGINE_WAITING.labels(*lab).set(s.waiting)
-        for key, counter, value in (("q", PREFIX_QUERIES, s.prefix_query_tokens),
-                                    ("h", PREFIX_HITS, s.prefix_hit_tokens),
-                                    ("p", PREEMPTIONS, s.preemptions)):
+        for key, counter, value in (
+            ("q", PREFIX_QUERIES, s.prefix_query_tokens),
+            ("h", PREFIX_HITS, s.prefix_hit_tokens),
+            ("p", PREEMPTIONS, s.preemptions),
+        ):
             delta = value - self._last[key]
             if delta > 0:
                 counter.labels(*lab).inc(delta)

@@ -23,14 +23,21 @@ from shared.worker.cost import ReuseCostModel
 
 log = logging.getLogger(__name__)
 
-POOL_HIT_BLOCKS = Counter("strata_prefix_pool_hit_blocks_total", "Prefix blocks loaded from the "
-                          "pool, by tier", ["tier"])
+POOL_HIT_BLOCKS = Counter(
+    "strata_prefix_pool_hit_blocks_total", "Prefix blocks loaded from the pool, by tier", ["tier"]
+)
 POOL_STORED_BLOCKS = Counter("strata_prefix_pool_stored_blocks_total", "Blocks offered to pool")
 
 
 class PoolLink:
-    def __init__(self, addrs: list[str], fingerprint: str, cost: ReuseCostModel, port: EnginePort,
-                 int8: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        addrs: list[str],
+        fingerprint: str,
+        cost: ReuseCostModel,
+        port: EnginePort,
+        int8: bool = False,
+    ):
         self.pool = PoolClient(addrs)
         self.fingerprint = fingerprint
         self.cost = cost
@@ -48,7 +55,7 @@ class PoolLink:
         plan = self.cost.plan(own, tiers)  # shared.kvcache_rules: local prefix, then the pool
         if plan.pool_blocks == 0:
             return hashes, tiers, 0
-        n, _ = await self.load_blocks(hashes[own:plan.blocks], list(plan.pool_tiers))
+        n, _ = await self.load_blocks(hashes[own : plan.blocks], list(plan.pool_tiers))
         return hashes, tiers, n
 
     async def load_blocks(

@@ -67,20 +67,26 @@ class ModelRuntime:
         self.tokenizer = Tokenizer.from_dir(self.cfg.model)
         # One prefill before serving: first-call overheads are paid there, and its measured
         # seconds per token seed the load-vs-recompute cost model.
-        self.port = EnginePort.open(self.loaded, self.cfg.engine_config(), self.tokenizer,
-                                    warm_up_tokens=128)
+        self.port = EnginePort.open(
+            self.loaded, self.cfg.engine_config(), self.tokenizer, warm_up_tokens=128
+        )
         self.cost = ReuseCostModel(self.cfg.block_size)
         self.cost.prefill_s_per_token = self.port.warm_up_s_per_token
         self._rate_mark = (0, self.port.stats().forward_time_s)
-        log.info("loaded %s (%s) in %.1fs", self.cfg.model, self.loaded.fingerprint[:12],
-                 time.perf_counter() - t0)
+        log.info(
+            "loaded %s (%s) in %.1fs",
+            self.cfg.model,
+            self.loaded.fingerprint[:12],
+            time.perf_counter() - t0,
+        )
 
     def pool_link(self) -> PoolLink | None:
         """The link to the kvstore instances, when the instance is configured with some."""
         addrs = [a.strip() for a in self.cfg.kvstore_addrs.split(",") if a.strip()]
         if self._pool is None and addrs:
-            self._pool = PoolLink(addrs, self.fingerprint, self.cost, self.port,
-                                  int8=self.cfg.kv_int8)
+            self._pool = PoolLink(
+                addrs, self.fingerprint, self.cost, self.port, int8=self.cfg.kv_int8
+            )
         return self._pool
 
     @property
@@ -98,15 +104,22 @@ class ModelRuntime:
         running: lock-free reads of engine counters only, nothing that waits for the engine."""
         s = self.port.stats()
         return LoadReport(
-            instance_id=self.cfg.instance_id, role=self.role, incarnation=self.incarnation,
-            grpc_addr=grpc_addr, model=self.model_name, ts=time.time(),
-            num_running=s.running, num_waiting=s.waiting,
-            kv_blocks_total=s.kv_blocks_total, kv_blocks_free=s.kv_blocks_free,
+            instance_id=self.cfg.instance_id,
+            role=self.role,
+            incarnation=self.incarnation,
+            grpc_addr=grpc_addr,
+            model=self.model_name,
+            ts=time.time(),
+            num_running=s.running,
+            num_waiting=s.waiting,
+            kv_blocks_total=s.kv_blocks_total,
+            kv_blocks_free=s.kv_blocks_free,
             waiting_tokens=self.port.queued_tokens(),
             prefill_tokens_per_s=1.0 / self.cost.prefill_s_per_token,
             decode_tokens_per_s=self.decode_rate.per_second(),
             max_model_len=self.loaded.config.max_position_embeddings,
-            block_size=self.cfg.block_size, connected=connected,
+            block_size=self.cfg.block_size,
+            connected=connected,
         )
 
     def observe_stats(self) -> None:
@@ -135,10 +148,17 @@ class ModelRuntime:
         out = []
         for ev in await self.port.drain_kv_events():
             self.kv_seq += 1
-            out.append(KVEvent(
-                instance_id=self.cfg.instance_id, incarnation=self.incarnation, seq=self.kv_seq,
-                tier="engine", kind=ev.kind, hashes=ev.hashes, ts=time.time(),
-            ))
+            out.append(
+                KVEvent(
+                    instance_id=self.cfg.instance_id,
+                    incarnation=self.incarnation,
+                    seq=self.kv_seq,
+                    tier="engine",
+                    kind=ev.kind,
+                    hashes=ev.hashes,
+                    ts=time.time(),
+                )
+            )
         return out
 
 
@@ -168,10 +188,14 @@ def start_heartbeat(rt: ModelRuntime, nc: NATS, grpc_addr: str) -> Heartbeat:
     connection, reporting whether ``nc`` (the main connection) is connected. Blocks until its
     connection is up: call it with ``asyncio.to_thread``."""
     iid = rt.cfg.instance_id
-    hb = Heartbeat(rt.cfg.nats_url, f"{rt.role}:{iid}:heartbeat",
-                   subjects.load_report(rt.role, iid),
-                   lambda: rt.load_report(grpc_addr, connected=nc.is_connected),
-                   rt.cfg.load_interval, labels=(rt.role, iid))  # fmt: skip
+    hb = Heartbeat(
+        rt.cfg.nats_url,
+        f"{rt.role}:{iid}:heartbeat",
+        subjects.load_report(rt.role, iid),
+        lambda: rt.load_report(grpc_addr, connected=nc.is_connected),
+        rt.cfg.load_interval,
+        labels=(rt.role, iid),
+    )
     hb.start()
     return hb
 
@@ -198,8 +222,13 @@ async def publish_error(nc: NATS, request_id: str, err: Exception, instance_id: 
     """Tell the gateway a request failed here, with a typed error it can map to a status."""
     if not isinstance(err, StrataError):
         err = StrataError("internal", f"{type(err).__name__}: {err}")
-    chunk = TokenChunk(request_id=request_id, index=0, finish_reason="abort",
-                       error=err.info(), instance_id=instance_id)
+    chunk = TokenChunk(
+        request_id=request_id,
+        index=0,
+        finish_reason="abort",
+        error=err.info(),
+        instance_id=instance_id,
+    )
     await bus.publish(nc, subjects.req_out(request_id), chunk)
 
 

@@ -43,9 +43,11 @@ def _bpe():
 
 def hf_tokenizer():
     tok = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=_bpe(), eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        tokenizer_object=_bpe(),
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
         extra_special_tokens={"image_token": IMAGE_TOKEN},
-    )  # fmt: skip
+    )
     tok.chat_template = CHAT_TEMPLATE
     return tok
 
@@ -56,26 +58,54 @@ def _rope(theta: float, scaling: dict | None = None) -> dict:
 
 def _text_config(kind: str, tok) -> object:
     eos = tok.convert_tokens_to_ids("<|im_end|>")
-    common = dict(vocab_size=VOCAB, intermediate_size=128, num_hidden_layers=2,
-                  initializer_range=0.5, max_position_embeddings=4096, eos_token_id=eos,
-                  bos_token_id=None, pad_token_id=tok.pad_token_id)  # fmt: skip
+    common = dict(
+        vocab_size=VOCAB,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        initializer_range=0.5,
+        max_position_embeddings=4096,
+        eos_token_id=eos,
+        bos_token_id=None,
+        pad_token_id=tok.pad_token_id,
+    )
     if kind == "llama":  # llama3 rope scaling, GQA 6:2, head_dim 16
         return transformers.LlamaConfig(
-            hidden_size=96, num_attention_heads=6, num_key_value_heads=2, head_dim=16,
-            tie_word_embeddings=False, **_rope(500000.0, dict(
-                rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                original_max_position_embeddings=64)), **common,
-        )  # fmt: skip
+            hidden_size=96,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            head_dim=16,
+            tie_word_embeddings=False,
+            **_rope(
+                500000.0,
+                dict(
+                    rope_type="llama3",
+                    factor=8.0,
+                    low_freq_factor=1.0,
+                    high_freq_factor=4.0,
+                    original_max_position_embeddings=64,
+                ),
+            ),
+            **common,
+        )
     if kind == "qwen2":  # tied embeddings, qkv bias (Qwen2 always has it), GQA 4:2
         return transformers.Qwen2Config(
-            hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-            tie_word_embeddings=True, **_rope(1e6), **common,
-        )  # fmt: skip
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            **_rope(1e6),
+            **common,
+        )
     if kind == "qwen3":  # odd GQA ratio 3:1, head_dim 16 != hidden / heads, q/k norm
         return transformers.Qwen3Config(
-            hidden_size=64, num_attention_heads=6, num_key_value_heads=2, head_dim=16,
-            tie_word_embeddings=False, **_rope(1e6), **common,
-        )  # fmt: skip
+            hidden_size=64,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            head_dim=16,
+            tie_word_embeddings=False,
+            **_rope(1e6),
+            **common,
+        )
     raise ValueError(kind)
 
 
@@ -83,8 +113,11 @@ def build_text(kind: str, path: Path) -> Checkpoint:
     """``kind``: llama | qwen2 | qwen3 (shapes above)."""
     tok = hf_tokenizer()
     cfg = _text_config(kind, tok)
-    cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
-           "qwen3": transformers.Qwen3ForCausalLM}[kind]  # fmt: skip
+    cls = {
+        "llama": transformers.LlamaForCausalLM,
+        "qwen2": transformers.Qwen2ForCausalLM,
+        "qwen3": transformers.Qwen3ForCausalLM,
+    }[kind]
     torch.manual_seed(0)
     model = cls(cfg).eval()
     model.save_pretrained(path)
@@ -97,27 +130,42 @@ def build_llava(path: Path) -> Checkpoint:
     ``LlavaProcessor.save_pretrained`` (``processor_config.json`` with the image processor
     nested, no ``preprocessor_config.json``)."""
     tok = hf_tokenizer()
-    vc = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                       num_attention_heads=4, image_size=32, patch_size=8)  # fmt: skip
+    vc = transformers.CLIPVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=32,
+        patch_size=8,
+    )
     cfg = transformers.LlavaConfig(
-        vision_config=vc, text_config=_text_config("qwen2", tok),
-        image_token_index=tok.convert_tokens_to_ids(IMAGE_TOKEN), vision_feature_layer=-2,
-        vision_feature_select_strategy="default", image_seq_length=16,
-    )  # fmt: skip
+        vision_config=vc,
+        text_config=_text_config("qwen2", tok),
+        image_token_index=tok.convert_tokens_to_ids(IMAGE_TOKEN),
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+        image_seq_length=16,
+    )
     torch.manual_seed(0)
     model = transformers.LlavaForConditionalGeneration(cfg).eval()
     with torch.no_grad():  # make images matter: projector output on the scale of embeddings
         model.model.multi_modal_projector.linear_2.weight.mul_(20)
     model.save_pretrained(path)
     image_processor = transformers.CLIPImageProcessor(
-        size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32},
-        image_mean=_CLIP_MEAN, image_std=_CLIP_STD,
-    )  # fmt: skip
+        size={"shortest_edge": 32},
+        crop_size={"height": 32, "width": 32},
+        image_mean=_CLIP_MEAN,
+        image_std=_CLIP_STD,
+    )
     processor = transformers.LlavaProcessor(
-        image_processor=image_processor, tokenizer=tok, patch_size=8,
-        vision_feature_select_strategy="default", num_additional_image_tokens=1,
-        image_token=IMAGE_TOKEN, chat_template=CHAT_TEMPLATE,
-    )  # fmt: skip
+        image_processor=image_processor,
+        tokenizer=tok,
+        patch_size=8,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        image_token=IMAGE_TOKEN,
+        chat_template=CHAT_TEMPLATE,
+    )
     processor.save_pretrained(path)
     return Checkpoint("llava", Path(path), model, tok, processor)
 

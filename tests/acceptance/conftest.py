@@ -24,9 +24,15 @@ class Up:
     def __init__(self, argv: list[str], env: dict[str, str] | None = None, timeout: float = 300):
         self.lines: deque[str] = deque(maxlen=400)
         self.proc = subprocess.Popen(
-            argv, cwd=repo_root(), env=dict(os.environ, **(env or {})), stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        )  # fmt: skip
+            argv,
+            cwd=repo_root(),
+            env=dict(os.environ, **(env or {})),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         self._up = threading.Event()
         self.url = ""
         threading.Thread(target=self._read, daemon=True).start()
@@ -34,8 +40,10 @@ class Up:
         while not self._up.wait(0.5):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
-                pytest.fail(f"{' '.join(argv)} did not come up (rc={self.proc.returncode}):\n"
-                            + "\n".join(list(self.lines)[-60:]))  # fmt: skip
+                pytest.fail(
+                    f"{' '.join(argv)} did not come up (rc={self.proc.returncode}):\n"
+                    + "\n".join(list(self.lines)[-60:])
+                )
 
     def _read(self) -> None:
         for line in self.proc.stdout:
@@ -63,5 +71,18 @@ class Up:
 def strata_up(model_dir: str, tmp_path) -> Up:
     """``strata up --model DIR`` with no other flag than a free port and a private data dir
     (so that tests can run beside a cluster a user left on :8000)."""
-    return Up([sys.executable, "-m", "services.cli", "up", "--model", str(model_dir),
-               "--port", str(free_port()), "--data-dir", str(tmp_path / "data"), "--no-color"])
+    return Up(
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "up",
+            "--model",
+            str(model_dir),
+            "--port",
+            str(free_port()),
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--no-color",
+        ]
+    )

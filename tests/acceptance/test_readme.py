@@ -45,8 +45,12 @@ def test_readme_curl_examples_run_as_written(cluster):
     curls = [c for b in blocks("bash") for c in commands(b) if c.startswith("curl")]
     assert len(curls) >= 2
     for cmd in curls:
-        r = subprocess.run(["bash", "-c", f"set -o pipefail; {cmd} --fail-with-body -sS"],
-                           capture_output=True, text=True, timeout=120)  # fmt: skip
+        r = subprocess.run(
+            ["bash", "-c", f"set -o pipefail; {cmd} --fail-with-body -sS"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert r.returncode == 0, (cmd, r.stdout[-2000:], r.stderr[-2000:])
         if '"stream": true' in cmd:
             events = [x for x in r.stdout.splitlines() if x.startswith("data: ")]
@@ -58,7 +62,6 @@ def test_readme_curl_examples_run_as_written(cluster):
 
 def test_readme_python_example_runs_as_written(cluster):
     example = next(b for b in blocks("python") if "from openai import OpenAI" in b)
-    r = subprocess.run([sys.executable, "-c", example], capture_output=True, text=True,
-                       timeout=180)  # fmt: skip
+    r = subprocess.run([sys.executable, "-c", example], capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip(), "the example printed no text"

@@ -59,9 +59,14 @@ def test_chat_equals_transformers_greedy_tokens_text_and_logprobs(served):
     ids = _chat_ids(ck)
     ref, ref_lp = greedy(ck, ids, N)
     r = client.chat.completions.create(
-        model=_model(client), messages=CHAT, max_tokens=N, temperature=0.0, logprobs=True,
-        top_logprobs=1, extra_body={"ignore_eos": True},
-    )  # fmt: skip
+        model=_model(client),
+        messages=CHAT,
+        max_tokens=N,
+        temperature=0.0,
+        logprobs=True,
+        top_logprobs=1,
+        extra_body={"ignore_eos": True},
+    )
     assert r.usage.prompt_tokens == len(ids)
     assert r.usage.completion_tokens == N
     assert r.choices[0].message.content == _text(ck, ref)
@@ -75,9 +80,13 @@ def test_streamed_chat_equals_transformers_greedy(served):
     ck, client, _ = served
     ref, _ = greedy(ck, _chat_ids(ck), N)
     stream = client.chat.completions.create(
-        model=_model(client), messages=CHAT, max_tokens=N, temperature=0.0, stream=True,
+        model=_model(client),
+        messages=CHAT,
+        max_tokens=N,
+        temperature=0.0,
+        stream=True,
         extra_body={"ignore_eos": True},
-    )  # fmt: skip
+    )
     parts = [c.choices[0].delta.content or "" for c in stream if c.choices]
     assert "".join(parts) == _text(ck, ref)
 
@@ -87,9 +96,14 @@ def test_completion_equals_transformers_greedy(served, stream):
     ck, client, _ = served
     ids = ck.tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
     ref, _ = greedy(ck, ids, N)
-    r = client.completions.create(model=_model(client), prompt=PROMPT, max_tokens=N,
-                                  temperature=0.0, stream=stream,
-                                  extra_body={"ignore_eos": True})  # fmt: skip
+    r = client.completions.create(
+        model=_model(client),
+        prompt=PROMPT,
+        max_tokens=N,
+        temperature=0.0,
+        stream=stream,
+        extra_body={"ignore_eos": True},
+    )
     text = "".join(c.choices[0].text for c in r if c.choices) if stream else r.choices[0].text
     assert text == _text(ck, ref)
 
@@ -101,20 +115,35 @@ def test_image_chat_equals_transformers_llava_greedy(served, stream):
     buf = io.BytesIO()
     image.save(buf, format="PNG")
     url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-    content = [{"type": "image_url", "image_url": {"url": url}},
-               {"type": "text", "text": "Describe this image."}]  # fmt: skip
-    kw = dict(model=_model(client), messages=[{"role": "user", "content": content}],
-              max_tokens=N, temperature=0.0, stream=stream, extra_body={"ignore_eos": True})
+    content = [
+        {"type": "image_url", "image_url": {"url": url}},
+        {"type": "text", "text": "Describe this image."},
+    ]
+    kw = dict(
+        model=_model(client),
+        messages=[{"role": "user", "content": content}],
+        max_tokens=N,
+        temperature=0.0,
+        stream=stream,
+        extra_body={"ignore_eos": True},
+    )
     if ck.processor is None:  # a text model: a clear 400 that names the problem
         with pytest.raises(openai.BadRequestError, match="image"):
             client.chat.completions.create(**kw)
         return
-    hf_msgs = [{"role": "user", "content": [{"type": "image"},
-                                            {"type": "text", "text": "Describe this image."}]}]
+    hf_msgs = [
+        {
+            "role": "user",
+            "content": [{"type": "image"}, {"type": "text", "text": "Describe this image."}],
+        }
+    ]
     text = ck.processor.apply_chat_template(hf_msgs, add_generation_prompt=True, tokenize=False)
     inputs = ck.processor(text=text, images=[image], return_tensors="pt")
     ref, _ = greedy(ck, inputs["input_ids"][0].tolist(), N, inputs["pixel_values"])
     r = client.chat.completions.create(**kw)
-    out = ("".join(c.choices[0].delta.content or "" for c in r if c.choices) if stream
-           else r.choices[0].message.content)  # fmt: skip
+    out = (
+        "".join(c.choices[0].delta.content or "" for c in r if c.choices)
+        if stream
+        else r.choices[0].message.content
+    )
     assert out == _text(ck, ref)

@@ -50,8 +50,9 @@ class StateWatcher:
         self.down_seen: set[str] = set()
         self._stop = threading.Event()
         self._ready = threading.Event()
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._run(nats_url, auth)),
-                                        daemon=True)  # fmt: skip
+        self._thread = threading.Thread(
+            target=lambda: asyncio.run(self._run(nats_url, auth)), daemon=True
+        )
         self._thread.start()
         assert self._ready.wait(10), "could not subscribe to scheduler state"
 

@@ -31,8 +31,15 @@ LOAD_INTERVAL, DOWN_AFTER = 0.1, 3  # down timeout 0.3 s
 
 async def stream_one(cl: httpx.AsyncClient, url: str, model: str, prompt: str) -> dict:
     """One streamed completion: {"status", "errors", "finish", "tokens"}."""
-    body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": 8,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     out = {"status": 0, "errors": [], "finish": None, "tokens": 0}
     async with cl.stream("POST", url + "/v1/completions", json=body) as r:
         out["status"] = r.status_code
@@ -55,12 +62,21 @@ async def stream_one(cl: httpx.AsyncClient, url: str, model: str, prompt: str) -
 def test_long_forwards_do_not_make_instances_look_dead():
     model_dir = ensure_model("", benchmark=True)  # Qwen3 hidden 512, 8 layers
     timeout_s = LOAD_INTERVAL * DOWN_AFTER
-    c = start_cluster(model_dir, prefill=1, decode=1, kvstore=1, vision=0, minio=False,
-                      torch_threads=1,
-                      env={"STRATA_LOAD_INTERVAL": str(LOAD_INTERVAL),
-                           "STRATA_DOWN_AFTER": str(DOWN_AFTER),
-                           "STRATA_STATE_INTERVAL": "0.1",
-                           "STRATA_MAX_NUM_BATCHED_TOKENS": str(CHUNK)})  # fmt: skip
+    c = start_cluster(
+        model_dir,
+        prefill=1,
+        decode=1,
+        kvstore=1,
+        vision=0,
+        minio=False,
+        torch_threads=1,
+        env={
+            "STRATA_LOAD_INTERVAL": str(LOAD_INTERVAL),
+            "STRATA_DOWN_AFTER": str(DOWN_AFTER),
+            "STRATA_STATE_INTERVAL": "0.1",
+            "STRATA_MAX_NUM_BATCHED_TOKENS": str(CHUNK),
+        },
+    )
     watcher = StateWatcher(c.nats_url, c.nats_credentials("gateway"))
     try:
         model = httpx.get(c.gateway_url + "/v1/models").json()["data"][0]["id"]
@@ -71,12 +87,14 @@ def test_long_forwards_do_not_make_instances_look_dead():
             async with httpx.AsyncClient(
                 timeout=240.0, limits=httpx.Limits(max_connections=REQUESTS)
             ) as cl:
-                return await asyncio.gather(*(stream_one(cl, c.gateway_url, model, p)
-                                              for p in prompts))  # fmt: skip
+                return await asyncio.gather(
+                    *(stream_one(cl, c.gateway_url, model, p) for p in prompts)
+                )
 
         results = asyncio.run(run())
-        longest = max(scrape(c, "prefill-0", "strata:engine_longest_forward_seconds").values(),
-                      default=0.0)  # fmt: skip
+        longest = max(
+            scrape(c, "prefill-0", "strata:engine_longest_forward_seconds").values(), default=0.0
+        )
         failovers = scrape(c, "gateway-0", "strata:stream_failovers_total")
         down_total = scrape(c, "scheduler-0", "strata_scheduler_declared_down_total")
         bad = [r for r in results if r["errors"] or r["status"] != 200 or r["tokens"] != 8]

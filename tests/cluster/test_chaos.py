@@ -66,17 +66,28 @@ OUTCOMES = {
 
 @pytest.fixture(scope="module")
 def cluster(default_model_dir):
-    c = start_cluster(default_model_dir, prefill=1, decode=1, kvstore=1, vision=1, minio=True,
-                      torch_threads=1, restart=True, nats_auth=False,
-                      env={"STRATA_STALL_TIMEOUT": "10"})  # fmt: skip
+    c = start_cluster(
+        default_model_dir,
+        prefill=1,
+        decode=1,
+        kvstore=1,
+        vision=1,
+        minio=True,
+        torch_threads=1,
+        restart=True,
+        nats_auth=False,
+        env={"STRATA_STALL_TIMEOUT": "10"},
+    )
     try:
         yield c
     finally:
         c.stop()
         if MEASURED:
             load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-            print(f"\nrecovery in s (kill -> first new request served, kill -> the process is "
-                  f"back and ready), load average {load}:")
+            print(
+                f"\nrecovery in s (kill -> first new request served, kill -> the process is "
+                f"back and ready), load average {load}:"
+            )
             for name, (served, back) in MEASURED.items():
                 print(f"  {name:12s} {served:6.1f} {back:6.1f}")
 
@@ -107,8 +118,9 @@ def expected(default_model_dir) -> list[list[str]]:
             engine.add_request(f"r{i}", ids, params)
         while engine.has_unfinished_requests():
             for o in engine.step():
-                out[o.request_id] += [tok.decode([t], skip_special_tokens=False)
-                                      for t in o.new_token_ids]  # fmt: skip
+                out[o.request_id] += [
+                    tok.decode([t], skip_special_tokens=False) for t in o.new_token_ids
+                ]
     return [out[f"r{i}"] for i in range(STREAMS)]
 
 
@@ -156,10 +168,10 @@ PUBLISHED = {  # subjects nobody replies on: the consumer counts and drops what 
             kind="stored",
             hashes=["0" * 32],
         )
-    ),  # fmt: skip
+    ),
     subjects.load_report("decode", "decode-0"): encode(
         LoadReport(instance_id="decode-0", role="decode", incarnation="x", ts=time.time())
-    ),  # fmt: skip
+    ),
     subjects.SCHED_STATE: encode(SchedulerState()),
 }
 
@@ -216,8 +228,9 @@ def test_bus_fuzz(cluster, default_model_dir):
 # ---------------------------------------------------------------- chaos
 
 
-async def stream_one(client: httpx.AsyncClient, url: str, model: str, msgs: list[dict],
-                     progress: list[int], i: int) -> tuple[str, object]:  # fmt: skip
+async def stream_one(
+    client: httpx.AsyncClient, url: str, model: str, msgs: list[dict], progress: list[int], i: int
+) -> tuple[str, object]:
     """("complete", token texts), ("error", message), ("status", code) or ("cut", exception)."""
     body = {
         "model": model,
@@ -295,8 +308,10 @@ def test_chaos(cluster, expected, victim):
         progress = [0] * STREAMS
         limits = httpx.Limits(max_connections=STREAMS + 2)
         async with httpx.AsyncClient(timeout=CLIENT_TIMEOUT, limits=limits) as cl:
-            tasks = [asyncio.create_task(stream_one(cl, c.gateway_url, model, m, progress, i))
-                     for i, m in enumerate(prompts())]  # fmt: skip
+            tasks = [
+                asyncio.create_task(stream_one(cl, c.gateway_url, model, m, progress, i))
+                for i, m in enumerate(prompts())
+            ]
             while min(progress) < 2 and not any(t.done() for t in tasks):
                 await asyncio.sleep(0.02)
             live = sum(not t.done() for t in tasks)
@@ -304,8 +319,9 @@ def test_chaos(cluster, expected, victim):
             await asyncio.to_thread(c.crash, victim)
             got = await asyncio.gather(*tasks)
         served = await until_served(c.gateway_url, model, t_kill + RECOVERY_DEADLINE)
-        back = await asyncio.to_thread(back_up, c, victim, restarts_before,
-                                       t_kill + RECOVERY_DEADLINE)  # fmt: skip
+        back = await asyncio.to_thread(
+            back_up, c, victim, restarts_before, t_kill + RECOVERY_DEADLINE
+        )
         return got, served - t_kill, live, back - t_kill
 
     got, recovery, live, restarted = asyncio.run(run())

@@ -25,10 +25,22 @@ MAX_TOKENS = 160
 
 
 def prompts() -> list[list[dict]]:
-    topics = ["caches", "queues", "tiers", "blocks", "streams", "routers", "tokens", "layers",
-              "kernels", "batches"]  # fmt: skip
-    return [[{"role": "user", "content": f"Tell me story {i} about {topics[i % 10]}."}]
-            for i in range(STREAMS)]  # fmt: skip
+    topics = [
+        "caches",
+        "queues",
+        "tiers",
+        "blocks",
+        "streams",
+        "routers",
+        "tokens",
+        "layers",
+        "kernels",
+        "batches",
+    ]
+    return [
+        [{"role": "user", "content": f"Tell me story {i} about {topics[i % 10]}."}]
+        for i in range(STREAMS)
+    ]
 
 
 def reference(model_dir: str, msgs: list[list[dict]]) -> list[list[tuple[str, float]]]:
@@ -55,12 +67,21 @@ def reference(model_dir: str, msgs: list[list[dict]]) -> list[list[tuple[str, fl
     return [out[f"ref-{i}"] for i in range(len(msgs))]
 
 
-async def stream_one(client: httpx.AsyncClient, url: str, model: str, msgs: list[dict],
-                     progress: list[int], i: int) -> list[tuple[str, float]]:  # fmt: skip
+async def stream_one(
+    client: httpx.AsyncClient, url: str, model: str, msgs: list[dict], progress: list[int], i: int
+) -> list[tuple[str, float]]:
     """The streamed (token text, logprob) of every output token."""
-    body = {"model": model, "messages": msgs, "max_tokens": MAX_TOKENS, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "logprobs": True, "top_logprobs": 0,
-            "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "model": model,
+        "messages": msgs,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "logprobs": True,
+        "top_logprobs": 0,
+        "stream_options": {"include_usage": True},
+    }
     parts: list[tuple[str, float]] = []
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
         assert r.status_code == 200, await r.aread()
@@ -81,17 +102,28 @@ async def stream_one(client: httpx.AsyncClient, url: str, model: str, msgs: list
 def test_kill_decode_during_20_streams_all_complete_identically(default_model_dir):
     msgs = prompts()
     expected = reference(default_model_dir, msgs)
-    c = start_cluster(default_model_dir, prefill=1, decode=2, kvstore=0, vision=0, minio=False,
-                      torch_threads=1, env={"STRATA_STALL_TIMEOUT": "10"})
+    c = start_cluster(
+        default_model_dir,
+        prefill=1,
+        decode=2,
+        kvstore=0,
+        vision=0,
+        minio=False,
+        torch_threads=1,
+        env={"STRATA_STALL_TIMEOUT": "10"},
+    )
     try:
         model = httpx.get(c.gateway_url + "/v1/models").json()["data"][0]["id"]
 
         async def run() -> list[str]:
             progress = [0] * STREAMS
-            async with httpx.AsyncClient(timeout=180.0,
-                                         limits=httpx.Limits(max_connections=STREAMS)) as cl:
-                tasks = [asyncio.create_task(stream_one(cl, c.gateway_url, model, m, progress, i))
-                         for i, m in enumerate(msgs)]  # fmt: skip
+            async with httpx.AsyncClient(
+                timeout=180.0, limits=httpx.Limits(max_connections=STREAMS)
+            ) as cl:
+                tasks = [
+                    asyncio.create_task(stream_one(cl, c.gateway_url, model, m, progress, i))
+                    for i, m in enumerate(msgs)
+                ]
                 # kill once every stream is under way (so decode-0 holds live streams)
                 while min(progress) < 2 and not any(t.done() for t in tasks):
                     await asyncio.sleep(0.05)

@@ -23,12 +23,19 @@ BATCH_WORDS = 1200  # about 1200 prompt tokens: the unit of prefill work
 PHASE_S = 10.0
 
 
-async def send(cl: httpx.AsyncClient, url: str, model: str, prompt: str, cls: str,
-               prio: int) -> tuple[int, float, str]:  # fmt: skip
+async def send(
+    cl: httpx.AsyncClient, url: str, model: str, prompt: str, cls: str, prio: int
+) -> tuple[int, float, str]:
     """(status, TTFT seconds, Retry-After header) of one streamed completion."""
     t0 = time.perf_counter()
-    body = {"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0.0,
-            "ignore_eos": True, "stream": True}  # fmt: skip
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": 4,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     headers = {"X-Strata-Slo-Class": cls, "X-Strata-Priority": str(prio)}
     async with cl.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
         if r.status_code != 200:
@@ -61,12 +68,27 @@ def measured_rate(model_dir: str) -> float:
 
 def test_overload_refuses_batch_keeps_interactive_slo_and_recovers(default_model_dir):
     rate = 3.0 * measured_rate(default_model_dir)
-    c = start_cluster(default_model_dir, prefill=1, decode=1, kvstore=0, vision=0, minio=False,
-                      torch_threads=1,
-                      role_args={"scheduler": ["--policy", "prefix_aware",
-                                               "--short-prompt-tokens", "0",
-                                               "--queue-target-s", "1.0",
-                                               "--degrade-dwell-s", "1.0"]})  # fmt: skip
+    c = start_cluster(
+        default_model_dir,
+        prefill=1,
+        decode=1,
+        kvstore=0,
+        vision=0,
+        minio=False,
+        torch_threads=1,
+        role_args={
+            "scheduler": [
+                "--policy",
+                "prefix_aware",
+                "--short-prompt-tokens",
+                "0",
+                "--queue-target-s",
+                "1.0",
+                "--degrade-dwell-s",
+                "1.0",
+            ]
+        },
+    )
     watcher = StateWatcher(c.nats_url, c.nats_credentials("gateway"))
     try:
         url = c.gateway_url
@@ -75,20 +97,26 @@ def test_overload_refuses_batch_keeps_interactive_slo_and_recovers(default_model
 
         async def run() -> tuple[list, list]:
             batch, inter = [], []
-            async with httpx.AsyncClient(timeout=120.0,
-                                         limits=httpx.Limits(max_connections=200)) as cl:
+            async with httpx.AsyncClient(
+                timeout=120.0, limits=httpx.Limits(max_connections=200)
+            ) as cl:
                 tasks = []
                 t_end = time.perf_counter() + PHASE_S
                 next_inter = time.perf_counter() + 1.0
                 while time.perf_counter() < t_end:
                     prompt = " ".join(words(rng, BATCH_WORDS))  # unique: no prefix hits
-                    tasks.append(("b", asyncio.create_task(send(cl, url, model, prompt,
-                                                                "batch", 1))))  # fmt: skip
+                    tasks.append(
+                        ("b", asyncio.create_task(send(cl, url, model, prompt, "batch", 1)))
+                    )
                     if time.perf_counter() >= next_inter:
                         next_inter += 1.0
                         prompt = " ".join(words(rng, 24))
-                        tasks.append(("i", asyncio.create_task(send(cl, url, model, prompt,
-                                                                    "interactive", 0))))
+                        tasks.append(
+                            (
+                                "i",
+                                asyncio.create_task(send(cl, url, model, prompt, "interactive", 0)),
+                            )
+                        )
                     await asyncio.sleep(rng.expovariate(rate))
                 for kind, t in tasks:
                     (batch if kind == "b" else inter).append(await t)

@@ -28,10 +28,20 @@ PROMPT_WORDS = 400
 
 def test_kill_prefill_mid_prompt_requests_finish_on_decode_and_failover_names_prefill():
     model_dir = ensure_model("", benchmark=True)
-    c = start_cluster(model_dir, prefill=1, decode=1, kvstore=0, vision=0, minio=False,
-                      torch_threads=1,
-                      env={"STRATA_LOAD_INTERVAL": "0.1", "STRATA_DOWN_AFTER": "3",
-                           "STRATA_STATE_INTERVAL": "0.1"})  # fmt: skip
+    c = start_cluster(
+        model_dir,
+        prefill=1,
+        decode=1,
+        kvstore=0,
+        vision=0,
+        minio=False,
+        torch_threads=1,
+        env={
+            "STRATA_LOAD_INTERVAL": "0.1",
+            "STRATA_DOWN_AFTER": "3",
+            "STRATA_STATE_INTERVAL": "0.1",
+        },
+    )
     try:
         model = httpx.get(c.gateway_url + "/v1/models").json()["data"][0]["id"]
         rng = random.Random(11)
@@ -45,8 +55,9 @@ def test_kill_prefill_mid_prompt_requests_finish_on_decode_and_failover_names_pr
             async with httpx.AsyncClient(
                 timeout=240.0, limits=httpx.Limits(max_connections=REQUESTS)
             ) as cl:
-                tasks = [asyncio.create_task(stream_one(cl, c.gateway_url, model, p))
-                         for p in prompts]  # fmt: skip
+                tasks = [
+                    asyncio.create_task(stream_one(cl, c.gateway_url, model, p)) for p in prompts
+                ]
                 # kill once every request was routed to prefill-0 (its first forward runs)
                 while decisions("disaggregated") < REQUESTS:
                     assert not any(t.done() for t in tasks), [t.result() for t in tasks if t.done()]

@@ -14,8 +14,9 @@ from loadtests.simulator.realcluster import TenantWorkload, reference_hit_rate, 
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
 
-WORKLOAD = TenantWorkload(requests=40, tenants=16, system_words=768, user_words=24,
-                          max_tokens=2, rate=8.0, seed=0)  # fmt: skip
+WORKLOAD = TenantWorkload(
+    requests=40, tenants=16, system_words=768, user_words=24, max_tokens=2, rate=8.0, seed=0
+)
 
 
 def test_prefix_aware_beats_round_robin_on_prefix_hits(default_model_dir):

@@ -32,8 +32,11 @@ def cached_tokens(body: dict) -> int:
 
 def complete(url: str, model: str, prompt: str) -> int:
     """Send one completion; returns its cached prompt tokens."""
-    r = httpx.post(url + "/v1/completions", timeout=60.0, json={
-        "model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0.0})  # fmt: skip
+    r = httpx.post(
+        url + "/v1/completions",
+        timeout=60.0,
+        json={"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0.0},
+    )
     assert r.status_code == 200, r.text
     return cached_tokens(r.json())
 
@@ -55,12 +58,27 @@ def wait_in_sync(c, timeout: float = 20.0) -> float:
 
 
 def test_scheduler_restart_rebuilds_index_by_replay_and_keeps_routing(default_model_dir):
-    c = start_cluster(default_model_dir, scheduler=2, prefill=2, decode=1, kvstore=0, vision=0,
-                      minio=False, torch_threads=1,
-                      data_dir=os.environ.get("STRATA_TEST_KEEP_DIR", ""),
-                      role_args={"scheduler": ["--policy", "prefix_aware",
-                                               "--short-prompt-tokens", "0",
-                                               "--log-level", "DEBUG"]})  # fmt: skip
+    c = start_cluster(
+        default_model_dir,
+        scheduler=2,
+        prefill=2,
+        decode=1,
+        kvstore=0,
+        vision=0,
+        minio=False,
+        torch_threads=1,
+        data_dir=os.environ.get("STRATA_TEST_KEEP_DIR", ""),
+        role_args={
+            "scheduler": [
+                "--policy",
+                "prefix_aware",
+                "--short-prompt-tokens",
+                "0",
+                "--log-level",
+                "DEBUG",
+            ]
+        },
+    )
     try:
         url = c.gateway_url
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
@@ -82,9 +100,16 @@ def test_scheduler_restart_rebuilds_index_by_replay_and_keeps_routing(default_mo
             lrng = random.Random(1)
             while not stop.is_set():
                 t = lrng.randrange(2)
-                r = httpx.post(url + "/v1/completions", timeout=60.0, json={
-                    "model": model, "prompt": tenant_prompt(t, lrng), "max_tokens": 2,
-                    "temperature": 0.0})  # fmt: skip
+                r = httpx.post(
+                    url + "/v1/completions",
+                    timeout=60.0,
+                    json={
+                        "model": model,
+                        "prompt": tenant_prompt(t, lrng),
+                        "max_tokens": 2,
+                        "temperature": 0.0,
+                    },
+                )
                 cached = cached_tokens(r.json()) if r.status_code == 200 else -1
                 results.append((r.status_code, cached if r.status_code == 200 else r.text[:200]))
 

@@ -34,15 +34,22 @@ RECORD = {
 SCHEMA = {"type": "array", "items": RECORD, "minItems": 4, "maxItems": 4}
 
 
-async def stream_one(client: httpx.AsyncClient, url: str, model: str, i: int,
-                     progress: list[int]) -> tuple[str, str]:  # fmt: skip
+async def stream_one(
+    client: httpx.AsyncClient, url: str, model: str, i: int, progress: list[int]
+) -> tuple[str, str]:
     """(text, finish_reason) of one streamed json_schema chat completion."""
     body = {
-        "model": model, "max_tokens": 800, "temperature": 0.8, "seed": 100 + i, "stream": True,
+        "model": model,
+        "max_tokens": 800,
+        "temperature": 0.8,
+        "seed": 100 + i,
+        "stream": True,
         "messages": [{"role": "user", "content": f"List four products, batch {i}."}],
-        "response_format": {"type": "json_schema",
-                            "json_schema": {"name": "products", "schema": SCHEMA}},
-    }  # fmt: skip
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "products", "schema": SCHEMA},
+        },
+    }
     text, finish = "", ""
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
         assert r.status_code == 200, await r.aread()
@@ -59,16 +66,26 @@ async def stream_one(client: httpx.AsyncClient, url: str, model: str, i: int,
 
 
 def test_json_schema_streams_stay_valid_across_a_decode_failover(default_model_dir):
-    c = start_cluster(default_model_dir, prefill=1, decode=2, kvstore=0, vision=0, minio=False,
-                      torch_threads=1, env={"STRATA_STALL_TIMEOUT": "10"})  # fmt: skip
+    c = start_cluster(
+        default_model_dir,
+        prefill=1,
+        decode=2,
+        kvstore=0,
+        vision=0,
+        minio=False,
+        torch_threads=1,
+        env={"STRATA_STALL_TIMEOUT": "10"},
+    )
     try:
         model = httpx.get(c.gateway_url + "/v1/models").json()["data"][0]["id"]
 
         async def run() -> list[tuple[str, str]]:
             progress = [0] * STREAMS
             async with httpx.AsyncClient(timeout=180.0) as cl:
-                tasks = [asyncio.create_task(stream_one(cl, c.gateway_url, model, i, progress))
-                         for i in range(STREAMS)]  # fmt: skip
+                tasks = [
+                    asyncio.create_task(stream_one(cl, c.gateway_url, model, i, progress))
+                    for i in range(STREAMS)
+                ]
                 while min(progress) < 3 and not any(t.done() for t in tasks):
                     await asyncio.sleep(0.02)
                 await asyncio.to_thread(c.kill, "decode-0")

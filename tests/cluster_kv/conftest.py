@@ -73,7 +73,9 @@ def transfer_counters(cluster: Cluster) -> dict[str, float]:
             key = (f"strata_kv_transfer_{kind}_bytes_total", (("mode", m),))
             out[f"{kind}:{m}"] = samples.get(key, 0.0)
     for r in FALLBACK_REASONS:
-        out[f"fallback:{r}"] = samples.get(("strata_kv_transfer_fallback_total", (("reason", r),)), 0.0)
+        out[f"fallback:{r}"] = samples.get(
+            ("strata_kv_transfer_fallback_total", (("reason", r),)), 0.0
+        )
     return out
 
 

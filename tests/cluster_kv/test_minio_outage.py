@@ -77,8 +77,9 @@ def test_minio_down_under_load_then_back(model_dir):
         expected = r.choices[0].text
         known_bytes = r.usage.prompt_tokens * kv_bytes_per_token(model_dir)
         assert moved_since(t0, transfer_counters(c)) == {
-            "sent:layerwise": known_bytes, "received:layerwise": known_bytes,
-        }  # fmt: skip
+            "sent:layerwise": known_bytes,
+            "received:layerwise": known_bytes,
+        }
 
         def kv(sample: str, **labels) -> float:
             return metric(c, "kvstore-0", sample, **labels)
@@ -101,8 +102,11 @@ def test_minio_down_under_load_then_back(model_dir):
             assert down.get("received:layerwise", 0) >= known_bytes  # pushed, not recomputed
             wait_until(lambda: load.ok >= down_at + 3, 60, "requests while MinIO is down")
             # new blocks wait in DRAM for their SSD write (the gauge moves at the next report)
-            wait_until(lambda: kv("strata_kvstore_blocks", tier="write_behind") > 0, 60,
-                       "blocks waiting for the SSD tier")
+            wait_until(
+                lambda: kv("strata_kvstore_blocks", tier="write_behind") > 0,
+                60,
+                "blocks waiting for the SSD tier",
+            )
             queued = kv("strata_kvstore_blocks", tier="write_behind")
             persisted = kv("strata_kvstore_persists_total")
 

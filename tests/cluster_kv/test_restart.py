@@ -38,8 +38,9 @@ def pushed(cluster, prompt: str):
     r = complete(cluster, prompt)
     n = r.usage.prompt_tokens * kv_bytes_per_token(cluster.model_dir)
     assert moved_since(t0, transfer_counters(cluster)) == {
-        "sent:layerwise": n, "received:layerwise": n,
-    }  # fmt: skip
+        "sent:layerwise": n,
+        "received:layerwise": n,
+    }
     return r
 
 

@@ -20,8 +20,16 @@ COMPOSE = os.path.join(repo_root(), "compose")
 
 # Settings the services read beyond the shared ServiceConfig/ModelServiceConfig fields
 # (gateway host/port, kvstore MinIO, worker kvstore addresses); documented in OPERATIONS.md.
-SERVICE_SETTINGS = {"HOST", "PORT", "MINIO_ENDPOINT", "MINIO_ACCESS_KEY", "MINIO_SECRET_KEY",
-                    "KVSTORE_ADDRS", "NATS_USER", "NATS_PASSWORD"}
+SERVICE_SETTINGS = {
+    "HOST",
+    "PORT",
+    "MINIO_ENDPOINT",
+    "MINIO_ACCESS_KEY",
+    "MINIO_SECRET_KEY",
+    "KVSTORE_ADDRS",
+    "NATS_USER",
+    "NATS_PASSWORD",
+}
 KNOWN = {f.upper() for f in ModelServiceConfig.model_fields} | SERVICE_SETTINGS
 
 
@@ -51,8 +59,9 @@ def test_every_role_is_a_service_running_strata_serve(compose):
         assert name == role  # one service per role, named after it
         assert svc["image"] == "strata:latest"
         assert svc["build"]["dockerfile"] == "compose/Dockerfile"
-        assert os.path.isfile(os.path.join(COMPOSE, svc["build"]["context"],
-                                           svc["build"]["dockerfile"]))
+        assert os.path.isfile(
+            os.path.join(COMPOSE, svc["build"]["context"], svc["build"]["dockerfile"])
+        )
         assert svc["volumes"] == ["models:/models"]
         assert "healthcheck" in svc and svc["healthcheck"]["test"][0] == "CMD"
 
@@ -73,7 +82,7 @@ def test_env_names_real_settings_and_unique_instances(compose):
         assert env["STRATA_METRICS_PORT"] == "9100"
         for key, value in env.items():
             assert key.startswith("STRATA_"), key
-            assert key[len("STRATA_"):] in KNOWN, f"{name}: unknown setting {key}"
+            assert key[len("STRATA_") :] in KNOWN, f"{name}: unknown setting {key}"
             assert isinstance(value, str), f"{name}: {key} must be a string in YAML"
         ids.append(env["STRATA_INSTANCE_ID"])
     assert len(ids) == len(set(ids)) == len(ROLES)
@@ -91,7 +100,9 @@ def test_model_processes_get_threads_and_grpc(compose):
     assert kv["STRATA_MINIO_ENDPOINT"] == "minio:9000"
     minio = s["minio"]["environment"]
     assert (kv["STRATA_MINIO_ACCESS_KEY"], kv["STRATA_MINIO_SECRET_KEY"]) == (
-        minio["MINIO_ROOT_USER"], minio["MINIO_ROOT_PASSWORD"])
+        minio["MINIO_ROOT_USER"],
+        minio["MINIO_ROOT_PASSWORD"],
+    )
 
 
 def test_ports_are_well_formed_and_gateway_is_published(compose):
@@ -182,11 +193,16 @@ def test_nats_has_a_user_per_role_and_no_anonymous_access(compose, tmp_path):
     assert nats_auth.write_env_file(str(tmp_path / ".env")) == passwords  # kept on a rerun
     text = content
     for user, pw in passwords.items():
-        text = text.replace(f"${{{nats_auth.compose_password_var(user)}:?"
-                            f"{nats_auth.COMPOSE_MISSING}}}", pw)  # fmt: skip
+        text = text.replace(
+            f"${{{nats_auth.compose_password_var(user)}:?{nats_auth.COMPOSE_MISSING}}}", pw
+        )
     text = text.replace("$$", "$")  # compose's escape
     assert text == nats_auth.authorization_block(passwords)
     (tmp_path / "nats.conf").write_text(text)
-    res = subprocess.run([nats_binary(), "-t", "-c", str(tmp_path / "nats.conf")],
-                         capture_output=True, text=True, timeout=30)  # fmt: skip
+    res = subprocess.run(
+        [nats_binary(), "-t", "-c", str(tmp_path / "nats.conf")],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert res.returncode == 0, res.stdout + res.stderr

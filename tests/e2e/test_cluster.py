@@ -28,8 +28,14 @@ MAX_TOKENS = 12
 @pytest.fixture(scope="module")
 def cluster(default_model_dir):
     # layer-wise push set explicitly: its default (auto) depends on the machine's cores
-    c = start_cluster(default_model_dir, prefill=1, decode=1, kvstore=1, vision=1,
-                      env={"STRATA_LAYERWISE_TRANSFER": "true"})
+    c = start_cluster(
+        default_model_dir,
+        prefill=1,
+        decode=1,
+        kvstore=1,
+        vision=1,
+        env={"STRATA_LAYERWISE_TRANSFER": "true"},
+    )
     pids = [p.pid for p in c.sup.procs.values()]
     yield c
     c.stop()
@@ -76,13 +82,17 @@ def test_chat_completion_matches_in_process_greedy(cluster, client, reference_te
     # the same text would come from a decode that recomputed: the counters show the push worked
     n = r.usage.prompt_tokens * kv_bytes_per_token(cluster.model_dir)
     assert moved_since(t0, transfer_counters(cluster)) == {
-        "sent:layerwise": n, "received:layerwise": n,
-    }  # fmt: skip
+        "sent:layerwise": n,
+        "received:layerwise": n,
+    }
 
 
 def test_streamed_chat_completion_matches_in_process_greedy(client, reference_text):
     stream = client.chat.completions.create(
-        model=_model_id(client), messages=PROMPT, max_tokens=MAX_TOKENS, temperature=0.0,
+        model=_model_id(client),
+        messages=PROMPT,
+        max_tokens=MAX_TOKENS,
+        temperature=0.0,
         stream=True,
     )
     parts = [c.choices[0].delta.content or "" for c in stream if c.choices]
@@ -104,18 +114,24 @@ def test_image_request_equals_transformers_llava_greedy(client, default_model_di
     url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
     question = "What is in this picture?"
     r = client.chat.completions.create(
-        model=_model_id(client), max_tokens=MAX_TOKENS, temperature=0.0,
+        model=_model_id(client),
+        max_tokens=MAX_TOKENS,
+        temperature=0.0,
         extra_body={"ignore_eos": True},
-        messages=[{"role": "user", "content": [
-            {"type": "text", "text": question},
-            {"type": "image_url", "image_url": {"url": url}},
-        ]}],
-    )  # fmt: skip
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": question},
+                    {"type": "image_url", "image_url": {"url": url}},
+                ],
+            }
+        ],
+    )
     hf = transformers.LlavaForConditionalGeneration.from_pretrained(default_model_dir).eval()
     tok = transformers.AutoTokenizer.from_pretrained(default_model_dir)
     proc = transformers.AutoImageProcessor.from_pretrained(default_model_dir)
-    msgs = [{"role": "user", "content": [{"type": "text", "text": question},
-                                         {"type": "image"}]}]  # fmt: skip
+    msgs = [{"role": "user", "content": [{"type": "text", "text": question}, {"type": "image"}]}]
     text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
     ids: list[int] = []
     image_id = hf.config.image_token_id
@@ -128,8 +144,11 @@ def test_image_request_equals_transformers_llava_greedy(client, default_model_di
 
 
 def test_malformed_json_is_a_clear_400(cluster):
-    r = httpx.post(cluster.gateway_url + "/v1/chat/completions", content=b"{not json",
-                   headers={"content-type": "application/json"})
+    r = httpx.post(
+        cluster.gateway_url + "/v1/chat/completions",
+        content=b"{not json",
+        headers={"content-type": "application/json"},
+    )
     assert r.status_code in (400, 422)
     assert "json" in r.json()["error"]["message"].lower()
 
@@ -159,7 +178,10 @@ def test_no_decode_instance_is_a_clean_503(cluster, client):
     """Runs last in this module: kills the only decode instance."""
     model = _model_id(client)
     cluster.kill("decode-0", signal.SIGKILL)
-    r = httpx.post(cluster.gateway_url + "/v1/chat/completions", timeout=30.0,
-                   json={"model": model, "messages": PROMPT, "max_tokens": 2})
+    r = httpx.post(
+        cluster.gateway_url + "/v1/chat/completions",
+        timeout=30.0,
+        json={"model": model, "messages": PROMPT, "max_tokens": 2},
+    )
     assert r.status_code == 503
     assert r.json()["error"]["message"]

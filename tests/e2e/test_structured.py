@@ -37,14 +37,32 @@ SCHEMA = {
 }
 RF = {"type": "json_schema", "json_schema": {"name": "stock", "schema": SCHEMA, "strict": True}}
 TOOLS = [
-    {"type": "function", "function": {"name": "order_status", "parameters": {
-        "type": "object", "required": ["order_id"],
-        "properties": {"order_id": {"type": "integer", "minimum": 1, "maximum": 999}}}}},
-    {"type": "function", "function": {"name": "add_to_cart", "parameters": {
-        "type": "object", "required": ["sku", "qty"],
-        "properties": {"sku": {"enum": ["TSH-001", "SHO-002"]},
-                       "qty": {"type": "integer", "minimum": 1, "maximum": 9}}}}},
-]  # fmt: skip
+    {
+        "type": "function",
+        "function": {
+            "name": "order_status",
+            "parameters": {
+                "type": "object",
+                "required": ["order_id"],
+                "properties": {"order_id": {"type": "integer", "minimum": 1, "maximum": 999}},
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "add_to_cart",
+            "parameters": {
+                "type": "object",
+                "required": ["sku", "qty"],
+                "properties": {
+                    "sku": {"enum": ["TSH-001", "SHO-002"]},
+                    "qty": {"type": "integer", "minimum": 1, "maximum": 9},
+                },
+            },
+        },
+    },
+]
 PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 MSGS = [{"role": "user", "content": "Is the blue shirt in stock?"}]
 SEEDS = range(3)
@@ -52,8 +70,14 @@ SEEDS = range(3)
 
 @pytest.fixture(scope="module")
 def cluster(default_model_dir):
-    c = start_cluster(default_model_dir, prefill=1, decode=1, vision=0, kvstore=0,
-                      env={"STRATA_NUM_SPECULATIVE_TOKENS": "3"})  # fmt: skip
+    c = start_cluster(
+        default_model_dir,
+        prefill=1,
+        decode=1,
+        vision=0,
+        kvstore=0,
+        env={"STRATA_NUM_SPECULATIVE_TOKENS": "3"},
+    )
     yield c
     c.stop()
 
@@ -86,8 +110,14 @@ def _handed_off(before: dict[str, float], cluster) -> None:
 def test_json_schema_outputs_validate(cluster, client, model):
     t0 = transfer_counters(cluster)
     for seed in SEEDS:
-        r = client.chat.completions.create(model=model, messages=MSGS, temperature=0.8,
-                                           seed=seed, max_tokens=80, response_format=RF)  # fmt: skip
+        r = client.chat.completions.create(
+            model=model,
+            messages=MSGS,
+            temperature=0.8,
+            seed=seed,
+            max_tokens=80,
+            response_format=RF,
+        )
         c = r.choices[0]
         assert c.finish_reason == "stop", c
         jsonschema.validate(json.loads(c.message.content), SCHEMA)
@@ -96,9 +126,15 @@ def test_json_schema_outputs_validate(cluster, client, model):
 
 def test_streamed_json_schema_outputs_validate(client, model):
     for seed in SEEDS:
-        stream = client.chat.completions.create(model=model, messages=MSGS, temperature=0.8,
-                                                seed=seed, max_tokens=80, response_format=RF,
-                                                stream=True)  # fmt: skip
+        stream = client.chat.completions.create(
+            model=model,
+            messages=MSGS,
+            temperature=0.8,
+            seed=seed,
+            max_tokens=80,
+            response_format=RF,
+            stream=True,
+        )
         text, reasons = "", []
         for ch in stream:
             text += ch.choices[0].delta.content or ""
@@ -110,32 +146,52 @@ def test_streamed_json_schema_outputs_validate(client, model):
 def test_greedy_constrained_with_speculation_on_and_free_text_alongside(client, model):
     """Greedy requests are the ones n-gram speculation drafts for; the constrained one gets
     none and still validates, the free one is unaffected."""
-    r = client.chat.completions.create(model=model, messages=MSGS, temperature=0.0,
-                                       max_tokens=80, response_format=RF)  # fmt: skip
+    r = client.chat.completions.create(
+        model=model, messages=MSGS, temperature=0.0, max_tokens=80, response_format=RF
+    )
     jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
-    free = client.chat.completions.create(model=model, messages=MSGS, temperature=0.0,
-                                          max_tokens=20)  # fmt: skip
+    free = client.chat.completions.create(
+        model=model, messages=MSGS, temperature=0.0, max_tokens=20
+    )
     with pytest.raises(ValueError):
         json.loads(free.choices[0].message.content)
 
 
 def test_vllm_extras(client, model):
-    r = client.chat.completions.create(model=model, messages=MSGS, temperature=0.8, seed=5,
-                                       extra_body={"guided_choice": ["yes", "no", "maybe"]})  # fmt: skip
+    r = client.chat.completions.create(
+        model=model,
+        messages=MSGS,
+        temperature=0.8,
+        seed=5,
+        extra_body={"guided_choice": ["yes", "no", "maybe"]},
+    )
     assert r.choices[0].message.content in ("yes", "no", "maybe")
-    r = client.completions.create(model=model, prompt="SKU:", temperature=0.8, seed=6,
-                                  max_tokens=20, extra_body={"guided_regex": "[A-Z]{3}-[0-9]{3}"})  # fmt: skip
+    r = client.completions.create(
+        model=model,
+        prompt="SKU:",
+        temperature=0.8,
+        seed=6,
+        max_tokens=20,
+        extra_body={"guided_regex": "[A-Z]{3}-[0-9]{3}"},
+    )
     assert re.fullmatch("[A-Z]{3}-[0-9]{3}", r.choices[0].text)
-    cut = client.chat.completions.create(model=model, messages=MSGS, temperature=0.8, seed=1,
-                                         max_tokens=4, response_format=RF)  # fmt: skip
+    cut = client.chat.completions.create(
+        model=model, messages=MSGS, temperature=0.8, seed=1, max_tokens=4, response_format=RF
+    )
     assert cut.choices[0].finish_reason == "length"
 
 
 def test_required_tool_calls_parse_and_validate(client, model):
     for seed in SEEDS:
-        r = client.chat.completions.create(model=model, messages=MSGS, temperature=0.8,
-                                           seed=seed, max_tokens=120, tools=TOOLS,
-                                           tool_choice="required")  # fmt: skip
+        r = client.chat.completions.create(
+            model=model,
+            messages=MSGS,
+            temperature=0.8,
+            seed=seed,
+            max_tokens=120,
+            tools=TOOLS,
+            tool_choice="required",
+        )
         c = r.choices[0]
         assert c.finish_reason == "tool_calls" and c.message.tool_calls, c
         for call in c.message.tool_calls:
@@ -146,9 +202,16 @@ def test_required_tool_calls_parse_and_validate(client, model):
 def test_streamed_tool_calls_arrive_as_deltas(cluster, client, model):
     t0 = transfer_counters(cluster)
     for seed in SEEDS:
-        stream = client.chat.completions.create(model=model, messages=MSGS, temperature=0.8,
-                                                seed=seed, max_tokens=120, tools=TOOLS,
-                                                tool_choice="required", stream=True)  # fmt: skip
+        stream = client.chat.completions.create(
+            model=model,
+            messages=MSGS,
+            temperature=0.8,
+            seed=seed,
+            max_tokens=120,
+            tools=TOOLS,
+            tool_choice="required",
+            stream=True,
+        )
         calls: dict[int, dict] = {}
         reasons = []
         for ch in stream:
@@ -167,21 +230,42 @@ def test_streamed_tool_calls_arrive_as_deltas(cluster, client, model):
 
 def test_named_tool_choice_and_tool_results_in_the_conversation(client, model):
     history = MSGS + [
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
-         "function": {"name": "order_status", "arguments": "{\"order_id\": 42}"}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "order_status", "arguments": '{"order_id": 42}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "shipped"},
-    ]  # fmt: skip
+    ]
     named = {"type": "function", "function": {"name": "add_to_cart"}}
-    r = client.chat.completions.create(model=model, messages=history, temperature=0.8, seed=9,
-                                       max_tokens=80, tools=TOOLS, tool_choice=named)  # fmt: skip
+    r = client.chat.completions.create(
+        model=model,
+        messages=history,
+        temperature=0.8,
+        seed=9,
+        max_tokens=80,
+        tools=TOOLS,
+        tool_choice=named,
+    )
     [call] = r.choices[0].message.tool_calls
     assert call.function.name == "add_to_cart"
     _check_call(call.function.name, call.function.arguments)
 
 
 def test_bad_constraints_and_unknown_fields_are_400s_naming_them(client, model):
-    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {
-        "type": "object", "properties": {"a": {"type": "nosuchtype"}}}}}  # fmt: skip
+    bad = {
+        "type": "json_schema",
+        "json_schema": {
+            "name": "x",
+            "schema": {"type": "object", "properties": {"a": {"type": "nosuchtype"}}},
+        },
+    }
     with pytest.raises(openai.BadRequestError, match="response_format: invalid json_schema"):
         client.chat.completions.create(model=model, messages=MSGS, response_format=bad)
     with pytest.raises(openai.BadRequestError, match="unknown field 'frobnicate'"):
@@ -189,18 +273,24 @@ def test_bad_constraints_and_unknown_fields_are_400s_naming_them(client, model):
     with pytest.raises(openai.BadRequestError, match="best_of"):
         client.completions.create(model=model, prompt="x", best_of=2)
     with pytest.raises(openai.BadRequestError, match="'nope'"):
-        client.chat.completions.create(model=model, messages=MSGS, tools=TOOLS, tool_choice={
-            "type": "function", "function": {"name": "nope"}})  # fmt: skip
+        client.chat.completions.create(
+            model=model,
+            messages=MSGS,
+            tools=TOOLS,
+            tool_choice={"type": "function", "function": {"name": "nope"}},
+        )
 
 
 def test_tokenize_detokenize_round_trip(cluster, model):
     with httpx.Client(base_url=cluster.gateway_url, timeout=30) as h:
-        t = h.post("/tokenize", json={"model": model, "prompt": "blue shirt",
-                                      "return_token_strs": True}).json()  # fmt: skip
+        t = h.post(
+            "/tokenize", json={"model": model, "prompt": "blue shirt", "return_token_strs": True}
+        ).json()
         assert t["count"] == len(t["tokens"]) > 0 and t["max_model_len"] > 0
         assert len(t["token_strs"]) == t["count"]
         assert h.post("/detokenize", json={"model": model, "tokens": t["tokens"]}).json() == {
-            "prompt": "blue shirt"}  # fmt: skip
+            "prompt": "blue shirt"
+        }
         chat = h.post("/tokenize", json={"model": model, "messages": MSGS}).json()
         assert chat["count"] > t["count"]
         r = h.post("/detokenize", json={"tokens": [10**6]})
@@ -226,8 +316,12 @@ def test_doc_examples_run_as_written(cluster, model):
     assert len(curls) == 5
     outs = []
     for cmd in curls:
-        r = subprocess.run(["bash", "-c", _local(cmd, cluster, model) + " --fail-with-body"],
-                           capture_output=True, text=True, timeout=120)  # fmt: skip
+        r = subprocess.run(
+            ["bash", "-c", _local(cmd, cluster, model) + " --fail-with-body"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert r.returncode == 0, (cmd, r.stdout[-2000:], r.stderr[-2000:])
         outs.append(json.loads(r.stdout))
     schema = json.loads(re.search(r'"schema": (\{.*?\}\}\})', curls[0], re.S).group(1))
@@ -239,8 +333,12 @@ def test_doc_examples_run_as_written(cluster, model):
     assert outs[3]["count"] == len(outs[3]["tokens"])
     assert "prompt" in outs[4]
     [example] = _blocks("python")
-    r = subprocess.run([sys.executable, "-c", _local(example, cluster, model)],
-                       capture_output=True, text=True, timeout=180)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-c", _local(example, cluster, model)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     review, call = (json.loads(line) for line in r.stdout.strip().splitlines())
     assert review["product"] in ("shirt", "shoes", "hat") and 1 <= review["rating"] <= 5

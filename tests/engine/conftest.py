@@ -15,10 +15,18 @@ def _save(kind: str, out):
     import transformers as tf
 
     common = dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        initializer_range=0.5, eos_token_id=EOS, bos_token_id=1, tie_word_embeddings=False,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.5,
+        eos_token_id=EOS,
+        bos_token_id=1,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     if kind == "qwen3":
         cfg = tf.Qwen3Config(head_dim=16, **common)
@@ -48,9 +56,13 @@ def hf_greedy(hf_model, prompt: list[int], n: int) -> list[int]:
     ids = torch.tensor([prompt])
     with torch.no_grad():
         out = hf_model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-            do_sample=False, pad_token_id=0,
-        )  # fmt: skip
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+        )
     return out[0, len(prompt) :].tolist()
 
 

@@ -16,8 +16,13 @@ from tests.engine.conftest import prompts
 
 
 def _engine(path, **kw) -> LLMEngine:
-    cfg = dict(kv_cache_bytes=2 << 20, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
-               async_scheduling=True)  # fmt: skip
+    cfg = dict(
+        kv_cache_bytes=2 << 20,
+        block_size=4,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        async_scheduling=True,
+    )
     cfg.update(kw)
     return LLMEngine(load_model(path), EngineConfig(**cfg))
 

@@ -18,10 +18,14 @@ PROMPT = [5, 6, 7, 8, 9] * 4  # repetitive: the n-gram proposer always finds a d
 
 
 def _received(level: int) -> DecodeWork:
-    item = WorkItem(request_id=f"r{level}", prompt_token_ids=PROMPT,
-                    sampling=SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))  # fmt: skip
-    route = RouteReply(decode_instance="d0", decode_addr="127.0.0.1:1", degrade_level=level,
-                       speculation=level == 0)  # fmt: skip
+    item = WorkItem(
+        request_id=f"r{level}",
+        prompt_token_ids=PROMPT,
+        sampling=SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
+    )
+    route = RouteReply(
+        decode_instance="d0", decode_addr="127.0.0.1:1", degrade_level=level, speculation=level == 0
+    )
     _, routed = routed_submit(item, route)
     return decode(encode(routed), DecodeWork)
 

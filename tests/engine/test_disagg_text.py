@@ -61,9 +61,13 @@ async def test_prefill_on_a_decode_on_b_equals_single_engine(qwen_ckpt):
         # blocks are cached now, so only tokens 12 and 13 are written
         base = b.stats().kv_blocks_free
         assert await b.reserve_kv("r2", len(p), p) == 12
-        written = [await b.write_kv("r2", range(layer, layer + 1), t0, flat[layer:layer + 1, :,
-                                                                              t0:t0 + 7])
-                   for layer in range(L) for t0 in (0, 7)]  # fmt: skip
+        written = [
+            await b.write_kv(
+                "r2", range(layer, layer + 1), t0, flat[layer : layer + 1, :, t0 : t0 + 7]
+            )
+            for layer in range(L)
+            for t0 in (0, 7)
+        ]
         assert written == [0, 2] * L
         assert [first] + await _decode(b, "r2", p, first) == want
         assert b.stats().kv_blocks_free == base
@@ -85,8 +89,10 @@ async def test_pool_hooks_match_insert_and_evicted(qwen_ckpt):
     model = load_model(path)
     [p] = prompts(10, [17])
     want = LLMEngine(model, EngineConfig(**CFG)).generate([p], SP)[0]
-    with _ports(model, 1) as (a,), _ports(model, 1, kv_cache_bytes=40 * 2048,
-                                         collect_evicted_kv=True) as (b,):  # 40 blocks
+    with (
+        _ports(model, 1) as (a,),
+        _ports(model, 1, kv_cache_bytes=40 * 2048, collect_evicted_kv=True) as (b,),
+    ):  # 40 blocks
         _, _, kv = await _prefill(a, "x", p)
         hashes, cached = await a.match_prefix(p)
         assert len(hashes) == 4 and cached == 16

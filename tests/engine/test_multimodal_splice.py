@@ -46,8 +46,9 @@ def llava(tmp_path_factory):
 
 
 def _engine(lm, budget: int) -> LLMEngine:
-    cfg = EngineConfig(block_size=4, kv_cache_bytes=8 << 20, max_num_seqs=4,
-                       max_num_batched_tokens=budget)  # fmt: skip
+    cfg = EngineConfig(
+        block_size=4, kv_cache_bytes=8 << 20, max_num_seqs=4, max_num_batched_tokens=budget
+    )
     return LLMEngine(lm, cfg)
 
 
@@ -80,9 +81,15 @@ def test_greedy_matches_transformers_with_images(llava):
     hf = transformers.LlavaForConditionalGeneration.from_pretrained(path).eval()
     ids = torch.tensor([expanded])
     with torch.no_grad():
-        ref = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pixels,
-                          max_new_tokens=6, min_new_tokens=6, do_sample=False,
-                          pad_token_id=0)[0, len(expanded):].tolist()  # fmt: skip
+        ref = hf.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            pixel_values=pixels,
+            max_new_tokens=6,
+            min_new_tokens=6,
+            do_sample=False,
+            pad_token_id=0,
+        )[0, len(expanded) :].tolist()
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     for budget in (7, 64):  # chunked across image spans, and whole
         eng = _engine(lm, budget)

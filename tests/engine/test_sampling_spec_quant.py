@@ -24,8 +24,9 @@ def run(eng: LLMEngine) -> dict:
 def test_seeded_sampling_alone_batched_and_resumed(qwen_ckpt):
     _, path = qwen_ckpt
     eng = LLMEngine(load_model(path), EngineConfig(**CFG))
-    sp = SamplingParams(temperature=0.9, top_k=50, top_p=0.9, seed=1234, max_tokens=10,
-                        ignore_eos=True)  # fmt: skip
+    sp = SamplingParams(
+        temperature=0.9, top_k=50, top_p=0.9, seed=1234, max_tokens=10, ignore_eos=True
+    )
     [p, q, r] = prompts(5, [7, 12, 9])
     alone = eng.generate([p], sp)[0]
     other = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)
@@ -61,7 +62,7 @@ def test_stop_ids_max_tokens_min_tokens_logprobs(qwen_ckpt):
         [p],
         SamplingParams(
             temperature=0, max_tokens=12, min_tokens=first + 2, stop_token_ids=[stop_at]
-        ),  # fmt: skip
+        ),
     )[0]
     assert stop_at not in out[: first + 2] and len(out) > first + 1
 
@@ -73,8 +74,7 @@ def test_sampler_filters_and_penalties():
     # min_tokens masks EOS (3)
     assert s(logits, [row(temperature=0, min_tokens=3)]).token_ids == [1]
     # repetition penalty over prompt+output: token 1 (5.0 -> 2.5) loses to 2
-    assert s(logits, [row(temperature=0, repetition_penalty=2.0,
-                          min_tokens=3)]).token_ids == [2]  # fmt: skip
+    assert s(logits, [row(temperature=0, repetition_penalty=2.0, min_tokens=3)]).token_ids == [2]
     # frequency penalty only on outputs (token 1 is the output)
     assert s(logits, [row(temperature=0, frequency_penalty=1.0, min_tokens=3)]).token_ids == [2]
     # top_k=1 is greedy whatever the seed
@@ -87,8 +87,9 @@ def test_sampler_filters_and_penalties():
     assert s(logits, [row(temperature=2.0, top_p=0.5, seed=7)]).token_ids == [3]
     # logprobs top-n
     lp = s(logits, [row(temperature=0, logprobs=2)]).logprobs[0]
-    assert list(lp) == [3, 1] and math.isclose(sum(math.exp(v) for v in lp.values()), 1.0,
-                                               rel_tol=0.02)  # fmt: skip
+    assert list(lp) == [3, 1] and math.isclose(
+        sum(math.exp(v) for v in lp.values()), 1.0, rel_tol=0.02
+    )
 
 
 def test_ngram_lookup_and_verify():

@@ -33,8 +33,9 @@ def test_accepted_drafts_equal_greedy_and_commit_blocks(qwen_ckpt):
     ref = LLMEngine(lm, EngineConfig(**CFG)).generate(ps, sp)
     table = {tuple(p): r for p, r in zip(ps, ref, strict=True)}
     for wrong_at in (None, 1):
-        eng = LLMEngine(lm, EngineConfig(**CFG, num_speculative_tokens=3),
-                        proposer=Oracle(table, 3, wrong_at))  # fmt: skip
+        eng = LLMEngine(
+            lm, EngineConfig(**CFG, num_speculative_tokens=3), proposer=Oracle(table, 3, wrong_at)
+        )
         assert eng.generate(ps, sp) == ref
         st = eng.stats()
         # Known counts: prefill gives token 1 of 13; each verify step then adds its accepted
@@ -43,7 +44,9 @@ def test_accepted_drafts_equal_greedy_and_commit_blocks(qwen_ckpt):
         # oracle has only 2 tokens left (3 * 5 + 2 = 17 drafts).
         want_accepted, want_drafts = (9, 9) if wrong_at is None else (6, 17)
         assert (st.spec_accepted_tokens, st.spec_draft_tokens) == (
-            len(ps) * want_accepted, len(ps) * want_drafts), st
+            len(ps) * want_accepted,
+            len(ps) * want_drafts,
+        ), st
         # a rerun of prompt + output hits the blocks written by accepted drafts
         full = ps[2] + ref[2]
         eng.generate([full], SamplingParams(temperature=0, max_tokens=1))

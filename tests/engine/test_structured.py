@@ -132,8 +132,9 @@ def test_other_kinds_regex_choice_json_object(loaded, tok):
         "choice": StructuredSpec(kind="choice", spec=json.dumps(["yes", "no", "maybe"])),
         "obj": StructuredSpec(kind="json"),
     }
-    toks, reasons = _run(e, {k: (p, _sp(5, structured=s, max_tokens=200))
-                             for k, s in specs.items()})  # fmt: skip
+    toks, reasons = _run(
+        e, {k: (p, _sp(5, structured=s, max_tokens=200)) for k, s in specs.items()}
+    )
     import re
 
     assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", tok.decode(toks["regex"]))
@@ -158,8 +159,9 @@ def test_prefill_handoff_replays_the_first_token(loaded, tok):
     want, _ = _run(_engine(loaded, tok), {"r": (p, _sp(11))})
     first, _ = _run(_engine(loaded, tok), {"r": (p, _sp(11, max_tokens=1))})
     assert first["r"] == want["r"][:1]
-    rest, reasons = _run(_engine(loaded, tok), {"r": (p, _sp(11))},
-                         r={"output_token_ids": first["r"]})  # fmt: skip
+    rest, reasons = _run(
+        _engine(loaded, tok), {"r": (p, _sp(11))}, r={"output_token_ids": first["r"]}
+    )
     assert first["r"] + rest["r"] == want["r"] and reasons["r"] == "stop"
     jsonschema.validate(json.loads(tok.decode(want["r"])), SCHEMA)
 
@@ -248,8 +250,7 @@ def test_grammar_limits_and_bad_specs_name_the_problem(tok):
 def test_engine_refuses_a_bad_constraint_at_submit(loaded, tok):
     e = _engine(loaded, tok)
     with pytest.raises(ValueError, match="invalid regex"):
-        e.add_request("r", _prompt(tok), _sp(1, structured=StructuredSpec(kind="regex",
-                                                                            spec="(")))  # fmt: skip
+        e.add_request("r", _prompt(tok), _sp(1, structured=StructuredSpec(kind="regex", spec="(")))
     assert "r" not in e.seqs
 
 

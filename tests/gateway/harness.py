@@ -22,13 +22,23 @@ async def gateway(nats_url: str, decodes=("dec-0",), peers_kw=None, roles=ROLES,
     peers = await Peers(nc, **(peers_kw or {})).start(roles)
     for d in decodes:
         await peers.add_decode(d)
-    defaults = dict(nats_url=nats_url, port=0, model_name="tiny", bus_timeout=2.0,
-                    health_timeout=0.5, first_token_timeout=5.0, stall_timeout=5.0)  # fmt: skip
+    defaults = dict(
+        nats_url=nats_url,
+        port=0,
+        model_name="tiny",
+        bus_timeout=2.0,
+        health_timeout=0.5,
+        first_token_timeout=5.0,
+        stall_timeout=5.0,
+    )
     conf = GatewayConfig.load([], role="gateway", **{**defaults, **cfg})
     service = await build_service(nc, conf)
     api_sub = await serve_api(nc, service)
-    server = uvicorn.Server(uvicorn.Config(build_app(service), host="127.0.0.1", port=0,
-                                           log_level="warning", lifespan="off"))  # fmt: skip
+    server = uvicorn.Server(
+        uvicorn.Config(
+            build_app(service), host="127.0.0.1", port=0, log_level="warning", lifespan="off"
+        )
+    )
     task = asyncio.create_task(server.serve())
     while not server.started:
         await asyncio.sleep(0.01)

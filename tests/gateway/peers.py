@@ -18,7 +18,7 @@ from shared.protocol.sched import (
     InstancesRequest,
     RouteReply,
     RouteRequest,
-    routed_submit,  # fmt: skip
+    routed_submit,
 )
 from shared.protocol.stream import Cancel, TokenChunk, Usage
 from shared.protocol.tok import ImageSpan, TokenizeReply, TokenizeRequest
@@ -78,8 +78,14 @@ class Peers:
         for sub in self.subs:
             await sub.unsubscribe()
 
-    async def add_decode(self, inst: str, stall_after: int | None = None, resend: bool = False,
-                         gap: float = 0.0, refuse: bool = False) -> None:  # fmt: skip
+    async def add_decode(
+        self,
+        inst: str,
+        stall_after: int | None = None,
+        resend: bool = False,
+        gap: float = 0.0,
+        refuse: bool = False,
+    ) -> None:
         self.decodes[inst] = {"stall_after": stall_after, "resend": resend, "gap": gap}
         self.alive.append(inst)
 
@@ -108,16 +114,23 @@ class Peers:
                 else:
                     ids += [ord(c) % 500 for c in p["text"]]
         self.windows["tok"] = (t0, time.time())
-        return TokenizeReply(token_ids=ids, image_spans=spans, model_fingerprint="fp",
-                             kv_dtype="float32", block_size=4,
-                             max_model_len=self.max_model_len)  # fmt: skip
+        return TokenizeReply(
+            token_ids=ids,
+            image_spans=spans,
+            model_fingerprint="fp",
+            kv_dtype="float32",
+            block_size=4,
+            max_model_len=self.max_model_len,
+        )
 
     async def vis(self, req: VisionEncodeRequest) -> VisionEncodeReply:
         t0 = time.time()
         await asyncio.sleep(self.delay)
         self.windows["vis"] = (t0, time.time())
-        infos = [ImageInfo(hash=f"h{len(b)}", num_tokens=IMG_TOKENS, width=1, height=1)
-                 for b in req.images]  # fmt: skip
+        infos = [
+            ImageInfo(hash=f"h{len(b)}", num_tokens=IMG_TOKENS, width=1, height=1)
+            for b in req.images
+        ]
         return VisionEncodeReply(images=infos, instance_id="vis", source_addr="127.0.0.1:1")
 
     async def route(self, req: RouteRequest) -> RouteReply:
@@ -129,15 +142,21 @@ class Peers:
                 reply = RouteReply(decode_instance=inst, decode_addr="127.0.0.1:2")
                 if req.submit is not None:
                     target, item = routed_submit(req.submit, reply)
-                    await self.nc.publish(target, encode(item),
-                                          reply=subjects.req_ack(item.request_id))  # fmt: skip
+                    await self.nc.publish(
+                        target, encode(item), reply=subjects.req_ack(item.request_id)
+                    )
                 return reply
         return RouteReply(decode_instance="", decode_addr="")
 
     async def insts(self, req: InstancesRequest) -> InstancesReply:
-        return InstancesReply(instances=[InstanceInfo(instance_id=i, role="decode",
-                                                      incarnation="x", grpc_addr="", alive=True)
-                                         for i in self.alive])  # fmt: skip
+        return InstancesReply(
+            instances=[
+                InstanceInfo(
+                    instance_id=i, role="decode", incarnation="x", grpc_addr="", alive=True
+                )
+                for i in self.alive
+            ]
+        )
 
     async def generate(self, inst: str, item: DecodeWork) -> None:
         b = self.decodes[inst]
@@ -152,11 +171,19 @@ class Peers:
                 await asyncio.sleep(b["gap"])
             last = i == n - 1
             lp = [{100 + i: -0.5, 7: -1.5}] if item.sampling.logprobs is not None else None
-            chunk = TokenChunk(request_id=item.request_id, index=i, token_ids=[100 + i],
-                               text=f"t{i} ", logprobs=lp,
-                               finish_reason="length" if last else None,
-                               usage=Usage(prompt_tokens=len(item.prompt_token_ids),
-                                           completion_tokens=n, cached_tokens=4) if last else None,
-                               instance_id=inst)  # fmt: skip
+            chunk = TokenChunk(
+                request_id=item.request_id,
+                index=i,
+                token_ids=[100 + i],
+                text=f"t{i} ",
+                logprobs=lp,
+                finish_reason="length" if last else None,
+                usage=Usage(
+                    prompt_tokens=len(item.prompt_token_ids), completion_tokens=n, cached_tokens=4
+                )
+                if last
+                else None,
+                instance_id=inst,
+            )
             await bus.publish(self.nc, subjects.req_out(item.request_id), chunk)
             await asyncio.sleep(0)

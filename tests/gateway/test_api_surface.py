@@ -31,30 +31,43 @@ def data_url(size=(8, 8), fmt="PNG") -> str:
 
 
 def image_msg(url: str) -> list[dict]:
-    return [{"role": "user", "content": [{"type": "text", "text": "see"},
-                                         {"type": "image_url", "image_url": {"url": url}}]}]  # fmt: skip
+    return [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "see"},
+                {"type": "image_url", "image_url": {"url": url}},
+            ],
+        }
+    ]
 
 
 async def test_openai_client_parses_responses(nats_url):
     async with gateway(nats_url) as (url, _, _s):
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
-        r = await client.chat.completions.create(model="tiny", messages=MSG, max_tokens=2,
-                                                 logprobs=True, top_logprobs=1)  # fmt: skip
+        r = await client.chat.completions.create(
+            model="tiny", messages=MSG, max_tokens=2, logprobs=True, top_logprobs=1
+        )
         assert r.choices[0].message.content == "t0 t1 "
         assert r.usage.prompt_tokens_details.cached_tokens == 4
         assert [t.logprob for t in r.choices[0].logprobs.content] == [-0.5, -0.5]
         assert r.choices[0].logprobs.content[0].top_logprobs[0].logprob == -0.5
         stream = await client.chat.completions.create(
-            model="tiny", messages=MSG, max_tokens=3, stream=True,
-            stream_options={"include_usage": True})  # fmt: skip
+            model="tiny",
+            messages=MSG,
+            max_tokens=3,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         parts, use = [], None
         async for ch in stream:
             if ch.choices:
                 parts.append(ch.choices[0].delta.content or "")
             use = ch.usage or use
         assert "".join(parts) == "t0 t1 t2 " and use.completion_tokens == 3
-        c = await client.completions.create(model="tiny", prompt="ab", max_tokens=2, logprobs=1,
-                                            echo=True)  # fmt: skip
+        c = await client.completions.create(
+            model="tiny", prompt="ab", max_tokens=2, logprobs=1, echo=True
+        )
         assert c.choices[0].text == "abt0 t1 " and c.choices[0].logprobs.token_logprobs == [
             -0.5,
             -0.5,
@@ -66,8 +79,7 @@ async def test_openai_client_parses_responses(nats_url):
 async def test_nats_api_request_stream_cancel_errors(nats_url, nc):
     async with gateway(nats_url) as (_, peers, _s):
         body = {"model": "tiny", "messages": MSG, "max_tokens": 2}
-        rep = await nc.request(subjects.API_GENERATE, encode(GenerateRequest(body=body)),
-                               timeout=5)  # fmt: skip
+        rep = await nc.request(subjects.API_GENERATE, encode(GenerateRequest(body=body)), timeout=5)
         ev = decode(rep.data, GenerateEvent)
         assert ev.done and ev.data["choices"][0]["message"]["content"] == "t0 t1 "
         # streamed to a subject the caller names
@@ -80,39 +92,63 @@ async def test_nats_api_request_stream_cancel_errors(nats_url, nc):
                 done.set()
 
         sub = await nc.subscribe("my.stream", cb=on_ev)
-        await nc.publish(subjects.API_GENERATE, encode(GenerateRequest(
-            body={**body, "stream": True}, stream_subject="my.stream", request_id="rid-s")))  # fmt: skip
+        await nc.publish(
+            subjects.API_GENERATE,
+            encode(
+                GenerateRequest(
+                    body={**body, "stream": True}, stream_subject="my.stream", request_id="rid-s"
+                )
+            ),
+        )
         await asyncio.wait_for(done.wait(), 5)
-        text = "".join(e.data["choices"][0]["delta"].get("content", "")
-                       for e in got if e.data and e.data["choices"])  # fmt: skip
+        text = "".join(
+            e.data["choices"][0]["delta"].get("content", "")
+            for e in got
+            if e.data and e.data["choices"]
+        )
         assert text == "t0 t1 " and all(e.request_id == "rid-s" for e in got)
         # cancel: the gateway relays it; a slow stream is cut short
         peers.decodes["dec-0"]["gap"] = 0.1
         got.clear()
         done.clear()
-        await nc.publish(subjects.API_GENERATE, encode(GenerateRequest(
-            body={**body, "stream": True, "max_tokens": 40}, stream_subject="my.stream",
-            request_id="rid-c")))  # fmt: skip
-        while not [e for e in got if e.data and e.data["choices"] and
-                   e.data["choices"][0]["delta"].get("content")]:  # fmt: skip
+        await nc.publish(
+            subjects.API_GENERATE,
+            encode(
+                GenerateRequest(
+                    body={**body, "stream": True, "max_tokens": 40},
+                    stream_subject="my.stream",
+                    request_id="rid-c",
+                )
+            ),
+        )
+        while not [
+            e
+            for e in got
+            if e.data and e.data["choices"] and e.data["choices"][0]["delta"].get("content")
+        ]:
             await asyncio.sleep(0.02)
         await nc.publish(subjects.req_cancel("rid-c"), b"")
         await asyncio.wait_for(done.wait(), 2)  # ends at once, not after max_tokens * gap
         await sub.unsubscribe()
-        finals = [e.data["choices"][0]["finish_reason"] for e in got
-                  if e.data and e.data["choices"]]  # fmt: skip
+        finals = [
+            e.data["choices"][0]["finish_reason"] for e in got if e.data and e.data["choices"]
+        ]
         assert finals[-1] == "abort" and len(finals) < 20
         # errors come back as an error event with the REST status
-        rep = await nc.request(subjects.API_GENERATE, encode(GenerateRequest(
-            body={**body, "model": "nope"})), timeout=5)  # fmt: skip
+        rep = await nc.request(
+            subjects.API_GENERATE,
+            encode(GenerateRequest(body={**body, "model": "nope"})),
+            timeout=5,
+        )
         ev = decode(rep.data, GenerateEvent)
         assert ev.done and ev.status == 404 and ev.error.code == "not_found"
         rep = await nc.request(subjects.API_GENERATE, b"\xc1junk", timeout=5)
         assert decode(rep.data, GenerateEvent).status == 400
         # a caller-chosen id becomes part of subjects: dots and wildcards are refused
         for bad in ("a.b", "*", ">", "x" * 129):
-            rep = await nc.request(subjects.API_GENERATE, encode(GenerateRequest(
-                body=body, request_id=bad)), timeout=5)  # fmt: skip
+            rep = await nc.request(
+                subjects.API_GENERATE, encode(GenerateRequest(body=body, request_id=bad)), timeout=5
+            )
             ev = decode(rep.data, GenerateEvent)
             assert ev.status == 400 and "request id" in ev.error.message, bad
 
@@ -133,8 +169,14 @@ async def test_nats_api_cancel_needs_the_key_and_stream_subject_stays_off_strata
                 done.set()
 
         sub = await nc.subscribe("_INBOX.api.mine", cb=on_ev)
-        await nc.publish(subjects.API_GENERATE, encode(GenerateRequest(
-            body=body, stream_subject="_INBOX.api.mine", request_id="rid-k", api_key="k1")))
+        await nc.publish(
+            subjects.API_GENERATE,
+            encode(
+                GenerateRequest(
+                    body=body, stream_subject="_INBOX.api.mine", request_id="rid-k", api_key="k1"
+                )
+            ),
+        )
         while sum(1 for e in got if e.data and e.data["choices"]) < 3:
             await asyncio.sleep(0.02)
         await nc.publish(subjects.API_CANCEL, encode(ApiCancel(request_id="rid-k", api_key="k2")))
@@ -147,21 +189,33 @@ async def test_nats_api_cancel_needs_the_key_and_stream_subject_stays_off_strata
         await nc.publish(subjects.API_CANCEL, encode(ApiCancel(request_id="rid-k", api_key="k1")))
         await asyncio.wait_for(done.wait(), 2)  # ends at once, not after max_tokens * gap
         await sub.unsubscribe()
-        finals = [e.data["choices"][0]["finish_reason"] for e in got
-                  if e.data and e.data["choices"]]  # fmt: skip
+        finals = [
+            e.data["choices"][0]["finish_reason"] for e in got if e.data and e.data["choices"]
+        ]
         assert finals[-1] == "abort" and len(finals) < 30
-        for bad in ("strata.req.x.cancel", "strata.req.x.out", "$JS.API.STREAM.DELETE.S",
-                    "_INBOX.api.*", "a..b"):  # fmt: skip
-            rep = await nc.request(subjects.API_GENERATE, encode(GenerateRequest(
-                body=body, stream_subject=bad)), timeout=5)  # fmt: skip
+        for bad in (
+            "strata.req.x.cancel",
+            "strata.req.x.out",
+            "$JS.API.STREAM.DELETE.S",
+            "_INBOX.api.*",
+            "a..b",
+        ):
+            rep = await nc.request(
+                subjects.API_GENERATE,
+                encode(GenerateRequest(body=body, stream_subject=bad)),
+                timeout=5,
+            )
             ev = decode(rep.data, GenerateEvent)
             assert ev.status == 400 and "stream_subject" in ev.error.message, bad
 
 
 async def test_auth_statuses(nats_url, tmp_path):
     keys = tmp_path / "keys.json"
-    keys.write_text(json.dumps({"keys": {"sk-a": {"models": ["tiny"], "rpm": 2},
-                                         "sk-b": {"models": ["other"]}}}))  # fmt: skip
+    keys.write_text(
+        json.dumps(
+            {"keys": {"sk-a": {"models": ["tiny"], "rpm": 2}, "sk-b": {"models": ["other"]}}}
+        )
+    )
     async with gateway(nats_url, api_key_file=str(keys)) as (url, _, _s):
         async with httpx.AsyncClient(base_url=url) as c:
             body = {"model": "tiny", "messages": MSG, "max_tokens": 1}
@@ -199,14 +253,21 @@ def test_rate_limit_tokens_refill():
 
 async def test_images_limits_and_epd_overlap(nats_url, tmp_path):
     (tmp_path / "ok.png").write_bytes(base64.b64decode(data_url().split(",")[1]))
-    async with gateway(nats_url, peers_kw={"delay": 0.3, "max_model_len": 256}, max_images=1,
-                       max_image_pixels=10_000, image_dir=str(tmp_path),
-                       image_formats="PNG") as (url, peers, _s):  # fmt: skip
+    async with gateway(
+        nats_url,
+        peers_kw={"delay": 0.3, "max_model_len": 256},
+        max_images=1,
+        max_image_pixels=10_000,
+        image_dir=str(tmp_path),
+        image_formats="PNG",
+    ) as (url, peers, _s):
         async with httpx.AsyncClient(base_url=url) as c:
 
             async def post(messages):
-                return await c.post("/v1/chat/completions", json={
-                    "model": "tiny", "messages": messages, "max_tokens": 1})  # fmt: skip
+                return await c.post(
+                    "/v1/chat/completions",
+                    json={"model": "tiny", "messages": messages, "max_tokens": 1},
+                )
 
             r = await post(image_msg(data_url()))
             assert r.status_code == 200, r.text
@@ -233,13 +294,13 @@ async def test_images_limits_and_epd_overlap(nats_url, tmp_path):
 async def test_degradation_levels(nats_url, nc):
     async with gateway(nats_url, peers_kw={"max_model_len": 256}) as (url, peers, service):
         async with httpx.AsyncClient(base_url=url) as c:
-
             # the scheduler's rules, deliberately unlike any default: the gateway must apply these
             rules = DegradeRules(batch_max_tokens_cap=40, top_priority=0, retry_after_s=7.0)
 
             async def set_level(level):
-                await bus.publish(nc, subjects.SCHED_STATE,
-                                  SchedulerState(degrade_level=level, rules=rules))  # fmt: skip
+                await bus.publish(
+                    nc, subjects.SCHED_STATE, SchedulerState(degrade_level=level, rules=rules)
+                )
                 for _ in range(100):
                     if service.pipeline.degrade_level == level:
                         return
@@ -257,8 +318,7 @@ async def test_degradation_levels(nats_url, nc):
             inter = {**body, "slo_class": "interactive", "max_tokens": 2}
             assert (await c.post("/v1/chat/completions", json=inter)).status_code == 200
             await set_level(3)
-            r = await c.post("/v1/chat/completions", json=inter,
-                             headers={"X-Strata-Priority": "5"})  # fmt: skip
+            r = await c.post("/v1/chat/completions", json=inter, headers={"X-Strata-Priority": "5"})
             assert r.status_code == 429 and "top-priority" in r.json()["error"]["message"]
             r = await c.post("/v1/chat/completions", json=inter, headers={"X-Strata-Priority": "0"})
             assert r.status_code == 200 and peers.routes[-1].priority == 0

@@ -13,10 +13,21 @@ DISAGG = RouteReply(decode_instance="dec-a", decode_addr="h:1", prefill_instance
 DEC_B = RouteReply(decode_instance="dec-b", decode_addr="h:2")
 
 
-def ch(index: int, toks: list[int], inst: str = "dec-a", finish: str | None = None,
-       logprobs: list[dict[int, float]] | None = None) -> TokenChunk:  # fmt: skip
-    return TokenChunk(request_id="r", index=index, token_ids=toks, finish_reason=finish,
-                      instance_id=inst, logprobs=logprobs)  # fmt: skip
+def ch(
+    index: int,
+    toks: list[int],
+    inst: str = "dec-a",
+    finish: str | None = None,
+    logprobs: list[dict[int, float]] | None = None,
+) -> TokenChunk:
+    return TokenChunk(
+        request_id="r",
+        index=index,
+        token_ids=toks,
+        finish_reason=finish,
+        instance_id=inst,
+        logprobs=logprobs,
+    )
 
 
 def feed(asm: StreamAssembler, chunks: list[TokenChunk]) -> list[tuple[int, list[int], str | None]]:
@@ -53,7 +64,10 @@ def test_failover_resume_splices_and_ignores_stragglers():
     asm = StreamAssembler(max_failovers=2)
     asm.begin(DISAGG)
     assert feed(asm, [ch(0, [10], "pre-a"), ch(1, [11]), ch(2, [12])]) == [
-        (0, [10], None), (1, [11], None), (2, [12], None)]  # fmt: skip
+        (0, [10], None),
+        (1, [11], None),
+        (2, [12], None),
+    ]
     fo = asm.down("dec-a")
     assert fo == Failover("dec-a", "down: declared down by the scheduler")
     asm.fail(fo, "r")
@@ -93,8 +107,12 @@ def test_timeouts_blame_who_owes_the_next_message():
 def test_error_chunk_raises_and_failovers_are_capped():
     asm = StreamAssembler(max_failovers=1)
     asm.begin(DEC_B)
-    err = TokenChunk(request_id="r", index=0, instance_id="dec-b",
-                     error=ErrorInfo(code="bad_request", message="nope"))  # fmt: skip
+    err = TokenChunk(
+        request_id="r",
+        index=0,
+        instance_id="dec-b",
+        error=ErrorInfo(code="bad_request", message="nope"),
+    )
     with pytest.raises(StrataError, match="nope"):
         asm.chunk(err)
     asm.fail(Failover("dec-b", "stall: x"), "r")

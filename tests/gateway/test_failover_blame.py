@@ -98,9 +98,18 @@ class Fleet:
 
     async def _chunk(self, inst: str, item: WorkItem, i: int) -> None:
         last = i == item.sampling.max_tokens - 1
-        await bus.publish(self.nc, subjects.req_out(item.request_id), TokenChunk(
-            request_id=item.request_id, index=i, token_ids=[100 + i], text=f"t{i} ",
-            finish_reason="length" if last else None, instance_id=inst))  # fmt: skip
+        await bus.publish(
+            self.nc,
+            subjects.req_out(item.request_id),
+            TokenChunk(
+                request_id=item.request_id,
+                index=i,
+                token_ids=[100 + i],
+                text=f"t{i} ",
+                finish_reason="length" if last else None,
+                instance_id=inst,
+            ),
+        )
 
     async def _handoff(self, inst: str, item: WorkItem) -> None:
         i = len(item.output_token_ids)
@@ -124,8 +133,14 @@ async def _run(nats_url: str, setup, during, max_tokens: int = 6):
     nc = await bus.connect(nats_url, "failover-blame-test")
     fleet = await Fleet(nc).start()
     await setup(fleet)
-    cfg = GatewayConfig.load([], role="gateway", nats_url=nats_url, bus_timeout=5.0,
-                             first_token_timeout=20.0, stall_timeout=20.0)  # fmt: skip
+    cfg = GatewayConfig.load(
+        [],
+        role="gateway",
+        nats_url=nats_url,
+        bus_timeout=5.0,
+        first_token_timeout=20.0,
+        stall_timeout=20.0,
+    )
     pipe = Pipeline(nc, cfg)
     await pipe.start()
     got: list[int] = []

@@ -36,12 +36,14 @@ async def test_bad_bodies_are_400s_on_a_connection_that_stays_open(nats_url):
             first = await c.post("/v1/chat/completions", json=CHAT)
             assert first.status_code == 200, first.text
             port = client_port(first)
-            for body, needle, param in ((DEEP, "nested too deeply", None),
-                                        (SURROGATE, "lone UTF-16 surrogate",
-                                         "messages.0.content")):  # fmt: skip
+            for body, needle, param in (
+                (DEEP, "nested too deeply", None),
+                (SURROGATE, "lone UTF-16 surrogate", "messages.0.content"),
+            ):
                 for path in ("/v1/chat/completions", "/v1/completions"):
-                    r = await c.post(path, content=body,
-                                     headers={"content-type": "application/json"})  # fmt: skip
+                    r = await c.post(
+                        path, content=body, headers={"content-type": "application/json"}
+                    )
                     assert r.status_code == 400, r.text
                     err = r.json()["error"]
                     assert needle in err["message"] and err["param"] == param
@@ -65,8 +67,9 @@ async def test_bad_bodies_are_400s_on_a_connection_that_stays_open(nats_url):
 
 async def test_nats_api_bad_bodies_are_400_events(nats_url, nc):
     async def ask(data: bytes) -> GenerateEvent:
-        return decode((await nc.request(subjects.API_GENERATE, data, timeout=5)).data,
-                      GenerateEvent)  # fmt: skip
+        return decode(
+            (await nc.request(subjects.API_GENERATE, data, timeout=5)).data, GenerateEvent
+        )
 
     head = msgpack.packb("kind") + msgpack.packb("chat") + msgpack.packb("body")
     deep = b"\x82" + head + b"\x81" + msgpack.packb("x") + b"\x91" * 1500 + b"\x90"
@@ -97,8 +100,9 @@ async def test_stream_errors_before_the_first_token_get_the_real_status(nats_url
 
         await peers.stop_role("scheduler")
         peers.subs.append(await bus.serve(nc, subjects.SCHED_ROUTE, RouteRequest, route))
-        peers.subs.append(await bus.serve(nc, subjects.SCHED_INSTANCES, InstancesRequest,
-                                          peers.insts))  # fmt: skip
+        peers.subs.append(
+            await bus.serve(nc, subjects.SCHED_INSTANCES, InstancesRequest, peers.insts)
+        )
         async with httpx.AsyncClient(base_url=url) as c:
             cases = [
                 (StrataError("overloaded", "cluster overloaded", retry_after=2.0), 429),
@@ -107,9 +111,13 @@ async def test_stream_errors_before_the_first_token_get_the_real_status(nats_url
             ]
             for err, status in cases:
                 refuse[:] = [err]
-                for path, body in (("/v1/chat/completions", {**CHAT, "stream": True}),
-                                   ("/v1/completions", {"model": "tiny", "prompt": "hi",
-                                                        "max_tokens": 2, "stream": True})):  # fmt: skip
+                for path, body in (
+                    ("/v1/chat/completions", {**CHAT, "stream": True}),
+                    (
+                        "/v1/completions",
+                        {"model": "tiny", "prompt": "hi", "max_tokens": 2, "stream": True},
+                    ),
+                ):
                     r = await c.post(path, json=body)
                     assert r.status_code == status, r.text
                     assert r.headers["content-type"].startswith("application/json")
@@ -121,16 +129,32 @@ async def test_stream_errors_before_the_first_token_get_the_real_status(nats_url
             # a decode instance that fails after its first token: the stream is already 200
             async def late_failure(item: DecodeWork) -> SubmitAck:
                 out = subjects.req_out(item.request_id)
-                await bus.publish(nc, out, TokenChunk(request_id=item.request_id, index=0,
-                                                      token_ids=[5], text="t0 ",
-                                                      instance_id="dec-late"))  # fmt: skip
-                await bus.publish(nc, out, TokenChunk(
-                    request_id=item.request_id, index=1, instance_id="dec-late",
-                    error=ErrorInfo(code="internal", message="engine fell over")))  # fmt: skip
+                await bus.publish(
+                    nc,
+                    out,
+                    TokenChunk(
+                        request_id=item.request_id,
+                        index=0,
+                        token_ids=[5],
+                        text="t0 ",
+                        instance_id="dec-late",
+                    ),
+                )
+                await bus.publish(
+                    nc,
+                    out,
+                    TokenChunk(
+                        request_id=item.request_id,
+                        index=1,
+                        instance_id="dec-late",
+                        error=ErrorInfo(code="internal", message="engine fell over"),
+                    ),
+                )
                 return SubmitAck(instance_id="dec-late")
 
-            peers.subs.append(await bus.serve(nc, subjects.decode_submit("dec-late"), DecodeWork,
-                                              late_failure))  # fmt: skip
+            peers.subs.append(
+                await bus.serve(nc, subjects.decode_submit("dec-late"), DecodeWork, late_failure)
+            )
             peers.alive[:] = ["dec-late"]
             r = await c.post("/v1/chat/completions", json={**CHAT, "stream": True})
             assert r.status_code == 200 and r.headers["content-type"].startswith("text/event")

@@ -38,13 +38,20 @@ async def test_open_stream_fails_cleanly_on_nats_loss_and_serving_resumes(tmp_pa
     server = start_nats(data_dir=str(tmp_path / "nats"))
     port, data_dir = server.port, server.data_dir
     pipes: list[Pipeline] = []
-    nc = await bus.connect(server.url, "gateway-test",
-                           on_disconnect=lambda: [p.nats_lost() for p in pipes])  # fmt: skip
+    nc = await bus.connect(
+        server.url, "gateway-test", on_disconnect=lambda: [p.nats_lost() for p in pipes]
+    )
     peers_nc = await bus.connect(server.url, "fleet-test")
     fleet = await Fleet(peers_nc).start()
     await fleet.add_decode("dec-a", gap=0.02)
-    cfg = GatewayConfig.load([], role="gateway", nats_url=server.url, bus_timeout=5.0,
-                             first_token_timeout=60.0, stall_timeout=60.0)  # fmt: skip
+    cfg = GatewayConfig.load(
+        [],
+        role="gateway",
+        nats_url=server.url,
+        bus_timeout=5.0,
+        first_token_timeout=60.0,
+        stall_timeout=60.0,
+    )
     pipe = Pipeline(nc, cfg)
     pipes.append(pipe)
     await pipe.start()

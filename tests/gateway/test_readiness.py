@@ -44,7 +44,6 @@ def test_summarize_starting_ready_degraded():
     assert st.status == "degraded" and st.message == "scheduler not available"
 
 
-
 def test_a_slow_role_that_was_up_is_busy_not_down():
     """A probe that times out (the role is there, answering slowly under load) does not make the
     gateway refuse requests once the role was ok; before that it is still starting."""
@@ -67,8 +66,21 @@ async def test_readiness_tells_a_slow_scheduler_from_a_gone_one(nats_url, nc):
 
     async def instances(msg) -> None:
         await asyncio.sleep(delay[0])
-        await msg.respond(encode(InstancesReply(instances=[InstanceInfo(
-            instance_id="dec-s", role="decode", incarnation="x", grpc_addr="", alive=True)])))  # fmt: skip
+        await msg.respond(
+            encode(
+                InstancesReply(
+                    instances=[
+                        InstanceInfo(
+                            instance_id="dec-s",
+                            role="decode",
+                            incarnation="x",
+                            grpc_addr="",
+                            alive=True,
+                        )
+                    ]
+                )
+            )
+        )
 
     sub = await nc.subscribe(subjects.SCHED_INSTANCES, cb=instances)
     try:

@@ -29,9 +29,12 @@ async def test_chat_non_streaming_and_usage(nats_url):
             assert body["object"] == "chat.completion" and body["model"] == "tiny"
             assert body["choices"][0]["message"] == {"role": "assistant", "content": "t0 t1 t2 "}
             assert body["choices"][0]["finish_reason"] == "length"
-            assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 3,
-                                     "total_tokens": 5,
-                                     "prompt_tokens_details": {"cached_tokens": 4}}  # fmt: skip
+            assert body["usage"] == {
+                "prompt_tokens": 2,
+                "completion_tokens": 3,
+                "total_tokens": 5,
+                "prompt_tokens_details": {"cached_tokens": 4},
+            }
             item = peers.items[0]
             assert item.sampling.max_tokens == 3 and item.prompt_token_ids == [104, 105]
             r = await c.get("/v1/models")
@@ -44,8 +47,16 @@ async def test_chat_non_streaming_and_usage(nats_url):
 async def test_streaming_sse_usage_and_n(nats_url):
     async with gateway(nats_url) as (url, peers, _):
         async with httpx.AsyncClient(base_url=url) as c:
-            body = {**CHAT, "stream": True, "n": 2, "stream_options": {"include_usage": True},
-                    "temperature": 0.5, "seed": 7, "stop": "x", "top_k": 5}  # fmt: skip
+            body = {
+                **CHAT,
+                "stream": True,
+                "n": 2,
+                "stream_options": {"include_usage": True},
+                "temperature": 0.5,
+                "seed": 7,
+                "stop": "x",
+                "top_k": 5,
+            }
             r = await c.post("/v1/chat/completions", json=body)
             assert r.status_code == 200 and r.headers["content-type"].startswith(
                 "text/event-stream"
@@ -63,24 +74,33 @@ async def test_streaming_sse_usage_and_n(nats_url):
             assert (s.temperature, s.seed, s.stop, s.top_k) == (0.5, 7, ["x"], 5)
 
 
-@pytest.mark.parametrize("payload,status,needle", [
-    (b"{not json", 400, "not valid JSON"),
-    (b"[1]", 400, "JSON object"),
-    (json.dumps({**CHAT, "model": "nope"}).encode(), 404, "does not exist"),
-    (json.dumps({**CHAT, "messages": []}).encode(), 400, "messages must not be empty"),
-    (json.dumps({**CHAT, "temperature": 5}).encode(), 400, "temperature"),
-    (json.dumps({"model": "tiny"}).encode(), 400, "messages"),
-    (json.dumps({**CHAT, "n": 99}).encode(), 400, "n must be <= 8"),
-    (json.dumps({**CHAT, "max_tokens": 10**6}).encode(), 400, "max_tokens must be <="),
-    (json.dumps({**CHAT, "messages": [{"role": "user", "content": "y" * 80}]}).encode(),
-     400, "context length is 64"),
-    (json.dumps({**CHAT, "max_tokens": 63}).encode(), 400, "exceeds the context length"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "payload,status,needle",
+    [
+        (b"{not json", 400, "not valid JSON"),
+        (b"[1]", 400, "JSON object"),
+        (json.dumps({**CHAT, "model": "nope"}).encode(), 404, "does not exist"),
+        (json.dumps({**CHAT, "messages": []}).encode(), 400, "messages must not be empty"),
+        (json.dumps({**CHAT, "temperature": 5}).encode(), 400, "temperature"),
+        (json.dumps({"model": "tiny"}).encode(), 400, "messages"),
+        (json.dumps({**CHAT, "n": 99}).encode(), 400, "n must be <= 8"),
+        (json.dumps({**CHAT, "max_tokens": 10**6}).encode(), 400, "max_tokens must be <="),
+        (
+            json.dumps({**CHAT, "messages": [{"role": "user", "content": "y" * 80}]}).encode(),
+            400,
+            "context length is 64",
+        ),
+        (json.dumps({**CHAT, "max_tokens": 63}).encode(), 400, "exceeds the context length"),
+    ],
+)
 async def test_errors(nats_url, payload, status, needle):
     async with gateway(nats_url) as (url, _, _s):
         async with httpx.AsyncClient(base_url=url) as c:
-            r = await c.post("/v1/chat/completions", content=payload,
-                             headers={"content-type": "application/json"})  # fmt: skip
+            r = await c.post(
+                "/v1/chat/completions",
+                content=payload,
+                headers={"content-type": "application/json"},
+            )
             assert r.status_code == status, r.text
             err = r.json()["error"]
             assert needle in err["message"] and set(err) == {"message", "type", "param", "code"}
@@ -89,13 +109,13 @@ async def test_errors(nats_url, payload, status, needle):
 async def test_caller_request_id(nats_url):
     async with gateway(nats_url) as (url, peers, _s):
         async with httpx.AsyncClient(base_url=url) as c:
-            r = await c.post("/v1/chat/completions", json=CHAT,
-                             headers={"x-request-id": "my-req_1"})  # fmt: skip
+            r = await c.post(
+                "/v1/chat/completions", json=CHAT, headers={"x-request-id": "my-req_1"}
+            )
             assert r.status_code == 200, r.text
             assert [i.request_id for i in peers.items] == ["my-req_1"]
             for bad in ("a.b", "x*", "y>", "sp ace"):  # would reach other requests' subjects
-                r = await c.post("/v1/chat/completions", json=CHAT,
-                                 headers={"x-request-id": bad})  # fmt: skip
+                r = await c.post("/v1/chat/completions", json=CHAT, headers={"x-request-id": bad})
                 assert r.status_code == 400 and "request id" in r.json()["error"]["message"]
             assert len(peers.items) == 1  # nothing was tokenized, routed or submitted
 
@@ -134,8 +154,10 @@ async def test_failover_dedupes_indices(nats_url):
         await peers.add_decode("dec-a", stall_after=2)
         await peers.add_decode("dec-b", resend=True)
         async with httpx.AsyncClient(base_url=url) as c:
-            r = await c.post("/v1/completions", json={"model": "tiny", "prompt": "ab",
-                                                      "max_tokens": 5, "stream": True})  # fmt: skip
+            r = await c.post(
+                "/v1/completions",
+                json={"model": "tiny", "prompt": "ab", "max_tokens": 5, "stream": True},
+            )
             events = sse_events(r.text)
         text = "".join(e["choices"][0]["text"] for e in events)
         assert text == "t0 t1 t2 t3 t4 "
@@ -150,8 +172,9 @@ async def test_route_and_submit_in_one_hop(nats_url):
     submit round trip of its own."""
     async with gateway(nats_url) as (url, peers, _):
         async with httpx.AsyncClient(base_url=url) as c:
-            r = await c.post("/v1/completions", json={"model": "tiny", "prompt": "ab",
-                                                      "max_tokens": 2})  # fmt: skip
+            r = await c.post(
+                "/v1/completions", json={"model": "tiny", "prompt": "ab", "max_tokens": 2}
+            )
         assert r.json()["choices"][0]["text"] == "t0 t1 "
         assert len(peers.routes) == 1 and peers.routes[0].submit is not None
         item = peers.items[0]
@@ -170,8 +193,9 @@ async def test_failover_when_the_routed_instance_does_not_take_the_submit(nats_u
             await peers.add_decode("dec-a", refuse=True)
         await peers.add_decode("dec-b")
         async with httpx.AsyncClient(base_url=url, timeout=10) as c:
-            r = await c.post("/v1/completions", json={"model": "tiny", "prompt": "ab",
-                                                      "max_tokens": 3})  # fmt: skip
+            r = await c.post(
+                "/v1/completions", json={"model": "tiny", "prompt": "ab", "max_tokens": 3}
+            )
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == "t0 t1 t2 "
         assert [rt.exclude for rt in peers.routes] == [[], ["dec-a"]]
 
@@ -184,8 +208,9 @@ async def test_failover_on_down_state(nats_url):
         await peers.add_decode("dec-a", stall_after=1)
         await peers.add_decode("dec-b")
         async with httpx.AsyncClient(base_url=url) as c:
-            task = asyncio.create_task(c.post("/v1/completions", json={
-                "model": "tiny", "prompt": "ab", "max_tokens": 3}))  # fmt: skip
+            task = asyncio.create_task(
+                c.post("/v1/completions", json={"model": "tiny", "prompt": "ab", "max_tokens": 3})
+            )
             while not peers.items:
                 await asyncio.sleep(0.01)
             await asyncio.sleep(0.1)

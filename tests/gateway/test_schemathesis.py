@@ -39,8 +39,9 @@ class _Gateway:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         try:
-            async with gateway(self.nats_url, peers_kw={"max_model_len": 256},
-                               max_tokens_limit=512) as (url, _, _):  # fmt: skip
+            async with gateway(
+                self.nats_url, peers_kw={"max_model_len": 256}, max_tokens_limit=512
+            ) as (url, _, _):
                 self.url = url
                 self._ready.set()
                 await self._stop.wait()
@@ -73,8 +74,12 @@ def _operations(url: str):
 
 
 def test_schema_lists_the_openai_routes(live):
-    assert {"POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models",
-            "GET /health"} <= set(_operations(live.url))  # fmt: skip
+    assert {
+        "POST /v1/chat/completions",
+        "POST /v1/completions",
+        "GET /v1/models",
+        "GET /health",
+    } <= set(_operations(live.url))
 
 
 CASES = [
@@ -90,8 +95,13 @@ def test_no_server_errors(live, name, mode):
     op = _operations(live.url)[name]
     seen: dict[int, int] = {}
 
-    @settings(max_examples=MAX_EXAMPLES, deadline=None, database=None, derandomize=True,
-              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @settings(
+        max_examples=MAX_EXAMPLES,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(case=op.as_strategy(generation_mode=mode))
     def check(case) -> None:
         if isinstance(case.body, dict):  # negative bodies too: the other fields stay broken
@@ -112,6 +122,9 @@ def test_no_server_errors(live, name, mode):
     if mode == GenerationMode.NEGATIVE and name.startswith("POST"):
         assert any(400 <= s < 500 for s in seen), seen  # invalid bodies were rejected
     # still serving after the fuzzing
-    r = httpx.post(live.url + "/v1/completions", timeout=10,
-                   json={"model": "tiny", "prompt": "ok", "max_tokens": 2})  # fmt: skip
+    r = httpx.post(
+        live.url + "/v1/completions",
+        timeout=10,
+        json={"model": "tiny", "prompt": "ok", "max_tokens": 2},
+    )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2

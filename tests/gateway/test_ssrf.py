@@ -42,13 +42,17 @@ class Server:
         head = await reader.readuntil(b"\r\n\r\n")
         lines = head.decode("latin-1").split("\r\n")
         path = lines[0].split(" ")[1]
-        host = next((ln.split(":", 1)[1].strip() for ln in lines[1:]
-                     if ln.lower().startswith("host:")), "")  # fmt: skip
+        host = next(
+            (ln.split(":", 1)[1].strip() for ln in lines[1:] if ln.lower().startswith("host:")), ""
+        )
         self.hits.append((path, host))
         status, headers, body = self.routes.get(path, (404, {}, b""))
         hdr = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-        writer.write(f"HTTP/1.1 {status} X\r\nContent-Length: {len(body)}\r\n{hdr}"
-                     "Connection: close\r\n\r\n".encode() + body)  # fmt: skip
+        writer.write(
+            f"HTTP/1.1 {status} X\r\nContent-Length: {len(body)}\r\n{hdr}"
+            "Connection: close\r\n\r\n".encode()
+            + body
+        )
         await writer.drain()
         writer.close()
 
@@ -67,19 +71,33 @@ def cfg(**kw) -> GatewayConfig:
     return GatewayConfig.load([], role="gateway", **{"allow_remote_images": True, **kw})
 
 
-@pytest.mark.parametrize("text,reason", [
-    ("127.0.0.1", "loopback"), ("::1", "loopback"), ("0.0.0.0", "unspecified"),
-    ("::", "unspecified"), ("10.1.2.3", "private"), ("192.168.0.1", "private"),
-    ("169.254.169.254", "link-local"), ("fe80::1%eth0", "link-local"), ("224.0.0.1", "multicast"),
-    ("fc00::1", "private"), ("100.64.0.1", "non-global"), ("240.0.0.1", "reserved"),
-    ("::ffff:127.0.0.1", "IPv4-mapped form of a loopback address"),
-    ("[::ffff:10.0.0.1]", "IPv4-mapped form of a private address"),
-    ("64:ff9b::7f00:1", "NAT64 form of a loopback address"),
-    ("64:ff9b:1::a9fe:a9fe", "NAT64 form of a link-local address"),
-    ("2002:7f00:1::1", "6to4 form of a loopback address"),
-    ("8.8.8.8", None), ("2001:4860:4860::8888", None), ("::ffff:8.8.8.8", None),
-    ("64:ff9b::808:808", None), ("2002:808:808::1", None),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "text,reason",
+    [
+        ("127.0.0.1", "loopback"),
+        ("::1", "loopback"),
+        ("0.0.0.0", "unspecified"),
+        ("::", "unspecified"),
+        ("10.1.2.3", "private"),
+        ("192.168.0.1", "private"),
+        ("169.254.169.254", "link-local"),
+        ("fe80::1%eth0", "link-local"),
+        ("224.0.0.1", "multicast"),
+        ("fc00::1", "private"),
+        ("100.64.0.1", "non-global"),
+        ("240.0.0.1", "reserved"),
+        ("::ffff:127.0.0.1", "IPv4-mapped form of a loopback address"),
+        ("[::ffff:10.0.0.1]", "IPv4-mapped form of a private address"),
+        ("64:ff9b::7f00:1", "NAT64 form of a loopback address"),
+        ("64:ff9b:1::a9fe:a9fe", "NAT64 form of a link-local address"),
+        ("2002:7f00:1::1", "6to4 form of a loopback address"),
+        ("8.8.8.8", None),
+        ("2001:4860:4860::8888", None),
+        ("::ffff:8.8.8.8", None),
+        ("64:ff9b::808:808", None),
+        ("2002:808:808::1", None),
+    ],
+)
 def test_address_policy(text, reason):
     why = blocked_reason(parse_ip(text))
     assert why == reason
@@ -88,18 +106,25 @@ def test_address_policy(text, reason):
 async def test_blocked_forms_never_reach_the_decoy():
     async with Server("127.0.0.1", {"/cat.png": (200, {}, png())}).running() as decoy:
         p = decoy.port
-        for url in (f"http://127.0.0.1:{p}/cat.png", f"http://localhost:{p}/cat.png",
-                    f"http://[::1]:{p}/cat.png", f"http://[::ffff:127.0.0.1]:{p}/cat.png",
-                    f"http://0.0.0.0:{p}/cat.png", f"http://2130706433:{p}/cat.png",
-                    f"http://[64:ff9b::7f00:1]:{p}/cat.png"):  # fmt: skip
+        for url in (
+            f"http://127.0.0.1:{p}/cat.png",
+            f"http://localhost:{p}/cat.png",
+            f"http://[::1]:{p}/cat.png",
+            f"http://[::ffff:127.0.0.1]:{p}/cat.png",
+            f"http://0.0.0.0:{p}/cat.png",
+            f"http://2130706433:{p}/cat.png",
+            f"http://[64:ff9b::7f00:1]:{p}/cat.png",
+        ):
             with pytest.raises(ApiError) as ei:
                 await fetch_image(url, cfg())
             assert ei.value.http_status == 403, url
             assert "public addresses" in ei.value.message and "resolves to" in ei.value.message
         assert decoy.hits == []
         # the control: the operator names the host, so this private host may be fetched
-        assert await fetch_image(f"http://127.0.0.1:{p}/cat.png",
-                                 cfg(remote_image_hosts="127.0.0.1")) == png()  # fmt: skip
+        assert (
+            await fetch_image(f"http://127.0.0.1:{p}/cat.png", cfg(remote_image_hosts="127.0.0.1"))
+            == png()
+        )
         assert decoy.hits == [("/cat.png", f"127.0.0.1:{p}")]
 
 
@@ -119,16 +144,22 @@ async def test_redirects_are_checked_per_hop_and_the_checked_address_is_used():
     async with Server("127.0.0.1", {"/cat.png": (200, {}, png())}).running() as decoy:
         to_decoy = {"location": f"http://127.0.0.1:{decoy.port}/cat.png"}
         to_local = {"location": f"http://localhost:{decoy.port}/cat.png"}
-        routes = {"/ok.png": (200, {}, png()), "/hop": (302, {"location": "/ok.png"}, b""),
-                  "/r1": (302, to_decoy, b""), "/r2": (301, to_local, b""),
-                  "/loop": (302, {"location": "/loop"}, b"")}  # fmt: skip
+        routes = {
+            "/ok.png": (200, {}, png()),
+            "/hop": (302, {"location": "/ok.png"}, b""),
+            "/r1": (302, to_decoy, b""),
+            "/r2": (301, to_local, b""),
+            "/loop": (302, {"location": "/loop"}, b""),
+        }
         async with Server("127.0.0.2", routes).running() as pub:
             base = f"http://images.test:{pub.port}"
             # allowed: fetched from the checked address with the original Host header, even
             # though the name does not resolve anywhere else (no second lookup at connect)
             assert await fetch_image(f"{base}/hop", cfg(), resolve, blocked) == png()
-            assert pub.hits == [("/hop", f"images.test:{pub.port}"),
-                                ("/ok.png", f"images.test:{pub.port}")]  # fmt: skip
+            assert pub.hits == [
+                ("/hop", f"images.test:{pub.port}"),
+                ("/ok.png", f"images.test:{pub.port}"),
+            ]
             assert resolved == ["images.test", "images.test"]  # once per hop
             for path in ("/r1", "/r2"):
                 with pytest.raises(ApiError) as ei:
@@ -145,14 +176,25 @@ async def test_redirects_are_checked_per_hop_and_the_checked_address_is_used():
 async def test_rest_refuses_internal_image_urls(nats_url):
     async with Server("127.0.0.1", {"/cat.png": (200, {}, png())}).running() as decoy:
         p = decoy.port
-        async with gateway(nats_url, allow_remote_images=True,
-                           peers_kw={"max_model_len": 256}) as (url, peers, _s):  # fmt: skip
+        async with gateway(nats_url, allow_remote_images=True, peers_kw={"max_model_len": 256}) as (
+            url,
+            peers,
+            _s,
+        ):
             async with httpx.AsyncClient(base_url=url) as c:
-                for img in (f"http://127.0.0.1:{p}/cat.png", f"http://localhost:{p}/cat.png",
-                            f"http://[::1]:{p}/cat.png", f"http://[::ffff:127.0.0.1]:{p}/a",
-                            f"http://0.0.0.0:{p}/cat.png"):  # fmt: skip
-                    msg = [{"role": "user", "content": [
-                        {"type": "image_url", "image_url": {"url": img}}]}]  # fmt: skip
+                for img in (
+                    f"http://127.0.0.1:{p}/cat.png",
+                    f"http://localhost:{p}/cat.png",
+                    f"http://[::1]:{p}/cat.png",
+                    f"http://[::ffff:127.0.0.1]:{p}/a",
+                    f"http://0.0.0.0:{p}/cat.png",
+                ):
+                    msg = [
+                        {
+                            "role": "user",
+                            "content": [{"type": "image_url", "image_url": {"url": img}}],
+                        }
+                    ]
                     r = await c.post(
                         "/v1/chat/completions",
                         json={"model": "tiny", "messages": msg, "max_tokens": 1},

@@ -20,12 +20,29 @@ CFG = GatewayConfig()
 MSGS = [{"role": "user", "content": "hi"}]
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}},
-        "required": ["city"]}}},
-    {"type": "function", "function": {"name": "add", "parameters": {
-        "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}},
-]  # fmt: skip
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+                "required": ["city"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "parameters": {
+                "type": "object",
+                "properties": {"x": {"type": "integer"}},
+                "required": ["x"],
+            },
+        },
+    },
+]
 
 
 def _spec(**body):
@@ -56,8 +73,12 @@ def test_each_source_becomes_one_constraint():
         assert spec.constraint is not None and spec.constraint.kind == kind, name
         assert sampling_for(spec, 5, 100, CFG).structured == spec.constraint
     assert json.loads(_spec(guided_json=SCHEMA).constraint.spec) == SCHEMA
-    for free in ({}, {"response_format": {"type": "text"}}, {"tools": TOOLS},
-                 {"tools": TOOLS, "tool_choice": "none"}):  # fmt: skip
+    for free in (
+        {},
+        {"response_format": {"type": "text"}},
+        {"tools": TOOLS},
+        {"tools": TOOLS, "tool_choice": "none"},
+    ):
         assert _spec(**free).constraint is None
 
 
@@ -109,19 +130,28 @@ def test_parse_whole_outputs():
     content, calls = parse_tool_calls(HERMES_OUT, HERMES)
     assert content == "Let me check."
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
-        ("get_weather", {"city": "Oslo"}), ("add", {"x": 2})]  # fmt: skip
+        ("get_weather", {"city": "Oslo"}),
+        ("add", {"x": 2}),
+    ]
     assert all(c["id"].startswith("call_") and c["type"] == "function" for c in calls)
-    content, calls = parse_tool_calls('<|python_tag|>{"name": "add", "parameters": {"x": 1}}',
-                                      LLAMA3)  # fmt: skip
+    content, calls = parse_tool_calls(
+        '<|python_tag|>{"name": "add", "parameters": {"x": 1}}', LLAMA3
+    )
     assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"x": 1}
     assert parse_tool_calls("plain text", HERMES) == ("plain text", [])
     assert parse_tool_calls("<tool_call>{broken</tool_call>", HERMES)[1] == []
 
 
-@pytest.mark.parametrize("fmt,text", [(HERMES, HERMES_OUT), (HERMES, "no <tool_ call here <"),
-                                      (HERMES, "cut <tool_call>\n{\"name\": \"add\""),
-                                      (LLAMA3, '{"name": "add", "parameters": {"x": 3}}'),
-                                      (LLAMA3, "just words")])  # fmt: skip
+@pytest.mark.parametrize(
+    "fmt,text",
+    [
+        (HERMES, HERMES_OUT),
+        (HERMES, "no <tool_ call here <"),
+        (HERMES, 'cut <tool_call>\n{"name": "add"'),
+        (LLAMA3, '{"name": "add", "parameters": {"x": 3}}'),
+        (LLAMA3, "just words"),
+    ],
+)
 def test_stream_parse_equals_whole_parse_at_every_split(fmt, text):
     want_content, want_calls = parse_tool_calls(text, fmt)
     for step in (1, 2, 5, len(text)):
@@ -139,28 +169,51 @@ def test_stream_parse_equals_whole_parse_at_every_split(fmt, text):
 def test_messages_with_tool_calls_and_results_reach_the_template(tmp_path):
     from shared.model.tokenizer import Tokenizer
 
-    req = ChatCompletionRequest.model_validate({"model": "m", "tools": TOOLS, "messages": [
-        {"role": "user", "content": "weather?"},
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
-         "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]})  # fmt: skip
+    req = ChatCompletionRequest.model_validate(
+        {
+            "model": "m",
+            "tools": TOOLS,
+            "messages": [
+                {"role": "user", "content": "weather?"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "call_1",
+                            "type": "function",
+                            "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+            ],
+        }
+    )
     msgs = dump_messages(req)
     assert msgs[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
     assert msgs[2]["tool_call_id"] == "call_1"
     # a Qwen-style template sees tools, the call and the tool result, as transformers renders it
-    template = ("{% if tools %}<tools>{% for t in tools %}{{ t.function.name }};{% endfor %}"
-                "</tools>{% endif %}{% for m in messages %}{% if m.tool_calls %}{% for c in "
-                "m.tool_calls %}<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}"
-                "{% elif m.role == 'tool' %}<tool_response>{{ m.content }}</tool_response>"
-                "{% else %}{{ m.content }}{% endif %}{% endfor %}")  # fmt: skip
+    template = (
+        "{% if tools %}<tools>{% for t in tools %}{{ t.function.name }};{% endfor %}"
+        "</tools>{% endif %}{% for m in messages %}{% if m.tool_calls %}{% for c in "
+        "m.tool_calls %}<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}"
+        "{% elif m.role == 'tool' %}<tool_response>{{ m.content }}</tool_response>"
+        "{% else %}{{ m.content }}{% endif %}{% endfor %}"
+    )
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
     from services.launcher import ensure_model
 
     src = ensure_model("")
     (tmp_path / "tokenizer.json").write_text(open(f"{src}/tokenizer.json").read())
     tok = Tokenizer.from_dir(tmp_path)
-    text = tok.apply_chat_template(msgs, add_generation_prompt=False,
-                                   tools=[t.model_dump(exclude_none=True) for t in req.tools])  # fmt: skip
-    assert text == ('<tools>get_weather;add;</tools>weather?<tool_call>{"name": "get_weather", '
-                    '"arguments": {"city": "Oslo"}}</tool_call><tool_response>sunny'
-                    "</tool_response>")  # fmt: skip
+    text = tok.apply_chat_template(
+        msgs,
+        add_generation_prompt=False,
+        tools=[t.model_dump(exclude_none=True) for t in req.tools],
+    )
+    assert text == (
+        '<tools>get_weather;add;</tools>weather?<tool_call>{"name": "get_weather", '
+        '"arguments": {"city": "Oslo"}}</tool_call><tool_response>sunny'
+        "</tool_response>"
+    )

@@ -48,9 +48,11 @@ async def test_image_to_a_text_model_is_a_400(nats_url, tmp_path, arch):
             r = await c.post("/v1/chat/completions", json=_chat(with_image=True))
             assert r.status_code == 400, r.text
             assert r.json()["error"] == {
-                "message": "model 'tiny' does not accept images", "type": "invalid_request_error",
-                "param": "messages", "code": "bad_request",
-            }  # fmt: skip
+                "message": "model 'tiny' does not accept images",
+                "type": "invalid_request_error",
+                "param": "messages",
+                "code": "bad_request",
+            }
             # nothing was tokenized, encoded, routed or submitted for it
             assert peers.windows == {} and peers.routes == [] and peers.items == []
             r = await c.post("/v1/chat/completions", json=_chat(with_image=False))

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from services.launcher import ROLES
 
-APP = '''
+APP = """
 import json, os, signal, subprocess, sys, threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -65,7 +65,7 @@ def main(argv):
     while not stop.wait(0.05):
         pass
     print("bye from " + inst, flush=True)
-'''
+"""
 
 
 def write_fake_apps(root: str | os.PathLike) -> str:

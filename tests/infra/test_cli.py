@@ -14,11 +14,31 @@ from services.launcher import ROLES, Cluster, ClusterConfig
 
 
 def test_up_flags_map_to_cluster_config():
-    args = cli.up_parser().parse_args([
-        "--model", "/m", "--port", "9000", "--prefill", "2", "--decode", "3", "--no-minio",
-        "--torch-threads", "2", "--env", "STRATA_DEVICE=cuda", "--env", "A=b=c",
-        "--data-dir", "/tmp/d", "--vision", "0", "--metrics-port-base", "9100",
-    ])
+    args = cli.up_parser().parse_args(
+        [
+            "--model",
+            "/m",
+            "--port",
+            "9000",
+            "--prefill",
+            "2",
+            "--decode",
+            "3",
+            "--no-minio",
+            "--torch-threads",
+            "2",
+            "--env",
+            "STRATA_DEVICE=cuda",
+            "--env",
+            "A=b=c",
+            "--data-dir",
+            "/tmp/d",
+            "--vision",
+            "0",
+            "--metrics-port-base",
+            "9100",
+        ]
+    )
     cfg = cli.config_from_args(args)
     assert (cfg.model, cfg.port, cfg.prefill, cfg.decode, cfg.minio) == ("/m", 9000, 2, 3, False)
     assert (cfg.torch_threads, cfg.vision, cfg.kvstore, cfg.metrics_port_base) == (2, 0, 1, 9100)
@@ -30,7 +50,12 @@ def test_up_defaults():
     cfg = cli.config_from_args(cli.up_parser().parse_args([]))
     # prefill and torch threads unset: the launcher picks them from the machine (test_shape.py)
     assert (cfg.port, cfg.prefill, cfg.decode, cfg.torch_threads, cfg.minio) == (
-        8000, None, 1, None, True)
+        8000,
+        None,
+        1,
+        None,
+        True,
+    )
     assert cfg.data_dir.endswith("/.data") and cfg.model == ""
 
 
@@ -98,8 +123,15 @@ def test_serve_app_with_a_broken_import_shows_the_real_error(app_pkg):
 
 
 def test_service_env_gives_each_role_its_settings(tmp_path):
-    c = Cluster(str(tmp_path), decode=2, kvstore=2, port=8123, torch_threads=3,
-                env={"STRATA_BLOCK_SIZE": "4"}, role_args={"decode": ["--max-num-seqs", "8"]})
+    c = Cluster(
+        str(tmp_path),
+        decode=2,
+        kvstore=2,
+        port=8123,
+        torch_threads=3,
+        env={"STRATA_BLOCK_SIZE": "4"},
+        role_args={"decode": ["--max-num-seqs", "8"]},
+    )
     c.nats = NatsServer(4333, str(tmp_path))
     c.model_dir = str(tmp_path)
     c._kvstore_addrs = ["127.0.0.1:7001", "127.0.0.1:7002"]
@@ -143,20 +175,28 @@ def test_model_commands_build_into_the_given_dir_or_the_cache(tmp_path, monkeypa
     from shared.model import default_model
 
     calls = []
-    monkeypatch.setattr(default_model, "build_default_model",
-                        lambda out: calls.append(("default", str(out))) or out)
-    monkeypatch.setattr(default_model, "build_benchmark_model",
-                        lambda out: calls.append(("benchmark", str(out))) or out)
+    monkeypatch.setattr(
+        default_model, "build_default_model", lambda out: calls.append(("default", str(out))) or out
+    )
+    monkeypatch.setattr(
+        default_model,
+        "build_benchmark_model",
+        lambda out: calls.append(("benchmark", str(out))) or out,
+    )
     monkeypatch.setenv("STRATA_CACHE", str(tmp_path / "cache"))
     assert cli.model_cmd(["build-default", str(tmp_path / "m")]) == 0
     assert cli.model_cmd(["build-benchmark"]) == 0
     assert cli.model_cmd(["build-default"]) == 0
-    assert calls == [("default", str(tmp_path / "m")),
-                     ("benchmark", str(tmp_path / "cache" / "models" / "benchmark")),
-                     ("default", str(tmp_path / "cache" / "models" / "default"))]
+    assert calls == [
+        ("default", str(tmp_path / "m")),
+        ("benchmark", str(tmp_path / "cache" / "models" / "benchmark")),
+        ("default", str(tmp_path / "cache" / "models" / "default")),
+    ]
     assert capsys.readouterr().out.splitlines() == [
-        str(tmp_path / "m"), str(tmp_path / "cache/models/benchmark"),
-        str(tmp_path / "cache/models/default")]
+        str(tmp_path / "m"),
+        str(tmp_path / "cache/models/benchmark"),
+        str(tmp_path / "cache/models/default"),
+    ]
     with pytest.raises(SystemExit):
         cli.model_cmd(["build-everything"])
 

@@ -96,8 +96,9 @@ def test_watchdog_leaves_units_stopped_on_purpose_alone():
 def test_watchdog_gives_up_on_a_unit_that_cannot_start_and_flags_a_required_role():
     lines: list[str] = []
     d0, d1 = FakeUnit("decode-0", starts_ok=False), FakeUnit("decode-1", starts_ok=False)
-    w = Watchdog([d0, d1], RestartPolicy(initial_backoff=0.5, max_start_failures=3),
-                 say=lines.append)  # fmt: skip
+    w = Watchdog(
+        [d0, d1], RestartPolicy(initial_backoff=0.5, max_start_failures=3), say=lines.append
+    )
     w.tick(0.0)
     d0.is_alive = d0.is_ready = False
     t = 0.0
@@ -106,8 +107,10 @@ def test_watchdog_gives_up_on_a_unit_that_cannot_start_and_flags_a_required_role
         w.tick(t)
         assert t < 60
     assert d0.starts == 2  # the first exit (not ready) + 2 failed restarts = 3 in a row
-    assert lines[-1] == ("decode-0 exited with code -9; giving up after 3 failed starts in a "
-                         "row (last: decode: bad setting STRATA_X)")  # fmt: skip
+    assert lines[-1] == (
+        "decode-0 exited with code -9; giving up after 3 failed starts in a "
+        "row (last: decode: bad setting STRATA_X)"
+    )
     assert not w.fatal  # decode-1 still serves
     d1.is_alive = d1.is_ready = False
     while "decode-1" not in w.given_up():
@@ -136,8 +139,11 @@ def test_watchdog_restarts_a_killed_child_and_serves_the_count():
     sup.start(spec)
     sup.wait_ready(["svc-0"], 20)
     lines: list[str] = []
-    w = Watchdog([ServiceUnit(sup, spec, required=True)],
-                 RestartPolicy(initial_backoff=0.05), say=lines.append).start(0.02)  # fmt: skip
+    w = Watchdog(
+        [ServiceUnit(sup, spec, required=True)],
+        RestartPolicy(initial_backoff=0.05),
+        say=lines.append,
+    ).start(0.02)
     try:
         port = serve_restart_metrics(w, "127.0.0.1", 0)
         first = sup.procs["svc-0"].pid

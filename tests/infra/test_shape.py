@@ -20,8 +20,10 @@ def test_two_cores_colocate_with_every_core_as_threads():
     s = choose_shape([0, 1])
     assert (s.prefill, s.decode, s.torch_threads, s.colocated) == (0, 1, 2, True)
     assert s.model_cpus == {"decode-0": [0, 1]} and s.service_cpus == []
-    assert s.line == ("shape: colocated prefill+decode on 2 cores (1 decode x 2 torch threads); "
-                      "pass --prefill 1 to disaggregate")  # fmt: skip
+    assert s.line == (
+        "shape: colocated prefill+decode on 2 cores (1 decode x 2 torch threads); "
+        "pass --prefill 1 to disaggregate"
+    )
 
 
 def test_few_cores_colocate_and_keep_a_core_for_services_from_four():
@@ -109,8 +111,10 @@ def test_service_env_carries_the_shape(tmp_path, monkeypatch):
 def fake(tmp_path):
     root = write_fake_apps(tmp_path / "apps")
     model = write_fake_checkpoint(tmp_path / "model", "Qwen3ForCausalLM")
-    env = {"STRATA_APP_PACKAGE": "fakeapps",
-           "PYTHONPATH": os.pathsep.join([launcher.repo_root(), root])}  # fmt: skip
+    env = {
+        "STRATA_APP_PACKAGE": "fakeapps",
+        "PYTHONPATH": os.pathsep.join([launcher.repo_root(), root]),
+    }
     return {"env": env, "model": model}
 
 

@@ -20,16 +20,31 @@ from tests.infra.fake_apps import write_fake_apps, write_fake_checkpoint
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120):
-    res = subprocess.run([sys.executable, "-m", "services.cli", *args], cwd=repo_root(),
-                         env=dict(os.environ, **(env or {})), text=True, capture_output=True,
-                         timeout=timeout)  # fmt: skip
+    res = subprocess.run(
+        [sys.executable, "-m", "services.cli", *args],
+        cwd=repo_root(),
+        env=dict(os.environ, **(env or {})),
+        text=True,
+        capture_output=True,
+        timeout=timeout,
+    )
     assert "Traceback" not in res.stderr + res.stdout, res.stderr + res.stdout
     return res
 
 
 def up(tmp_path, model: str, *extra: str, env: dict[str, str] | None = None):
-    return run_cli("up", "--model", model, "--port", str(free_port()), "--data-dir",
-                   str(tmp_path / "data"), "--no-color", *extra, env=env)  # fmt: skip
+    return run_cli(
+        "up",
+        "--model",
+        model,
+        "--port",
+        str(free_port()),
+        "--data-dir",
+        str(tmp_path / "data"),
+        "--no-color",
+        *extra,
+        env=env,
+    )
 
 
 def one_failure_line(stderr: str) -> str:
@@ -81,11 +96,13 @@ def test_up_with_a_bad_flag_names_it(tmp_path, model):
     res = up(tmp_path, model, "--torch-threads", "0")
     assert res.returncode == 2
     assert "bad setting --torch-threads: Input should be greater than or equal to 1 (got 0)" in (
-        res.stderr)  # fmt: skip
+        res.stderr
+    )
 
 
-@pytest.mark.parametrize("flag,what", [("--port", "gateway"), ("--nats-port", "nats-server"),
-                                       ("--minio-port", "MinIO")])  # fmt: skip
+@pytest.mark.parametrize(
+    "flag,what", [("--port", "gateway"), ("--nats-port", "nats-server"), ("--minio-port", "MinIO")]
+)
 def test_up_refuses_busy_ports(tmp_path, model, flag, what):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -110,25 +127,47 @@ def test_up_without_a_minio_binary_says_how_to_get_one(tmp_path, model):
 
 def test_up_reports_a_service_bad_setting_in_one_line(tmp_path, model):
     root = write_fake_apps(tmp_path / "apps")
-    env = {"STRATA_APP_PACKAGE": "fakeapps", "FAKE_LOAD_CONFIG": "1",
-           "PYTHONPATH": os.pathsep.join([repo_root(), root])}  # fmt: skip
+    env = {
+        "STRATA_APP_PACKAGE": "fakeapps",
+        "FAKE_LOAD_CONFIG": "1",
+        "PYTHONPATH": os.pathsep.join([repo_root(), root]),
+    }
     res = up(tmp_path, model, "--no-minio", "--env", "STRATA_METRICS_PORT=abc", env=env)
     assert res.returncode == 1
     line = one_failure_line(res.stderr)
-    assert re.search(r"start-up failed: [a-z]+-0: invalid setting STRATA_METRICS_PORT "
-                     r"\(--metrics-port\): ", line), line  # fmt: skip
+    assert re.search(
+        r"start-up failed: [a-z]+-0: invalid setting STRATA_METRICS_PORT "
+        r"\(--metrics-port\): ",
+        line,
+    ), line
     assert "(got 'abc')" in line and "last log lines" not in res.stderr
 
 
-@pytest.mark.parametrize("role,args,env,needle", [
-    ("tokenizer", [], {"STRATA_BLOCK_SIZE": "abc"},
-     "invalid setting STRATA_BLOCK_SIZE (--block-size): Input should be a valid integer"),
-    ("decode", ["--torch-threads", "0"], {}, "invalid setting STRATA_TORCH_THREADS"),
-    ("decode", ["--model", "/nonexistent/ckpt"], {},
-     "/nonexistent/ckpt: does not exist; pass a Hugging Face checkpoint directory"),
-    ("tokenizer", ["--model", "/nonexistent/ckpt"], {}, "/nonexistent/ckpt: does not exist"),
-    ("scheduler", ["--no-such-flag", "1"], {}, "unknown option(s) for scheduler: --no-such-flag"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "role,args,env,needle",
+    [
+        (
+            "tokenizer",
+            [],
+            {"STRATA_BLOCK_SIZE": "abc"},
+            "invalid setting STRATA_BLOCK_SIZE (--block-size): Input should be a valid integer",
+        ),
+        ("decode", ["--torch-threads", "0"], {}, "invalid setting STRATA_TORCH_THREADS"),
+        (
+            "decode",
+            ["--model", "/nonexistent/ckpt"],
+            {},
+            "/nonexistent/ckpt: does not exist; pass a Hugging Face checkpoint directory",
+        ),
+        ("tokenizer", ["--model", "/nonexistent/ckpt"], {}, "/nonexistent/ckpt: does not exist"),
+        (
+            "scheduler",
+            ["--no-such-flag", "1"],
+            {},
+            "unknown option(s) for scheduler: --no-such-flag",
+        ),
+    ],
+)
 def test_serve_with_a_bad_setting_or_model_is_one_line(model, role, args, env, needle):
     res = run_cli(
         "serve",
@@ -146,11 +185,14 @@ def test_serve_gateway_on_a_busy_port(model):
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        res = run_cli("serve", "gateway", "--port", str(port),
-                      env={"STRATA_NATS_URL": "nats://127.0.0.1:1"})  # fmt: skip
+        res = run_cli(
+            "serve", "gateway", "--port", str(port), env={"STRATA_NATS_URL": "nats://127.0.0.1:1"}
+        )
     assert res.returncode == 1
-    assert res.stderr.startswith(f"STRATA_FATAL gateway: gateway port {port} on 127.0.0.1 "
-                                 "cannot be bound (Address already in use); pass --port")  # fmt: skip
+    assert res.stderr.startswith(
+        f"STRATA_FATAL gateway: gateway port {port} on 127.0.0.1 "
+        "cannot be bound (Address already in use); pass --port"
+    )
 
 
 def test_supervisor_reports_the_fatal_line_not_the_tail():

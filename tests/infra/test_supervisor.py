@@ -57,8 +57,10 @@ def test_sink_colors_only_ttys(monkeypatch):
 def test_output_is_prefixed_and_ready_line_detected(tmp_path):
     out = io.StringIO()
     sup = Supervisor(LogSink(out, color=False), log_dir=str(tmp_path))
-    code = ("import sys, time; print('one'); print('two', file=sys.stderr, flush=True); "
-            "print('STRATA_READY role=x instance=a-0 grpc=1.2.3.4:5', flush=True); time.sleep(60)")
+    code = (
+        "import sys, time; print('one'); print('two', file=sys.stderr, flush=True); "
+        "print('STRATA_READY role=x instance=a-0 grpc=1.2.3.4:5', flush=True); time.sleep(60)"
+    )
     p = sup.start(child("a-0", code))
     sup.wait_ready(["a-0"], timeout=20)
     assert p.ready_detail == "role=x instance=a-0 grpc=1.2.3.4:5"
@@ -124,8 +126,10 @@ def test_stop_kills_whole_process_group_including_grandchildren(tmp_path):
 
 
 def test_sigterm_ignoring_child_is_sigkilled_after_timeout():
-    code = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-            "print('STRATA_READY', flush=True); time.sleep(600)")
+    code = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "print('STRATA_READY', flush=True); time.sleep(600)"
+    )
     sup = Supervisor()
     p = sup.start(child("stubborn-0", code))
     sup.wait_ready(["stubborn-0"], timeout=20)
@@ -136,8 +140,10 @@ def test_sigterm_ignoring_child_is_sigkilled_after_timeout():
 
 
 def test_graceful_child_exits_on_sigterm_before_timeout():
-    code = ("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(0)); "
-            "print('STRATA_READY', flush=True); time.sleep(600)")
+    code = (
+        "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(0)); "
+        "print('STRATA_READY', flush=True); time.sleep(600)"
+    )
     sup = Supervisor()
     p = sup.start(child("nice-0", code))
     sup.wait_ready(["nice-0"], timeout=20)
@@ -162,5 +168,6 @@ def test_unexpected_exit_reported_once_and_kill_is_expected():
     assert sup.exited() == []
     with pytest.raises(ValueError):
         sup.start(child("c-0", "import time; time.sleep(60)", ready=False)) and sup.start(
-            child("c-0", "pass"))
+            child("c-0", "pass")
+        )
     sup.stop_all(timeout=5)

@@ -31,8 +31,11 @@ def fake(tmp_path):
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
     model = write_fake_checkpoint(tmp_path / "model", "LlavaForConditionalGeneration")
-    env = {"STRATA_APP_PACKAGE": "fakeapps", "FAKE_PID_DIR": str(pid_dir),
-           "PYTHONPATH": os.pathsep.join([repo_root(), root])}
+    env = {
+        "STRATA_APP_PACKAGE": "fakeapps",
+        "FAKE_PID_DIR": str(pid_dir),
+        "PYTHONPATH": os.pathsep.join([repo_root(), root]),
+    }
     return {"env": env, "pid_dir": pid_dir, "model": model, "tmp": tmp_path}
 
 
@@ -46,15 +49,33 @@ def all_dead(pids: list[int], timeout: float = 10.0) -> bool:
 
 
 def up_cmd(fake, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "services.cli", "up", "--model", fake["model"], "--port",
-            str(free_port()), "--data-dir", str(fake["tmp"] / "data"), "--no-color", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "up",
+        "--model",
+        fake["model"],
+        "--port",
+        str(free_port()),
+        "--data-dir",
+        str(fake["tmp"] / "data"),
+        "--no-color",
+        *extra,
+    ]
 
 
 def test_strata_up_serves_then_stops_everything_on_sigterm(fake):
     env = dict(os.environ, **fake["env"])
-    proc = subprocess.Popen(up_cmd(fake, "--prefill", "1", "--decode", "2"), env=env,
-                            cwd=repo_root(), text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        up_cmd(fake, "--prefill", "1", "--decode", "2"),
+        env=env,
+        cwd=repo_root(),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     lines: list[str] = []
     try:
         deadline = time.monotonic() + 120
@@ -71,8 +92,16 @@ def test_strata_up_serves_then_stops_everything_on_sigterm(fake):
             assert r.status == 200
         text = "".join(lines)
         assert "'fake-model'" in banner  # the banner asked /v1/models
-        for name in ("scheduler-0", "tokenizer-0", "vision-0", "kvstore-0", "prefill-0",
-                     "decode-0", "decode-1", "gateway-0"):
+        for name in (
+            "scheduler-0",
+            "tokenizer-0",
+            "vision-0",
+            "kvstore-0",
+            "prefill-0",
+            "decode-0",
+            "decode-1",
+            "gateway-0",
+        ):
             assert f"[{name}] STRATA_READY" in text, name
         assert "[decode-1] decode-1 starting argv=[] threads=1" in text
         assert "[gateway-0] gateway-0 starting argv=[] threads=-" in text
@@ -96,12 +125,19 @@ def test_strata_up_serves_then_stops_everything_on_sigterm(fake):
 
 def test_strata_up_fails_fast_when_a_service_crashes(fake):
     env = dict(os.environ, **fake["env"], FAKE_CRASH="decode")
-    res = subprocess.run(up_cmd(fake, "--no-minio"), env=env, cwd=repo_root(), text=True,
-                         capture_output=True, timeout=120)
+    res = subprocess.run(
+        up_cmd(fake, "--no-minio"),
+        env=env,
+        cwd=repo_root(),
+        text=True,
+        capture_output=True,
+        timeout=120,
+    )
     assert res.returncode == 1  # at the crash (the message says so), not at a deadline
     err = res.stderr
     assert "start-up failed: decode-0 exited with code 3 before it was ready" in err or (
-        "start-up failed: decode-0 exited with code 3" in err), err
+        "start-up failed: decode-0 exited with code 3" in err
+    ), err
     assert "  | boom: fake failure in decode-0" in err
     assert all_dead(recorded_pids(fake["pid_dir"]))
 
@@ -115,15 +151,28 @@ def test_strata_up_refuses_a_busy_port(fake):
         port = s.getsockname()[1]
         cmd = up_cmd(fake, "--no-minio")
         cmd[cmd.index("--port") + 1] = str(port)
-        res = subprocess.run(cmd, env=dict(os.environ, **fake["env"]), cwd=repo_root(),
-                             text=True, capture_output=True, timeout=60)
+        res = subprocess.run(
+            cmd,
+            env=dict(os.environ, **fake["env"]),
+            cwd=repo_root(),
+            text=True,
+            capture_output=True,
+            timeout=60,
+        )
     assert res.returncode == 1
     assert f"port {port} is already in use" in res.stderr
 
 
 def test_cluster_library_kill_restart_scale(fake):
-    c = Cluster(fake["model"], minio=False, vision=0, kvstore=0, prefill=1, env=fake["env"],
-                role_args={"decode": ["--max-num-seqs", "4"]})
+    c = Cluster(
+        fake["model"],
+        minio=False,
+        vision=0,
+        kvstore=0,
+        prefill=1,
+        env=fake["env"],
+        role_args={"decode": ["--max-num-seqs", "4"]},
+    )
     with c:
         assert c.names() == ["scheduler-0", "tokenizer-0", "prefill-0", "decode-0", "gateway-0"]
         with urllib.request.urlopen(c.gateway_url + "/v1/models", timeout=5) as r:
@@ -137,7 +186,8 @@ def test_cluster_library_kill_restart_scale(fake):
         assert c.alive("decode-0") and c.sup.procs["decode-0"].pid != old_pid
         assert c.start_service("decode", args=["--x", "1"]) == "decode-1"
         assert "decode-1 starting argv=['--max-num-seqs', '4', '--x', '1'] threads=1" in c.logs(
-            "decode-1")
+            "decode-1"
+        )
         os.kill(c.sup.procs["tokenizer-0"].pid, signal.SIGKILL)  # a crash nobody asked for
         c.sup.procs["tokenizer-0"].proc.wait(5)
         with pytest.raises(ServiceFailed, match="tokenizer-0 exited with code -9"):
@@ -166,8 +216,14 @@ def test_sigkilled_strata_up_leaves_no_service_or_server(fake):
     """Children die with the launcher (PR_SET_PDEATHSIG), even when it gets no chance to
     clean up. Only the dummy apps' own grandchildren (not in the launcher's hands) remain."""
     env = dict(os.environ, **fake["env"])
-    proc = subprocess.Popen(up_cmd(fake, "--prefill", "1"), env=env, cwd=repo_root(),
-                            text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        up_cmd(fake, "--prefill", "1"),
+        env=env,
+        cwd=repo_root(),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     out = []
     for line in proc.stdout:
         out.append(line)
@@ -196,7 +252,11 @@ def _pid_of(exe: str, marker: str) -> int:
                     cmd = f.read().split(b"\0")
             except OSError:
                 continue
-            if cmd and os.path.basename(cmd[0].decode()) == exe and marker.encode() in b" ".join(cmd):
+            if (
+                cmd
+                and os.path.basename(cmd[0].decode()) == exe
+                and marker.encode() in b" ".join(cmd)
+            ):
                 return int(entry)
     return 0
 
@@ -206,9 +266,15 @@ def test_strata_up_restarts_a_crash_then_gives_up_on_a_required_role(fake):
     launcher's metrics port); one that then keeps failing before it is ready is given up with
     one line, and losing the only decode instance stops `strata up` with exit code 1."""
     env = dict(os.environ, **fake["env"])
-    proc = subprocess.Popen(up_cmd(fake, "--no-minio", "--vision", "0", "--kvstore", "0"),
-                            env=env, cwd=repo_root(), text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        up_cmd(fake, "--no-minio", "--vision", "0", "--kvstore", "0"),
+        env=env,
+        cwd=repo_root(),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     lines: list[str] = []
 
     def read_until(needle: str, timeout: float = 90) -> str:
@@ -235,8 +301,10 @@ def test_strata_up_restarts_a_crash_then_gives_up_on_a_required_role(fake):
         (fake["pid_dir"] / "decode-0.crash").write_text("")  # every later start fails
         os.kill(decode_pid(), signal.SIGKILL)
         gave_up = read_until("giving up", timeout=120)
-        assert "decode-0 exited with code 3; giving up after 5 failed starts in a row (last: " \
-               "boom: fake failure in decode-0)" in gave_up, gave_up
+        assert (
+            "decode-0 exited with code 3; giving up after 5 failed starts in a row (last: "
+            "boom: fake failure in decode-0)" in gave_up
+        ), gave_up
         rest, _ = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:

@@ -12,17 +12,21 @@ from tests.gateway.harness import gateway
 
 
 def _jobs(n: int, max_tokens: int = 4) -> list[Job]:
-    return [Job(i, max_tokens, messages=[{"role": "user", "content": f"hi {i}"}]) for i in
-            range(n)]  # fmt: skip
+    return [Job(i, max_tokens, messages=[{"role": "user", "content": f"hi {i}"}]) for i in range(n)]
 
 
 async def test_closed_loop_run_times_every_token_and_passes_slo_headers(nats_url):
     async with gateway(nats_url, peers_kw={"max_model_len": 512}) as (url, peers, _):
         model = await served_model(url)
         assert model == "tiny"
-        cfg = RunConfig(url, model, request_timeout=10, deadline=30, progress=False,
-                        headers={"X-Strata-Slo-Class": "batch",
-                                 "X-Strata-TTFT-SLO-Ms": "250"})  # fmt: skip
+        cfg = RunConfig(
+            url,
+            model,
+            request_timeout=10,
+            deadline=30,
+            progress=False,
+            headers={"X-Strata-Slo-Class": "batch", "X-Strata-TTFT-SLO-Ms": "250"},
+        )
         jobs = _jobs(6) + [Job(6, 3, prompt="plain completion")]
         results, wall = await run_jobs(jobs, cfg, concurrency=3)
     assert [r.index for r in results] == list(range(7))
@@ -39,18 +43,24 @@ async def test_closed_loop_run_times_every_token_and_passes_slo_headers(nats_url
 
 async def test_slo_body_field_header_precedence_and_bad_values(nats_url):
     async with gateway(nats_url, peers_kw={"max_model_len": 512}) as (url, peers, _):
-        body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
-                "max_tokens": 2, "ttft_slo_ms": 120.5}  # fmt: skip
+        body = {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": 2,
+            "ttft_slo_ms": 120.5,
+        }
         async with httpx.AsyncClient(base_url=url, timeout=10) as c:
             assert (await c.post("/v1/chat/completions", json=body)).status_code == 200
-            r = await c.post("/v1/chat/completions", json=body,
-                             headers={"X-Strata-TTFT-SLO-Ms": "80"})  # fmt: skip
+            r = await c.post(
+                "/v1/chat/completions", json=body, headers={"X-Strata-TTFT-SLO-Ms": "80"}
+            )
             assert r.status_code == 200
             plain = {k: v for k, v in body.items() if k != "ttft_slo_ms"}
             assert (await c.post("/v1/chat/completions", json=plain)).status_code == 200
             for bad in ("abc", "0", "-5", "nan", "inf"):
-                r = await c.post("/v1/chat/completions", json=body,
-                                 headers={"X-Strata-TTFT-SLO-Ms": bad})  # fmt: skip
+                r = await c.post(
+                    "/v1/chat/completions", json=body, headers={"X-Strata-TTFT-SLO-Ms": bad}
+                )
                 assert r.status_code == 400, bad
                 assert r.json()["error"]["param"] == "ttft_slo_ms"
             r = await c.post("/v1/chat/completions", json={**body, "ttft_slo_ms": -1})

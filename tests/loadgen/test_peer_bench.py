@@ -51,8 +51,15 @@ def test_greedy_agreement_names_the_first_differing_token():
 
 
 def test_roofline_arithmetic_on_a_known_shape():
-    cfg = SimpleNamespace(hidden_size=4, intermediate_size=8, num_heads=2, num_kv_heads=1,
-                          head_dim=2, vocab_size=10, num_layers=3)  # fmt: skip
+    cfg = SimpleNamespace(
+        hidden_size=4,
+        intermediate_size=8,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=2,
+        vocab_size=10,
+        num_layers=3,
+    )
     # per layer: qkv 4x8, o 4x4, gate_up 4x16, down 8x4 = 32 + 16 + 64 + 32 = 144
     assert linear_params(cfg) == (3 * 144, 40)
     # 1 token: 2 x projections + one lm_head row + causal attention 2 x 1 x 3 layers x 2 x 2

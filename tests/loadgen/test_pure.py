@@ -41,10 +41,19 @@ def test_same_hash_prefix_gives_same_text_prefix_and_last_block_is_truncated():
 
 
 def test_scaling_caps_and_time():
-    scale = TraceScale(length_scale=0.5, output_scale=0.5, time_scale=0.25, max_input=100,
-                       max_output=7, max_requests=2)  # fmt: skip
-    rows = [TraceRow(1000, 1000, 1, (0, 1)), TraceRow(3000, 10, 100, (2,)),
-            TraceRow(4000, 10, 10, (3,))]  # fmt: skip
+    scale = TraceScale(
+        length_scale=0.5,
+        output_scale=0.5,
+        time_scale=0.25,
+        max_input=100,
+        max_output=7,
+        max_requests=2,
+    )
+    rows = [
+        TraceRow(1000, 1000, 1, (0, 1)),
+        TraceRow(3000, 10, 100, (2,)),
+        TraceRow(4000, 10, 10, (3,)),
+    ]
     jobs = trace_jobs(rows, scale)
     assert len(jobs) == 2
     assert [j.arrival for j in jobs] == [0.0, 0.5]
@@ -78,8 +87,16 @@ def test_poisson_arrivals_are_seeded_increasing_with_the_right_rate():
 
 
 def test_synthetic_tenants_share_system_prompts_and_images_follow_the_fraction():
-    spec = SyntheticSpec(num_requests=200, input_min=3, input_max=5, output_tokens=4, tenants=3,
-                         system_prompt_tokens=10, image_fraction=0.5, seed=1)  # fmt: skip
+    spec = SyntheticSpec(
+        num_requests=200,
+        input_min=3,
+        input_max=5,
+        output_tokens=4,
+        tenants=3,
+        system_prompt_tokens=10,
+        image_fraction=0.5,
+        seed=1,
+    )
     jobs = synthetic_jobs(spec)
     assert [j.tenant for j in jobs[:6]] == [0, 1, 2, 0, 1, 2]
     sys0 = {j.messages[0]["content"] for j in jobs if j.tenant == 0}
@@ -108,14 +125,24 @@ def test_percentile_matches_linear_interpolation():
 
 def _results() -> list[RequestResult]:
     return [
-        RequestResult(0, 0.0, 200, ttft=0.1, e2e=1.0, itl=[0.01, 0.03], prompt_tokens=10,
-                      completion_tokens=3, cached_tokens=4),
-        RequestResult(1, 0.1, 200, ttft=0.3, e2e=2.0, itl=[0.02], prompt_tokens=20,
-                      completion_tokens=2),
+        RequestResult(
+            0,
+            0.0,
+            200,
+            ttft=0.1,
+            e2e=1.0,
+            itl=[0.01, 0.03],
+            prompt_tokens=10,
+            completion_tokens=3,
+            cached_tokens=4,
+        ),
+        RequestResult(
+            1, 0.1, 200, ttft=0.3, e2e=2.0, itl=[0.02], prompt_tokens=20, completion_tokens=2
+        ),
         RequestResult(2, 0.2, 429, error="overloaded"),
         RequestResult(3, 0.3, 0, error="ConnectError"),
         RequestResult(4, 0.4, 200, ttft=0.2, error="stream ended without [DONE]"),
-    ]  # fmt: skip
+    ]
 
 
 def test_summary_counts_only_ok_requests_and_buckets_errors():

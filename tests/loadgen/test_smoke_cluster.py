@@ -13,13 +13,40 @@ pytestmark = pytest.mark.e2e
 
 
 def test_start_cluster_run_writes_a_clean_report(tmp_path, default_model_dir):
-    rc = main([
-        "--start-cluster", "--model", default_model_dir, "--prefill", "0", "--vision", "0",
-        "--kvstore", "0", "--rate", "3", "--num-requests", "6", "--tenants", "2",
-        "--system-prompt-tokens", "48", "--input-min", "8", "--input-max", "16",
-        "--output-tokens", "5", "--duration", "60", "--request-timeout", "30",
-        "--out", str(tmp_path), "--no-progress",
-    ])  # fmt: skip
+    rc = main(
+        [
+            "--start-cluster",
+            "--model",
+            default_model_dir,
+            "--prefill",
+            "0",
+            "--vision",
+            "0",
+            "--kvstore",
+            "0",
+            "--rate",
+            "3",
+            "--num-requests",
+            "6",
+            "--tenants",
+            "2",
+            "--system-prompt-tokens",
+            "48",
+            "--input-min",
+            "8",
+            "--input-max",
+            "16",
+            "--output-tokens",
+            "5",
+            "--duration",
+            "60",
+            "--request-timeout",
+            "30",
+            "--out",
+            str(tmp_path),
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     data = json.loads((tmp_path / "results.json").read_text())
     s = data["summary"]

@@ -26,9 +26,14 @@ class PagedDriver:
         self.model = model
         self.block_size = block_size
         self.cache = KVCache.allocate(
-            model.num_layers, num_blocks, block_size, model.num_kv_heads, model.head_dim,
-            model.dtype, model.device,
-        )  # fmt: skip
+            model.num_layers,
+            num_blocks,
+            block_size,
+            model.num_kv_heads,
+            model.head_dim,
+            model.dtype,
+            model.device,
+        )
         g = torch.Generator().manual_seed(seed)
         self.free = torch.randperm(num_blocks, generator=g).tolist()
 
@@ -72,9 +77,13 @@ class PagedDriver:
             context_lens_list=ctx,
         )
         hidden = self.model(
-            torch.tensor(ids), torch.tensor(pos), meta, self.cache,
-            inputs_embeds=inputs_embeds, layer_callback=layer_callback,
-        )  # fmt: skip
+            torch.tensor(ids),
+            torch.tensor(pos),
+            meta,
+            self.cache,
+            inputs_embeds=inputs_embeds,
+            layer_callback=layer_callback,
+        )
         for seq, toks in batch:
             seq.length += len(toks)
         last = torch.tensor(qsl[1:]) - 1

@@ -18,8 +18,11 @@ def _reference(q, k_cache, v_cache, tables, ctx, scale):
         blocks = tables[i, : -(-n // bs)]
         k = k_cache[blocks].reshape(-1, kvh, q.shape[2])[:n].repeat_interleave(group, dim=1)
         v = v_cache[blocks].reshape(-1, kvh, q.shape[2])[:n].repeat_interleave(group, dim=1)
-        out.append(F.scaled_dot_product_attention(
-            q[i][:, None], k.transpose(0, 1), v.transpose(0, 1), scale=scale)[:, 0])  # fmt: skip
+        out.append(
+            F.scaled_dot_product_attention(
+                q[i][:, None], k.transpose(0, 1), v.transpose(0, 1), scale=scale
+            )[:, 0]
+        )
     return torch.stack(out)
 
 
@@ -72,8 +75,10 @@ def test_not_applicable_returns_none():
     tables = torch.tensor([[0], [1]])
     assert cpu_kernels.decode_attention(q, cache, cache, tables, torch.tensor([3, 4]), 0.1) is None
     strided = torch.randn(4, 16, 4, 64)[:, :, :2]
-    assert cpu_kernels.decode_attention(q.float(), strided, strided, tables,
-                                        torch.tensor([3, 4]), 0.1) is None  # fmt: skip
+    assert (
+        cpu_kernels.decode_attention(q.float(), strided, strided, tables, torch.tensor([3, 4]), 0.1)
+        is None
+    )
 
 
 def test_kernel_source_is_package_data():

@@ -22,24 +22,47 @@ def _image(seed, size=(45, 37)):
 
 def _build(path, vision: str):
     if vision == "clip":
-        vc = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64,
-                                           num_hidden_layers=3, num_attention_heads=4,
-                                           image_size=32, patch_size=8)  # fmt: skip
-        tc = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, initializer_range=0.5)  # fmt: skip
+        vc = transformers.CLIPVisionConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            image_size=32,
+            patch_size=8,
+        )
+        tc = transformers.Qwen2Config(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            initializer_range=0.5,
+        )
         extra = dict(vision_feature_layer=-2, vision_feature_select_strategy="default")
     else:
-        vc = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64,
-                                             num_hidden_layers=2, num_attention_heads=4,
-                                             image_size=32, patch_size=8)  # fmt: skip
-        tc = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=4, initializer_range=0.5,
-                                      tie_word_embeddings=False)  # fmt: skip
+        vc = transformers.SiglipVisionConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            image_size=32,
+            patch_size=8,
+        )
+        tc = transformers.LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            initializer_range=0.5,
+            tie_word_embeddings=False,
+        )
         extra = dict(vision_feature_layer=[-1, 1], vision_feature_select_strategy="full")
-    cfg = transformers.LlavaConfig(vision_config=vc, text_config=tc, image_token_index=IMAGE_TOKEN,
-                                   **extra)  # fmt: skip
+    cfg = transformers.LlavaConfig(
+        vision_config=vc, text_config=tc, image_token_index=IMAGE_TOKEN, **extra
+    )
     torch.manual_seed(0)
     hf = transformers.LlavaForConditionalGeneration(cfg).eval()
     with torch.no_grad():  # make images matter: projector output on the scale of embeddings
@@ -125,8 +148,9 @@ def test_default_model_loads_in_transformers(default_model_dir):
 @pytest.mark.parametrize("kind", ["clip", "siglip"])
 def test_preprocessing_matches_transformers(tmp_path, kind):
     if kind == "clip":
-        hf_proc = transformers.CLIPImageProcessor(size={"shortest_edge": 40},
-                                                  crop_size={"height": 32, "width": 32})  # fmt: skip
+        hf_proc = transformers.CLIPImageProcessor(
+            size={"shortest_edge": 40}, crop_size={"height": 32, "width": 32}
+        )
     else:
         hf_proc = transformers.SiglipImageProcessor(size={"height": 32, "width": 32})
     hf_proc.save_pretrained(tmp_path)

@@ -17,9 +17,15 @@ transformers = pytest.importorskip("transformers")
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen3")
-    cfg = transformers.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=48,
-                                   num_hidden_layers=2, num_attention_heads=2,
-                                   num_key_value_heads=1, head_dim=16)  # fmt: skip
+    cfg = transformers.Qwen3Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+    )
     torch.manual_seed(0)
     transformers.Qwen3ForCausalLM(cfg).save_pretrained(path)
     return path
@@ -31,12 +37,26 @@ def _copy(src, dst):
 
 
 def test_transformers_4x_config_layout():
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "bfloat16",
-           "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
-           "intermediate_size": 96, "vocab_size": 100, "rope_theta": 500000.0,
-           "rope_scaling": {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-           "eos_token_id": [1, 2], "bos_token_id": 0}  # fmt: skip
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "torch_dtype": "bfloat16",
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 2,
+        "intermediate_size": 96,
+        "vocab_size": 100,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        "eos_token_id": [1, 2],
+        "bos_token_id": 0,
+    }
     c = config_from_dict(cfg)
     assert c.dtype == torch.bfloat16 and c.rope_theta == 500000.0
     assert c.rope_scaling["rope_type"] == "llama3" and c.num_kv_heads == 4 and c.head_dim == 16
@@ -56,8 +76,9 @@ def test_sharded_checkpoint_loads_identically(ckpt, tmp_path):
     hf.save_pretrained(tmp_path, max_shard_size="20KB")
     assert (tmp_path / "model.safetensors.index.json").exists()
     single, sharded = load_model(ckpt), load_model(tmp_path)
-    for (n, a), (_, b) in zip(single.model.state_dict().items(),
-                              sharded.model.state_dict().items(), strict=True):  # fmt: skip
+    for (n, a), (_, b) in zip(
+        single.model.state_dict().items(), sharded.model.state_dict().items(), strict=True
+    ):
         assert torch.equal(a, b), n
 
 
@@ -125,8 +146,14 @@ def test_default_models_deterministic_and_cached(tmp_path):
     assert (a / "model.safetensors").stat().st_mtime_ns == stamp
     bench = load_model(build_benchmark_model(tmp_path / "bench"))
     c = bench.config
-    assert (c.hidden_size, c.intermediate_size, c.num_layers, c.num_heads, c.num_kv_heads,
-            c.head_dim) == (512, 1408, 8, 8, 4, 64)  # fmt: skip
+    assert (
+        c.hidden_size,
+        c.intermediate_size,
+        c.num_layers,
+        c.num_heads,
+        c.num_kv_heads,
+        c.head_dim,
+    ) == (512, 1408, 8, 8, 4, 64)
     n_params = sum(p.numel() for p in bench.model.parameters())
     assert 20e6 < n_params < 30e6
     default = load_model(a)

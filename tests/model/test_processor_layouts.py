@@ -41,8 +41,9 @@ IMAGES = [_image(1, (123, 77)), _image(2, (60, 200)), _image(3, (32, 32)).conver
 
 
 def _clip_processor():
-    return transformers.CLIPImageProcessor(size={"shortest_edge": 40},
-                                           crop_size={"height": 32, "width": 32})  # fmt: skip
+    return transformers.CLIPImageProcessor(
+        size={"shortest_edge": 40}, crop_size={"height": 32, "width": 32}
+    )
 
 
 def _hf_pixels(proc, images) -> torch.Tensor:
@@ -55,28 +56,49 @@ def llava5(tmp_path_factory):
     out = tmp_path_factory.mktemp("llava_tf5")
     tok = train_tokenizer()
     fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
         extra_special_tokens={"image_token": "<image>"},
-    )  # fmt: skip
+    )
     vocab = -(-tok.get_vocab_size(with_added_tokens=True) // 64) * 64
-    vc = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                       num_attention_heads=4, image_size=32, patch_size=8)  # fmt: skip
-    tc = transformers.Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=96,
-                                  num_hidden_layers=2, num_attention_heads=4,
-                                  num_key_value_heads=2, initializer_range=0.2,
-                                  eos_token_id=tok.token_to_id("<|im_end|>"))  # fmt: skip
-    cfg = transformers.LlavaConfig(vision_config=vc, text_config=tc,
-                                   image_token_index=tok.token_to_id("<image>"),
-                                   vision_feature_layer=-2,
-                                   vision_feature_select_strategy="default")  # fmt: skip
+    vc = transformers.CLIPVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=32,
+        patch_size=8,
+    )
+    tc = transformers.Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.2,
+        eos_token_id=tok.token_to_id("<|im_end|>"),
+    )
+    cfg = transformers.LlavaConfig(
+        vision_config=vc,
+        text_config=tc,
+        image_token_index=tok.token_to_id("<image>"),
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+    )
     torch.manual_seed(0)
     hf = transformers.LlavaForConditionalGeneration(cfg).eval()
     with torch.no_grad():  # make images matter: projector output on the scale of embeddings
         hf.model.multi_modal_projector.linear_2.weight.mul_(20)
-    proc = transformers.LlavaProcessor(image_processor=_clip_processor(), tokenizer=fast,
-                                       chat_template=CHAT_TEMPLATE, patch_size=8,
-                                       vision_feature_select_strategy="default",
-                                       num_additional_image_tokens=1)  # fmt: skip
+    proc = transformers.LlavaProcessor(
+        image_processor=_clip_processor(),
+        tokenizer=fast,
+        chat_template=CHAT_TEMPLATE,
+        patch_size=8,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+    )
     hf.save_pretrained(out)
     proc.save_pretrained(out)
     return out, hf
@@ -129,14 +151,22 @@ def test_no_image_processor_names_both_files(tmp_path):
         ImageProcessor.from_dir(tmp_path)
 
 
-CHAT = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}},
-                                      {"type": "text", "text": "What is in it?"}]}]  # fmt: skip
+CHAT = [
+    {
+        "role": "user",
+        "content": [
+            {"type": "image_url", "image_url": {"url": "x"}},
+            {"type": "text", "text": "What is in it?"},
+        ],
+    }
+]
 
 
 def _hf_inputs(path, image):
     proc = transformers.AutoProcessor.from_pretrained(path)
-    hf_chat = [{"role": "user", "content": [{"type": "image"},
-                                             {"type": "text", "text": "What is in it?"}]}]  # fmt: skip
+    hf_chat = [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is in it?"}]}
+    ]
     text = proc.apply_chat_template(hf_chat, add_generation_prompt=True)
     return proc(text=text, images=[image], return_tensors="pt")
 
@@ -169,10 +199,18 @@ def test_greedy_matches_transformers_generate(llava5):
     pixels = ImageProcessor.from_dir(path).preprocess([IMAGES[1]])
     feats = lm.model.encode_images(pixels)
     mm = [MMInput(rep.image_spans[0].offset, feats[0], image_content_hash(b"img"))]
-    eng = LLMEngine(lm, EngineConfig(block_size=4, kv_cache_bytes=8 << 20, max_num_seqs=2,
-                                     max_num_batched_tokens=256))  # fmt: skip
-    eng.add_request("r", rep.token_ids, SamplingParams(temperature=0, max_tokens=8,
-                                                       ignore_eos=True), mm_inputs=mm)  # fmt: skip
+    eng = LLMEngine(
+        lm,
+        EngineConfig(
+            block_size=4, kv_cache_bytes=8 << 20, max_num_seqs=2, max_num_batched_tokens=256
+        ),
+    )
+    eng.add_request(
+        "r",
+        rep.token_ids,
+        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+        mm_inputs=mm,
+    )
     got = []
     while eng.has_unfinished_requests():
         got += sum((o.new_token_ids for o in eng.step()), [])
@@ -181,6 +219,10 @@ def test_greedy_matches_transformers_generate(llava5):
         want = hf.generate(**hf_in, max_new_tokens=8, min_new_tokens=8, do_sample=False)
     assert got == want[0, hf_in["input_ids"].shape[1] :].tolist()
     with torch.no_grad():  # the image changes the output: the vision path is not a no-op
-        blank = hf.generate(**{**hf_in, "pixel_values": torch.zeros_like(hf_in["pixel_values"])},
-                            max_new_tokens=8, min_new_tokens=8, do_sample=False)  # fmt: skip
+        blank = hf.generate(
+            **{**hf_in, "pixel_values": torch.zeros_like(hf_in["pixel_values"])},
+            max_new_tokens=8,
+            min_new_tokens=8,
+            do_sample=False,
+        )
     assert blank[0].tolist() != want[0].tolist()

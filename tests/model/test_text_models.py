@@ -11,18 +11,39 @@ transformers = pytest.importorskip("transformers")
 VOCAB = 160
 CASES = {
     # Qwen3: q/k norm, GQA 4:2, head_dim 32 != hidden/heads, untied
-    "qwen3": dict(cls="Qwen3", kw=dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                                       tie_word_embeddings=False, rope_theta=1e6)),
+    "qwen3": dict(
+        cls="Qwen3",
+        kw=dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            tie_word_embeddings=False,
+            rope_theta=1e6,
+        ),
+    ),
     # Qwen2: qkv bias, MQA-ish 4:1, tied embeddings
-    "qwen2": dict(cls="Qwen2", kw=dict(num_attention_heads=4, num_key_value_heads=1,
-                                       tie_word_embeddings=True)),
+    "qwen2": dict(
+        cls="Qwen2", kw=dict(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True)
+    ),
     # Llama 3 style: llama3 rope scaling, attention/mlp bias, MHA, head_dim 8
-    "llama3": dict(cls="Llama", kw=dict(
-        num_attention_heads=8, num_key_value_heads=8, attention_bias=True, mlp_bias=True,
-        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
-                          high_freq_factor=4.0, original_max_position_embeddings=16),
-        rope_theta=500000.0)),
-}  # fmt: skip
+    "llama3": dict(
+        cls="Llama",
+        kw=dict(
+            num_attention_heads=8,
+            num_key_value_heads=8,
+            attention_bias=True,
+            mlp_bias=True,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=16,
+            ),
+            rope_theta=500000.0,
+        ),
+    ),
+}
 
 
 def _build(name, path):
@@ -34,8 +55,15 @@ def _build(name, path):
         rope = dict(kw.pop("rope_scaling", None) or {"rope_type": "default"})
         rope["rope_theta"] = kw.pop("rope_theta", 10000.0)
         kw["rope_parameters"] = rope
-    cfg = cfg_cls(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  initializer_range=0.5, max_position_embeddings=256, **kw)  # fmt: skip
+    cfg = cfg_cls(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        initializer_range=0.5,
+        max_position_embeddings=256,
+        **kw,
+    )
     torch.manual_seed(0)
     hf = model_cls(cfg).eval()
     hf.save_pretrained(path)
@@ -99,8 +127,13 @@ def test_chunked_prefill_exact_in_fp64(pair, block_size, chunk):
         ref = hf64(torch.tensor([ids])).logits[0]
     m64 = load_model(ours.path, dtype=torch.float64).model
     drv = PagedDriver(m64, block_size=block_size)
-    hidden = torch.cat([drv.step([(seq, ids[s : s + chunk])])[0]
-                        for seq in [drv.new_seq()] for s in range(0, len(ids), chunk)])  # fmt: skip
+    hidden = torch.cat(
+        [
+            drv.step([(seq, ids[s : s + chunk])])[0]
+            for seq in [drv.new_seq()]
+            for s in range(0, len(ids), chunk)
+        ]
+    )
     got = m64.lm_head(hidden)
     assert (got - ref).abs().max().item() < 1e-9
 

@@ -40,13 +40,21 @@ def custom_dir(tmp_path_factory):
     tok = HFTok(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(TEXTS * 20 + ["plain english words for merges"] * 50, trainer)
     tok.save(str(path / "tokenizer.json"))
-    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-           "chat_template": CUSTOM_TEMPLATE, "clean_up_tokenization_spaces": False}  # fmt: skip
+    cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "chat_template": CUSTOM_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+    }
     (path / "tokenizer_config.json").write_text(json.dumps(cfg))
     return path
 

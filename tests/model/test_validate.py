@@ -48,17 +48,23 @@ def _break(d, how: str) -> None:
     elif how == "architecture":
         (d / "config.json").write_text(json.dumps({"architectures": ["MambaForCausalLM"]}))
     elif how == "llava text model":
-        (d / "config.json").write_text(json.dumps({
-            "architectures": ["LlavaForConditionalGeneration"],
-            "text_config": {"model_type": "gpt2"}}))  # fmt: skip
+        (d / "config.json").write_text(
+            json.dumps(
+                {
+                    "architectures": ["LlavaForConditionalGeneration"],
+                    "text_config": {"model_type": "gpt2"},
+                }
+            )
+        )
     elif how == "no weights":
         (d / "model.safetensors").unlink()
     elif how == "corrupt weights":
         (d / "model.safetensors").write_bytes(b"\x00" * 3)
     elif how == "missing shard":
         (d / "model.safetensors").unlink()
-        (d / "model.safetensors.index.json").write_text(json.dumps(
-            {"weight_map": {"a": "model-00001-of-00002.safetensors"}}))  # fmt: skip
+        (d / "model.safetensors.index.json").write_text(
+            json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors"}})
+        )
     elif how == "bad index":
         (d / "model.safetensors.index.json").write_text("{}")
     elif how == "no tokenizer":
@@ -71,17 +77,26 @@ CASES = [
     ("bad json", r"config.json: invalid JSON \(.*\); re-save the checkpoint"),
     ("binary config", r"config.json: cannot be read \(.*\); check the file"),
     ("json list", r"config.json: expected a JSON object, got list"),
-    ("architecture", r"config.json: unsupported architecture 'MambaForCausalLM' \(Strata serves "
-                     r"LlamaForCausalLM, .*LlavaForConditionalGeneration\)"),
+    (
+        "architecture",
+        r"config.json: unsupported architecture 'MambaForCausalLM' \(Strata serves "
+        r"LlamaForCausalLM, .*LlavaForConditionalGeneration\)",
+    ),
     ("llava text model", r"config.json: unsupported LLaVA text model_type 'gpt2'"),
-    ("no weights", r"m: no model.safetensors or model.safetensors.index.json \(Strata loads "
-                   r"safetensors weights"),
+    (
+        "no weights",
+        r"m: no model.safetensors or model.safetensors.index.json \(Strata loads "
+        r"safetensors weights",
+    ),
     ("corrupt weights", r"model.safetensors: not a valid safetensors file \(truncated or corrupt"),
-    ("missing shard", r"model-00001-of-00002.safetensors: weights shard listed in "
-                      r"model.safetensors.index.json is missing"),
+    (
+        "missing shard",
+        r"model-00001-of-00002.safetensors: weights shard listed in "
+        r"model.safetensors.index.json is missing",
+    ),
     ("bad index", r"model.safetensors.index.json: malformed index \(KeyError"),
     ("no tokenizer", r"m: no tokenizer.json \(.*save it with tokenizer.save_pretrained"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("how,needle", CASES, ids=[c[0] for c in CASES])
@@ -94,8 +109,10 @@ def test_each_bad_checkpoint_is_one_clear_line(ckpt, how, needle):
 
 
 def test_the_check_does_not_import_torch(ckpt):
-    code = ("import sys; from shared.model.validate import validate_checkpoint; "
-            f"validate_checkpoint({str(ckpt[0])!r}); print('torch' in sys.modules)")  # fmt: skip
+    code = (
+        "import sys; from shared.model.validate import validate_checkpoint; "
+        f"validate_checkpoint({str(ckpt[0])!r}); print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -103,8 +120,7 @@ def test_the_check_does_not_import_torch(ckpt):
 def test_load_config_wraps_bad_values(tmp_path):
     from shared.model.config import load_config
 
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama",
-                                                       "hidden_size": "big"}))  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": "big"}))
     with pytest.raises(CheckpointError, match=r"config.json: bad value \(ValueError"):
         load_config(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "dtype": "int3"}))

@@ -60,19 +60,37 @@ class Deployment:
         self.hosts: dict[str, int] = {}
         self.nats_url = f"nats://{net.addr(NATS_HOST)}:4222"
         log = open(tmp_path / "nats.log", "wb")  # noqa: SIM115 - lives as long as the server
-        net.popen(NATS_HOST, [nats_binary(), "-js", "-a", net.addr(NATS_HOST), "-p", "4222",
-                              "-sd", str(tmp_path / "js")], stdout=log, stderr=log)  # fmt: skip
+        net.popen(
+            NATS_HOST,
+            [
+                nats_binary(),
+                "-js",
+                "-a",
+                net.addr(NATS_HOST),
+                "-p",
+                "4222",
+                "-sd",
+                str(tmp_path / "js"),
+            ],
+            stdout=log,
+            stderr=log,
+        )
         self.kvstore_addrs: list[str] = []
         self.metrics_ports: dict[str, int] = {}
 
     def start(self, role: str, name: str, host: int, env: dict[str, str] | None = None) -> Service:
         addr = self.net.addr(host)
         e = dict(os.environ, **SERVICE_THREAD_ENV)
-        e.update(STRATA_NATS_URL=self.nats_url, STRATA_INSTANCE_ID=name, STRATA_MODEL=self.model_dir,
-                 STRATA_GRPC_HOST=addr, STRATA_METRICS_HOST=addr,
-                 STRATA_METRICS_PORT=str(METRICS_PORT + len(self.services)),
-                 STRATA_TORCH_THREADS="1",
-                 PYTHONPATH=repo_root())  # fmt: skip
+        e.update(
+            STRATA_NATS_URL=self.nats_url,
+            STRATA_INSTANCE_ID=name,
+            STRATA_MODEL=self.model_dir,
+            STRATA_GRPC_HOST=addr,
+            STRATA_METRICS_HOST=addr,
+            STRATA_METRICS_PORT=str(METRICS_PORT + len(self.services)),
+            STRATA_TORCH_THREADS="1",
+            PYTHONPATH=repo_root(),
+        )
         if role == "gateway":
             e.update(STRATA_HOST=addr, STRATA_PORT=str(GATEWAY_PORT), STRATA_MAX_IMAGES="0")
         if role in ("prefill", "decode") and self.kvstore_addrs:
@@ -80,8 +98,9 @@ class Deployment:
         e.update(self.env)
         e.update(env or {})
         argv = [sys.executable, "-m", "services.cli", "serve", role]
-        proc = self.net.popen(host, argv, env=e, cwd=repo_root(), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT)  # fmt: skip
+        proc = self.net.popen(
+            host, argv, env=e, cwd=repo_root(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
         svc = Service(name, proc)
         self.services[name], self.hosts[name] = svc, host
         self.metrics_ports[name] = METRICS_PORT + len(self.metrics_ports)
@@ -97,9 +116,11 @@ class Deployment:
         url = f"http://{self.net.addr(self.hosts[name])}:{self.metrics_ports[name]}/metrics"
         with urllib.request.urlopen(url, timeout=5) as r:
             text = r.read().decode()
-        return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
-                   if (ln.startswith(metric + "{") or ln.startswith(metric + " "))
-                   and label in ln)  # fmt: skip
+        return sum(
+            float(ln.rsplit(" ", 1)[1])
+            for ln in text.splitlines()
+            if (ln.startswith(metric + "{") or ln.startswith(metric + " ")) and label in ln
+        )
 
     def wait_gateway_ready(self, timeout: float = 120.0) -> None:
         """Poll /health/ready until 200 (call from a host's thread)."""

@@ -107,8 +107,20 @@ class Net:
         for i in range(1, self.hosts + 1):
             ns, port = self.ns(i), f"{self.prefix}p{i}"
             self._add_ns(ns)
-            _ip("link", "add", port, "netns", self.switch, "type", "veth", "peer", "name",
-                "eth0", "netns", ns)  # fmt: skip
+            _ip(
+                "link",
+                "add",
+                port,
+                "netns",
+                self.switch,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                "eth0",
+                "netns",
+                ns,
+            )
             _ip("-n", self.switch, "link", "set", port, "master", "br0", "up")
             _ip("-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", "eth0")
             _ip("-n", ns, "link", "set", "eth0", "up")
@@ -125,8 +137,9 @@ class Net:
 
     def popen(self, i: int, argv: list[str], **kw) -> subprocess.Popen:
         """Start ``argv`` inside host ``i``'s namespace (killed by `close`)."""
-        proc = subprocess.Popen(["ip", "netns", "exec", self.ns(i), *argv],
-                                start_new_session=True, **kw)  # fmt: skip
+        proc = subprocess.Popen(
+            ["ip", "netns", "exec", self.ns(i), *argv], start_new_session=True, **kw
+        )
         self.procs.append(proc)
         return proc
 

@@ -30,16 +30,33 @@ PORT = 9000
 def start_minio(net: Net, tmp_path, creds: MinioCredentials) -> dict[int, object]:
     urls = [f"http://{net.addr(i)}:{PORT}{tmp_path}/h{i}/data" for i in MINIO_HOSTS]
     # MINIO_CI_CD: distributed MinIO refuses drives on the root disk unless told it is a test.
-    env = dict(os.environ, MINIO_ROOT_USER=creds.root_user, MINIO_CI_CD="on",
-               MINIO_ROOT_PASSWORD=creds.root_password, MINIO_BROWSER="off")  # fmt: skip
+    env = dict(
+        os.environ,
+        MINIO_ROOT_USER=creds.root_user,
+        MINIO_CI_CD="on",
+        MINIO_ROOT_PASSWORD=creds.root_password,
+        MINIO_BROWSER="off",
+    )
     procs = {}
     for i in MINIO_HOSTS:
         os.makedirs(tmp_path / f"h{i}" / "data")
         log = open(tmp_path / f"minio{i}.log", "wb")  # noqa: SIM115 - lives as long as minio
-        procs[i] = net.popen(i, [minio_binary(build=False), "server", "--quiet",
-                                 "--address", f"{net.addr(i)}:{PORT}",
-                                 "--console-address", f"{net.addr(i)}:{PORT + 1}", *urls],
-                             env=env, stdout=log, stderr=log)  # fmt: skip
+        procs[i] = net.popen(
+            i,
+            [
+                minio_binary(build=False),
+                "server",
+                "--quiet",
+                "--address",
+                f"{net.addr(i)}:{PORT}",
+                "--console-address",
+                f"{net.addr(i)}:{PORT + 1}",
+                *urls,
+            ],
+            env=env,
+            stdout=log,
+            stderr=log,
+        )
     return procs
 
 
@@ -67,8 +84,12 @@ def blocks(tag: str, n: int = 8) -> dict[tuple[str, str], bytes]:
 
 def scenario(net: Net, procs: dict, creds: MinioCredentials, tmp_path) -> dict:
     wait_healthy(net)
-    admin = MinioServer(port=PORT, data_dir=str(tmp_path / "h1" / "data"),
-                        host=net.addr(MINIO_HOSTS[0]), creds=creds)  # fmt: skip
+    admin = MinioServer(
+        port=PORT,
+        data_dir=str(tmp_path / "h1" / "data"),
+        host=net.addr(MINIO_HOSTS[0]),
+        creds=creds,
+    )
     admin._provision()  # the KV bucket and the kvstore's bucket-limited user
     endpoints = ",".join(f"{net.addr(i)}:{PORT}" for i in MINIO_HOSTS)
     tier = MinioTier(endpoints, creds.kv_user, creds.kv_password, admin.kv_bucket, timeout=2.0)
@@ -96,8 +117,10 @@ def test_losing_one_minio_node_keeps_the_ssd_tier_readable_and_writable(net_fact
     creds = MinioCredentials.load_or_create(str(tmp_path / "creds.json"))
     procs = start_minio(net, tmp_path, creds)
     out = net.run_in(CLIENT_HOST, lambda: scenario(net, procs, creds, tmp_path))
-    print(f"killed minio on host {out['killed']}, tier now on {out['now_on']} "
-          f"after {out['failovers']} failover(s)")  # fmt: skip
+    print(
+        f"killed minio on host {out['killed']}, tier now on {out['now_on']} "
+        f"after {out['failovers']} failover(s)"
+    )
     assert out["failovers"] >= 1 and not out["now_on"].startswith(net.addr(out["killed"]) + ":")
     assert out["before_ok"], "a block written before the kill did not read back"
     assert out["after_ok"], "a block written after the kill did not read back"

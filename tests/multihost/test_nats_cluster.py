@@ -68,8 +68,16 @@ class Core:
 
 
 def event(seq: int) -> bytes:
-    return encode(KVEvent(instance_id="decode-0", incarnation="x", seq=seq, tier="engine",
-                          kind="stored", hashes=[uuid.uuid4().hex]))  # fmt: skip
+    return encode(
+        KVEvent(
+            instance_id="decode-0",
+            incarnation="x",
+            seq=seq,
+            tier="engine",
+            kind="stored",
+            hashes=[uuid.uuid4().hex],
+        )
+    )
 
 
 async def until(cond, what: str, timeout: float = 60.0) -> None:
@@ -86,8 +94,12 @@ async def publish_retrying(js, seq: int) -> None:
     until the stream acknowledges it (the duplicate window drops a retry that did land)."""
     for _ in range(100):
         try:
-            await js.publish(subjects.kv_events("decode-0"), event(seq), timeout=2,
-                             headers={"Nats-Msg-Id": f"decode-0:{seq}"})  # fmt: skip
+            await js.publish(
+                subjects.kv_events("decode-0"),
+                event(seq),
+                timeout=2,
+                headers={"Nats-Msg-Id": f"decode-0:{seq}"},
+            )
             return
         except Exception:  # noqa: BLE001 - timeout / no responders during the election
             await asyncio.sleep(0.2)
@@ -113,8 +125,9 @@ async def scenario(net: Net, procs: dict) -> dict:
     await replayed.wait()
     watcher = asyncio.create_task(watch_registry(js, core, stop, nc, replicas=3))
     try:
-        await register_instance(pjs, InstanceRecord(instance_id="decode-0", role="decode",
-                                                    incarnation="a"), replicas=3)  # fmt: skip
+        await register_instance(
+            pjs, InstanceRecord(instance_id="decode-0", role="decode", incarnation="a"), replicas=3
+        )
         info = await pjs.stream_info(subjects.KV_EVENTS_STREAM)
         reg = await pjs.stream_info(f"KV_{subjects.REGISTRY_BUCKET}")
         leader = info.cluster.leader
@@ -124,8 +137,9 @@ async def scenario(net: Net, procs: dict) -> dict:
                 procs[leader].wait(10)
             await publish_retrying(pjs, seq)
             await asyncio.sleep(0.01)
-        await register_instance(pjs, InstanceRecord(instance_id="decode-1", role="decode",
-                                                    incarnation="b"), replicas=3)  # fmt: skip
+        await register_instance(
+            pjs, InstanceRecord(instance_id="decode-1", role="decode", incarnation="b"), replicas=3
+        )
 
         async def all_applied() -> bool:
             return len(core.events) >= EVENTS and "decode-1" in core.records
@@ -155,8 +169,10 @@ def test_losing_one_nats_node_loses_no_kv_event_or_registry_record(net_factory, 
     procs = start_cluster(net, tmp_path)
     t0 = time.monotonic()
     out = net.run_in(CLIENT_HOST, lambda: asyncio.run(scenario(net, procs)))
-    print(f"killed stream leader {out['killed']}, new leader {out['new_leader']}, "
-          f"clients on {out['urls']}, {time.monotonic() - t0:.1f}s")  # fmt: skip
+    print(
+        f"killed stream leader {out['killed']}, new leader {out['new_leader']}, "
+        f"clients on {out['urls']}, {time.monotonic() - t0:.1f}s"
+    )
     assert out["replicas"] == (3, 3) and out["peers"] == 2
     assert out["new_leader"] != out["killed"]
     killed_addr = net.addr(int(out["killed"][1:]))

@@ -49,8 +49,10 @@ async def run_streams(d: Deployment, msgs, on_way=None) -> list:
     progress = [0] * len(msgs)
     async with httpx.AsyncClient(timeout=180.0) as cl:
         model = (await cl.get(d.gateway_url + "/v1/models")).json()["data"][0]["id"]
-        tasks = [asyncio.create_task(stream_one(cl, d.gateway_url, model, m, progress, i))
-                 for i, m in enumerate(msgs)]  # fmt: skip
+        tasks = [
+            asyncio.create_task(stream_one(cl, d.gateway_url, model, m, progress, i))
+            for i, m in enumerate(msgs)
+        ]
         while on_way and min(progress) < 2 and not any(t.done() for t in tasks):
             await asyncio.sleep(0.05)
         if on_way:
@@ -63,8 +65,9 @@ def test_isolated_decode_host_fails_over_token_identical(net_factory, model_dir,
     expected = reference(model_dir, msgs)
     net = net_factory(7)
     d = deploy(net, model_dir, tmp_path, {"decode-0": 5, "decode-1": 6})
-    got = net.run_in(CLIENT_HOST, lambda: asyncio.run(
-        run_streams(d, msgs, on_way=lambda: net.link_down(5))))  # fmt: skip
+    got = net.run_in(
+        CLIENT_HOST, lambda: asyncio.run(run_streams(d, msgs, on_way=lambda: net.link_down(5)))
+    )
     for i in range(STREAMS):
         assert [t for t, _ in got[i]] == [t for t, _ in expected[i]], f"stream {i}"
     failovers = net.run_in(
@@ -95,6 +98,8 @@ def test_new_decode_host_is_routed_to_after_its_ready_line(net_factory, model_di
         net.run_in(CLIENT_HOST, lambda b=batch: asyncio.run(run_streams(d, b)))
         sent += len(batch)
     delay = time.monotonic() - ready
-    print(f"decode-1 on a new host got requests {delay:.1f}s after its ready line "
-          f"({sent} requests sent)")  # fmt: skip
+    print(
+        f"decode-1 on a new host got requests {delay:.1f}s after its ready line "
+        f"({sent} requests sent)"
+    )
     assert handled() > base, "the new decode instance was never routed to"

@@ -28,20 +28,29 @@ def bad_count(subject: str) -> float:
 
 
 def ev(inst: str, **kw) -> KVEvent:
-    base = dict(instance_id=inst, incarnation="x", seq=1, tier="engine", kind="stored",
-                hashes=[uuid.uuid4().hex])  # fmt: skip
+    base = dict(
+        instance_id=inst,
+        incarnation="x",
+        seq=1,
+        tier="engine",
+        kind="stored",
+        hashes=[uuid.uuid4().hex],
+    )
     return KVEvent(**{**base, **kw})
 
 
-@pytest.mark.parametrize("kw,needle", [
-    ({}, None),
-    ({"hashes": ["zz"]}, "not 32 lowercase hex"),
-    ({"hashes": ["A" * 32]}, "not 32 lowercase hex"),
-    ({"instance_id": "other"}, "does not match the subject"),
-    ({"incarnation": ""}, "incarnation"),
-    ({"seq": -1}, "negative"),
-    ({"hashes": ["0" * 32] * 70000}, "hashes in one event"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "kw,needle",
+    [
+        ({}, None),
+        ({"hashes": ["zz"]}, "not 32 lowercase hex"),
+        ({"hashes": ["A" * 32]}, "not 32 lowercase hex"),
+        ({"instance_id": "other"}, "does not match the subject"),
+        ({"incarnation": ""}, "incarnation"),
+        ({"seq": -1}, "negative"),
+        ({"hashes": ["0" * 32] * 70000}, "hashes in one event"),
+    ],
+)
 def test_event_problem(kw, needle):
     why = event_problem(ev("d-1", **kw), subjects.kv_events("d-1"))
     assert (why is None) if needle is None else (needle in why)
@@ -66,9 +75,11 @@ def test_bad_messages_log_is_rate_limited():
     now[0] = 10.0
     assert bad.report("s.>", "s.d", "junk")
     assert counter.labels(subject="s.>")._value.get() == 4
-    assert lines == ["dropped a bad message on s.a: junk",
-                     "dropped a bad message on t.a: other subscription",
-                     "dropped a bad message on s.d: junk (2 more since the last report)"]  # fmt: skip
+    assert lines == [
+        "dropped a bad message on s.a: junk",
+        "dropped a bad message on t.a: other subscription",
+        "dropped a bad message on s.d: junk (2 more since the last report)",
+    ]
 
 
 async def test_poisoned_kv_events_are_counted_and_skipped(nc, nats_url, caplog):
@@ -80,10 +91,26 @@ async def test_poisoned_kv_events_are_counted_and_skipped(nc, nats_url, caplog):
     poison = [
         b"\xc1garbage",  # not msgpack
         b"\x93\x01\x02\x03",  # msgpack, wrong shape
-        msgpack.packb({"instance_id": d, "incarnation": "x", "seq": 1, "tier": "nvme",
-                       "kind": "stored", "hashes": []}),  # unknown tier  # fmt: skip
-        msgpack.packb({"instance_id": d, "incarnation": "x", "seq": 1, "tier": "engine",
-                       "kind": "evicted", "hashes": []}),  # unknown kind  # fmt: skip
+        msgpack.packb(
+            {
+                "instance_id": d,
+                "incarnation": "x",
+                "seq": 1,
+                "tier": "nvme",
+                "kind": "stored",
+                "hashes": [],
+            }
+        ),  # unknown tier
+        msgpack.packb(
+            {
+                "instance_id": d,
+                "incarnation": "x",
+                "seq": 1,
+                "tier": "engine",
+                "kind": "evicted",
+                "hashes": [],
+            }
+        ),  # unknown kind
         encode(ev(d, hashes=["../../etc"])),  # hash format
         encode(ev("someone-else")),  # instance does not match the subject
         msgpack.packb({"__error__": {"code": "internal", "message": "x"}}),

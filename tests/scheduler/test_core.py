@@ -89,8 +89,9 @@ def test_degradation_levels_gate_admission():
 
     assert level_at(500, 1.0) == 0
     # the scheduler owns the rules and publishes them with its state (the gateway applies them)
-    assert c.tick(now=1.0)[0].rules == DegradeRules(batch_max_tokens_cap=64, top_priority=0,
-                                                    retry_after_s=5.0)  # fmt: skip
+    assert c.tick(now=1.0)[0].rules == DegradeRules(
+        batch_max_tokens_cap=64, top_priority=0, retry_after_s=5.0
+    )
     r = c.route(req(slo_class="batch"))
     assert (r.degrade_level, r.max_tokens_cap, r.speculation) == (0, 0, True)
     assert level_at(850, 2.0) == 1

@@ -16,14 +16,23 @@ POLICIES = ("round_robin", "least_loaded", "prefix_aware")
 
 
 def report(iid: str, role: str, **kw) -> LoadReport:
-    return LoadReport(instance_id=iid, role=role, incarnation="a", ts=0.0, grpc_addr=f"{iid}:1",
-                      kv_blocks_total=100, kv_blocks_free=100, **kw)  # fmt: skip
+    return LoadReport(
+        instance_id=iid,
+        role=role,
+        incarnation="a",
+        ts=0.0,
+        grpc_addr=f"{iid}:1",
+        kv_blocks_total=100,
+        kv_blocks_free=100,
+        **kw,
+    )
 
 
 def core(policy: str, prefills=("p0",), decodes=("d0",)) -> SchedulerCore:
     # short_prompt_tokens=0: prefix_aware disaggregates every prompt while a prefill is left
-    cfg = SchedulerConfig.load([], role="scheduler", policy=policy, down_after=100,
-                               short_prompt_tokens=0)  # fmt: skip
+    cfg = SchedulerConfig.load(
+        [], role="scheduler", policy=policy, down_after=100, short_prompt_tokens=0
+    )
     c = SchedulerCore(cfg)
     for p in prefills:
         c.on_load(report(p, "prefill"), now=0.0)

@@ -45,8 +45,16 @@ class Core:
 
 
 def event(seq: int) -> bytes:
-    return encode(KVEvent(instance_id="decode-0", incarnation="x", seq=seq, tier="engine",
-                          kind="stored", hashes=[uuid.uuid4().hex]))  # fmt: skip
+    return encode(
+        KVEvent(
+            instance_id="decode-0",
+            incarnation="x",
+            seq=seq,
+            tier="engine",
+            kind="stored",
+            hashes=[uuid.uuid4().hex],
+        )
+    )
 
 
 async def _until(cond, what: str, timeout: float = 60.0) -> None:

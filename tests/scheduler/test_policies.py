@@ -178,8 +178,9 @@ def test_hot_prefix_stays_on_its_holders_until_they_pass_the_load_bound():
     hot = {"p0": 3000}
 
     def pick(waits, cached=hot):
-        st = ClusterState(prefill=[P(f"p{i}", waiting=w) for i, w in enumerate(waits)],
-                          decode=[D("d0")])  # fmt: skip
+        st = ClusterState(
+            prefill=[P(f"p{i}", waiting=w) for i, w in enumerate(waits)], decode=[D("d0")]
+        )
         d = pol.choose(R(4000, cached=cached), st)
         return d.prefill_instance, d.cached_tokens, pol.last_reason
 

@@ -38,8 +38,9 @@ def test_pool_continues_after_the_local_prefix():
 
 
 def test_worker_cost_model_uses_the_shared_rule():
-    cost = WorkerCost(block_size=16, prefill_s_per_token=0.125,
-                      load_s_per_block={"dram": 1.0, "ssd": 5.0})  # fmt: skip
+    cost = WorkerCost(
+        block_size=16, prefill_s_per_token=0.125, load_s_per_block={"dram": 1.0, "ssd": 5.0}
+    )
     assert cost.blocks_to_load(["dram", "ssd", "dram"]) == 1
     assert cost.plan(1, [None, "dram", "dram"]).pool_tiers == ("dram", "dram")
 
@@ -49,8 +50,9 @@ def test_index_walks_pool_tiers_past_an_engine_prefix():
     views = {"p0": InstanceView("p0", "prefill")}
 
     def ev(inst, seq, tier, hashes):
-        return KVEvent(instance_id=inst, incarnation="a", seq=seq, tier=tier, kind="stored",
-                       hashes=hashes)  # fmt: skip
+        return KVEvent(
+            instance_id=inst, incarnation="a", seq=seq, tier=tier, kind="stored", hashes=hashes
+        )
 
     assert apply_kv_event(idx, ev("p0", 1, "engine", ["a", "b"]), views["p0"])
     assert views["p0"].cached_blocks == 2
@@ -96,24 +98,41 @@ class _Mirrored(Simulation):
     def decide(self, now, job, req):
         for x in self.prefill + self.decode:
             v = x.view
-            self.core.on_load(LoadReport(
-                instance_id=v.instance_id, role=v.role, incarnation="sim", ts=now,
-                num_running=v.num_running, num_waiting=v.num_waiting,
-                waiting_tokens=v.waiting_tokens, kv_blocks_total=v.kv_blocks_total,
-                kv_blocks_free=v.kv_blocks_free, prefill_tokens_per_s=v.prefill_tokens_per_s,
-                block_size=v.block_size), now=now)  # fmt: skip
+            self.core.on_load(
+                LoadReport(
+                    instance_id=v.instance_id,
+                    role=v.role,
+                    incarnation="sim",
+                    ts=now,
+                    num_running=v.num_running,
+                    num_waiting=v.num_waiting,
+                    waiting_tokens=v.waiting_tokens,
+                    kv_blocks_total=v.kv_blocks_total,
+                    kv_blocks_free=v.kv_blocks_free,
+                    prefill_tokens_per_s=v.prefill_tokens_per_s,
+                    block_size=v.block_size,
+                ),
+                now=now,
+            )
         d = super().decide(now, job, req)
-        route = RouteRequest(request_id=req.request_id, num_prompt_tokens=job.input_len,
-                             block_hashes=list(job.hashes), max_tokens=job.output_len,
-                             ttft_slo_ms=self.cfg.ttft_slo_s * 1000)  # fmt: skip
+        route = RouteRequest(
+            request_id=req.request_id,
+            num_prompt_tokens=job.input_len,
+            block_hashes=list(job.hashes),
+            max_tokens=job.output_len,
+            ttft_slo_ms=self.cfg.ttft_slo_s * 1000,
+        )
         try:
             r = self.core.route(route, now=now)
             svc = (r.prefill_instance, r.decode_instance, r.expected_cached_tokens, False)
         except StrataError as exc:
             assert exc.code == "overloaded"
             svc = ("", "", 0, True)
-        sim = ("", "", 0, True) if d.reject else (d.prefill_instance, d.decode_instance,
-                                                   d.cached_tokens, False)  # fmt: skip
+        sim = (
+            ("", "", 0, True)
+            if d.reject
+            else (d.prefill_instance, d.decode_instance, d.cached_tokens, False)
+        )
         self.pairs.append((sim, svc))
         return d
 
@@ -121,10 +140,18 @@ class _Mirrored(Simulation):
 @pytest.mark.parametrize("policy", ["prefix_aware", "round_robin"])
 def test_simulator_routes_as_the_service_on_the_mooncake_trace(policy):
     trace = load_trace(limit=200)
-    cfg = SimConfig(num_prefill=4, num_decode=2, engine_cache_blocks=300, pool_dram_blocks=200,
-                    pool_write_through=False, rate_scale=4.0, ttft_slo_s=3.0)  # fmt: skip
-    scfg = SchedulerConfig.load([], role="scheduler", policy=policy, down_after=10**6,
-                                block_size=cfg.block_tokens)  # fmt: skip
+    cfg = SimConfig(
+        num_prefill=4,
+        num_decode=2,
+        engine_cache_blocks=300,
+        pool_dram_blocks=200,
+        pool_write_through=False,
+        rate_scale=4.0,
+        ttft_slo_s=3.0,
+    )
+    scfg = SchedulerConfig.load(
+        [], role="scheduler", policy=policy, down_after=10**6, block_size=cfg.block_tokens
+    )
     core = SchedulerCore(scfg)
     sim = _Mirrored(cfg, core, make_policy(policy, scfg.cost_model(), **scfg.policy_options()))
     sim.run(trace)

@@ -165,8 +165,9 @@ async def test_route_with_submit_forwards_the_item_and_the_instance_acks_the_req
             acks.put_nowait(decode(msg.data, SubmitAck))
 
         ack_sub = await nc.subscribe(subjects.req_ack(rid), cb=on_ack)
-        item = WorkItem(request_id=rid, prompt_token_ids=[1, 2, 3],
-                        sampling=SamplingParams(max_tokens=4))  # fmt: skip
+        item = WorkItem(
+            request_id=rid, prompt_token_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=4)
+        )
         req = RouteRequest(request_id=rid, num_prompt_tokens=3, submit=item)
         rep = await bus.request(nc, subjects.SCHED_ROUTE, req, RouteReply, timeout=5)
         assert rep.decode_instance == d
@@ -177,10 +178,16 @@ async def test_route_with_submit_forwards_the_item_and_the_instance_acks_the_req
 
 
 def test_routed_submit_fills_route_fields_and_caps_max_tokens():
-    item = WorkItem(request_id="r", prompt_token_ids=[1],
-                    sampling=SamplingParams(max_tokens=100, min_tokens=80))  # fmt: skip
-    route = RouteReply(decode_instance="d1", decode_addr="h:1", prefill_instance="p1",
-                       transfer_mode="pool", max_tokens_cap=50)  # fmt: skip
+    item = WorkItem(
+        request_id="r", prompt_token_ids=[1], sampling=SamplingParams(max_tokens=100, min_tokens=80)
+    )
+    route = RouteReply(
+        decode_instance="d1",
+        decode_addr="h:1",
+        prefill_instance="p1",
+        transfer_mode="pool",
+        max_tokens_cap=50,
+    )
     target, out = routed_submit(item, route)
     assert target == subjects.prefill_submit("p1") and isinstance(out, PrefillWork)
     assert (out.decode_instance, out.decode_addr, out.transfer_mode) == ("d1", "h:1", "pool")
@@ -324,12 +331,16 @@ async def test_restart_loads_snapshot_and_replays_only_the_tail(nc, nats_url):
     head, tail = [uuid.uuid4().hex for _ in range(3)], uuid.uuid4().hex
 
     def ev(seq, hashes):
-        return _enc(KVEvent(instance_id=d, incarnation="x", seq=seq, tier="engine",
-                            kind="stored", hashes=hashes))
+        return _enc(
+            KVEvent(
+                instance_id=d, incarnation="x", seq=seq, tier="engine", kind="stored", hashes=hashes
+            )
+        )
 
     try:
-        async with scheduler(nats_url, policy="prefix_aware", snapshot_interval=0.1,
-                             snapshot_min_events=1) as first:
+        async with scheduler(
+            nats_url, policy="prefix_aware", snapshot_interval=0.1, snapshot_min_events=1
+        ) as first:
             ack = await js.publish(subjects.kv_events(d), ev(1, head))
             await eventually(lambda: _snapshot_seq(js, at_least=ack.seq))
         # Retention drops everything the snapshot covers; one more event arrives afterwards.

@@ -20,13 +20,20 @@ COST = CostModel(prefill_tokens_per_s=1000.0)
 
 
 def ev(inst, seq, kind, hashes, tier="engine", inc="a"):
-    return KVEvent(instance_id=inst, incarnation=inc, seq=seq, tier=tier, kind=kind,
-                   hashes=hashes)  # fmt: skip
+    return KVEvent(instance_id=inst, incarnation=inc, seq=seq, tier=tier, kind=kind, hashes=hashes)
 
 
 def test_role_table_columns_follow_views():
-    a = InstanceView("a", "prefill", waiting_tokens=100, prefill_tokens_per_s=500.0,
-                     kv_blocks_free=3, kv_blocks_total=4, block_size=16, num_running=2)  # fmt: skip
+    a = InstanceView(
+        "a",
+        "prefill",
+        waiting_tokens=100,
+        prefill_tokens_per_s=500.0,
+        kv_blocks_free=3,
+        kv_blocks_total=4,
+        block_size=16,
+        num_running=2,
+    )
     b = InstanceView("b", "prefill", reserved_long=True, cached_blocks=7)
     t = RoleTable([a, b])
     assert t.pos == {"a": 0, "b": 1}
@@ -45,16 +52,29 @@ def test_role_table_columns_follow_views():
 def test_core_keeps_tables_current_through_reports_routes_and_events():
     core = SchedulerCore(SchedulerConfig.load([], role="scheduler", policy="least_loaded"))
     for iid, role in (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode")):
-        core.on_load(LoadReport(instance_id=iid, role=role, incarnation="a", ts=0.0,
-                                prefill_tokens_per_s=1000.0), now=0.0)  # fmt: skip
+        core.on_load(
+            LoadReport(
+                instance_id=iid, role=role, incarnation="a", ts=0.0, prefill_tokens_per_s=1000.0
+            ),
+            now=0.0,
+        )
     core.route(RouteRequest(request_id="r1", num_prompt_tokens=300))
     t = core.members.table("prefill")
     assert t.queued.tolist() == [300, 0]  # optimistic pending work is in the table
     assert core.route(RouteRequest(request_id="r2", num_prompt_tokens=10)).prefill_instance == "p1"
     core.on_kv_event(ev("p1", 1, "stored", ["h1", "h2"]))
     assert core.members.table("prefill").cached_blocks.tolist() == [0, 2]
-    core.on_load(LoadReport(instance_id="p0", role="prefill", incarnation="a", ts=0.0,
-                            waiting_tokens=5, prefill_tokens_per_s=1000.0), now=0.1)  # fmt: skip
+    core.on_load(
+        LoadReport(
+            instance_id="p0",
+            role="prefill",
+            incarnation="a",
+            ts=0.0,
+            waiting_tokens=5,
+            prefill_tokens_per_s=1000.0,
+        ),
+        now=0.1,
+    )
     assert core.members.table("prefill").queued.tolist() == [5, 10]
 
 
@@ -87,10 +107,12 @@ def test_digest_is_order_independent_and_tracks_content():
 
 def test_new_prefix_goes_to_least_filled_cache_among_least_queued():
     pol = make_policy("prefix_aware", COST, short_prompt_tokens=0)
-    pre = [InstanceView("p0", "prefill", cached_blocks=90, prefill_tokens_per_s=2000.0),
-           InstanceView("p1", "prefill", cached_blocks=10, waiting_tokens=20),
-           InstanceView("p2", "prefill", cached_blocks=5, waiting_tokens=5000),
-           InstanceView("p3", "prefill", cached_blocks=40)]  # fmt: skip
+    pre = [
+        InstanceView("p0", "prefill", cached_blocks=90, prefill_tokens_per_s=2000.0),
+        InstanceView("p1", "prefill", cached_blocks=10, waiting_tokens=20),
+        InstanceView("p2", "prefill", cached_blocks=5, waiting_tokens=5000),
+        InstanceView("p3", "prefill", cached_blocks=40),
+    ]
     st = ClusterState(prefill=pre, decode=[InstanceView("d0", "decode")])
     # no cache anywhere: p2 is too busy, p1 (20 tokens queued = 0.02 s) is within the slack
     assert pol.choose(RequestView("r", 800), st).prefill_instance == "p1"
@@ -111,14 +133,16 @@ def _brute_least_loaded(req: RequestView, st: ClusterState) -> tuple[str, str]:
 def _brute_prefix_aware(req: RequestView, st: ClusterState) -> tuple[str, str, int]:
     """The pre-numpy loop of `PrefixAware`, cache hits only (so no new-prompt balance rule)."""
     total = req.num_prompt_tokens + req.max_tokens
-    room = [d for d in st.decode
-            if d.kv_blocks_total <= 0 or d.kv_blocks_free * d.block_size >= total] or st.decode
+    room = [
+        d for d in st.decode if d.kv_blocks_total <= 0 or d.kv_blocks_free * d.block_size >= total
+    ] or st.decode
     least = min(room, key=lambda d: (decode_load(d), d.instance_id))
     aff = [d for d in room if req.cached_tokens.get(d.instance_id, 0) > 0]
     dec = least
     if aff:
-        a = min(aff, key=lambda d: (-req.cached_tokens[d.instance_id], decode_load(d),
-                                    d.instance_id))  # fmt: skip
+        a = min(
+            aff, key=lambda d: (-req.cached_tokens[d.instance_id], decode_load(d), d.instance_id)
+        )
         if decode_load(a) - decode_load(least) <= 0.25:
             dec = a
     # cache affinity within the load bound (1.5 x mean queue, or 4 s above the shortest)
@@ -133,8 +157,10 @@ def _brute_prefix_aware(req: RequestView, st: ClusterState) -> tuple[str, str, i
     if ok:
         neg, _, i = min(ok)
         return st.prefill[i].instance_id, dec.instance_id, -neg
-    best = min((predicted_ttft(req, p, COST)[0], -predicted_ttft(req, p, COST)[1], p.instance_id)
-               for p in st.prefill)  # fmt: skip
+    best = min(
+        (predicted_ttft(req, p, COST)[0], -predicted_ttft(req, p, COST)[1], p.instance_id)
+        for p in st.prefill
+    )
     return best[2], dec.instance_id, -best[1]
 
 
@@ -143,20 +169,36 @@ def test_vectorised_policies_match_brute_force_on_random_fleets():
     ll = make_policy("least_loaded", COST)
     pa = make_policy("prefix_aware", COST, short_prompt_tokens=0)
     for _ in range(300):
-        pre = [InstanceView(f"p{i}", "prefill", waiting_tokens=rng.randrange(0, 5000),
-                            prefill_tokens_per_s=rng.choice([0.0, 500.0, 2000.0]),
-                            num_running=rng.randrange(3)) for i in range(12)]  # fmt: skip
-        dec = [InstanceView(f"d{i}", "decode", num_running=rng.randrange(40),
-                            kv_blocks_total=100, kv_blocks_free=rng.randrange(0, 101))
-               for i in range(8)]  # fmt: skip
+        pre = [
+            InstanceView(
+                f"p{i}",
+                "prefill",
+                waiting_tokens=rng.randrange(0, 5000),
+                prefill_tokens_per_s=rng.choice([0.0, 500.0, 2000.0]),
+                num_running=rng.randrange(3),
+            )
+            for i in range(12)
+        ]
+        dec = [
+            InstanceView(
+                f"d{i}",
+                "decode",
+                num_running=rng.randrange(40),
+                kv_blocks_total=100,
+                kv_blocks_free=rng.randrange(0, 101),
+            )
+            for i in range(8)
+        ]
         n = rng.randrange(100, 1500)
         holders = rng.sample([v.instance_id for v in pre + dec], 4)
-        req = RequestView("r", n, max_tokens=16,
-                          cached_tokens={h: rng.randrange(n // 2, n + 1) for h in holders})
+        req = RequestView(
+            "r", n, max_tokens=16, cached_tokens={h: rng.randrange(n // 2, n + 1) for h in holders}
+        )
         st = ClusterState(prefill=pre, decode=dec)
         d = ll.choose(req, st)
         assert (d.prefill_instance, d.decode_instance) == _brute_least_loaded(req, st)
         d = pa.choose(req, st)
         if any(h.startswith("p") for h in holders):  # a real hit: min-TTFT path
-            assert (d.prefill_instance, d.decode_instance, d.cached_tokens) == \
-                _brute_prefix_aware(req, st)
+            assert (d.prefill_instance, d.decode_instance, d.cached_tokens) == _brute_prefix_aware(
+                req, st
+            )

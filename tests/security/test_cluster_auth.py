@@ -25,9 +25,17 @@ from shared.protocol.codec import decode, encode
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    c = Cluster(ensure_model(""), log_stream=open(os.devnull, "w"), prefill=1, decode=1,
-                kvstore=1, vision=1, ready_timeout=240.0, die_with_parent=True,
-                data_dir=str(tmp_path_factory.mktemp("cluster")))  # fmt: skip
+    c = Cluster(
+        ensure_model(""),
+        log_stream=open(os.devnull, "w"),
+        prefill=1,
+        decode=1,
+        kvstore=1,
+        vision=1,
+        ready_timeout=240.0,
+        die_with_parent=True,
+        data_dir=str(tmp_path_factory.mktemp("cluster")),
+    )
     c.start()
     yield c
     c.stop()
@@ -52,8 +60,9 @@ def test_every_role_serves_under_its_own_user(cluster):
     }
     r = httpx.post(cluster.gateway_url + "/v1/chat/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
-    r = httpx.post(cluster.gateway_url + "/v1/chat/completions", json={**body, "stream": True},
-                   timeout=120)  # fmt: skip
+    r = httpx.post(
+        cluster.gateway_url + "/v1/chat/completions", json={**body, "stream": True}, timeout=120
+    )
     assert r.status_code == 200 and "[DONE]" in r.text
     buf = io.BytesIO()
     Image.new("RGB", (40, 30), (200, 30, 60)).save(buf, format="PNG")
@@ -81,8 +90,9 @@ async def _api_user_generates(c: Cluster, body: dict) -> None:
         await bus.connect(c.nats_url, "anon", NatsAuth())
     nc = await bus.connect(c.nats_url, "api-client", c.nats_credentials("api"))
     try:
-        rep = await nc.request(subjects.API_GENERATE, encode(GenerateRequest(body=body)),
-                               timeout=120)  # fmt: skip
+        rep = await nc.request(
+            subjects.API_GENERATE, encode(GenerateRequest(body=body)), timeout=120
+        )
         ev = decode(rep.data, GenerateEvent)
         assert ev.done and ev.status == 200 and ev.data["choices"][0]["message"]["content"]
         done = asyncio.Event()

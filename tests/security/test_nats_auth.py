@@ -31,8 +31,9 @@ ROLES = ("gateway", "tokenizer", "vision", "scheduler", "kvstore", "prefill", "d
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = NatsServer(free_port(), str(tmp_path_factory.mktemp("nats-auth")), auth=True,
-                     die_with_parent=True).start()  # fmt: skip
+    srv = NatsServer(
+        free_port(), str(tmp_path_factory.mktemp("nats-auth")), auth=True, die_with_parent=True
+    ).start()
     yield srv
     srv.stop()
 
@@ -66,9 +67,13 @@ async def login(server: NatsServer, user: str) -> Client:
     async def on_error(exc: Exception) -> None:
         errors.append(str(exc))
 
-    nc = await nats.connect(server.url, name=f"test-{user}", error_cb=on_error,
-                            max_reconnect_attempts=0,
-                            **server.client_auth(user).connect_kwargs())  # fmt: skip
+    nc = await nats.connect(
+        server.url,
+        name=f"test-{user}",
+        error_cb=on_error,
+        max_reconnect_attempts=0,
+        **server.client_auth(user).connect_kwargs(),
+    )
     return Client(nc, errors)
 
 
@@ -90,13 +95,13 @@ async def test_anonymous_and_wrong_password_are_refused(server):
     with pytest.raises(ConfigError, match="refused login as 'gateway'"):
         await bus.connect(server.url, "bad", bad)
     with pytest.raises(ConfigError, match="STRATA_NATS_PASSWORD_FILE=/nonexistent"):
-        NatsAuth.from_env({"STRATA_NATS_USER": "decode",
-                           "STRATA_NATS_PASSWORD_FILE": "/nonexistent"})  # fmt: skip
+        NatsAuth.from_env(
+            {"STRATA_NATS_USER": "decode", "STRATA_NATS_PASSWORD_FILE": "/nonexistent"}
+        )
 
 
 async def test_password_file_env_logs_in(server):
-    env = server.client_auth("tokenizer").env(nats_auth.password_file(server.cred_dir,
-                                                                      "tokenizer"))  # fmt: skip
+    env = server.client_auth("tokenizer").env(nats_auth.password_file(server.cred_dir, "tokenizer"))
     assert "STRATA_NATS_PASSWORD" not in env  # the secret stays in its file
     nc = await bus.connect(server.url, "tok", NatsAuth.from_env(env))
     assert nc.is_connected
@@ -196,8 +201,7 @@ async def test_request_reply_flows_between_roles(server):
             await c.nc.flush()
         pong = await bus.request(gw.nc, subjects.TOK_PING, Ping(sender="gateway"), Pong)
         assert pong.instance_id == "tok-0"
-        await sched.nc.publish(subjects.decode_submit("d0"), b"item",
-                               reply=subjects.req_ack("r1"))  # fmt: skip
+        await sched.nc.publish(subjects.decode_submit("d0"), b"item", reply=subjects.req_ack("r1"))
         seen = {await asyncio.wait_for(got.get(), 5) for _ in range(2)}
         assert seen == {(subjects.req_ack("r1"), b"ack"), (subjects.req_out("r1"), b"tok")}
         rep = await api.nc.request(subjects.API_GENERATE, b"{}", timeout=5)

@@ -26,23 +26,72 @@ def _openssl(*args: str, cwd) -> None:
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory):
     d = tmp_path_factory.mktemp("certs")
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
-             "/CN=strata-test-ca", "-keyout", "ca.key", "-out", "ca.pem", cwd=d)  # fmt: skip
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=strata-test-ca",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        cwd=d,
+    )
     (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
     for name in ("server", "client"):
-        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}",
-                 "-keyout", f"{name}.key", "-out", f"{name}.csr", cwd=d)  # fmt: skip
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
-                 "-CAcreateserial", "-days", "1", "-extfile", "san.ext",
-                 "-out", f"{name}.pem", cwd=d)  # fmt: skip
+        _openssl(
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            f"/CN={name}",
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            f"{name}.csr",
+            cwd=d,
+        )
+        _openssl(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "1",
+            "-extfile",
+            "san.ext",
+            "-out",
+            f"{name}.pem",
+            cwd=d,
+        )
     return {k: str(d / f"{k}.pem") for k in ("ca", "server", "client")} | {
-        "server_key": str(d / "server.key"), "client_key": str(d / "client.key")}  # fmt: skip
+        "server_key": str(d / "server.key"),
+        "client_key": str(d / "client.key"),
+    }
 
 
 def _server(tmp_path, certs, verify: bool) -> NatsServer:
-    return NatsServer(free_port(), str(tmp_path / "nats"), auth=True, tls_cert=certs["server"],
-                      tls_key=certs["server_key"], tls_ca=certs["ca"], tls_verify=verify,
-                      die_with_parent=True).start()  # fmt: skip
+    return NatsServer(
+        free_port(),
+        str(tmp_path / "nats"),
+        auth=True,
+        tls_cert=certs["server"],
+        tls_key=certs["server_key"],
+        tls_ca=certs["ca"],
+        tls_verify=verify,
+        die_with_parent=True,
+    ).start()
 
 
 async def _untrusting_client_refused(url: str, auth: NatsAuth) -> None:
@@ -50,8 +99,9 @@ async def _untrusting_client_refused(url: str, auth: NatsAuth) -> None:
     kw = auth.connect_kwargs()
     kw.pop("tls")
     with pytest.raises(ssl.SSLCertVerificationError):
-        await nats.connect(url, allow_reconnect=False, max_reconnect_attempts=0,
-                           connect_timeout=2, **kw)  # fmt: skip
+        await nats.connect(
+            url, allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=2, **kw
+        )
 
 
 async def test_tls_server_accepts_clients_that_trust_its_ca(tmp_path, certs):
@@ -73,10 +123,17 @@ async def test_mutual_tls_needs_a_client_certificate(tmp_path, certs):
     try:
         no_cert = srv.client_auth("decode")
         with pytest.raises(OSError):  # the server ends the handshake (broken pipe / SSL error)
-            await nats.connect(srv.url, allow_reconnect=False, max_reconnect_attempts=0,
-                               connect_timeout=2, **no_cert.connect_kwargs())  # fmt: skip
-        env = no_cert.env() | {"STRATA_NATS_TLS_CERT": certs["client"],
-                               "STRATA_NATS_TLS_KEY": certs["client_key"]}  # fmt: skip
+            await nats.connect(
+                srv.url,
+                allow_reconnect=False,
+                max_reconnect_attempts=0,
+                connect_timeout=2,
+                **no_cert.connect_kwargs(),
+            )
+        env = no_cert.env() | {
+            "STRATA_NATS_TLS_CERT": certs["client"],
+            "STRATA_NATS_TLS_KEY": certs["client_key"],
+        }
         nc = await bus.connect(srv.url, "mtls-decode", NatsAuth.from_env(env))
         assert nc.is_connected
         await nc.close()

@@ -34,21 +34,36 @@ def _all_message_models() -> list[type[BaseModel]]:
 
 SAMPLES = {
     "WorkItem": WorkItem(
-        request_id="r1", prompt_token_ids=[1, 2, 3],
+        request_id="r1",
+        prompt_token_ids=[1, 2, 3],
         sampling=SamplingParams(max_tokens=5, temperature=0.5, seed=7, stop=["\n"]),
         images=[ImageRef(offset=1, length=2, hash="ab" * 32, source_addr="127.0.0.1:1")],
     ),
     "PrefillWork": PrefillWork(
-        request_id="r1", prompt_token_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=5),
-        decode_instance="d0", decode_addr="127.0.0.1:2", transfer_mode="pool",
+        request_id="r1",
+        prompt_token_ids=[1, 2, 3],
+        sampling=SamplingParams(max_tokens=5),
+        decode_instance="d0",
+        decode_addr="127.0.0.1:2",
+        transfer_mode="pool",
     ),
     "DecodeWork": DecodeWork(
-        request_id="r1", prompt_token_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=5),
-        output_token_ids=[4], first_token_id=9, kv_pushed=True, kv_num_tokens=3,
+        request_id="r1",
+        prompt_token_ids=[1, 2, 3],
+        sampling=SamplingParams(max_tokens=5),
+        output_token_ids=[4],
+        first_token_id=9,
+        kv_pushed=True,
+        kv_num_tokens=3,
     ),
     "TokenChunk": TokenChunk(
-        request_id="r1", index=3, token_ids=[5, 6], text="hé", logprobs=[{5: -0.5}, {6: -1.0}],
-        finish_reason="stop", usage=Usage(prompt_tokens=3, completion_tokens=5),
+        request_id="r1",
+        index=3,
+        token_ids=[5, 6],
+        text="hé",
+        logprobs=[{5: -0.5}, {6: -1.0}],
+        finish_reason="stop",
+        usage=Usage(prompt_tokens=3, completion_tokens=5),
     ),
     "LoadReport": LoadReport(instance_id="d0", role="decode", incarnation="x", ts=1.5),
 }
@@ -86,8 +101,9 @@ def sample_value(tp, name: str = ""):
 
 def full_sample(model: type[BaseModel]) -> BaseModel:
     """``model`` with every field set, required or not, from its annotation."""
-    return model.model_validate({n: sample_value(f.annotation, n)
-                                 for n, f in model.model_fields.items()})  # fmt: skip
+    return model.model_validate(
+        {n: sample_value(f.annotation, n) for n, f in model.model_fields.items()}
+    )
 
 
 def test_every_message_model_round_trips_with_every_field_set():

@@ -12,8 +12,10 @@ from shared.config import ConfigError, ServiceConfig
 def test_one_url_and_a_seed_list():
     assert nats_servers("nats://127.0.0.1:4222") == ["nats://127.0.0.1:4222"]
     assert nats_servers("nats://10.0.0.1:4222, nats://10.0.0.2:4222,tls://n3:4222") == [
-        "nats://10.0.0.1:4222", "nats://10.0.0.2:4222", "tls://n3:4222",
-    ]  # fmt: skip
+        "nats://10.0.0.1:4222",
+        "nats://10.0.0.2:4222",
+        "tls://n3:4222",
+    ]
 
 
 @pytest.mark.parametrize("bad", ["", "nats://a:4222,", "10.0.0.1:4222", "http://a:4222"])

@@ -82,8 +82,9 @@ async def test_service_over_nats(nc, core):
         rep = await bus.request(nc, subjects.TOK_ENCODE, req, TokenizeReply, timeout=10)
         assert len(rep.image_spans) == 1 and rep.image_spans[0].length == 16
         with pytest.raises(StrataError) as ei:
-            await bus.request(nc, subjects.TOK_ENCODE, TokenizeRequest(request_id="x"),
-                              TokenizeReply, timeout=10)  # fmt: skip
+            await bus.request(
+                nc, subjects.TOK_ENCODE, TokenizeRequest(request_id="x"), TokenizeReply, timeout=10
+            )
         assert ei.value.code == "bad_request"
     finally:
         await sub.unsubscribe()

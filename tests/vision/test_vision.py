@@ -86,8 +86,10 @@ async def test_service_grpc_pull_and_overlap(nc, core, model_dir):
     from shared.protocol.tok import TokenizeReply, TokenizeRequest
 
     server, addr = await start_kv_server(EmbeddingHandler(core))
-    subs = [await serve_vision(nc, core, "vis-0", addr),
-            await serve_tokenizer(nc, TokenizerCore(model_dir))]  # fmt: skip
+    subs = [
+        await serve_vision(nc, core, "vis-0", addr),
+        await serve_tokenizer(nc, TokenizerCore(model_dir)),
+    ]
     client = KVClient(addr)
     try:
         images = [png(10 + i, (64, 64)) for i in range(3)]
@@ -96,9 +98,13 @@ async def test_service_grpc_pull_and_overlap(nc, core, model_dir):
         tok_req = TokenizeRequest(request_id="r", messages=[{"role": "user", "content": parts}])
         tok, vis = await asyncio.gather(
             bus.request(nc, subjects.TOK_ENCODE, tok_req, TokenizeReply),
-            bus.request(nc, subjects.VISION_ENCODE,
-                        VisionEncodeRequest(request_id="r", images=images), VisionEncodeReply),
-        )  # fmt: skip
+            bus.request(
+                nc,
+                subjects.VISION_ENCODE,
+                VisionEncodeRequest(request_id="r", images=images),
+                VisionEncodeReply,
+            ),
+        )
         # EPD: the two services worked at the same time (their busy intervals intersect)
         assert tok.started_at < vis.finished_at and vis.started_at < tok.finished_at
         assert len(tok.image_spans) == len(vis.images) == 3
@@ -112,9 +118,12 @@ async def test_service_grpc_pull_and_overlap(nc, core, model_dir):
         assert await client.pull_tensors(keys, "other-model") == {}
         assert await client.query(keys + ["missing"]) == {k: "engine" for k in keys}
         with pytest.raises(StrataError) as ei:
-            await bus.request(nc, subjects.VISION_ENCODE,
-                              VisionEncodeRequest(request_id="x", images=[b"junk"]),
-                              VisionEncodeReply)  # fmt: skip
+            await bus.request(
+                nc,
+                subjects.VISION_ENCODE,
+                VisionEncodeRequest(request_id="x", images=[b"junk"]),
+                VisionEncodeReply,
+            )
         assert ei.value.code == "bad_request"
     finally:
         await client.close()

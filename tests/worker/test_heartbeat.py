@@ -32,8 +32,13 @@ async def test_beats_while_the_main_loop_is_blocked(nats_url):
         state["calls"] += 1
         if state["calls"] == 2:
             raise ValueError("engine counters unreadable")  # one beat lost, not the thread
-        return LoadReport(instance_id="hb-test", role="prefill", incarnation="i", ts=time.time(),
-                          connected=state["connected"])  # fmt: skip
+        return LoadReport(
+            instance_id="hb-test",
+            role="prefill",
+            incarnation="i",
+            ts=time.time(),
+            connected=state["connected"],
+        )
 
     def failures() -> float:
         labels = {"role": "prefill", "instance": "hb-test"}

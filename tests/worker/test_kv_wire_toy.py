@@ -43,8 +43,13 @@ def kv(layers: int, n: int) -> torch.Tensor:
 def frames(rid: str, n: int, groups: list[range], fp: str = FP, total: int | None = None):
     out = []
     for g in groups:
-        out += kv_frames(kv(len(g), n), g, request_id=rid, fingerprint=fp,
-                         total_layers=LAYERS if total is None else total)  # fmt: skip
+        out += kv_frames(
+            kv(len(g), n),
+            g,
+            request_id=rid,
+            fingerprint=fp,
+            total_layers=LAYERS if total is None else total,
+        )
     return out
 
 
@@ -71,8 +76,11 @@ async def test_receiver_writes_each_frame_and_take_returns_bytes():
     rx, sink = receiver()
     reply = await push(rx, frames("r1", 5, [range(0, 2), range(2, 4)]))
     assert reply.frames == 2 and reply.stored == ["r1"]
-    assert sink.calls == [("open", "r1", 5), ("write", "r1", range(0, 2), 0, (2, 2, 5, KVH, HD)),
-                          ("write", "r1", range(2, 4), 0, (2, 2, 5, KVH, HD))]  # fmt: skip
+    assert sink.calls == [
+        ("open", "r1", 5),
+        ("write", "r1", range(0, 2), 0, (2, 2, 5, KVH, HD)),
+        ("write", "r1", range(2, 4), 0, (2, 2, 5, KVH, HD)),
+    ]
     assert await rx.take("r1", 5, timeout=1.0) == LAYERS * 2 * 5 * KVH * HD * 4
     assert rx.num_pending == 0
 
@@ -98,8 +106,15 @@ async def test_receiver_refuses_bad_frames_and_frees_the_reservation(fs, match):
 
 async def test_receiver_refuses_a_wrong_shape():
     rx, sink = receiver()
-    bad = tensor_to_frames(torch.zeros(1, 2, 5, KVH, HD + 1), request_id="r1", layer_start=0,
-                           layer_end=1, num_tokens=5, total_tokens=5, fingerprint=FP)  # fmt: skip
+    bad = tensor_to_frames(
+        torch.zeros(1, 2, 5, KVH, HD + 1),
+        request_id="r1",
+        layer_start=0,
+        layer_end=1,
+        num_tokens=5,
+        total_tokens=5,
+        fingerprint=FP,
+    )
     with pytest.raises(StrataError, match="shape"):
         await push(rx, bad)
     assert sink.calls == [("open", "r1", 5), ("cancel", "r1")]
@@ -121,9 +136,12 @@ async def test_merged_frames_merges_small_layers_of_one_token_range():
     q.put_nowait(Piece(range(0, 4), 0, kv(4, 3), False))  # cached prefix, all layers
     for layer in range(LAYERS):
         q.put_nowait(Piece(range(layer, layer + 1), 3, one, layer == LAYERS - 1))
-    got = [(f.layer_start, f.layer_end, f.token_start, f.num_tokens, f.last)
-           async for f in merged_frames(q, request_id="r", fingerprint=FP, total_tokens=5,
-                                        merge_bytes=200)]  # fmt: skip
+    got = [
+        (f.layer_start, f.layer_end, f.token_start, f.num_tokens, f.last)
+        async for f in merged_frames(
+            q, request_id="r", fingerprint=FP, total_tokens=5, merge_bytes=200
+        )
+    ]
     # The prefix is over 200 bytes: alone. Then layers pair up (2 x 96 < 200 < 3 x 96).
     assert got == [(0, 4, 0, 3, False), (0, 3, 3, 2, False), (3, 4, 3, 2, True)]
 

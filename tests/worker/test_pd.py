@@ -50,15 +50,22 @@ def reference(model_dir, prompt_ids) -> list[int]:
     from shared.model.loader import load_model
 
     eng = LLMEngine(load_model(model_dir), EngineConfig(kv_cache_bytes=8 << 20))
-    return eng.generate([prompt_ids], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
-                                                     ignore_eos=True))[0]
+    return eng.generate(
+        [prompt_ids], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    )[0]
 
 
 @pytest.fixture(params=[True, False], ids=["layerwise", "after-prefill"])
 async def pd(request, nats_url, nc, model_dir):
-    common = dict(nats_url=nats_url, model=model_dir, kv_cache_bytes=8 << 20, load_interval=0.2,
-                  transfer_timeout=2.0, layerwise_transfer=request.param,
-                  frame_merge_bytes=0 if request.param else 256 << 10)
+    common = dict(
+        nats_url=nats_url,
+        model=model_dir,
+        kv_cache_bytes=8 << 20,
+        load_interval=0.2,
+        transfer_timeout=2.0,
+        layerwise_transfer=request.param,
+        frame_merge_bytes=0 if request.param else 256 << 10,
+    )
     pcfg = WorkerConfig.load([], role="prefill", instance_id="p-test", **common)
     dcfg = WorkerConfig.load([], role="decode", instance_id="d-test", **common)
     p = await start_worker(pcfg, "prefill", PrefillService, nc)
@@ -97,9 +104,12 @@ def _tokens(chunks: list[TokenChunk]) -> list[int]:
 def _item(rid, prompt_ids, **kw) -> WorkItem:
     """A prefill submit when ``kw`` names a decode instance, else a decode submit."""
     cls = PrefillWork if "decode_instance" in kw else DecodeWork
-    return cls(request_id=rid, prompt_token_ids=prompt_ids,
-                    sampling=SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
-                                            ignore_eos=True), **kw)
+    return cls(
+        request_id=rid,
+        prompt_token_ids=prompt_ids,
+        sampling=SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
+        **kw,
+    )
 
 
 def _mode(prefill) -> str:
@@ -138,8 +148,9 @@ async def test_missing_transfer_is_recomputed(pd, nc, prompt_ids, reference):
     """Decode is told KV was pushed, but none arrives: it recomputes, the client sees no error."""
     _, d = pd
     first = reference[0]
-    item = _item("r-lost", prompt_ids, first_token_id=first, kv_pushed=True,
-                 kv_num_tokens=len(prompt_ids))
+    item = _item(
+        "r-lost", prompt_ids, first_token_id=first, kv_pushed=True, kv_num_tokens=len(prompt_ids)
+    )
     t = Transfers()
     chunks = await _run(nc, subjects.decode_submit("d-test"), item)
     assert t.moved() == {"fallback:no_kv": 1}
@@ -164,9 +175,13 @@ async def test_cancel_frees_kv_everywhere(pd, nc, prompt_ids):
 
     p, d = pd
     rid = "r-cancel"
-    item = PrefillWork(request_id=rid, prompt_token_ids=prompt_ids,
-                       sampling=SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True),
-                       decode_instance="d-test", decode_addr=d.addr)
+    item = PrefillWork(
+        request_id=rid,
+        prompt_token_ids=prompt_ids,
+        sampling=SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True),
+        decode_instance="d-test",
+        decode_addr=d.addr,
+    )
     chunks: list[TokenChunk] = []
     got_some, ended = asyncio.Event(), asyncio.Event()
 
@@ -276,8 +291,9 @@ class _ForgingClient:
         return await self.real.push(forged(), timeout=timeout)
 
 
-async def test_broken_transfer_is_caught_by_the_byte_counters(pd, nc, prompt_ids, reference,
-                                                              monkeypatch):
+async def test_broken_transfer_is_caught_by_the_byte_counters(
+    pd, nc, prompt_ids, reference, monkeypatch
+):
     """The counters' assertions catch a broken transfer that the tokens hide: decode refuses the
     forged frames and recomputes (tokens still right), no byte reaches its engine, so the
     byte assertion the other tests make fails here, and the fallback counter moved."""

@@ -28,11 +28,20 @@ MAX_TOKENS = 8
 @pytest.fixture
 async def cluster(nats_url, nc, model_dir, kvstore):
     _, addr = kvstore
-    common = dict(nats_url=nats_url, model=model_dir, kv_cache_bytes=8 << 20, load_interval=0.2,
-                  kvstore_addrs=addr, layerwise_transfer=True)  # the tests assert that path
+    common = dict(
+        nats_url=nats_url,
+        model=model_dir,
+        kv_cache_bytes=8 << 20,
+        load_interval=0.2,
+        kvstore_addrs=addr,
+        layerwise_transfer=True,
+    )  # the tests assert that path
     workers = []
-    for role, iid, cls in (("prefill", "pa", PrefillService), ("prefill", "pb", PrefillService),
-                           ("decode", "dd", DecodeService)):
+    for role, iid, cls in (
+        ("prefill", "pa", PrefillService),
+        ("prefill", "pb", PrefillService),
+        ("decode", "dd", DecodeService),
+    ):
         cfg = WorkerConfig.load([], role=role, instance_id=iid, **common)
         workers.append(await start_worker(cfg, role, cls, nc))
     yield workers
@@ -64,8 +73,14 @@ async def test_prefix_computed_on_a_is_reused_on_b(cluster, nc, model_dir):
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 
     def item(rid, prompt, **kw):
-        return PrefillWork(request_id=rid, prompt_token_ids=prompt, sampling=params,
-                           decode_instance="dd", decode_addr=dd.addr, **kw)
+        return PrefillWork(
+            request_id=rid,
+            prompt_token_ids=prompt,
+            sampling=params,
+            decode_instance="dd",
+            decode_addr=dd.addr,
+            **kw,
+        )
 
     t = Transfers()
     await _run(nc, subjects.prefill_submit("pa"), item("r-a", p1))
@@ -100,10 +115,17 @@ async def test_pool_blocks_missing_fall_back_to_recompute(cluster, nc, model_dir
     prompt = [(i * 29 + 3) % 2000 + 10 for i in range(40)]
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     t = Transfers()
-    work = DecodeWork(request_id="r-miss", prompt_token_ids=prompt, sampling=params,
-                    kv_block_hashes=["ab" * 16, "cd" * 16])
+    work = DecodeWork(
+        request_id="r-miss",
+        prompt_token_ids=prompt,
+        sampling=params,
+        kv_block_hashes=["ab" * 16, "cd" * 16],
+    )
     chunks = await _run(nc, subjects.decode_submit("dd"), work)
     assert t.moved() == {"fallback:pool_miss": 1}
-    ref = await _run(nc, subjects.decode_submit("dd"),
-                     DecodeWork(request_id="r-miss-ref", prompt_token_ids=prompt, sampling=params))
+    ref = await _run(
+        nc,
+        subjects.decode_submit("dd"),
+        DecodeWork(request_id="r-miss-ref", prompt_token_ids=prompt, sampling=params),
+    )
     assert _tokens(chunks) == _tokens(ref) and len(_tokens(ref)) == 4

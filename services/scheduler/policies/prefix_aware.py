@@ -89,8 +89,9 @@ class PrefixAware:
         self.last_reason = ""
 
     # --- decode -------------------------------------------------------------------------------
-    def choose_decode(self, request: RequestView, decode: list[InstanceView],
-                      table: RoleTable | None = None) -> tuple[InstanceView, float]:
+    def choose_decode(
+        self, request: RequestView, decode: list[InstanceView], table: RoleTable | None = None
+    ) -> tuple[InstanceView, float]:
         """(decode instance, its load score)."""
         t = table_of(decode, table)
         load = t.decode_loads(self.opt.batch_norm)
@@ -119,8 +120,9 @@ class PrefixAware:
         want = reserved if request.num_prompt_tokens >= self.opt.long_prompt_tokens else ~reserved
         return want if want.any() else np.ones(len(t), dtype=bool)
 
-    def choose_prefill(self, request: RequestView, prefill: list[InstanceView],
-                       table: RoleTable | None = None) -> tuple[InstanceView, float, int]:
+    def choose_prefill(
+        self, request: RequestView, prefill: list[InstanceView], table: RoleTable | None = None
+    ) -> tuple[InstanceView, float, int]:
         """(prefill instance, predicted TTFT, cached tokens)."""
         t = table_of(prefill, table)
         cand = self._candidates(request, t)
@@ -151,8 +153,10 @@ class PrefixAware:
         hit_min = self.opt.cache_match_min * n
         if best_hit >= hit_min and self.opt.affinity_load_bound > 0:
             qc = queue_s[cand]
-            cap = max(qc.min() + self.opt.affinity_slack_s,
-                      self.opt.affinity_load_bound * float(qc.mean()))  # fmt: skip
+            cap = max(
+                qc.min() + self.opt.affinity_slack_s,
+                self.opt.affinity_load_bound * float(qc.mean()),
+            )
             ok = [i for i in holders if queue_s[i] <= cap and cached[i] >= hit_min]
             if ok:
                 i = min(ok, key=lambda j: (-cached[j], ttft[j], j))
@@ -165,7 +169,9 @@ class PrefixAware:
             self.last_reason = "min predicted ttft"
         else:
             self.last_reason = "new prompt: least-filled cache"
-            near = np.flatnonzero(cand & (queue_s <= queue_s[cand].min() + self.opt.balance_slack_s))
+            near = np.flatnonzero(
+                cand & (queue_s <= queue_s[cand].min() + self.opt.balance_slack_s)
+            )
             order = np.lexsort((ttft[near], t.cached_blocks[near]))  # footprint, then TTFT
             i = int(near[order[0]])
         return prefill[i], float(ttft[i]), int(cached[i])

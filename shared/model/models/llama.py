@@ -21,10 +21,15 @@ class DecoderLayer(nn.Module):
     def __init__(self, c: ModelConfig):
         super().__init__()
         self.self_attn = Attention(
-            c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
-            qkv_bias=c.attention_bias, o_bias=c.o_proj_bias, qk_norm=c.qk_norm,
+            c.hidden_size,
+            c.num_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            qkv_bias=c.attention_bias,
+            o_bias=c.o_proj_bias,
+            qk_norm=c.qk_norm,
             eps=c.rms_norm_eps,
-        )  # fmt: skip
+        )
         self.mlp = MLP(c.hidden_size, c.intermediate_size, c.hidden_act, bias=c.mlp_bias)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
