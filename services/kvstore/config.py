@@ -31,6 +31,21 @@ class KVStoreConfig(ServiceConfig):
     minio_bucket: str = Field(
         "strata-kv", description="Bucket of block objects (created if missing)"
     )
+    ssd_bytes: int = Field(
+        64 << 30,
+        ge=0,
+        description="SSD tier budget: bytes of the block objects this instance wrote or listed; beyond "
+        "it the least recently used objects are deleted (0 = unbounded)",
+    )
+    kv_events_max_bytes: int = Field(
+        1 << 30,
+        ge=0,
+        description="Bytes the KV-event stream keeps (oldest events discarded beyond it; "
+        "0 = unbounded); set when this process creates or updates the stream",
+    )
+    kv_events_max_age: float = Field(
+        0.0, ge=0, description="Seconds the KV-event stream keeps an event (0 = no age limit)"
+    )
     minio_secure: bool = Field(False, description="Use HTTPS to reach MinIO")
     minio_timeout: float = Field(5.0, gt=0, description="Seconds before a MinIO call is failed")
     spill_concurrency: int = Field(8, ge=1, le=256, description="MinIO writes in flight")
