@@ -7,7 +7,10 @@ Each service subclasses `ServiceConfig`; a field ``foo_bar`` is read from ``--fo
 from __future__ import annotations
 
 import argparse
+import ast
+import inspect
 import os
+import textwrap
 import uuid
 from typing import Any, Self
 
@@ -96,6 +99,24 @@ class ModelServiceConfig(ServiceConfig):
     grpc_host: str = Field("127.0.0.1", description="Address the gRPC server binds and advertises")
     grpc_port: int = Field(0, ge=0, le=65535, description="gRPC port (0 = pick a free port)")
     load_interval: float = Field(0.5, gt=0, description="Seconds between load reports")
+
+
+def attribute_docs(cls: type) -> dict[str, str]:
+    """The docstrings of ``cls``'s annotated attributes (the string right below each), one line
+    each, whitespace collapsed: the descriptions of settings generated from a dataclass."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for stmt, nxt in zip(body, body[1:], strict=False):
+        if (
+            isinstance(stmt, ast.AnnAssign)
+            and isinstance(stmt.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[stmt.target.id] = " ".join(nxt.value.value.split())
+    return docs
 
 
 def new_incarnation() -> str:

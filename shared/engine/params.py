@@ -5,6 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+class EngineConfigError(ValueError):
+    """A bad `EngineConfig` value: ``setting`` names the field, ``why`` says what is wrong."""
+
+    def __init__(self, setting: str, why: str, value: object):
+        super().__init__(f"EngineConfig.{setting}: {why} (got {value!r})")
+        self.setting, self.why, self.value = setting, why, value
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Engine settings, validated at construction (a bad value names the setting)."""
@@ -44,7 +52,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> None:
-            raise ValueError(f"EngineConfig.{name}: {why} (got {getattr(self, name)!r})")
+            raise EngineConfigError(name, why, getattr(self, name))
 
         if self.block_size < 1:
             bad("block_size", "must be >= 1")

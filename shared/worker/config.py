@@ -1,12 +1,31 @@
-"""Configuration of a model instance (prefill or decode)."""
+"""Configuration of a model instance (prefill or decode).
+
+`WorkerConfig` derives its engine settings from `EngineConfig`: every engine field a worker
+may set is a setting of the same name (``STRATA_PREEMPTION_MODE`` / ``--preemption-mode``...),
+with the dataclass's default and docstring, so a new engine field is a new setting.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import types
+import typing
+from collections.abc import Callable
+from typing import Any
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import (
+    Field,
+    ValidationError,
+    ValidationInfo,
+    create_model,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from shared.config import ModelServiceConfig
+from shared.config import ModelServiceConfig, attribute_docs
+from shared.engine.params import EngineConfig, EngineConfigError
 
 LAYERWISE_SPARE_CORES = 2
 """Cores beyond its torch threads a CPU prefill process needs for `auto` layer-wise transfer."""
@@ -35,22 +54,65 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-class WorkerConfig(ModelServiceConfig):
+ENGINE_LIMITS: dict[str, dict[str, Any]] = {
+    "kv_cache_bytes": {"gt": 0},
+    "block_size": {"ge": 1, "le": 1024},
+    "max_num_seqs": {"ge": 1},
+    "max_num_batched_tokens": {"ge": 16},
+    "num_speculative_tokens": {"ge": 0, "le": 16},
+}
+"""Bounds a worker puts on engine settings when they are parsed, beside `EngineConfig`'s own
+checks (which every `WorkerConfig` also passes: a bad combination names its setting)."""
+
+ENGINE_DERIVED = ("collect_evicted_kv",)
+"""Engine fields a worker does not set: they follow from other settings (`engine_config`)."""
+
+
+def _engine_settings() -> tuple[dict[str, Any], dict[str, Callable[[Any], Any]]]:
+    """Pydantic fields for `EngineConfig`'s settable fields, and for every field the function
+    that turns the setting's value into the engine's. ``X | None`` fields become settings a
+    flag can spell: ``str | None`` -> ``''`` for None, ``bool | None`` -> ``auto`` for None."""
+    hints = typing.get_type_hints(EngineConfig)
+    docs = attribute_docs(EngineConfig)
+    fields: dict[str, Any] = {}
+    convert: dict[str, Callable[[Any], Any]] = {}
+    for f in dataclasses.fields(EngineConfig):
+        if f.name in ENGINE_DERIVED:
+            continue
+        tp, doc, kw = hints[f.name], docs.get(f.name, ""), dict(ENGINE_LIMITS.get(f.name, {}))
+        args = typing.get_args(tp) if isinstance(tp, types.UnionType) else ()
+        inner = [a for a in args if a is not type(None)]
+        if len(args) == 2 and len(inner) == 1 and f.default is None:  # X | None = None
+            if inner[0] is bool:
+                tp, default, kw["pattern"] = str, "auto", "^(auto|true|false)$"
+                doc += " Setting: auto (None), true or false."
+                convert[f.name] = lambda v: None if v == "auto" else v == "true"
+            else:
+                tp, default = inner[0], inner[0]()
+                doc += f" Setting: {default!r} for None."
+                convert[f.name] = lambda v: v or None
+        else:
+            default = f.default
+            convert[f.name] = lambda v: v
+        if f.name not in ModelServiceConfig.model_fields:  # device, dtype: already settings
+            fields[f.name] = (tp, Field(default, description=doc, **kw))
+    return fields, convert
+
+
+_ENGINE_FIELDS, _TO_ENGINE = _engine_settings()
+
+EngineSettings = create_model(  # type: ignore[call-overload]
+    "EngineSettings",
+    __base__=ModelServiceConfig,
+    __doc__="`ModelServiceConfig` + every `EngineConfig` field a worker may set.",
+    __module__=__name__,
+    **_ENGINE_FIELDS,
+)
+
+
+class WorkerConfig(EngineSettings):  # type: ignore[misc, valid-type]
     """A prefill or decode instance: the model, its engine and its KV transfer settings."""
 
-    kv_cache_bytes: int = Field(256 << 20, gt=0, description="Engine KV pool byte budget")
-    block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV block (cluster-wide)")
-    max_num_seqs: int = Field(64, ge=1, description="Most sequences in a running batch")
-    max_num_batched_tokens: int = Field(2048, ge=16, description="Per-step token budget")
-    enable_chunked_prefill: bool = Field(True, description="Split long prompts across steps")
-    enable_prefix_caching: bool = Field(True, description="Reuse cached prefix blocks")
-    num_speculative_tokens: int = Field(0, ge=0, le=16, description="n-gram draft tokens (0 = off)")
-    quantization: str = Field("", description="Weight quantization: '' or 'int8'")
-    async_scheduling: str = Field(
-        "auto",
-        pattern="^(auto|true|false)$",
-        description="Prepare the next decode step during the forward: auto = on for CUDA only",
-    )
     transfer_timeout: float = Field(30.0, gt=0, description="Seconds to wait for a KV transfer")
     frame_merge_bytes: int = Field(
         256 << 10, ge=0, description="Merge layer frames below this size into one (direct mode)"
@@ -80,22 +142,21 @@ class WorkerConfig(ModelServiceConfig):
             raise ValueError("expected auto, true or false")
         return word
 
-    def engine_config(self):
-        from shared.engine.params import EngineConfig
+    @model_validator(mode="after")
+    def _engine_accepts(self) -> WorkerConfig:
+        """`EngineConfig`'s own checks at parse time, naming the setting (not at engine start)."""
+        try:
+            self.engine_config()
+        except EngineConfigError as exc:
+            err = PydanticCustomError("value_error", "{why}", {"why": exc.why})
+            detail = InitErrorDetails(
+                type=err, loc=(exc.setting,), input=getattr(self, exc.setting, exc.value)
+            )
+            raise ValidationError.from_exception_data(type(self).__name__, [detail]) from None
+        return self
 
-        return EngineConfig(
-            kv_cache_bytes=self.kv_cache_bytes,
-            block_size=self.block_size,
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            enable_chunked_prefill=self.enable_chunked_prefill,
-            enable_prefix_caching=self.enable_prefix_caching,
-            num_speculative_tokens=self.num_speculative_tokens,
-            quantization=self.quantization or None,
-            device=self.device,
-            dtype=self.dtype or None,
-            collect_evicted_kv=bool(self.kvstore_addrs.strip()),
-            async_scheduling=None
-            if self.async_scheduling == "auto"
-            else self.async_scheduling == "true",
-        )
+    def engine_config(self) -> EngineConfig:
+        """The engine's settings: each `EngineConfig` field from the setting of its name, and
+        `collect_evicted_kv` on in pool mode (evicted blocks go to the kvstore)."""
+        values = {name: to_engine(getattr(self, name)) for name, to_engine in _TO_ENGINE.items()}
+        return EngineConfig(**values, collect_evicted_kv=bool(self.kvstore_addrs.strip()))
