@@ -43,6 +43,7 @@ def build_store(cfg: KVStoreConfig, incarnation: str, publish) -> KVStore:
         write_behind_blocks=cfg.write_behind_blocks
         if cfg.write_behind and cfg.minio_endpoint
         else 0,
+        ssd_bytes=cfg.ssd_bytes if cfg.minio_endpoint else 0,
     )
     ssd = None
     if cfg.minio_endpoint:

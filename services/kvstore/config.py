@@ -34,8 +34,8 @@ class KVStoreConfig(ServiceConfig):
     ssd_bytes: int = Field(
         64 << 30,
         ge=0,
-        description="SSD tier budget: bytes of the block objects this instance wrote or listed; beyond "
-        "it the least recently used objects are deleted (0 = unbounded)",
+        description="SSD tier budget: bytes of the block objects this instance wrote or "
+        "listed; beyond it the least recently used objects are deleted (0 = unbounded)",
     )
     kv_events_max_bytes: int = Field(
         1 << 30,

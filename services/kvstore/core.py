@@ -13,6 +13,12 @@ Tier semantics seen from outside (``lookup``):
 - "dram": in the DRAM LRU, or evicted and still in memory waiting for its spill to commit;
 - "ssd": committed in the object store (known from a write, a read or the start-up listing).
 
+SSD tier budget (``ssd_bytes``, 0 = unbounded): the core counts the bytes of every object it knows
+(written, read or listed) and keeps the objects in LRU order by the last read or write of any of
+their blocks. When the bytes exceed the budget, ``evict_ssd`` takes the least recently used
+objects out of the index whole (a chunk's blocks go together), announces ``ssd removed`` for
+their blocks at once and hands their names out for deletion (``delete_done`` when it committed).
+
 Events (`KVEvent`, one sequence per incarnation) are queued only after the bytes are committed
 in that tier. An evicted block is announced ``ssd stored`` when its spill commits and only then
 ``dram removed``, so a block never looks absent while it is moving down.
@@ -44,6 +50,14 @@ class Pending:
 
 
 @dataclass
+class SsdObject:
+    """An object of the SSD tier as the core knows it: its bytes and the blocks indexed in it."""
+
+    nbytes: int
+    keys: set[BlockKey]
+
+
+@dataclass
 class CoreStats:
     hits_dram: int = 0
     hits_ssd: int = 0
@@ -58,12 +72,16 @@ class CoreStats:
     persist_skipped: int = 0
     restores: int = 0
     restore_bytes: int = 0
+    ssd_evicted_objects: int = 0
+    ssd_evicted_blocks: int = 0
+    ssd_evicted_bytes: int = 0
 
 
 class KVStoreCore:
     """See the module docstring. ``spill_buffer_bytes`` bounds memory held by pending spills;
     when the object store is down for long, the oldest pending blocks are dropped (counted).
-    ``write_behind_blocks`` bounds the write-behind queue (0 = write-behind off)."""
+    ``write_behind_blocks`` bounds the write-behind queue (0 = write-behind off). ``ssd_bytes``
+    bounds the SSD tier (0 = unbounded; see the module docstring)."""
 
     def __init__(
         self,
@@ -73,6 +91,7 @@ class KVStoreCore:
         spill_buffer_bytes: int | None = None,
         clock=time.time,
         write_behind_blocks: int = 0,
+        ssd_bytes: int = 0,
     ):
         self.instance_id = instance_id
         self.incarnation = incarnation
@@ -81,6 +100,11 @@ class KVStoreCore:
         self.pending: OrderedDict[BlockKey, Pending] = OrderedDict()
         self.pending_bytes = 0
         self.ssd: dict[BlockKey, SsdLoc] = {}
+        self.ssd_budget = ssd_bytes
+        self.ssd_objects: OrderedDict[str, SsdObject] = OrderedDict()  # least recent first
+        self.ssd_bytes = 0  # bytes of ssd_objects
+        self.deleting: dict[str, int] = {}  # evicted objects whose delete has not committed
+        self._deleted: OrderedDict[str, None] = OrderedDict()  # recent deletes (late reads)
         self.write_behind_blocks = write_behind_blocks
         self.persist_q: OrderedDict[BlockKey, float] = OrderedDict()  # key -> queued at (clock)
         self.persisting: dict[BlockKey, Entry] = {}  # write-behind writes in flight
@@ -128,6 +152,7 @@ class KVStoreCore:
             self.stats.duplicate_puts += 1
             return False
         if not res.stored:
+            self._ssd_touch(key)
             self.stats.duplicate_puts += 1
             return False
         self.stats.puts += 1
@@ -234,7 +259,7 @@ class KVStoreCore:
         self.pending_bytes -= p.entry.nbytes
         self.stats.spills += 1
         self.stats.spill_bytes += p.entry.nbytes
-        self.ssd[key] = loc or SsdLoc("", 0, p.entry.nbytes)
+        self._ssd_add(key, loc or SsdLoc("", 0, p.entry.nbytes))
         self._event("ssd", "stored", [key[1]])
         if p.announced_dram:
             self._event("dram", "removed", [key[1]])
@@ -251,8 +276,7 @@ class KVStoreCore:
             return
         self.stats.persists += 1
         self.stats.spill_bytes += e.nbytes
-        if key not in self.ssd:
-            self.ssd[key] = loc or SsdLoc("", 0, e.nbytes)
+        if key not in self.ssd and self._ssd_add(key, loc or SsdLoc("", 0, e.nbytes)):
             self._event("ssd", "stored", [key[1]])
 
     @property
@@ -292,6 +316,7 @@ class KVStoreCore:
         A leased payload (from the LRU) must be handed back with ``dram.release``."""
         payload = self.dram.acquire(key)
         if payload is not None:
+            self._ssd_touch(key)
             self.stats.hits_dram += 1
             return payload, True
         p = self.pending.get(key)
@@ -306,15 +331,17 @@ class KVStoreCore:
         self.stats.restores += 1
         self.stats.restore_bytes += nbytes
         if key not in self.ssd:
-            self.ssd[key] = loc
-            self._event("ssd", "stored", [key[1]])
+            if self._ssd_add(key, loc):
+                self._event("ssd", "stored", [key[1]])
+        else:
+            self._ssd_touch(key)
         self.put(key, payload, nbytes)
 
     def missed(self, key: BlockKey, *, forget: bool = True) -> None:
         """Neither tier had ``key``; if the SSD index claimed it, forget it (unless the store
         could not be asked: ``forget=False``)."""
         self.stats.misses += 1
-        if forget and self.ssd.pop(key, None) is not None:
+        if forget and self._ssd_forget(key):
             self._event("ssd", "removed", [key[1]])
 
     def known_ssd(self, items: Iterable[tuple[BlockKey, SsdLoc]]) -> int:
@@ -323,13 +350,83 @@ class KVStoreCore:
         off the write-behind queue. Returns how many were new."""
         new: dict[str, list[str]] = {}
         for key, loc in items:
-            if key not in self.ssd:
-                self.ssd[key] = loc
+            if key not in self.ssd and self._ssd_add(key, loc):
                 self.persist_q.pop(key, None)
                 new.setdefault(key[0], []).append(key[1])
         for hashes in new.values():
             self._event("ssd", "stored", hashes)
         return sum(len(h) for h in new.values())
+
+    # ------------------------------------------------------------------ SSD tier budget
+
+    def _ssd_add(self, key: BlockKey, loc: SsdLoc) -> bool:
+        """Index ``key`` at ``loc`` and count its object (the most recently used now). False
+        (nothing indexed) when the object was evicted: a read or listing that raced its delete."""
+        name = loc.obj or f"{key[0]}/{key[1]}"  # no name (core tests): one object per block
+        if name in self.deleting or name in self._deleted:
+            return False
+        self.ssd[key] = loc
+        obj = self.ssd_objects.get(name)
+        if obj is None:
+            obj = self.ssd_objects[name] = SsdObject(0, set())
+        else:
+            self.ssd_objects.move_to_end(name)
+        obj.keys.add(key)
+        size = loc.offset + loc.length  # a chunk's blocks lie back to back up to its end
+        if size > obj.nbytes:
+            self.ssd_bytes += size - obj.nbytes
+            obj.nbytes = size
+        return True
+
+    def _ssd_touch(self, key: BlockKey) -> None:
+        loc = self.ssd.get(key)
+        if loc is not None:
+            name = loc.obj or f"{key[0]}/{key[1]}"
+            if name in self.ssd_objects:
+                self.ssd_objects.move_to_end(name)
+
+    def _ssd_forget(self, key: BlockKey) -> bool:
+        loc = self.ssd.pop(key, None)
+        if loc is None:
+            return False
+        name = loc.obj or f"{key[0]}/{key[1]}"
+        obj = self.ssd_objects.get(name)
+        if obj is not None:
+            obj.keys.discard(key)
+            if not obj.keys:  # nothing of it indexed any more: no longer counted
+                del self.ssd_objects[name]
+                self.ssd_bytes -= obj.nbytes
+        return True
+
+    def evict_ssd(self) -> list[str]:
+        """While the SSD tier is over budget: take the least recently used objects out of the
+        index, announce ``ssd removed`` for their blocks and return their names, to be deleted
+        (then ``delete_done``). A block evicted here that is still in DRAM spills again when
+        it leaves DRAM."""
+        names: list[str] = []
+        removed: dict[str, list[str]] = {}
+        while self.ssd_budget and self.ssd_bytes > self.ssd_budget and self.ssd_objects:
+            name, obj = self.ssd_objects.popitem(last=False)
+            self.ssd_bytes -= obj.nbytes
+            for key in obj.keys:
+                del self.ssd[key]
+                removed.setdefault(key[0], []).append(key[1])
+            self.deleting[name] = obj.nbytes
+            self.stats.ssd_evicted_objects += 1
+            self.stats.ssd_evicted_blocks += len(obj.keys)
+            self.stats.ssd_evicted_bytes += obj.nbytes
+            names.append(name)
+        for hashes in removed.values():
+            self._event("ssd", "removed", hashes)
+        return names
+
+    def delete_done(self, name: str, ok: bool) -> None:
+        """The delete of evicted object ``name`` committed (``ok``) or failed (retry it)."""
+        if not ok or self.deleting.pop(name, None) is None:
+            return
+        self._deleted[name] = None
+        while len(self._deleted) > 4096:
+            self._deleted.popitem(last=False)
 
     # ------------------------------------------------------------------ introspection
 
@@ -342,6 +439,8 @@ class KVStoreCore:
             "pending_spill_blocks": len(self.pending),
             "pending_spill_bytes": self.pending_bytes,
             "ssd_blocks": len(self.ssd),
-            "ssd_bytes": sum(loc.length for loc in self.ssd.values()),
+            "ssd_bytes": self.ssd_bytes,
+            "ssd_budget_bytes": self.ssd_budget,
+            "ssd_deleting_objects": len(self.deleting),
             "write_behind_blocks": len(self.persist_q) + len(self.persisting),
         }

@@ -36,6 +36,17 @@ SSD_GETS = Counter(
     "GET requests for block reads from the SSD tier (one GET may carry many adjacent blocks)",
 )
 SSD_GET_BYTES = Counter("strata_kvstore_ssd_get_bytes_total", "Bytes those GETs returned")
+SSD_EVICTED_OBJECTS = Counter(
+    "strata_kvstore_ssd_evicted_objects_total",
+    "Objects deleted from the SSD tier to keep it under ssd_bytes (least recently used first)",
+)
+SSD_EVICTED_BLOCKS = Counter(
+    "strata_kvstore_ssd_evicted_blocks_total", "Blocks in the objects evicted from the SSD tier"
+)
+SSD_EVICTED_BYTES = Counter(
+    "strata_kvstore_ssd_evicted_bytes_total", "Bytes of the objects evicted from the SSD tier"
+)
+SSD_BUDGET = Gauge("strata_kvstore_ssd_budget_bytes", "SSD tier budget (ssd_bytes; 0 = unbounded)")
 ERRORS = Counter("strata_kvstore_errors_total", "Failed operations, by op", ["op"])
 LATENCY = latency_histogram("strata_kvstore_op_latency_seconds", "kvstore op latency", ("op",))
 
@@ -45,4 +56,5 @@ def update_gauges(counts: dict[str, int]) -> None:
     TIER_BYTES.labels("dram").set(counts["dram_bytes"] + counts["pending_spill_bytes"])
     TIER_BLOCKS.labels("ssd").set(counts["ssd_blocks"])
     TIER_BYTES.labels("ssd").set(counts["ssd_bytes"])
+    SSD_BUDGET.set(counts["ssd_budget_bytes"])
     TIER_BLOCKS.labels("write_behind").set(counts["write_behind_blocks"])

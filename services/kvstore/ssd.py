@@ -71,10 +71,12 @@ def chunk_fingerprint(name: str) -> str | None:
 
 @dataclass
 class Listing:
-    """What a bucket listing found: per-block objects (with locations) and chunk names."""
+    """What a bucket listing found: per-block objects (with locations), chunk names and when
+    each object was last written (seconds since the epoch, 0 if unknown)."""
 
     blocks: list[tuple[BlockKey, SsdLoc]] = field(default_factory=list)
     chunks: list[tuple[str, str]] = field(default_factory=list)  # (fingerprint, object name)
+    modified: dict[str, float] = field(default_factory=dict)
 
 
 class MinioTier:
@@ -230,7 +232,11 @@ class MinioTier:
         return parse_index(name, head)
 
     def delete(self, key: BlockKey) -> None:
-        self._call(lambda c: c.remove_object(self.bucket, object_name(key)))
+        self.delete_object(object_name(key))
+
+    def delete_object(self, name: str) -> None:
+        """Delete object ``name`` (a per-block or chunk object); deleting a missing one is fine."""
+        self._call(lambda c: c.remove_object(self.bucket, name))
 
     def list(self, fingerprint: str | None = None) -> Listing:
         """Every per-block object and chunk object (optionally of one fingerprint)."""
@@ -240,6 +246,8 @@ class MinioTier:
             out = Listing()
             for obj in client.list_objects(self.bucket, prefix=prefix, recursive=True):
                 name = obj.object_name or ""
+                if obj.last_modified is not None:
+                    out.modified[name] = obj.last_modified.timestamp()
                 fp = chunk_fingerprint(name)
                 if fp is not None:
                     out.chunks.append((fp, name))

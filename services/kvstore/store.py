@@ -3,6 +3,7 @@ asks for: writes to the SSD tier (`SsdWriter`: spills of evicted blocks and writ
 committed block, small blocks batched into chunk objects), reads back from it (`SsdReader`: the
 blocks of a pull read ahead with coalesced ranged GETs in parallel), refreshes its view
 of the bucket on a miss (blocks written by another instance or before a restart; `MissCache`),
+deletes the least recently used objects when the SSD tier is over its budget (``ssd_bytes``),
 and publishes the core's events in order through an injected ``publish`` callable.
 
 A store without an SSD tier (``ssd=None``) drops evicted blocks. With one that is down, puts and
@@ -79,6 +80,7 @@ class KVStore:
         self.writer = SsdWriter(core, ssd, self.opts, self)
         self.reader = None if ssd is None else SsdReader(ssd, reader)
         self._event_wake = asyncio.Event()
+        self._evict_wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._chunks_seen: set[str] = set()
         self._refreshing: dict[str, asyncio.Lock] = {}
@@ -92,6 +94,8 @@ class KVStore:
             asyncio.create_task(self.writer.run(), name="kvstore-ssd-writer"),
             asyncio.create_task(self._event_loop(), name="kvstore-events"),
         ]
+        if self.ssd is not None:
+            self._tasks.append(asyncio.create_task(self._evict_loop(), name="kvstore-ssd-evict"))
         self._kick()
 
     async def stop(self) -> None:
@@ -107,10 +111,12 @@ class KVStore:
     def _kick(self) -> None:
         self.writer.wake()
         self._event_wake.set()
+        self._evict_wake.set()
 
     # ---- callbacks of the writer
     def events_ready(self) -> None:
         self._event_wake.set()
+        self._evict_wake.set()  # a write may have taken the SSD tier over its budget
 
     def ssd_ok(self) -> None:
         if not self.ssd_online:
@@ -290,11 +296,50 @@ class KVStore:
         await asyncio.gather(*(index(fp, name) for fp, name in fresh))
         for fp in {fp for fp, _ in listing.chunks} | {k[0] for k, _ in listing.blocks}:
             self.misses.refreshed(fp)
+        # Oldest objects first: they become the least recently used of the SSD tier's budget.
+        items.sort(key=lambda it: (listing.modified.get(it[1].obj, 0.0), it[1].obj))
         found = self.core.known_ssd(items)
         if fingerprint is not None:
             m.REFRESH_FOUND.inc(found)
         if found:
             self._kick()
+
+    # ------------------------------------------------------------------ SSD tier budget
+
+    async def _evict_loop(self) -> None:
+        """Keep the SSD tier under its budget: the core picks the least recently used objects
+        (and announces their blocks removed); delete them, retrying failed deletes."""
+        assert self.ssd is not None
+        sem = asyncio.Semaphore(self.opts.concurrency)
+
+        async def delete(name: str) -> bool:
+            async with sem:
+                try:
+                    await asyncio.to_thread(self.ssd.delete_object, name)
+                except ObjectStoreError as exc:
+                    self.ssd_failed("delete", exc)
+                    self.core.delete_done(name, ok=False)
+                    return False
+            self.core.delete_done(name, ok=True)
+            return True
+
+        while True:
+            await self._evict_wake.wait()
+            self._evict_wake.clear()
+            blocks = self.core.stats.ssd_evicted_blocks
+            for name in self.core.evict_ssd():
+                m.SSD_EVICTED_OBJECTS.inc()
+                m.SSD_EVICTED_BYTES.inc(self.core.deleting[name])
+            m.SSD_EVICTED_BLOCKS.inc(self.core.stats.ssd_evicted_blocks - blocks)
+            if not self.core.deleting:
+                continue
+            self._event_wake.set()
+            oks = await asyncio.gather(*(delete(n) for n in list(self.core.deleting)))
+            if all(oks):
+                self.ssd_ok()
+            else:
+                await asyncio.sleep(self.retry_interval)
+                self._evict_wake.set()
 
     # ------------------------------------------------------------------ events
 
@@ -322,10 +367,15 @@ class KVStore:
         """Wait until every block is committed to the SSD tier (no spill or write-behind left)
         and every queued event is published: graceful shutdown, tests, bench."""
         deadline = time.monotonic() + timeout
-        while self.core.writes_outstanding or self.published_seq < self.core.last_seq:
+        while (
+            self.core.writes_outstanding
+            or self.core.deleting
+            or self.published_seq < self.core.last_seq
+        ):
             if time.monotonic() > deadline:
                 raise TimeoutError(
-                    f"flush: {self.core.writes_outstanding} SSD writes outstanding, events "
+                    f"flush: {self.core.writes_outstanding} SSD writes and "
+                    f"{len(self.core.deleting)} deletes outstanding, events "
                     f"published {self.published_seq}/{self.core.last_seq}"
                 )
             self._kick()

@@ -183,3 +183,45 @@ def test_next_spills_batching_rules():
         b.put(k(h), "", 10)
     assert list(b.persist_q) == [k("y"), k("z")] and b.stats.persist_skipped == 1
     assert b.lookup(k("x")) == "dram" and b.writes_outstanding == 2
+
+
+def test_ssd_budget_evicts_least_recently_used_objects_whole():
+    c = KVStoreCore("kv1", "inc1", dram_bytes=1000, ssd_bytes=100)
+    chunk1, chunk2 = "m1/chunk/1", "m1/chunk/2"
+    loc_a, loc_b = SsdLoc(chunk1, 8, 20, True), SsdLoc(chunk1, 28, 20, True)
+    loc_c = SsdLoc(chunk2, 8, 30, True)
+    assert c.known_ssd([(k("a"), loc_a), (k("b"), loc_b), (k("c"), loc_c)]) == 3
+    assert c.known_ssd([(k("d"), SsdLoc("m1/d", 0, 30))]) == 1  # a per-block object
+    assert c.ssd_bytes == 48 + 38 + 30 and list(c.ssd_objects) == [chunk1, chunk2, "m1/d"]
+    c.drain_events()
+    c.restored(k("a"), "A", 20, loc_a)  # a read of a: its whole chunk becomes most recent
+    assert list(c.ssd_objects) == [chunk2, "m1/d", chunk1]
+    c.drain_events()
+
+    assert c.evict_ssd() == [chunk2]  # 116 > 100: the LRU object goes, 78 left
+    assert c.ssd_bytes == 78 and k("c") not in c.ssd and c.deleting == {chunk2: 38}
+    assert [(e.tier, e.kind, e.hashes) for e in c.drain_events()] == [("ssd", "removed", ["c"])]
+    assert c.evict_ssd() == []
+    c.restored(k("c"), "C", 30, loc_c)  # a read that raced the delete: not indexed again
+    assert k("c") not in c.ssd and c.ssd_bytes == 78
+    assert c.known_ssd([(k("c"), loc_c)]) == 0  # nor by a listing
+    c.delete_done(chunk2, ok=False)
+    assert c.deleting == {chunk2: 38}  # a failed delete is retried
+    c.delete_done(chunk2, ok=True)
+    assert c.deleting == {} and c.known_ssd([(k("c"), loc_c)]) == 0
+    assert (c.stats.ssd_evicted_objects, c.stats.ssd_evicted_blocks) == (1, 1)
+    assert c.stats.ssd_evicted_bytes == 38
+
+    c.missed(k("d"))  # the store lost d: its object is no longer counted
+    assert c.ssd_bytes == 48 and list(c.ssd_objects) == [chunk1]
+    c.ssd_budget = 40
+    c.drain_events()
+    assert c.evict_ssd() == [chunk1]  # both blocks of the chunk go together
+    assert c.ssd == {} and c.ssd_bytes == 0
+    assert [sorted(e.hashes) for e in c.drain_events()] == [["a", "b"]]
+
+
+def test_unbounded_ssd_tier_never_evicts():
+    c = KVStoreCore("kv1", "inc1", dram_bytes=1000)
+    c.known_ssd([(k(h), SsdLoc(f"m1/{h}", 0, 1 << 40)) for h in "abc"])
+    assert c.evict_ssd() == [] and len(c.ssd) == 3 and c.ssd_bytes == 3 << 40
