@@ -22,7 +22,7 @@ from pydantic import ValidationError
 
 from services.launcher import ROLES, ClusterConfig
 from services.shape import apply_affinity
-from shared.config import ConfigError
+from shared.config import ConfigError, add_model_flags, model_flag_values
 from shared.model.errors import CheckpointError
 from shared.service import FATAL_LINE, StartupError
 
@@ -70,124 +70,33 @@ def serve(role: str, argv: list[str]) -> int:
     return 0
 
 
+UP_DEFAULTS = {"port": 8000, "data_dir": "", "restart": True}
+"""Where `strata up`'s default differs from `ClusterConfig`'s (``data_dir``: ``.data/`` of the
+repo, filled in by `up_parser`): a fixed port, data kept across runs, crashed processes
+restarted."""
+UP_FIXED = {"die_with_parent": True}
+"""`ClusterConfig` fields `strata up` sets and offers no flag for."""
+UP_SKIP = ("stop_timeout", "role_args", *UP_FIXED)
+"""`ClusterConfig` fields without a `strata up` flag (Python API only, or fixed)."""
+
+
 def up_parser(prog: str = "strata up") -> argparse.ArgumentParser:
-    d = ClusterConfig()
+    """`strata up`'s flags, derived from `ClusterConfig` (`add_model_flags`): ``foo_bar`` ->
+    ``--foo-bar``, a bool that is on by default -> ``--no-foo-bar``, ``env`` -> repeatable
+    ``--env KEY=VALUE``; help from the field descriptions, defaults from the fields or
+    `UP_DEFAULTS`."""
     p = argparse.ArgumentParser(prog=prog, description="Start the whole cluster on this machine.")
-    p.add_argument("--model", default="", help="checkpoint dir (default: the built-in model)")
-    p.add_argument("--host", default=d.host, help="address every service binds")
-    p.add_argument("--port", type=int, default=8000, help="gateway HTTP port (0 = free port)")
-    p.add_argument("--nats-port", type=int, default=0, help="nats-server port (0 = free port)")
-    p.add_argument("--minio-port", type=int, default=0, help="MinIO port (0 = free port)")
-    p.add_argument("--no-minio", action="store_true", help="no MinIO (KV pool stays in DRAM)")
-    p.add_argument(
-        "--data-dir",
-        default=os.path.join(_root(), ".data"),
-        help="NATS/MinIO data and service logs (default: .data/)",
-    )
-    for role in ("scheduler", "tokenizer", "vision", "kvstore", "decode"):
-        p.add_argument(
-            f"--{role}",
-            type=int,
-            default=getattr(d, role),
-            metavar="N",
-            help=f"{role} instances (default {getattr(d, role)})",
-        )
-    p.add_argument(
-        "--prefill",
-        type=int,
-        default=None,
-        metavar="N",
-        help="prefill instances; 0 = decode prefills (default: from the machine: "
-        "0 below 8 cores, else 1)",
-    )
-    p.add_argument(
-        "--torch-threads",
-        type=int,
-        default=None,
-        metavar="N",
-        help="torch threads per prefill/decode process (default: its share of the cores)",
-    )
-    p.add_argument("--device", default=d.device, help="torch device: cpu or cuda[:N]")
-    p.add_argument("--log-level", default=d.log_level)
-    p.add_argument(
-        "--metrics-port-base",
-        type=int,
-        default=0,
-        help="first Prometheus port, +1 per process (0 = free ports)",
-    )
-    p.add_argument("--ready-timeout", type=float, default=d.ready_timeout)
-    p.add_argument(
-        "--no-restart",
-        action="store_true",
-        help="do not restart crashed services, nats-server or MinIO",
-    )
-    p.add_argument(
-        "--launcher-metrics-port",
-        type=int,
-        default=0,
-        metavar="PORT",
-        help="port of strata_launcher_restarts_total (0 = a free port)",
-    )
-    p.add_argument(
-        "--env",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="extra env for every service (repeatable)",
-    )
-    p.add_argument("--no-color", action="store_true", help="plain log prefixes")
-    p.add_argument(
-        "--no-nats-auth",
-        action="store_true",
-        help="NATS without users (anyone on the network may use every subject)",
-    )
-    p.add_argument("--nats-tls-cert", default="", help="nats-server TLS certificate (TLS on)")
-    p.add_argument("--nats-tls-key", default="", help="nats-server TLS key")
-    p.add_argument("--nats-tls-ca", default="", help="CA of the server certificate (for clients)")
-    p.add_argument(
-        "--nats-tls-verify",
-        action="store_true",
-        help="clients must present a certificate signed by --nats-tls-ca",
-    )
+    defaults = {**UP_DEFAULTS, "data_dir": os.path.join(_root(), ".data")}
+    add_model_flags(p, ClusterConfig, defaults=defaults, skip=UP_SKIP)
     return p
 
 
 def config_from_args(a: argparse.Namespace) -> ClusterConfig:
-    env = {}
-    for item in a.env:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"strata up: --env expects KEY=VALUE, got {item!r}")
-        env[key] = value
-    return ClusterConfig(
-        model=a.model,
-        host=a.host,
-        port=a.port,
-        nats_port=a.nats_port,
-        minio_port=a.minio_port,
-        minio=not a.no_minio,
-        data_dir=os.path.abspath(a.data_dir),
-        scheduler=a.scheduler,
-        tokenizer=a.tokenizer,
-        vision=a.vision,
-        kvstore=a.kvstore,
-        prefill=a.prefill,
-        decode=a.decode,
-        torch_threads=a.torch_threads,
-        device=a.device,
-        log_level=a.log_level,
-        metrics_port_base=a.metrics_port_base,
-        ready_timeout=a.ready_timeout,
-        env=env,
-        die_with_parent=True,
-        restart=not a.no_restart,
-        launcher_metrics_port=a.launcher_metrics_port,
-        nats_auth=not a.no_nats_auth,
-        nats_tls_cert=a.nats_tls_cert,
-        nats_tls_key=a.nats_tls_key,
-        nats_tls_ca=a.nats_tls_ca,
-        nats_tls_verify=a.nats_tls_verify,
-    )
+    """The `ClusterConfig` of `up_parser`'s flags (``--data-dir`` made absolute); raises
+    `ValidationError` for a bad value, `SystemExit` for an ``--env`` item without ``=``."""
+    values = model_flag_values(ClusterConfig, a, "strata up", skip=UP_SKIP)
+    values["data_dir"] = os.path.abspath(values["data_dir"])
+    return ClusterConfig(**values, **UP_FIXED)
 
 
 def up(argv: list[str]) -> int:
@@ -213,7 +122,7 @@ def up(argv: list[str]) -> int:
         except RuntimeError as exc:
             say(str(exc))
             return 1
-    cluster = Cluster(config=cfg, log_stream=sys.stdout, color=False if args.no_color else None)
+    cluster = Cluster(config=cfg, log_stream=sys.stdout)
     signal.signal(signal.SIGTERM, _interrupt)
     rc = 0
     try:

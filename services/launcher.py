@@ -56,17 +56,24 @@ REQUIRED_ROLES = ("scheduler", "tokenizer", "decode", "gateway", "nats")
 
 
 class ClusterConfig(BaseModel):
-    """Settings of a local cluster (`strata up` flags mirror these)."""
+    """Settings of a local cluster; `strata up`'s flags are derived from these fields
+    (`services.cli.up_parser`: ``foo_bar`` -> ``--foo-bar``, help = the description)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    model: str = Field("", description="Checkpoint directory ('' = built-in default model)")
+    model: str = Field("", description="Checkpoint directory (default: the built-in model)")
     host: str = Field("127.0.0.1", description="Address every service binds")
     port: int = Field(0, ge=0, le=65535, description="Gateway HTTP port (0 = a free port)")
     nats_port: int = Field(0, ge=0, le=65535, description="nats-server port (0 = a free port)")
     minio_port: int = Field(0, ge=0, le=65535, description="MinIO port (0 = a free port)")
-    minio: bool = Field(True, description="Start MinIO (the SSD tier of the KV pool)")
-    data_dir: str = Field("", description="NATS/MinIO data and logs ('' = temp dir, removed)")
+    minio: bool = Field(
+        True, description="MinIO, the SSD tier of the KV pool (off: the pool stays in DRAM)"
+    )
+    data_dir: str = Field(
+        "",
+        description="NATS/MinIO data and service logs (Cluster(): '' = a temp dir, removed "
+        "by stop())",
+    )
     scheduler: int = Field(1, ge=1, le=16, description="Scheduler replicas")
     tokenizer: int = Field(1, ge=1, le=64, description="Tokenizer replicas (queue group)")
     vision: int = Field(1, ge=0, le=64, description="Vision encoder replicas (0 = text only)")
@@ -75,22 +82,25 @@ class ClusterConfig(BaseModel):
         None,
         ge=0,
         le=64,
-        description="Prefill instances (0 = decode "
-        "prefills; None = from the machine, see services.shape)",
+        description="Prefill instances (0 = decode prefills; unset = from the machine: "
+        "0 below 8 cores, else 1, see services.shape)",
     )
     decode: int = Field(1, ge=1, le=64, description="Decode instances")
     torch_threads: int | None = Field(
         None,
         ge=1,
         le=256,
-        description="torch threads per prefill/decode process (None = from the shape)",
+        description="torch threads per prefill/decode process (unset = its share of the "
+        "cores, from the shape)",
     )
-    device: str = Field("cpu", description="torch device of model processes")
+    device: str = Field("cpu", description="torch device of model processes: cpu or cuda[:N]")
     log_level: str = Field("INFO", description="Log level of every service")
     metrics_port_base: int = Field(
         0, ge=0, le=65000, description="First Prometheus port, +1 per process (0 = free)"
     )
-    env: dict[str, str] = Field(default_factory=dict, description="Extra env for every service")
+    env: dict[str, str] = Field(
+        default_factory=dict, description="Extra env for every service (repeatable flag)"
+    )
     role_args: dict[str, list[str]] = Field(
         default_factory=dict, description="Extra `strata serve` flags per role"
     )
@@ -100,7 +110,7 @@ class ClusterConfig(BaseModel):
     restart: bool = Field(
         False,
         description="Restart crashed services, nats-server and MinIO "
-        "with backoff (services.infra.restart); `strata up` turns it on",
+        "with backoff (services.infra.restart)",
     )
     launcher_metrics_port: int = Field(
         0,
@@ -118,8 +128,13 @@ class ClusterConfig(BaseModel):
     nats_tls_ca: str = Field("", description="CA of the server certificate, given to clients")
     nats_tls_verify: bool = Field(
         False,
-        description="Clients must present a certificate "
-        "signed by nats_tls_ca (set STRATA_NATS_TLS_CERT/KEY via env)",
+        description="Clients must present a certificate signed by the nats_tls_ca CA "
+        "(give services theirs with STRATA_NATS_TLS_CERT/KEY)",
+    )
+    color: bool | None = Field(
+        None,
+        description="Colored [name] log prefixes (unset: on a terminal; NO_COLOR / "
+        "FORCE_COLOR also work)",
     )
 
 
@@ -183,7 +198,7 @@ class Cluster:
         )
         self._own_data = not self.cfg.data_dir
         self.data_dir = os.path.abspath(self.cfg.data_dir) if self.cfg.data_dir else ""
-        self.sup = Supervisor(LogSink(log_stream, color))
+        self.sup = Supervisor(LogSink(log_stream, cfg.color if color is None else color))
         self.nats: NatsServer | None = None
         self.minio: MinioServer | None = None
         self.port = self.cfg.port or free_port(self.cfg.host)

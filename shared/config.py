@@ -11,7 +11,10 @@ import ast
 import inspect
 import os
 import textwrap
+import types
+import typing
 import uuid
+from collections.abc import Collection, Mapping
 from typing import Any, Self
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -99,6 +102,89 @@ class ModelServiceConfig(ServiceConfig):
     grpc_host: str = Field("127.0.0.1", description="Address the gRPC server binds and advertises")
     grpc_port: int = Field(0, ge=0, le=65535, description="gRPC port (0 = pick a free port)")
     load_interval: float = Field(0.5, gt=0, description="Seconds between load reports")
+
+
+def add_model_flags(
+    parser: argparse.ArgumentParser,
+    model: type[BaseModel],
+    *,
+    defaults: Mapping[str, Any] | None = None,
+    skip: Collection[str] = (),
+) -> None:
+    """One typed flag per field of ``model`` (but ``skip``): ``foo_bar`` -> ``--foo-bar`` with
+    ``dest="foo_bar"``, the help from the field's description and the default from the field
+    (or ``defaults``, where the command's default differs from the model's). A bool that is on
+    (or None: auto) by default gets ``--no-foo-bar``, one that is off ``--foo-bar``; a
+    ``dict[str, str]`` gets a repeatable ``--foo-bar KEY=VALUE`` (`model_flag_values` parses
+    it); ``X | None`` takes an X. Read the values back with `model_flag_values`."""
+    defaults = defaults or {}
+    for name, field in model.model_fields.items():
+        if name in skip:
+            continue
+        flag = "--" + name.replace("_", "-")
+        default = defaults.get(name, field.get_default(call_default_factory=True))
+        help_ = (field.description or "").replace("%", "%%")
+        tp = _unoptional(field.annotation)
+        if tp is bool:
+            if default is False:
+                parser.add_argument(flag, dest=name, action="store_true", help=help_)
+            else:
+                off = f"--no-{flag[2:]}"
+                on = "on" if default else "auto"
+                parser.add_argument(
+                    off,
+                    dest=name,
+                    action="store_const",
+                    const=False,
+                    default=default,
+                    help=f"turn off: {help_} (default: {on})",
+                )
+        elif typing.get_origin(tp) is dict:
+            parser.add_argument(
+                flag, dest=name, action="append", default=[], metavar="KEY=VALUE", help=help_
+            )
+        elif tp in (int, float, str):
+            shown = f" (default: {default})" if default not in (None, "") else ""
+            metavar = {int: "N", float: "S"}.get(tp, name.rsplit("_", 1)[-1].upper())
+            if tp is int and name.endswith("port"):
+                metavar = "PORT"
+            parser.add_argument(
+                flag, dest=name, type=tp, default=default, metavar=metavar, help=help_ + shown
+            )
+        else:
+            raise TypeError(f"{model.__name__}.{name}: no flag for a {field.annotation}")
+
+
+def model_flag_values(
+    model: type[BaseModel], ns: argparse.Namespace, prog: str, skip: Collection[str] = ()
+) -> dict[str, Any]:
+    """The values of `add_model_flags`' flags in ``ns``, by field name; ``KEY=VALUE`` items
+    become a dict (an item without ``=`` or key exits naming the flag)."""
+    values: dict[str, Any] = {}
+    for name, field in model.model_fields.items():
+        if name in skip:
+            continue
+        value = getattr(ns, name)
+        if typing.get_origin(_unoptional(field.annotation)) is dict:
+            items: dict[str, str] = {}
+            for item in value:
+                key, sep, val = item.partition("=")
+                if not sep or not key:
+                    flag = "--" + name.replace("_", "-")
+                    raise SystemExit(f"{prog}: {flag} expects KEY=VALUE, got {item!r}")
+                items[key] = val
+            value = items
+        values[name] = value
+    return values
+
+
+def _unoptional(tp: Any) -> Any:
+    """``X | None`` -> ``X``; anything else as is."""
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return tp
 
 
 def attribute_docs(cls: type) -> dict[str, str]:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib
+import re
 import sys
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
@@ -67,6 +69,59 @@ def test_up_bad_arguments_exit_with_a_message(capsys):
     assert e.value.code == 2 and "invalid int value: 'many'" in capsys.readouterr().err
     with pytest.raises(ValidationError, match="decode"):
         cli.config_from_args(cli.up_parser().parse_args(["--decode", "0"]))
+
+
+def test_up_negated_and_switch_flags():
+    d = cli.config_from_args(cli.up_parser().parse_args([]))
+    assert (d.restart, d.nats_auth, d.minio, d.color, d.nats_tls_verify) == (
+        True,
+        True,
+        True,
+        None,
+        False,
+    )
+    argv = ["--no-restart", "--no-nats-auth", "--no-minio", "--no-color", "--nats-tls-verify"]
+    cfg = cli.config_from_args(cli.up_parser().parse_args(argv))
+    assert (cfg.restart, cfg.nats_auth, cfg.minio, cfg.color, cfg.nats_tls_verify) == (
+        False,
+        False,
+        False,
+        False,
+        True,
+    )
+    assert Cluster(config=cfg).sup.sink.color is False
+
+
+def test_up_flags_are_derived_from_cluster_config():
+    actions = {a.dest: a for a in cli.up_parser()._actions if a.dest != "help"}
+    fields = {n: f for n, f in ClusterConfig.model_fields.items() if n not in cli.UP_SKIP}
+    assert set(actions) == set(fields)
+    for name, field in fields.items():
+        flag = "--" + name.replace("_", "-")
+        a = actions[name]
+        assert a.option_strings in ([flag], ["--no-" + flag[2:]]), name
+        assert field.description in a.help, name
+        if name not in cli.UP_DEFAULTS:
+            assert a.default in (field.get_default(call_default_factory=True), []), name
+
+
+def _up_flags_table() -> set[str]:
+    """Every flag the first column of docs/OPERATIONS.md's `strata up` flags table names."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "OPERATIONS.md").read_text()
+    section = text.split("### `strata up` flags", 1)[1].split("\n#", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    return {f for row in rows for f in re.findall(r"--[a-z][a-z0-9-]*", row.split("|")[1])}
+
+
+def test_up_flags_table_in_operations_md_matches_help():
+    parser = cli.up_parser()
+    listed = {s for a in parser._actions for s in a.option_strings if s not in ("-h", "--help")}
+    help_text = parser.format_help()
+    assert all(flag in help_text for flag in listed)
+    table = _up_flags_table()
+    assert len(table) > 20
+    assert listed - table == set(), "flags of `strata up --help` missing from OPERATIONS.md"
+    assert table - listed == set(), "OPERATIONS.md lists flags `strata up` does not have"
 
 
 def test_top_level_usage(capsys):
