@@ -1,5 +1,6 @@
 """Static checks of compose/ (no Docker daemon here): every role is a service of the one image,
-commands are valid `strata serve` roles, env names are real settings, ports and depends_on hold."""
+commands are valid `strata serve` roles, env names are real settings, ports and depends_on hold,
+NATS is a 3-node JetStream cluster and MinIO is distributed (erasure-coded, 4 drives)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import yaml
 
 from services.infra import nats_auth
-from services.infra.nats_server import nats_binary
+from services.infra.nats_server import MAX_PAYLOAD, nats_binary
 from services.infra.procs import repo_root
 from services.launcher import ROLES
 from shared.config import ModelServiceConfig
@@ -37,6 +38,22 @@ KNOWN = {f.upper() for f in ModelServiceConfig.model_fields} | SERVICE_SETTINGS
 def compose() -> dict:
     with open(os.path.join(COMPOSE, "docker-compose.yml")) as f:
         return yaml.safe_load(f)
+
+
+def nats_nodes(compose: dict) -> list[str]:
+    return sorted(
+        n for n, s in compose["services"].items() if s.get("image", "").startswith("nats:")
+    )
+
+
+def minio_nodes(compose: dict) -> list[str]:
+    return sorted(
+        n for n, s in compose["services"].items() if s.get("image", "").startswith("minio/minio")
+    )
+
+
+def flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
 
 
 def role_of(svc: dict) -> str | None:
@@ -77,7 +94,9 @@ def test_env_names_real_settings_and_unique_instances(compose):
         if not role_of(svc):
             continue
         env = svc["environment"]
-        assert env["STRATA_NATS_URL"] == "nats://nats:4222"
+        seeds = [f"nats://{n}:4222" for n in nats_nodes(compose)]
+        assert env["STRATA_NATS_URL"].split(",") == seeds  # every node of the cluster
+        assert env["STRATA_JS_REPLICAS"] == str(len(seeds)) == "3"
         assert env["STRATA_MODEL"] == "/models/default"
         assert env["STRATA_METRICS_PORT"] == "9100"
         for key, value in env.items():
@@ -97,12 +116,13 @@ def test_model_processes_get_threads_and_grpc(compose):
     for role in ("prefill", "decode"):
         assert s[role]["environment"]["STRATA_KVSTORE_ADDRS"] == "kvstore:50051"
     kv = s["kvstore"]["environment"]
-    assert kv["STRATA_MINIO_ENDPOINT"] == "minio:9000"
-    minio = s["minio"]["environment"]
-    assert (kv["STRATA_MINIO_ACCESS_KEY"], kv["STRATA_MINIO_SECRET_KEY"]) == (
-        minio["MINIO_ROOT_USER"],
-        minio["MINIO_ROOT_PASSWORD"],
-    )
+    assert kv["STRATA_MINIO_ENDPOINT"].split(",") == [f"{n}:9000" for n in minio_nodes(compose)]
+    for node in minio_nodes(compose):
+        minio = s[node]["environment"]
+        assert (kv["STRATA_MINIO_ACCESS_KEY"], kv["STRATA_MINIO_SECRET_KEY"]) == (
+            minio["MINIO_ROOT_USER"],
+            minio["MINIO_ROOT_PASSWORD"],
+        )
 
 
 def test_ports_are_well_formed_and_gateway_is_published(compose):
@@ -117,7 +137,7 @@ def test_ports_are_well_formed_and_gateway_is_published(compose):
     assert gw["ports"] == [f"{gw['environment']['STRATA_PORT']}:8000"]
     assert gw["environment"]["STRATA_HOST"] == "0.0.0.0"
     assert "/health" in " ".join(gw["healthcheck"]["test"])
-    assert published["4222"] == "nats" and published["9000"] == "minio"
+    assert published["4222"] == "nats-0" and published["9000"] == "minio-1"
 
 
 def test_depends_on_points_at_existing_services(compose):
@@ -131,13 +151,15 @@ def test_depends_on_points_at_existing_services(compose):
             if cond["condition"] == "service_healthy":
                 assert "healthcheck" in services[dep], f"{dep} has no healthcheck"
         if role_of(svc):
-            assert deps["nats"]["condition"] == "service_healthy"
-    assert services["kvstore"]["depends_on"]["minio"]["condition"] == "service_healthy"
+            for node in nats_nodes(compose):
+                assert deps[node]["condition"] == "service_healthy", (name, node)
+    for node in minio_nodes(compose):
+        assert services["kvstore"]["depends_on"][node]["condition"] == "service_healthy"
 
 
 def test_infra_and_optional_monitoring(compose):
     s = compose["services"]
-    assert "-js" in s["nats"]["command"]
+    assert all("-js" in s[n]["command"] for n in nats_nodes(compose))
     assert s["prometheus"]["profiles"] == ["monitoring"]
     assert s["grafana"]["profiles"] == ["monitoring"]
     prom = yaml.safe_load(compose["configs"]["prometheus"]["content"])
@@ -155,9 +177,56 @@ def test_every_role_and_the_infra_restart_unless_stopped(compose):
     """A crashed container comes back (as `strata up` restarts a crashed process); NATS keeps
     its volume, so JetStream state survives the restart."""
     s = compose["services"]
-    for name in (*ROLES, "nats", "minio"):
+    for name in (*ROLES, *nats_nodes(compose), *minio_nodes(compose)):
         assert s[name].get("restart") == "unless-stopped", name
-    assert any(v.endswith(":/data") for v in s["nats"]["volumes"])
+    for node in nats_nodes(compose):
+        (vol,) = [v for v in s[node]["volumes"] if v.endswith(":/data")]
+        assert vol.split(":")[0] in compose["volumes"]
+    data = [v for n in nats_nodes(compose) for v in s[n]["volumes"]]
+    assert len(set(data)) == 3  # a volume of its own per node
+
+
+def test_nats_is_a_three_node_jetstream_cluster(compose):
+    """Three nodes of one cluster, each with JetStream on its own store, a unique server name
+    (JetStream needs one) and routes to every node (a node drops the route to itself)."""
+    s = compose["services"]
+    nodes = nats_nodes(compose)
+    assert nodes == ["nats-0", "nats-1", "nats-2"]
+    names, clusters = set(), set()
+    for node in nodes:
+        argv = s[node]["command"]
+        assert "-js" in argv and flag(argv, "-sd") == "/data"
+        names.add(flag(argv, "--server_name"))
+        clusters.add(flag(argv, "--cluster_name"))
+        assert flag(argv, "--cluster") == "nats://0.0.0.0:6222"
+        routes = flag(argv, "--routes").split(",")
+        assert sorted(routes) == [f"nats://{n}:6222" for n in nodes]
+        assert s[node]["healthcheck"]["test"][0] == "CMD"
+    assert names == set(nodes) and len(clusters) == 1
+
+
+def test_minio_is_distributed_over_four_drives(compose):
+    """Every MinIO container serves the same erasure set: 4 drives, 2 per container, each drive
+    a volume of the container that owns it; the kvstore knows every container's endpoint."""
+    s = compose["services"]
+    nodes = minio_nodes(compose)
+    assert nodes == ["minio-1", "minio-2"]
+    drive_sets = []
+    for node in nodes:
+        argv = s[node]["command"]
+        assert argv[0] == "server"
+        drives = [a for a in argv if a.startswith("http://")]
+        drive_sets.append(drives)
+        mounts = {v.split(":")[1]: v.split(":")[0] for v in s[node]["volumes"]}
+        own = [d for d in drives if d.startswith(f"http://{node}:9000/")]
+        assert len(own) == 2
+        for d in own:
+            path = "/" + d.split("/", 3)[3]
+            assert mounts[path] in compose["volumes"], (node, d)
+        assert s[node]["healthcheck"]["test"][0] == "CMD"
+    assert drive_sets[0] == drive_sets[1] and len(set(drive_sets[0])) == 4
+    hosts = {d.split("/")[2].split(":")[0] for d in drive_sets[0]}
+    assert hosts == set(nodes)
 
 
 def test_dockerfile_installs_the_project_and_builds_nothing_at_runtime():
@@ -178,10 +247,15 @@ def test_nats_has_a_user_per_role_and_no_anonymous_access(compose, tmp_path):
     compose/.env); each service logs in as its role; after compose's interpolation the config
     is one the real nats-server accepts."""
     s = compose["services"]
-    conf = s["nats"]["command"][s["nats"]["command"].index("-c") + 1]
-    (mount,) = [c for c in s["nats"]["configs"] if c["target"] == conf]
-    content = compose["configs"][mount["source"]]["content"]
-    assert content == nats_auth.compose_authorization_block()
+    nodes = nats_nodes(compose)
+    confs = set()
+    for node in nodes:
+        conf = flag(s[node]["command"], "-c")
+        (mount,) = [c for c in s[node]["configs"] if c["target"] == conf]
+        confs.add(mount["source"])
+    (source,) = confs  # one config for every node
+    content = compose["configs"][source]["content"]
+    assert content == f"max_payload: {MAX_PAYLOAD}\n" + nats_auth.compose_authorization_block()
     assert "no_auth_user" not in content
     for role in ROLES:
         env = s[role]["environment"]
@@ -197,12 +271,16 @@ def test_nats_has_a_user_per_role_and_no_anonymous_access(compose, tmp_path):
             f"${{{nats_auth.compose_password_var(user)}:?{nats_auth.COMPOSE_MISSING}}}", pw
         )
     text = text.replace("$$", "$")  # compose's escape
-    assert text == nats_auth.authorization_block(passwords)
+    assert text == f"max_payload: {MAX_PAYLOAD}\n" + nats_auth.authorization_block(passwords)
     (tmp_path / "nats.conf").write_text(text)
-    res = subprocess.run(
-        [nats_binary(), "-t", "-c", str(tmp_path / "nats.conf")],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    assert res.returncode == 0, res.stdout + res.stderr
+    for node in nodes:
+        # Each node's own command line with the config at its place: nats-server answers an
+        # unknown flag with its usage (exit 0), so the verdict is the "is valid" line.
+        argv = list(s[node]["command"])
+        argv[argv.index("-c") + 1] = str(tmp_path / "nats.conf")
+        argv[argv.index("-sd") + 1] = str(tmp_path / node)
+        res = subprocess.run(
+            [nats_binary(), *argv, "-t"], capture_output=True, text=True, timeout=30
+        )
+        out = res.stdout + res.stderr
+        assert res.returncode == 0 and "is valid" in out and "Usage" not in out, (node, out)
