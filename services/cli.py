@@ -22,12 +22,13 @@ from pydantic import ValidationError
 
 from services.launcher import ROLES, ClusterConfig
 from services.shape import apply_affinity
-from shared.config import ConfigError, add_model_flags, model_flag_values
+from shared.config import ConfigError, RuntimeSettings, add_model_flags, model_flag_values
 from shared.model.errors import CheckpointError
 from shared.service import FATAL_LINE, StartupError
 
 APP_PACKAGE_ENV = "STRATA_APP_PACKAGE"
-"""Package holding ``<role>/app.py`` (default ``services``); tests point it at dummy apps."""
+"""Package holding ``<role>/app.py`` (default ``services``; `RuntimeSettings.app_package`);
+tests point it at dummy apps."""
 
 
 def say(msg: str) -> None:
@@ -40,11 +41,15 @@ def serve(role: str, argv: list[str]) -> int:
         say(f"unknown role {role!r}; roles: {', '.join(ROLES)}")
         return 2
     try:  # pin before torch starts its thread pool (`strata up` fills STRATA_CPU_AFFINITY)
+        settings = RuntimeSettings.from_env()
         apply_affinity()
+    except ConfigError as exc:
+        print(f"{FATAL_LINE} {role}: {exc.code}", file=sys.stderr, flush=True)
+        return 1
     except (ValueError, OSError) as exc:
         print(f"{FATAL_LINE} {role}: {exc}", file=sys.stderr, flush=True)
         return 1
-    package = os.environ.get(APP_PACKAGE_ENV) or "services"
+    package = settings.app_package or "services"
     module = f"{package}.{role}.app"
     try:
         app = importlib.import_module(module)

@@ -44,6 +44,7 @@ from services.shape import (
     format_cpus,
     usable_cores,
 )
+from shared.config import RuntimeSettings
 from shared.model.validate import validate_checkpoint
 from shared.nats_auth import NatsAuth
 
@@ -257,7 +258,7 @@ class Cluster:
                 )
         self.model_dir = ensure_model(self.cfg.model)
         if self.cfg.minio:
-            given = os.environ.get("STRATA_MINIO_BIN")
+            given = RuntimeSettings.from_env().minio_bin
             if given and not os.path.isfile(given):
                 raise RuntimeError(
                     f"STRATA_MINIO_BIN={given}: no such file (fix the path, or "

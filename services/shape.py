@@ -19,6 +19,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from shared.config import RuntimeSettings
+
 PD_MIN_CORES = 8
 """Usable cores from which prefill and decode get separate processes on CPU."""
 AFFINITY_ENV = "STRATA_CPU_AFFINITY"
@@ -135,7 +137,7 @@ def parse_cpus(text: str) -> list[int]:
 def apply_affinity(environ: dict[str, str] | None = None) -> list[int] | None:
     """Pin this process to ``STRATA_CPU_AFFINITY``'s cores (those it may use); returns them, or
     None when unset. Call before torch starts its thread pool (its threads inherit the mask)."""
-    text = (os.environ if environ is None else environ).get(AFFINITY_ENV, "").strip()
+    text = RuntimeSettings.from_env(environ).cpu_affinity.strip()
     if not text:
         return None
     want = set(parse_cpus(text)) & set(usable_cores())

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import inspect
 import os
 import textwrap
@@ -15,6 +16,7 @@ import types
 import typing
 import uuid
 from collections.abc import Collection, Mapping
+from pathlib import Path
 from typing import Any, Self
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -80,6 +82,64 @@ class ServiceConfig(BaseModel):
             return cls.model_validate(values)
         except ValidationError as exc:
             raise ConfigError(_describe(exc)) from None
+
+
+class RuntimeSettings(BaseModel):
+    """Process-wide ``STRATA_*`` settings that are not a service's flags: where the tooling
+    keeps its files, the CPU kernel switches, the package `strata serve` imports, this
+    process's CPU pinning and its NATS login. The one place, beside `ServiceConfig.load`, that
+    reads ``STRATA_*`` variables (``tests/shared/test_settings.py`` checks); ``foo_bar`` is
+    ``STRATA_FOO_BAR``, an empty variable counts as unset."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    cache: str = Field(
+        "", description="Cache folder for binaries, models, kernels ('' = the repo's .cache/)"
+    )
+    minio_bin: str = Field("", description="A minio binary to use instead of finding one")
+    cpu_packed_gemm: bool = Field(
+        True, description="Linear weights prepacked for oneDNN on CPU (off: plain F.linear)"
+    )
+    cpu_kernels: bool = Field(
+        True, description="Native C decode attention on CPU (off: the torch path)"
+    )
+    app_package: str = Field(
+        "", description="Package holding <role>/app.py for `strata serve` ('' = services)"
+    )
+    cpu_affinity: str = Field("", description="Cores this process pins itself to ('0-3,6')")
+    nats_user: str = Field("", description="NATS user")
+    nats_password: str = Field("", repr=False, description="NATS password")
+    nats_password_file: str = Field("", description="File holding the NATS password")
+    nats_inbox_prefix: str = Field("", description="Reply-inbox prefix ('' = _INBOX.<user>)")
+    nats_tls_ca: str = Field("", description="CA file of the NATS server certificate")
+    nats_tls_cert: str = Field("", description="Client certificate for NATS (mutual TLS)")
+    nats_tls_key: str = Field("", description="Client key for NATS (mutual TLS)")
+
+    @property
+    def cache_dir(self) -> str:
+        """`cache`, else ``.cache`` at the repository root."""
+        return self.cache or str(Path(__file__).resolve().parents[1] / ".cache")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> RuntimeSettings:
+        """The settings in ``environ`` (default: this process's environment), validated once
+        per distinct set of values; a bad value raises `ConfigError` naming the variable."""
+        env = os.environ if environ is None else environ
+        return _runtime_settings(
+            tuple((n, env.get(ENV_PREFIX + n.upper()) or "") for n in cls.model_fields)
+        )
+
+
+@functools.lru_cache(maxsize=16)
+def _runtime_settings(items: tuple[tuple[str, str], ...]) -> RuntimeSettings:
+    try:
+        return RuntimeSettings.model_validate({n: v for n, v in items if v})
+    except ValidationError as exc:
+        parts = [
+            f"{ENV_PREFIX}{str(e['loc'][0]).upper()}: {e['msg']} (got {e.get('input')!r})"
+            for e in exc.errors()
+        ]
+        raise ConfigError("invalid setting " + "; ".join(parts)) from None
 
 
 def _describe(exc: ValidationError) -> str:

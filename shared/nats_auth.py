@@ -22,7 +22,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from shared.config import ConfigError
+from shared.config import ConfigError, RuntimeSettings
 
 INBOX_ROOT = "_INBOX"
 
@@ -48,10 +48,8 @@ class NatsAuth(BaseModel):
     def from_env(cls, env: Mapping[str, str] | None = None) -> NatsAuth:
         """Read ``STRATA_NATS_*``; a password file that cannot be read or a password without a
         user raises `ConfigError` naming the variable."""
-        env = os.environ if env is None else env
-        user = env.get("STRATA_NATS_USER", "")
-        password = env.get("STRATA_NATS_PASSWORD", "")
-        path = env.get("STRATA_NATS_PASSWORD_FILE", "")
+        s = RuntimeSettings.from_env(env)
+        user, password, path = s.nats_user, s.nats_password, s.nats_password_file
         if path and not password:
             try:
                 with open(path) as f:
@@ -65,10 +63,10 @@ class NatsAuth(BaseModel):
         auth = cls(
             user=user,
             password=password,
-            inbox_prefix=env.get("STRATA_NATS_INBOX_PREFIX", ""),
-            tls_ca=env.get("STRATA_NATS_TLS_CA", ""),
-            tls_cert=env.get("STRATA_NATS_TLS_CERT", ""),
-            tls_key=env.get("STRATA_NATS_TLS_KEY", ""),
+            inbox_prefix=s.nats_inbox_prefix,
+            tls_ca=s.nats_tls_ca,
+            tls_cert=s.nats_tls_cert,
+            tls_key=s.nats_tls_key,
         )
         if bool(auth.tls_cert) != bool(auth.tls_key):
             raise ConfigError("STRATA_NATS_TLS_CERT and STRATA_NATS_TLS_KEY go together")

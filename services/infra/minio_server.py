@@ -20,6 +20,7 @@ import urllib.request
 from dataclasses import dataclass
 
 from services.infra.procs import cache_dir, free_port, preexec, stop_process, wait_until
+from shared.config import RuntimeSettings
 
 KV_BUCKET = "strata-kv"
 """The kvstore's bucket (`KVStoreConfig.minio_bucket`'s default)."""
@@ -89,7 +90,7 @@ def bucket_policy(bucket: str) -> dict:
 def minio_binary(build: bool = True) -> str:
     """Path of a `minio` binary; builds it (minutes, with progress) only when none is found."""
     cached = os.path.join(cache_dir(), "bin", "minio")
-    for cand in (os.environ.get("STRATA_MINIO_BIN"), shutil.which("minio"), cached):
+    for cand in (RuntimeSettings.from_env().minio_bin, shutil.which("minio"), cached):
         if cand and os.path.exists(cand):
             return cand
     if not build:

@@ -13,6 +13,8 @@ import sys
 import time
 from collections.abc import Callable
 
+from shared.config import RuntimeSettings
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -82,4 +84,4 @@ def repo_root() -> str:
 
 def cache_dir() -> str:
     """Ignored folder for binaries, models and data (``STRATA_CACHE`` overrides)."""
-    return os.environ.get("STRATA_CACHE") or os.path.join(repo_root(), ".cache")
+    return RuntimeSettings.from_env().cache_dir

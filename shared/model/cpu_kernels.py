@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from shared.config import RuntimeSettings
+
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("decode_attention.c")  # package data (pyproject.toml)
@@ -36,12 +38,11 @@ _lib: ctypes.CDLL | None | bool = None  # False: tried and unavailable
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("STRATA_CACHE") or os.path.join(Path(__file__).parents[2], ".cache")
-    return Path(root) / "kernels"
+    return Path(RuntimeSettings.from_env().cache_dir) / "kernels"
 
 
 def _build() -> ctypes.CDLL | bool:
-    if os.environ.get("STRATA_CPU_KERNELS", "1") == "0":
+    if not RuntimeSettings.from_env().cpu_kernels:
         return False
     cc = os.environ.get("CC", "cc")
     try:

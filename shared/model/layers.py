@@ -9,12 +9,12 @@ runs it through :class:`Gemm`, which on CPU prepacks the weight for oneDNN once.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shared.config import RuntimeSettings
 from shared.model.attention import AttentionPlan, paged_attention
 
 ACTIVATIONS = {
@@ -104,7 +104,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # model's shapes (docs/benchmarks/model.md). The packed copy sits beside the dense weight
 # (which the loader, quantiser and KV tooling keep using): linear weights cost 2x host memory.
 # ``STRATA_CPU_PACKED_GEMM=0`` turns it off.
-PACK_CPU_GEMM = os.environ.get("STRATA_CPU_PACKED_GEMM", "1") != "0"
+PACK_CPU_GEMM = RuntimeSettings.from_env().cpu_packed_gemm
 _PACK_ROWS_HINT = 16  # oneDNN picks its blocking for this many rows; 1-1024 all ran well
 
 
