@@ -31,9 +31,10 @@ _REGISTRY = [  # the registry bucket only: look it up or create it, put and dele
     f"$JS.API.STREAM.CREATE.KV_{s.REGISTRY_BUCKET}",
     f"$KV.{s.REGISTRY_BUCKET}.>",
 ]
-_EVENTS_STREAM = [  # make sure the KV-events stream exists (publishing into it is separate)
+_EVENTS_STREAM = [  # the KV-events stream exists, with its limits (publishing is separate)
     f"$JS.API.STREAM.INFO.{s.KV_EVENTS_STREAM}",
     f"$JS.API.STREAM.CREATE.{s.KV_EVENTS_STREAM}",
+    f"$JS.API.STREAM.UPDATE.{s.KV_EVENTS_STREAM}",
 ]
 _REQ_OUT = f"{_P}.req.*.out"
 _KV_EVENTS = f"{_P}.kv.events.*"

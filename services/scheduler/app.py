@@ -26,7 +26,7 @@ from services.scheduler.prefix_index import event_problem
 from services.scheduler.snapshots import load_snapshot, save_snapshot
 from shared import bus, service
 from shared.badmsg import BadMessages, one_line
-from shared.kv_events_stream import ensure_kv_events_stream
+from shared.kv_events_stream import StreamLimits, kv_events_stream_state
 from shared.logs import setup_logging
 from shared.metrics import SERVICE_INFO, serve_metrics
 from shared.protocol import subjects
@@ -70,16 +70,41 @@ KV_EVENTS_HEARTBEAT_S = 1.0
 
 
 async def follow_kv_events(
-    js, core: SchedulerCore, start_seq: int = 1, replicas: int = 1
+    js,
+    core: SchedulerCore,
+    start_seq: int = 1,
+    replicas: int = 1,
+    limits: StreamLimits | None = None,
 ) -> tuple[object, asyncio.Event]:
     """Replay the stream from ``start_seq`` (1: the start; after a snapshot: the sequence after
     it), then keep following it (one ordered consumer, so replay and live events never overlap).
     The event is set once the replay reached the stream's end. ``core.kv_seq`` tracks the last
     stream sequence applied (what a snapshot records). Events that fail validation are
-    skipped and counted (`checked_kv_event`)."""
-    last = await ensure_kv_events_stream(js, replicas)
+    skipped and counted (`checked_kv_event`).
+
+    The stream is bounded (``limits``): when it already discarded events the replay needs (the
+    snapshot is older than the stream's first sequence, or there is none), the replay starts at
+    the first sequence still kept, logs it once and counts it; the index then lacks what those
+    events said (docs/SCHEDULER.md: how stale entries are corrected)."""
+    state = await kv_events_stream_state(js, replicas, limits)
+    last = state.last_seq
+    if state.first_seq > start_seq:
+        missed = state.first_seq - start_seq
+        log.warning(
+            "KV-event replay needs seq %d but %s keeps %d..%d (older events discarded by its "
+            "limits); replaying from %d, %d events missed",
+            start_seq,
+            subjects.KV_EVENTS_STREAM,
+            state.first_seq,
+            last,
+            state.first_seq,
+            missed,
+        )
+        metrics.KV_EVENTS_REPLAY_GAPS.inc()
+        metrics.KV_EVENTS_MISSED.set(missed)
+        start_seq = state.first_seq
     replayed = asyncio.Event()
-    if last < start_seq:
+    if last < start_seq or state.messages == 0:
         replayed.set()
 
     async def on_event(m) -> None:
@@ -218,7 +243,8 @@ async def run_scheduler(
         core.index, core.kv_seq = snap
         start_seq = core.kv_seq + 1
         log.info("prefix index loaded from a snapshot at stream seq %d", core.kv_seq)
-    kv_sub, replayed = await follow_kv_events(js, core, start_seq, cfg.js_replicas)
+    limits = StreamLimits(cfg.kv_events_max_bytes, cfg.kv_events_max_age)
+    kv_sub, replayed = await follow_kv_events(js, core, start_seq, cfg.js_replicas, limits)
     subs.append(kv_sub)
     await replayed.wait()
     replay_s = time.perf_counter() - t0

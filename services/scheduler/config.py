@@ -85,6 +85,15 @@ class SchedulerConfig(ServiceConfig):
     snapshot_min_events: int = Field(
         10000, ge=1, description="KV events applied since the last snapshot before another"
     )
+    kv_events_max_bytes: int = Field(
+        1 << 30,
+        ge=0,
+        description="Bytes the KV-event stream keeps (oldest events discarded beyond it; "
+        "0 = unbounded); set when this process creates or updates the stream",
+    )
+    kv_events_max_age: float = Field(
+        0.0, ge=0, description="Seconds the KV-event stream keeps an event (0 = no age limit)"
+    )
     expect_ttl_s: float = Field(
         30.0,
         ge=0,

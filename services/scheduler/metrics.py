@@ -36,4 +36,13 @@ KV_EVENTS_REPLAYED = Gauge(
     "strata_scheduler_kv_events_replayed", "KV events applied by the start-up replay"
 )
 REPLAY_SECONDS = Gauge("strata_scheduler_replay_seconds", "Seconds the start-up replay took")
+KV_EVENTS_REPLAY_GAPS = Counter(
+    "strata_scheduler_kv_events_replay_gaps_total",
+    "Start-up replays that had to begin at the stream's first sequence because the stream's "
+    "limits had discarded events after the snapshot (or, without a snapshot, after seq 1)",
+)
+KV_EVENTS_MISSED = Gauge(
+    "strata_scheduler_kv_events_missed",
+    "Stream sequences the last start-up replay needed that were already discarded",
+)
 SNAPSHOT_BYTES = Gauge("strata_scheduler_snapshot_bytes", "Size of the last prefix-index snapshot")

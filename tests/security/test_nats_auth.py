@@ -19,7 +19,7 @@ from services.infra.nats_server import NatsServer
 from services.infra.procs import free_port
 from shared import bus
 from shared.config import ConfigError
-from shared.kv_events_stream import ensure_kv_events_stream
+from shared.kv_events_stream import StreamLimits, ensure_kv_events_stream
 from shared.nats_auth import NatsAuth
 from shared.protocol import subjects
 from shared.protocol.health import Ping, Pong
@@ -219,6 +219,7 @@ async def test_jetstream_for_the_roles_that_use_it(server):
     kv, dec, sched = [await login(server, u) for u in ("kvstore", "decode", "scheduler")]
     try:
         await ensure_kv_events_stream(kv.nc.jetstream())
+        await ensure_kv_events_stream(kv.nc.jetstream(), limits=StreamLimits(max_bytes=1 << 20))
         ack = await kv.nc.jetstream().publish(subjects.kv_events("kv-0"), b"ev", timeout=5)
         assert ack.stream == subjects.KV_EVENTS_STREAM
         await register_instance(
@@ -234,6 +235,7 @@ async def test_jetstream_for_the_roles_that_use_it(server):
         assert set(await read_registry(sched.nc.jetstream())) == {"decode-0"}
         info = await sched.nc.jetstream().stream_info(subjects.KV_EVENTS_STREAM)
         assert info.state.messages == 1
+        assert info.config.max_bytes == 1 << 20  # kvstore may set the stream's limits
         assert not any(c.errors for c in (kv, dec, sched))  # flows above were awaited replies
         with pytest.raises(nats.errors.TimeoutError):  # refused, so no reply comes
             await dec.nc.jetstream(timeout=0.5).stream_info(subjects.KV_EVENTS_STREAM)
