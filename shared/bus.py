@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 from nats.aio.client import Client as NATS
@@ -22,7 +22,7 @@ from pydantic import BaseModel, ValidationError
 
 from shared import metrics
 from shared.badmsg import BadMessages, one_line
-from shared.config import ConfigError
+from shared.config import ConfigError, is_nats_url
 from shared.nats_auth import NatsAuth
 from shared.protocol import subjects
 from shared.protocol.codec import decode, encode, encode_error
@@ -35,12 +35,13 @@ Req = TypeVar("Req", bound=BaseModel)
 Rep = TypeVar("Rep", bound=BaseModel)
 
 
-def nats_servers(url: str) -> list[str]:
-    """The seed list in ``url`` (one URL or a comma-separated list of a cluster's servers);
-    raises `ConfigError` naming ``STRATA_NATS_URL`` for an empty entry or a non-NATS scheme."""
-    servers = [u.strip() for u in url.split(",")]
-    for u in servers:
-        if not u or u.split("://", 1)[0] not in ("nats", "tls", "ws", "wss") or "://" not in u:
+def nats_servers(url: str | Sequence[str]) -> list[str]:
+    """The seed list in ``url``: one URL, a comma-separated list of a cluster's servers, or
+    the list itself (`ServiceConfig.nats_url`); raises `ConfigError` naming
+    ``STRATA_NATS_URL`` for an empty entry or a non-NATS scheme."""
+    servers = [u.strip() for u in (url.split(",") if isinstance(url, str) else url)]
+    for u in servers or [""]:
+        if not is_nats_url(u):
             raise ConfigError(
                 f"invalid setting STRATA_NATS_URL (--nats-url): {u!r} in {url!r} "
                 "is not a nats://host:port URL"
@@ -49,7 +50,7 @@ def nats_servers(url: str) -> list[str]:
 
 
 async def connect(
-    url: str,
+    url: str | Sequence[str],
     name: str,
     auth: NatsAuth | None = None,
     on_disconnect: Callable[[], None] | None = None,

@@ -2,6 +2,8 @@
 
 Each service subclasses `ServiceConfig`; a field ``foo_bar`` is read from ``--foo-bar`` or
 ``STRATA_FOO_BAR`` (the flag wins). Bad values fail fast with a message naming the setting.
+A ``list[str]`` setting is written comma-separated (``a:1,b:2``; empty = none; an empty entry
+is refused).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any, Self
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 ENV_PREFIX = "STRATA_"
 
@@ -32,8 +34,8 @@ class ConfigError(SystemExit):
 class ServiceConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    nats_url: str = Field(
-        "nats://127.0.0.1:4222",
+    nats_url: list[str] = Field(
+        ["nats://127.0.0.1:4222"],
         description="NATS server URL, or a comma-separated seed list of a cluster's servers",
     )
     js_replicas: int = Field(
@@ -51,6 +53,24 @@ class ServiceConfig(BaseModel):
         description="Address /metrics binds ('' = the service's own: host or grpc_host, "
         "else 127.0.0.1)",
     )
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _comma_separated(cls, v: Any, info: ValidationInfo) -> Any:
+        """A ``list[str]`` setting given as one string (env, flag): its comma-separated items."""
+        if info.field_name and cls.model_fields[info.field_name].annotation == list[str]:
+            return comma_list(v)
+        return v
+
+    @field_validator("nats_url")
+    @classmethod
+    def _nats_urls(cls, v: list[str]) -> list[str]:
+        if not v:
+            raise ValueError("needs a nats://host:port URL")
+        for u in v:
+            if not is_nats_url(u):
+                raise ValueError(f"{u!r} is not a nats://host:port URL")
+        return v
 
     @property
     def metrics_bind(self) -> str:
@@ -140,6 +160,27 @@ def _runtime_settings(items: tuple[tuple[str, str], ...]) -> RuntimeSettings:
             for e in exc.errors()
         ]
         raise ConfigError("invalid setting " + "; ".join(parts)) from None
+
+
+def comma_list(v: Any) -> Any:
+    """``"a, b"`` -> ``["a", "b"]`` (``""`` -> ``[]``); a list's items stripped; an empty item
+    is refused (ValueError). Anything else is left to the field's type check."""
+    if isinstance(v, str):
+        if not v.strip():
+            return []
+        v = v.split(",")
+    if isinstance(v, list | tuple):
+        items = [x.strip() if isinstance(x, str) else x for x in v]
+        if any(x == "" for x in items):
+            raise ValueError("empty entry in the comma-separated list")
+        return items
+    return v
+
+
+def is_nats_url(u: str) -> bool:
+    """``nats://``, ``tls://``, ``ws://`` or ``wss://`` followed by an address."""
+    scheme, sep, rest = u.partition("://")
+    return bool(sep and rest) and scheme in ("nats", "tls", "ws", "wss")
 
 
 def _describe(exc: ValidationError) -> str:

@@ -17,8 +17,8 @@ class KVStoreConfig(ServiceConfig):
         description="Max bytes of evicted blocks held while MinIO is slow or down "
         "(0 = same as dram_bytes); beyond it the oldest are dropped",
     )
-    minio_endpoint: str = Field(
-        "",
+    minio_endpoint: list[str] = Field(
+        [],
         description="MinIO host:port of the SSD tier, or a "
         "comma-separated list of one distributed MinIO's nodes ('' = DRAM only)",
     )

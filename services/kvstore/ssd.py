@@ -15,6 +15,7 @@ from __future__ import annotations
 import io
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import urllib3
@@ -80,13 +81,14 @@ class Listing:
 
 
 class MinioTier:
-    """Blocks as objects in ``bucket`` (created if missing). ``endpoint`` may be a
-    comma-separated list of one distributed MinIO's nodes: a call that cannot reach the current
-    node is tried once on each of the others, and the first that answers becomes current."""
+    """Blocks as objects in ``bucket`` (created if missing). ``endpoint`` may be a list (or a
+    comma-separated string) of one distributed MinIO's nodes: a call that cannot reach the
+    current node is tried once on each of the others, and the first that answers becomes
+    current."""
 
     def __init__(
         self,
-        endpoint: str,
+        endpoint: str | Sequence[str],
         access_key: str,
         secret_key: str,
         bucket: str,
@@ -101,7 +103,8 @@ class MinioTier:
             maxsize=max_connections,
             retries=urllib3.Retry(total=1, backoff_factor=0.05, status_forcelist=[502, 503, 504]),
         )
-        self.endpoints = [e.strip() for e in endpoint.split(",") if e.strip()]
+        given = endpoint.split(",") if isinstance(endpoint, str) else endpoint
+        self.endpoints = [e.strip() for e in given if e.strip()]
         if not self.endpoints:
             raise ValueError(f"no MinIO endpoint in {endpoint!r}")
         self.clients = [

@@ -123,7 +123,9 @@ class WorkerConfig(EngineSettings):  # type: ignore[misc, valid-type]
         description="Push KV layer by layer while computing (direct mode): true, false or auto = "
         "on for CUDA, on CPU only with spare cores (see layerwise_auto)",
     )
-    kvstore_addrs: str = Field("", description="Comma-separated kvstore gRPC addresses (pool mode)")
+    kvstore_addrs: list[str] = Field(
+        [], description="Comma-separated kvstore gRPC addresses (pool mode)"
+    )
     kv_int8: bool = Field(
         False,
         description="Send and store KV as int8 with per-row float32 scales (~3.8x fewer bytes)",
@@ -159,4 +161,4 @@ class WorkerConfig(EngineSettings):  # type: ignore[misc, valid-type]
         """The engine's settings: each `EngineConfig` field from the setting of its name, and
         `collect_evicted_kv` on in pool mode (evicted blocks go to the kvstore)."""
         values = {name: to_engine(getattr(self, name)) for name, to_engine in _TO_ENGINE.items()}
-        return EngineConfig(**values, collect_evicted_kv=bool(self.kvstore_addrs.strip()))
+        return EngineConfig(**values, collect_evicted_kv=bool(self.kvstore_addrs))

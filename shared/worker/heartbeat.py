@@ -30,7 +30,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from prometheus_client import Counter
 
@@ -65,14 +65,14 @@ class Heartbeat:
 
     def __init__(
         self,
-        nats_url: str,
+        nats_url: str | Sequence[str],
         client_name: str,
         subject: str,
         build: Callable[[], Msg],
         interval: float,
         labels: tuple[str, str] = ("", ""),
     ):
-        self.nats_url = nats_url
+        self.nats_url = nats_url if isinstance(nats_url, str) else ",".join(nats_url)
         self.client_name = client_name
         self.subject = subject
         self.build = build

@@ -82,10 +82,13 @@ class ModelRuntime:
 
     def pool_link(self) -> PoolLink | None:
         """The link to the kvstore instances, when the instance is configured with some."""
-        addrs = [a.strip() for a in self.cfg.kvstore_addrs.split(",") if a.strip()]
-        if self._pool is None and addrs:
+        if self._pool is None and self.cfg.kvstore_addrs:
             self._pool = PoolLink(
-                addrs, self.fingerprint, self.cost, self.port, int8=self.cfg.kv_int8
+                self.cfg.kvstore_addrs,
+                self.fingerprint,
+                self.cost,
+                self.port,
+                int8=self.cfg.kv_int8,
             )
         return self._pool
 
