@@ -69,11 +69,30 @@ class GenerateSpec:
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
+class _IntOutOfRange(ValueError):
+    pass
+
+
+def _json_int(text: str) -> int:
+    """A JSON integer the bus can carry: msgpack holds -2**63 .. 2**64-1 (20 digits at most)."""
+    if len(text) <= 21:
+        v = int(text)
+        if -(1 << 63) <= v < (1 << 64):
+            return v
+    raise _IntOutOfRange(text if len(text) <= 40 else text[:20] + "...")
+
+
 def parse_json(raw: bytes) -> dict[str, Any]:
-    """Decode a request body; malformed JSON, nesting too deep for the parser, a lone UTF-16
-    surrogate (it cannot be encoded for the bus) or a non-object names the problem."""
+    """Decode a request body; malformed JSON, nesting too deep for the parser, an integer
+    beyond 64 bits or a lone UTF-16 surrogate (neither can be encoded for the bus) or a
+    non-object names the problem."""
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_int=_json_int)
+    except _IntOutOfRange as exc:
+        raise ApiError(
+            "bad_request",
+            f"request body has an integer out of range ({exc}): integers must fit in 64 bits",
+        ) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ApiError("bad_request", f"request body is not valid JSON: {exc}") from None
     except RecursionError:

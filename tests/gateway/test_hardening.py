@@ -23,6 +23,10 @@ from tests.gateway.harness import gateway
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 DEEP = b'{"model": "tiny", "x": ' + b"[" * 1500 + b"]" * 1500 + b"}"
 SURROGATE = b'{"model": "tiny", "messages": [{"role": "user", "content": "a\\ud800b"}]}'
+HUGE_INT = (
+    b'{"model": "tiny", "messages": [{"role": "tool", "content": "x", "n": 1' + b"0" * 30 + b"}]}"
+)
+LONG_INT = b'{"model": "tiny", "max_tokens": 1' + b"0" * 5000 + b"}"
 
 
 def client_port(r: httpx.Response) -> int:
@@ -39,6 +43,8 @@ async def test_bad_bodies_are_400s_on_a_connection_that_stays_open(nats_url):
             for body, needle, param in (
                 (DEEP, "nested too deeply", None),
                 (SURROGATE, "lone UTF-16 surrogate", "messages.0.content"),
+                (HUGE_INT, "integer out of range", None),  # msgpack holds 64 bits
+                (LONG_INT, "integer out of range", None),  # past Python's digit limit too
             ):
                 for path in ("/v1/chat/completions", "/v1/completions"):
                     r = await c.post(
@@ -49,7 +55,7 @@ async def test_bad_bodies_are_400s_on_a_connection_that_stays_open(nats_url):
                     assert needle in err["message"] and err["param"] == param
                     ok = await c.post("/v1/chat/completions", json=CHAT)
                     assert ok.status_code == 200 and client_port(ok) == port
-            assert len(peers.items) == 1 + 4  # the bad bodies reached no peer
+            assert len(peers.items) == 1 + 8  # the bad bodies reached no peer
 
             # any unexpected error: a 500 body, and the connection still serves the next one
             real_open = service.open
