@@ -131,11 +131,22 @@ def up(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     rc = 0
     try:
-        infra = "nats-server, MinIO" if cfg.minio else "nats-server"
+        infra = [] if cfg.nats_url else ["nats-server"]
+        if cfg.minio and not cfg.minio_endpoint:
+            infra.append("MinIO")
+        joins = [f"NATS at {cfg.nats_url}"] if cfg.nats_url else []
+        if cfg.minio and cfg.minio_endpoint:
+            joins.append(f"MinIO at {cfg.minio_endpoint}")
         say(
-            f"starting {infra} and the services ({cluster.cfg.prefill} prefill, "
-            f"{cluster.cfg.decode} decode); "
-            f"logs in {cluster.log_dir}"
+            (f"joining {' and '.join(joins)}; " if joins else "")
+            + f"starting {', '.join([*infra, 'the services'])} ({cluster.cfg.prefill} prefill, "
+            f"{cluster.cfg.decode} decode"
+            + (
+                f"; instance ids prefixed {cluster.instance_prefix!r}"
+                if cluster.instance_prefix
+                else ""
+            )
+            + f"); logs in {cluster.log_dir}"
         )
         cluster.start()
         _banner(cluster)
@@ -152,7 +163,7 @@ def up(argv: list[str]) -> int:
                     f"{p.name} exited with code {p.returncode}; last lines:\n"
                     + "\n".join(f"  | {line}" for line in p.tail)
                 )
-            if (
+            if not cfg.nats_url and (
                 cluster.nats is None
                 or cluster.nats.proc is None
                 or cluster.nats.proc.poll() is not None

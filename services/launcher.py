@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import urllib.request
@@ -23,6 +25,7 @@ from typing import IO, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from services.infra.joined import JoinedMinio, JoinedNats, split_list
 from services.infra.minio_server import MinioServer, minio_binary
 from services.infra.nats_auth import password_file
 from services.infra.nats_server import NatsServer
@@ -132,6 +135,31 @@ class ClusterConfig(BaseModel):
         description="Clients must present a certificate signed by the nats_tls_ca CA "
         "(give services theirs with STRATA_NATS_TLS_CERT/KEY)",
     )
+    nats_url: str = Field(
+        "",
+        description="Join this running NATS (a URL, or a comma-separated seed list of a NATS "
+        "cluster) instead of starting nats-server",
+    )
+    nats_credentials: str = Field(
+        "",
+        description="With nats_url: the directory of the joined NATS's <user>.password files "
+        "(<data-dir>/nats/credentials of the cluster that owns it; not needed with nats_auth off)",
+    )
+    minio_endpoint: str = Field(
+        "",
+        description="Join this running MinIO (host:port, or a comma-separated list of one "
+        "distributed MinIO's nodes) as the SSD tier instead of starting one",
+    )
+    minio_credentials: str = Field(
+        "",
+        description="With minio_endpoint: the owning cluster's <data-dir>/minio.credentials.json",
+    )
+    instance_prefix: str = Field(
+        "",
+        pattern=r"^[A-Za-z0-9_.-]*$",
+        description="Prefix of every instance id, which must be unique among the clusters "
+        "sharing a NATS ('' = none; when joining a NATS: '<hostname>-<4 hex>-')",
+    )
     color: bool | None = Field(
         None,
         description="Colored [name] log prefixes (unset: on a terminal; NO_COLOR / "
@@ -198,10 +226,14 @@ class Cluster:
             update={"prefill": self.shape.prefill, "torch_threads": self.shape.torch_threads}
         )
         self._own_data = not self.cfg.data_dir
+        self.instance_prefix = self.cfg.instance_prefix
+        if self.cfg.nats_url and not self.instance_prefix:
+            host = socket.gethostname().split(".")[0] or "host"
+            self.instance_prefix = f"{host}-{secrets.token_hex(2)}-"
         self.data_dir = os.path.abspath(self.cfg.data_dir) if self.cfg.data_dir else ""
         self.sup = Supervisor(LogSink(log_stream, cfg.color if color is None else color))
-        self.nats: NatsServer | None = None
-        self.minio: MinioServer | None = None
+        self.nats: NatsServer | JoinedNats | None = None
+        self.minio: MinioServer | JoinedMinio | None = None
         self.port = self.cfg.port or free_port(self.cfg.host)
         self.specs: dict[str, ProcSpec] = {}
         self._next_metrics = self.cfg.metrics_port_base
@@ -247,17 +279,42 @@ class Cluster:
         checkpoint (`validate_checkpoint`), the MinIO binary. Raises one-line errors."""
         if port_open(self.cfg.host, self.port):
             raise RuntimeError(f"gateway port {self.port} is already in use (pass --port)")
+        joined_minio = bool(self.cfg.minio and self.cfg.minio_endpoint)
         for what, port, flag in (
-            ("nats-server", self.cfg.nats_port, "--nats-port"),
-            ("MinIO", self.cfg.minio_port if self.cfg.minio else 0, "--minio-port"),
+            ("nats-server", 0 if self.cfg.nats_url else self.cfg.nats_port, "--nats-port"),
+            (
+                "MinIO",
+                self.cfg.minio_port if self.cfg.minio and not joined_minio else 0,
+                "--minio-port",
+            ),
         ):
-            if port and port_open("127.0.0.1", port):
+            if port and port_open(self.cfg.host, port):
                 raise RuntimeError(
                     f"{what} port {port} is already in use (pass {flag} with a "
                     "free port, or 0 for any)"
                 )
         self.model_dir = ensure_model(self.cfg.model)
-        if self.cfg.minio:
+        try:
+            if self.cfg.nats_url:
+                self.nats = JoinedNats(
+                    split_list(self.cfg.nats_url),
+                    cred_dir=self.cfg.nats_credentials if self.cfg.nats_auth else "",
+                    tls_ca=self.cfg.nats_tls_ca,
+                )
+                if self.cfg.nats_auth and not self.cfg.nats_credentials:
+                    raise RuntimeError(
+                        "--nats-url needs --nats-credentials DIR (the joined cluster's "
+                        "<data-dir>/nats/credentials), or --no-nats-auth if its NATS has no users"
+                    )
+                self.nats.check(ROLES)
+            if joined_minio:
+                self.minio = JoinedMinio(
+                    split_list(self.cfg.minio_endpoint), self.cfg.minio_credentials
+                )
+                self.minio.check()
+        except ValueError as exc:
+            raise RuntimeError(f"--nats-url / --minio-endpoint: {exc}") from None
+        if self.cfg.minio and not joined_minio:
             given = RuntimeSettings.from_env().minio_bin
             if given and not os.path.isfile(given):
                 raise RuntimeError(
@@ -277,21 +334,24 @@ class Cluster:
             self.data_dir = tempfile.mkdtemp(prefix="strata-cluster-")
         os.makedirs(self.log_dir, exist_ok=True)
         self.sup.log_dir = self.log_dir
-        self.nats = NatsServer(
-            self.cfg.nats_port or free_port(),
-            os.path.join(self.data_dir, "nats"),
-            die_with_parent=self.cfg.die_with_parent,
-            auth=self.cfg.nats_auth,
-            tls_cert=self.cfg.nats_tls_cert,
-            tls_key=self.cfg.nats_tls_key,
-            tls_ca=self.cfg.nats_tls_ca,
-            tls_verify=self.cfg.nats_tls_verify,
-        )
-        self.nats.start(self._infra_log("nats"))
-        if self.cfg.minio:
+        if self.nats is None:
+            self.nats = NatsServer(
+                self.cfg.nats_port or free_port(),
+                os.path.join(self.data_dir, "nats"),
+                host=self.cfg.host,
+                die_with_parent=self.cfg.die_with_parent,
+                auth=self.cfg.nats_auth,
+                tls_cert=self.cfg.nats_tls_cert,
+                tls_key=self.cfg.nats_tls_key,
+                tls_ca=self.cfg.nats_tls_ca,
+                tls_verify=self.cfg.nats_tls_verify,
+            )
+            self.nats.start(self._infra_log("nats"))
+        if self.cfg.minio and self.minio is None:
             self.minio = MinioServer(
                 self.cfg.minio_port or free_port(),
                 os.path.join(self.data_dir, "minio"),
+                host=self.cfg.host,
                 die_with_parent=self.cfg.die_with_parent,
             )
             self.minio.start(self._infra_log("minio"))
@@ -311,8 +371,10 @@ class Cluster:
             self._start_watchdog()
 
     def _start_watchdog(self) -> None:
-        units: list = [ServerUnit("nats", self.nats, self._infra_log("nats"), True)]
-        if self.minio is not None:
+        units: list = []  # a joined NATS or MinIO is supervised by whoever started it
+        if isinstance(self.nats, NatsServer):
+            units.append(ServerUnit("nats", self.nats, self._infra_log("nats"), True))
+        if isinstance(self.minio, MinioServer):
             units.append(ServerUnit("minio", self.minio, self._infra_log("minio"), False))
         units += [
             ServiceUnit(self.sup, spec, name.rsplit("-", 1)[0] in REQUIRED_ROLES)
@@ -379,7 +441,7 @@ class Cluster:
         assert self.nats is not None, "start() the cluster first"
         e = {
             "STRATA_NATS_URL": self.nats.url,
-            "STRATA_INSTANCE_ID": name,
+            "STRATA_INSTANCE_ID": self.instance_prefix + name,
             "STRATA_LOG_LEVEL": self.cfg.log_level,
             "STRATA_MODEL": self.model_dir,
             "STRATA_METRICS_PORT": str(self._metrics_port()),
