@@ -87,6 +87,11 @@ def bucket_policy(bucket: str) -> dict:
     }
 
 
+MINIO_VERSION = "v0.0.0-20260212201848-7aac2a2c5b7c"
+"""The MinIO module version built when none is found: the same pin as scripts/setup.sh
+(tests/infra/test_servers.py keeps the two equal); never @latest."""
+
+
 def minio_binary(build: bool = True) -> str:
     """Path of a `minio` binary; builds it (minutes, with progress) only when none is found."""
     cached = os.path.join(cache_dir(), "bin", "minio")
@@ -99,7 +104,7 @@ def minio_binary(build: bool = True) -> str:
     if not os.path.exists(go):
         raise RuntimeError("minio not found and Go is not installed to build it")
     print(
-        "building MinIO with `go install github.com/minio/minio@latest` "
+        f"building MinIO with `go install github.com/minio/minio@{MINIO_VERSION}` "
         "(first time only; takes several minutes)...",
         file=sys.stderr,
         flush=True,
@@ -111,8 +116,11 @@ def minio_binary(build: bool = True) -> str:
         GOPATH=gocache,
         GOMODCACHE=os.path.join(gocache, "mod"),
         GOCACHE=os.path.join(gocache, "build"),
+        GOTOOLCHAIN="auto",
+        GOFLAGS="-modcacherw",
     )
-    subprocess.run([go, "install", "-v", "github.com/minio/minio@latest"], env=env, check=True)
+    module = f"github.com/minio/minio@{MINIO_VERSION}"
+    subprocess.run([go, "install", "-v", module], env=env, check=True)
     return cached
 
 

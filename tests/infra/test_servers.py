@@ -7,7 +7,7 @@ import io
 import nats
 from minio import Minio
 
-from services.infra.minio_server import start_minio
+from services.infra.minio_server import MINIO_VERSION, start_minio
 from services.infra.nats_server import MAX_PAYLOAD, start_nats
 from services.infra.procs import port_open
 from tests.infra.fake_apps import pid_alive
@@ -43,3 +43,13 @@ def test_minio_starts_healthy_serves_objects_and_stops(tmp_path):
     assert not pid_alive(pid)
     assert not server.healthy()
     assert not port_open("127.0.0.1", server.port)
+
+
+def test_minio_is_built_at_the_version_setup_pins():
+    """The launcher's fallback build and scripts/setup.sh pin the same MinIO (never @latest)."""
+    from pathlib import Path
+
+    setup = (Path(__file__).resolve().parents[2] / "scripts" / "setup.sh").read_text()
+    assert f'MINIO_VERSION="{MINIO_VERSION}"' in setup
+    src = (Path(__file__).resolve().parents[2] / "services/infra/minio_server.py").read_text()
+    assert "@latest" not in src.replace("never @latest", "")
