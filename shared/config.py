@@ -57,8 +57,12 @@ class ServiceConfig(BaseModel):
     @field_validator("*", mode="before")
     @classmethod
     def _comma_separated(cls, v: Any, info: ValidationInfo) -> Any:
-        """A ``list[str]`` setting given as one string (env, flag): its comma-separated items."""
-        if info.field_name and cls.model_fields[info.field_name].annotation == list[str]:
+        """A list setting (``list[str]``, ``list[float]``) given as one string (env, flag): its
+        comma-separated items (the field's type then checks each)."""
+        if (
+            info.field_name
+            and typing.get_origin(cls.model_fields[info.field_name].annotation) is list
+        ):
             return comma_list(v)
         return v
 

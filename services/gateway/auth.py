@@ -70,12 +70,8 @@ class Auth:
         return bool(self.keys)
 
     @classmethod
-    def from_config(cls, api_keys: str, key_file: str) -> Auth:
-        keys = {
-            k.strip(): KeyPolicy(name=f"env-{i}")
-            for i, k in enumerate(api_keys.split(","))
-            if k.strip()
-        }
+    def from_config(cls, api_keys: list[str], key_file: str) -> Auth:
+        keys = {k: KeyPolicy(name=f"env-{i}") for i, k in enumerate(api_keys)}
         if key_file:
             keys.update(load_key_file(key_file))
         return cls(keys)

@@ -15,7 +15,7 @@ class GatewayConfig(ServiceConfig):
     model: str = Field("", description="Checkpoint directory (token strings for logprobs)")
     model_name: str = Field("", description="Served model name (default: directory name)")
     # auth
-    api_keys: str = Field("", description="Comma-separated API keys allowed for every model")
+    api_keys: list[str] = Field([], description="Comma-separated API keys allowed for every model")
     api_key_file: str = Field("", description="JSON/YAML file: key -> {models, rpm, tpm}")
     # limits
     max_body_bytes: int = Field(8 << 20, ge=1024, description="Largest accepted request body")
@@ -25,13 +25,16 @@ class GatewayConfig(ServiceConfig):
     max_images: int = Field(4, ge=0, description="Most images per request")
     max_image_bytes: int = Field(4 << 20, ge=1, description="Largest encoded image")
     max_image_pixels: int = Field(4096 * 4096, ge=1, description="Most pixels per image")
-    image_formats: str = Field("PNG,JPEG,WEBP,GIF,BMP", description="Accepted image formats")
+    image_formats: list[str] = Field(
+        ["PNG", "JPEG", "WEBP", "GIF", "BMP"],
+        description="Accepted image formats (comma-separated)",
+    )
     image_dir: str = Field("", description="Folder local image paths must be under ('' = none)")
     allow_remote_images: bool = Field(
         False, description="Fetch http(s) image URLs (only from public addresses, see ssrf.py)"
     )
-    remote_image_hosts: str = Field(
-        "",
+    remote_image_hosts: list[str] = Field(
+        [],
         description="Comma-separated hosts allowed for fetching ('' = any public host); a "
         "host named here may be private",
     )

@@ -37,7 +37,7 @@ def check_image(raw: bytes, cfg: GatewayConfig) -> None:
             fmt, (w, h) = img.format, img.size
     except Exception:  # noqa: BLE001 - PIL raises many types for junk
         raise _bad("image data is not a decodable image") from None
-    allowed = {f.strip().upper() for f in cfg.image_formats.split(",") if f.strip()}
+    allowed = {f.upper() for f in cfg.image_formats}
     if (fmt or "").upper() not in allowed:
         raise _bad(f"image format {fmt} is not accepted (allowed: {', '.join(sorted(allowed))})")
     if w * h > cfg.max_image_pixels:
@@ -105,7 +105,7 @@ async def fetch_image(
         raise ApiError(
             "forbidden", "fetching remote image URLs is disabled on this server", param="messages"
         )
-    hosts = {h.strip().lower() for h in cfg.remote_image_hosts.split(",") if h.strip()}
+    hosts = {h.lower() for h in cfg.remote_image_hosts}
     try:
         async with httpx.AsyncClient(
             timeout=cfg.bus_timeout, follow_redirects=False, trust_env=False

@@ -10,10 +10,6 @@ from services.scheduler.types import CostModel
 from shared.config import ServiceConfig
 
 
-def _floats(s: str) -> tuple[float, ...]:
-    return tuple(float(x) for x in s.split(",") if x.strip())
-
-
 class SchedulerConfig(ServiceConfig):
     policy: str = Field("least_loaded", description=f"Routing policy: {' | '.join(POLICY_NAMES)}")
     load_interval: float = Field(0.5, gt=0, description="Expected seconds between load reports")
@@ -27,8 +23,8 @@ class SchedulerConfig(ServiceConfig):
         pattern="^(direct|pool)$",
         description="KV transfer mode put in route replies: direct | pool",
     )
-    long_instances: str = Field(
-        "",
+    long_instances: list[str] = Field(
+        [],
         description="Comma-separated prefill instances reserved for "
         "very long prompts (prefix_aware)",
     )
@@ -64,8 +60,12 @@ class SchedulerConfig(ServiceConfig):
     )
     dram_tokens_per_s: float = Field(200000.0, gt=0, description="Pool DRAM-tier KV load rate")
     ssd_tokens_per_s: float = Field(40000.0, gt=0, description="Pool SSD-tier KV load rate")
-    degrade_up: str = Field("0.8,0.9,0.97", description="Cluster load entering levels 1,2,3")
-    degrade_down: str = Field("0.7,0.82,0.9", description="Cluster load leaving levels 1,2,3")
+    degrade_up: list[float] = Field(
+        [0.8, 0.9, 0.97], description="Cluster load entering levels 1,2,3 (comma-separated)"
+    )
+    degrade_down: list[float] = Field(
+        [0.7, 0.82, 0.9], description="Cluster load leaving levels 1,2,3 (comma-separated)"
+    )
     degrade_dwell_s: float = Field(
         2.0, ge=0, description="Least seconds at a level before stepping down"
     )
@@ -103,8 +103,8 @@ class SchedulerConfig(ServiceConfig):
 
     @field_validator("degrade_up", "degrade_down")
     @classmethod
-    def _three_floats(cls, v: str) -> str:
-        if len(_floats(v)) != 3:
+    def _three_floats(cls, v: list[float]) -> list[float]:
+        if len(v) != 3:
             raise ValueError("needs three comma-separated numbers")
         return v
 
@@ -117,8 +117,8 @@ class SchedulerConfig(ServiceConfig):
 
     def thresholds(self) -> DegradeThresholds:
         return DegradeThresholds(
-            up=_floats(self.degrade_up),
-            down=_floats(self.degrade_down),
+            up=tuple(self.degrade_up),
+            down=tuple(self.degrade_down),
             min_dwell_s=self.degrade_dwell_s,
         )
 
@@ -142,4 +142,4 @@ class SchedulerConfig(ServiceConfig):
         )
 
     def long_instance_set(self) -> frozenset[str]:
-        return frozenset(x.strip() for x in self.long_instances.split(",") if x.strip())
+        return frozenset(self.long_instances)
