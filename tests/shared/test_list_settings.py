@@ -30,8 +30,11 @@ def test_gateway_lists(monkeypatch):
 def test_scheduler_lists():
     cfg = SchedulerConfig.load([])
     assert cfg.degrade_up == [0.8, 0.9, 0.97] and cfg.long_instances == []
-    cfg = SchedulerConfig.load(["--degrade-up", "0.5, 0.6,0.7", "--long-instances", "p-1,p-2"])
-    assert cfg.thresholds().up == (0.5, 0.6, 0.7)
+    cfg = SchedulerConfig.load(
+        ["--degrade-up", "0.5, 0.6,0.7", "--degrade-down", "0.4,0.5,0.6"]
+        + ["--long-instances", "p-1,p-2"]
+    )
+    assert (cfg.thresholds().up, cfg.thresholds().down) == ((0.5, 0.6, 0.7), (0.4, 0.5, 0.6))
     assert cfg.long_instance_set() == frozenset({"p-1", "p-2"})
     with pytest.raises(ConfigError, match="STRATA_DEGRADE_DOWN.*three comma-separated"):
         SchedulerConfig.load(["--degrade-down", "0.5,0.6"])
