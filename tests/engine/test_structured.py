@@ -7,6 +7,7 @@ limits, "length" vs "stop", the prefix cache, speculation off, logit_bias."""
 from __future__ import annotations
 
 import json
+import time
 
 import jsonschema
 import pytest
@@ -235,8 +236,10 @@ def test_grammar_limits_and_bad_specs_name_the_problem(tok):
     big = StructuredSpec(kind="json_schema", spec=json.dumps({"enum": ["x" * 200]}))
     with pytest.raises(GrammarError, match="limit is 100"):
         small.get(big)
-    slow = GrammarCache(info, GrammarLimits(compile_timeout_s=1e-6))
-    with pytest.raises(GrammarError, match="took longer than"):
+    slow = GrammarCache(info, GrammarLimits(compile_timeout_s=0.05))
+    real_compile = slow._compile
+    slow._compile = lambda spec: (time.sleep(0.5), real_compile(spec))[1]  # a slow grammar
+    with pytest.raises(GrammarError, match="took longer than 0.05 s"):
         slow.get(SPEC)
     cache = GrammarCache(info)
     with pytest.raises(GrammarError, match="not valid JSON"):
