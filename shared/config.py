@@ -138,6 +138,12 @@ class RuntimeSettings(BaseModel):
     nats_tls_ca: str = Field("", description="CA file of the NATS server certificate")
     nats_tls_cert: str = Field("", description="Client certificate for NATS (mutual TLS)")
     nats_tls_key: str = Field("", description="Client key for NATS (mutual TLS)")
+    grpc_tls_cert: str = Field("", description="Certificate this process serves gRPC with (TLS)")
+    grpc_tls_key: str = Field("", description="Key of grpc_tls_cert")
+    grpc_tls_ca: str = Field("", description="CA the gRPC clients trust ('' = plaintext dialing)")
+    grpc_tls_verify_clients: bool = Field(
+        False, description="gRPC servers require client certificates signed by grpc_tls_ca"
+    )
 
     @property
     def cache_dir(self) -> str:

@@ -6,6 +6,7 @@ import asyncio
 import functools
 import logging
 import socket
+import ssl
 from pathlib import Path
 
 import uvicorn
@@ -101,6 +102,17 @@ async def build_service(nc, cfg: GatewayConfig) -> GatewayService:
     )
 
 
+def uvicorn_config(app, cfg: GatewayConfig, host: str, port: int) -> uvicorn.Config:
+    """The HTTP server's config: HTTPS with ``tls_cert``/``tls_key`` (and client certificates
+    required with ``tls_client_ca``), else plain HTTP."""
+    tls = {}
+    if cfg.tls_cert:
+        tls = dict(ssl_certfile=cfg.tls_cert, ssl_keyfile=cfg.tls_key)
+        if cfg.tls_client_ca:
+            tls.update(ssl_ca_certs=cfg.tls_client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
+    return uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off", **tls)
+
+
 def main(argv: list[str]) -> None:
     cfg = GatewayConfig.load(argv, role="gateway")
     setup_logging("gateway", cfg.instance_id, cfg.log_level)
@@ -118,22 +130,15 @@ def main(argv: list[str]) -> None:
         services.append(service)
         await serve_api(nc, service)
         metrics.serve_metrics(cfg.metrics_port, cfg.metrics_bind)
-        server = uvicorn.Server(
-            uvicorn.Config(
-                build_app(service),
-                host=cfg.host,
-                port=cfg.port,
-                log_level="warning",
-                lifespan="off",
-            )
-        )
+        server = uvicorn.Server(uvicorn_config(build_app(service), cfg, cfg.host, cfg.port))
         task = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started and not task.done():
             await asyncio.sleep(0.05)
         if task.done():
             task.result()
         port = server.servers[0].sockets[0].getsockname()[1]
-        announce_ready("gateway", cfg.instance_id, f"http=http://{cfg.host}:{port}")
+        scheme = "https" if cfg.tls_cert else "http"
+        announce_ready("gateway", cfg.instance_id, f"http={scheme}://{cfg.host}:{port}")
         await stop.wait()
         server.should_exit = True
         await task

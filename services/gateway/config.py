@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, ValidationInfo, field_validator
 
 from shared.config import ServiceConfig
 
@@ -38,6 +38,12 @@ class GatewayConfig(ServiceConfig):
         description="Comma-separated hosts allowed for fetching ('' = any public host); a "
         "host named here may be private",
     )
+    # HTTPS
+    tls_cert: str = Field("", description="Certificate (PEM) to serve HTTPS with ('' = plain HTTP)")
+    tls_key: str = Field("", validate_default=True, description="Key of tls_cert")
+    tls_client_ca: str = Field(
+        "", description="Require client certificates signed by this CA (mutual TLS; '' = off)"
+    )
     # timeouts
     bus_timeout: float = Field(10.0, gt=0, description="Seconds to wait for a bus reply")
     first_token_timeout: float = Field(60.0, gt=0, description="Seconds to wait for token one")
@@ -55,3 +61,13 @@ class GatewayConfig(ServiceConfig):
     )
     # Degradation: the level and its rules (caps, top priority, Retry-After) come from the
     # scheduler's state (`SchedulerState.rules`); the gateway has no numbers of its own.
+
+    @field_validator("tls_key", "tls_client_ca", mode="after")
+    @classmethod
+    def _tls_pair(cls, v: str, info: ValidationInfo) -> str:
+        cert = info.data.get("tls_cert", "")
+        if info.field_name == "tls_key" and bool(cert) != bool(v):
+            raise ValueError("give STRATA_TLS_CERT and STRATA_TLS_KEY both, or neither")
+        if info.field_name == "tls_client_ca" and v and not cert:
+            raise ValueError("needs STRATA_TLS_CERT and STRATA_TLS_KEY (HTTPS)")
+        return v

@@ -23,6 +23,7 @@ from shared.kvtransfer.frames import (
     split_frame,
 )
 from shared.kvtransfer.server import GRPC_OPTIONS, STATUS_OF_CODE
+from shared.kvtransfer.tls import GrpcTls
 from shared.protocol.errors import StrataError
 
 _CODE_OF_STATUS: dict[grpc.StatusCode, str] = {
@@ -46,10 +47,23 @@ def _to_strata(addr: str, method: str, exc: grpc.aio.AioRpcError) -> StrataError
 class KVClient:
     """One channel to one KVTransfer peer (``"host:port"``)."""
 
-    def __init__(self, addr: str, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES):
+    def __init__(
+        self,
+        addr: str,
+        *,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        tls: GrpcTls | None = None,
+    ):
+        """``tls`` (default: from the ``STRATA_GRPC_TLS_*`` settings) with a CA dials TLS."""
         self.addr = addr
         self.max_frame_bytes = max_frame_bytes
-        self._channel = grpc.aio.insecure_channel(addr, options=GRPC_OPTIONS)
+        tls = GrpcTls.from_env() if tls is None else tls
+        if tls.dials_tls:
+            self._channel = grpc.aio.secure_channel(
+                addr, tls.channel_credentials(), options=GRPC_OPTIONS
+            )
+        else:
+            self._channel = grpc.aio.insecure_channel(addr, options=GRPC_OPTIONS)
         self._stub = kv_transfer_pb2_grpc.KVTransferStub(self._channel)
 
     async def push(

@@ -18,6 +18,7 @@ from protos import kv_transfer_pb2_grpc
 from protos.kv_transfer_pb2 import BlockFrame, PullRequest, PushReply, QueryReply, QueryRequest
 from shared import metrics
 from shared.kvtransfer.frames import DEFAULT_MAX_FRAME_BYTES, split_frame
+from shared.kvtransfer.tls import GrpcTls
 from shared.protocol.errors import StrataError
 
 log = logging.getLogger(__name__)
@@ -138,16 +139,22 @@ async def start_kv_server(
     port: int = 0,
     *,
     max_frame_bytes: int | None = None,
+    tls: GrpcTls | None = None,
 ) -> tuple[grpc.aio.Server, str]:
     """Bind and start a KVTransfer server; returns it and its ``"host:port"`` (port 0 = free).
+    ``tls`` (default: from the ``STRATA_GRPC_TLS_*`` settings) with a certificate serves TLS.
 
     Stop it with ``await server.stop(grace)``.
     """
+    tls = GrpcTls.from_env() if tls is None else tls
     server = grpc.aio.server(options=GRPC_OPTIONS)
     kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(
         _Servicer(handler, max_frame_bytes or DEFAULT_MAX_FRAME_BYTES), server
     )
-    bound = server.add_insecure_port(f"{host}:{port}")
+    if tls.serves_tls:
+        bound = server.add_secure_port(f"{host}:{port}", tls.server_credentials())
+    else:
+        bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise StrataError("unavailable", f"could not bind gRPC server on {host}:{port}")
     await server.start()

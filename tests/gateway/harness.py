@@ -7,7 +7,7 @@ import contextlib
 
 import uvicorn
 
-from services.gateway.app import build_service
+from services.gateway.app import build_service, uvicorn_config
 from services.gateway.config import GatewayConfig
 from services.gateway.http import build_app
 from services.gateway.nats_api import serve_api
@@ -34,17 +34,14 @@ async def gateway(nats_url: str, decodes=("dec-0",), peers_kw=None, roles=ROLES,
     conf = GatewayConfig.load([], role="gateway", **{**defaults, **cfg})
     service = await build_service(nc, conf)
     api_sub = await serve_api(nc, service)
-    server = uvicorn.Server(
-        uvicorn.Config(
-            build_app(service), host="127.0.0.1", port=0, log_level="warning", lifespan="off"
-        )
-    )
+    server = uvicorn.Server(uvicorn_config(build_app(service), conf, "127.0.0.1", 0))
     task = asyncio.create_task(server.serve())
     while not server.started:
         await asyncio.sleep(0.01)
     port = server.servers[0].sockets[0].getsockname()[1]
     try:
-        yield f"http://127.0.0.1:{port}", peers, service
+        scheme = "https" if conf.tls_cert else "http"
+        yield f"{scheme}://127.0.0.1:{port}", peers, service
     finally:
         server.should_exit = True
         await task
