@@ -202,6 +202,26 @@ def _describe(exc: ValidationError) -> str:
     return "invalid setting " + "; ".join(parts)
 
 
+class KVEventStreamConfig(ServiceConfig):
+    """Settings of the roles that create or update the KV-event stream (kvstore, scheduler):
+    how much of it is kept."""
+
+    kv_events_max_bytes: int = Field(
+        1 << 30,
+        ge=0,
+        description="Bytes the KV-event stream keeps (oldest events discarded beyond it; "
+        "0 = unbounded); set when this process creates or updates the stream",
+    )
+    kv_events_max_age: float = Field(
+        0.0, ge=0, description="Seconds the KV-event stream keeps an event (0 = no age limit)"
+    )
+
+    def stream_limits(self):
+        from shared.kv_events_stream import StreamLimits
+
+        return StreamLimits(self.kv_events_max_bytes, self.kv_events_max_age)
+
+
 class ModelServiceConfig(ServiceConfig):
     """Settings shared by services that load the model."""
 

@@ -7,7 +7,13 @@ from __future__ import annotations
 
 import os
 
-import pytest
+# The suite runs gRPC servers and clients in this process and also starts clusters from it
+# (fork + exec with a pre-exec hook). gRPC's fork handlers then run in the forked child before
+# its exec and can abort it (seen once: a decode child died with "epoll_wait error: Bad file
+# descriptor"). The children exec at once and need none of them; set before grpc is imported.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
+import pytest  # noqa: E402
 import torch
 
 from services.infra.minio_server import MinioServer, start_minio

@@ -11,12 +11,14 @@ naming what is wrong: an unreachable server, a missing credentials file.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from services.infra import nats_auth
+from services.infra.minio_server import KVUser, MinioCredentials
 from shared.nats_auth import NatsAuth
 
 
@@ -88,7 +90,7 @@ class JoinedNats:
 
 
 @dataclass
-class JoinedMinio:
+class JoinedMinio(KVUser):
     """The MinIO node(s) at ``endpoints``; the kvstore's user from ``credentials_file``."""
 
     endpoints: list[str]
@@ -99,21 +101,9 @@ class JoinedMinio:
     def endpoint(self) -> str:
         return ",".join(self.endpoints)
 
-    def _creds(self):
-        import json
-
-        from services.infra.minio_server import MinioCredentials
-
+    def _creds(self) -> MinioCredentials:
         with open(self.credentials_file) as f:
             return MinioCredentials(**json.load(f))
-
-    @property
-    def kv_access_key(self) -> str:
-        return self._creds().kv_user
-
-    @property
-    def kv_secret_key(self) -> str:
-        return self._creds().kv_password
 
     def check(self) -> None:
         if not os.path.isfile(self.credentials_file):

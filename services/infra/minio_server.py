@@ -124,8 +124,24 @@ def minio_binary(build: bool = True) -> str:
     return cached
 
 
+class KVUser:
+    """The kvstore's MinIO user of a server whose `MinioCredentials` ``_creds()`` returns."""
+
+    def _creds(self) -> MinioCredentials:
+        raise NotImplementedError
+
+    @property
+    def kv_access_key(self) -> str:
+        """The kvstore's user: reads, writes and lists ``kv_bucket``, nothing else."""
+        return self._creds().kv_user
+
+    @property
+    def kv_secret_key(self) -> str:
+        return self._creds().kv_password
+
+
 @dataclass
-class MinioServer:
+class MinioServer(KVUser):
     """A MinIO process on ``host:port`` storing ``data_dir``; `start` also creates the KV bucket
     and the kvstore's user (``kv_access_key`` / ``kv_secret_key``)."""
 
@@ -158,15 +174,6 @@ class MinioServer:
     @property
     def secret_key(self) -> str:
         return self._creds().root_password
-
-    @property
-    def kv_access_key(self) -> str:
-        """The kvstore's user: reads, writes and lists ``kv_bucket``, nothing else."""
-        return self._creds().kv_user
-
-    @property
-    def kv_secret_key(self) -> str:
-        return self._creds().kv_password
 
     def healthy(self) -> bool:
         try:

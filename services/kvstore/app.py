@@ -21,7 +21,7 @@ from services.kvstore.store import KVStore
 from services.kvstore.writer import WriterOptions
 from shared import bus, metrics
 from shared.config import new_incarnation
-from shared.kv_events_stream import StreamLimits, ensure_kv_events_stream
+from shared.kv_events_stream import ensure_kv_events_stream
 from shared.kvtransfer.server import start_kv_server
 from shared.logs import setup_logging
 from shared.protocol import subjects
@@ -93,9 +93,7 @@ async def run_kvstore(
     incarnation = new_incarnation()
     nc = await bus.connect(cfg.nats_url, name=f"{ROLE}-{cfg.instance_id}")
     js = nc.jetstream()
-    await ensure_kv_events_stream(
-        js, cfg.js_replicas, StreamLimits(cfg.kv_events_max_bytes, cfg.kv_events_max_age)
-    )
+    await ensure_kv_events_stream(js, cfg.js_replicas, cfg.stream_limits())
     event_subject = subjects.kv_events(cfg.instance_id)
 
     async def publish(ev: KVEvent) -> None:

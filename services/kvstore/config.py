@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pydantic import Field, ValidationInfo, field_validator
 
-from shared.config import ServiceConfig
+from shared.config import KVEventStreamConfig
 
 
-class KVStoreConfig(ServiceConfig):
+class KVStoreConfig(KVEventStreamConfig):
     """One kvstore instance: a DRAM tier, optionally backed by a MinIO bucket."""
 
     dram_bytes: int = Field(1 << 30, gt=0, description="DRAM tier budget in bytes")
@@ -36,15 +36,6 @@ class KVStoreConfig(ServiceConfig):
         ge=0,
         description="SSD tier budget: bytes of the block objects this instance wrote or "
         "listed; beyond it the least recently used objects are deleted (0 = unbounded)",
-    )
-    kv_events_max_bytes: int = Field(
-        1 << 30,
-        ge=0,
-        description="Bytes the KV-event stream keeps (oldest events discarded beyond it; "
-        "0 = unbounded); set when this process creates or updates the stream",
-    )
-    kv_events_max_age: float = Field(
-        0.0, ge=0, description="Seconds the KV-event stream keeps an event (0 = no age limit)"
     )
     minio_secure: bool = Field(False, description="Use HTTPS to reach MinIO")
     minio_timeout: float = Field(5.0, gt=0, description="Seconds before a MinIO call is failed")

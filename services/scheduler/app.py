@@ -243,7 +243,7 @@ async def run_scheduler(
         core.index, core.kv_seq = snap
         start_seq = core.kv_seq + 1
         log.info("prefix index loaded from a snapshot at stream seq %d", core.kv_seq)
-    limits = StreamLimits(cfg.kv_events_max_bytes, cfg.kv_events_max_age)
+    limits = cfg.stream_limits()
     kv_sub, replayed = await follow_kv_events(js, core, start_seq, cfg.js_replicas, limits)
     subs.append(kv_sub)
     await replayed.wait()

@@ -7,10 +7,10 @@ from pydantic import Field, field_validator
 from services.scheduler.degrade import DegradeThresholds
 from services.scheduler.policies import POLICY_NAMES
 from services.scheduler.types import CostModel
-from shared.config import ServiceConfig
+from shared.config import KVEventStreamConfig
 
 
-class SchedulerConfig(ServiceConfig):
+class SchedulerConfig(KVEventStreamConfig):
     policy: str = Field("least_loaded", description=f"Routing policy: {' | '.join(POLICY_NAMES)}")
     load_interval: float = Field(0.5, gt=0, description="Expected seconds between load reports")
     down_after: int = Field(3, ge=1, description="Missed load reports before an instance is down")
@@ -84,15 +84,6 @@ class SchedulerConfig(ServiceConfig):
     )
     snapshot_min_events: int = Field(
         10000, ge=1, description="KV events applied since the last snapshot before another"
-    )
-    kv_events_max_bytes: int = Field(
-        1 << 30,
-        ge=0,
-        description="Bytes the KV-event stream keeps (oldest events discarded beyond it; "
-        "0 = unbounded); set when this process creates or updates the stream",
-    )
-    kv_events_max_age: float = Field(
-        0.0, ge=0, description="Seconds the KV-event stream keeps an event (0 = no age limit)"
     )
     expect_ttl_s: float = Field(
         30.0,
