@@ -7,8 +7,11 @@ client certificates signed by it)."""
 
 from __future__ import annotations
 
+import json
 import os
+import secrets
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -19,6 +22,32 @@ from services.infra.procs import free_port, port_open, preexec, stop_process, wa
 from shared.nats_auth import NatsAuth
 
 MAX_PAYLOAD = 8 * 1024 * 1024  # raw images ride the bus to the vision service; tensors never do
+
+
+def _serves(host: str, port: int, name: str) -> bool:
+    """A nats-server named ``name`` answers on ``host:port`` (its INFO line names it): not merely
+    an open port, which another process could hold, so a server that failed to bind is not
+    taken for ready."""
+    if not port_open(host, port):
+        return False
+    try:
+        with socket.create_connection((host, port), timeout=1.0) as s:
+            s.settimeout(1.0)
+            data = b""
+            while b"\r\n" not in data and len(data) < 65536:
+                chunk = s.recv(4096)
+                if not chunk:
+                    break
+                data += chunk
+    except OSError:
+        return False
+    line = data.split(b"\r\n", 1)[0]
+    if not line.startswith(b"INFO "):
+        return False
+    try:
+        return json.loads(line[5:]).get("server_name") == name
+    except ValueError:
+        return False
 
 
 def nats_binary() -> str:
@@ -89,8 +118,11 @@ class NatsServer:
         with os.fdopen(fd, "w") as f:
             f.write(text)
         os.chmod(conf, 0o600)
+        name = f"strata-{secrets.token_hex(6)}"  # to tell this server from another on the port
         cmd = [
             nats_binary(),
+            "-n",
+            name,
             "-a",
             self.host,
             "-p",
@@ -108,7 +140,7 @@ class NatsServer:
             start_new_session=True,
             preexec_fn=preexec(self.die_with_parent),
         )
-        wait_until(lambda: port_open(self.host, self.port), timeout, "nats-server", self.proc)
+        wait_until(lambda: _serves(self.host, self.port, name), timeout, "nats-server", self.proc)
         return self
 
     def stop(self) -> None:

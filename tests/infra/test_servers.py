@@ -53,3 +53,41 @@ def test_minio_is_built_at_the_version_setup_pins():
     assert f'MINIO_VERSION="{MINIO_VERSION}"' in setup
     src = (Path(__file__).resolve().parents[2] / "services/infra/minio_server.py").read_text()
     assert "@latest" not in src.replace("never @latest", "")
+
+
+def test_nats_start_is_not_fooled_by_another_server_on_its_port(tmp_path):
+    """Ready means this nats-server (its INFO names it), not any listener on the port: a
+    server that cannot bind because another one holds the port fails its start."""
+    import socket
+    import threading
+
+    import pytest
+
+    from services.infra.nats_server import NatsServer, _serves
+
+    decoy = socket.socket()
+    decoy.bind(("127.0.0.1", 0))
+    decoy.listen()
+    port = decoy.getsockname()[1]
+
+    def answer() -> None:
+        while True:
+            try:
+                conn, _ = decoy.accept()
+            except OSError:
+                return
+            with conn:
+                conn.sendall(b'INFO {"server_name":"someone-else"}\r\n')
+
+    threading.Thread(target=answer, daemon=True).start()
+    try:
+        assert not _serves("127.0.0.1", port, "strata-mine")
+        with pytest.raises(RuntimeError, match="exited with code"):
+            NatsServer(port, str(tmp_path / "nats")).start(timeout=20)
+    finally:
+        decoy.close()
+    srv = start_nats(data_dir=str(tmp_path / "ok"))
+    try:
+        assert port_open("127.0.0.1", srv.port)
+    finally:
+        srv.stop()
