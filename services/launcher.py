@@ -25,7 +25,7 @@ from typing import IO, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from services.infra.joined import JoinedMinio, JoinedNats, split_list
+from services.infra.joined import JoinedMinio, JoinedNats
 from services.infra.minio_server import MinioServer, minio_binary
 from services.infra.nats_auth import password_file
 from services.infra.nats_server import NatsServer
@@ -47,7 +47,7 @@ from services.shape import (
     format_cpus,
     usable_cores,
 )
-from shared.config import RuntimeSettings
+from shared.config import RuntimeSettings, comma_list
 from shared.model.validate import validate_checkpoint
 from shared.nats_auth import NatsAuth
 
@@ -297,7 +297,7 @@ class Cluster:
         try:
             if self.cfg.nats_url:
                 self.nats = JoinedNats(
-                    split_list(self.cfg.nats_url),
+                    comma_list(self.cfg.nats_url),
                     cred_dir=self.cfg.nats_credentials if self.cfg.nats_auth else "",
                     tls_ca=self.cfg.nats_tls_ca,
                 )
@@ -309,7 +309,7 @@ class Cluster:
                 self.nats.check(ROLES)
             if joined_minio:
                 self.minio = JoinedMinio(
-                    split_list(self.cfg.minio_endpoint), self.cfg.minio_credentials
+                    comma_list(self.cfg.minio_endpoint), self.cfg.minio_credentials
                 )
                 self.minio.check()
         except ValueError as exc:

@@ -30,14 +30,6 @@ def _reachable(host: str, port: int, timeout: float = 2.0) -> bool:
         return False
 
 
-def split_list(value: str) -> list[str]:
-    """``a,b`` -> ``["a", "b"]``; an empty entry is an error."""
-    items = [s.strip() for s in value.split(",")]
-    if any(not s for s in items):
-        raise ValueError(f"empty entry in the comma-separated list {value!r}")
-    return items
-
-
 @dataclass
 class JoinedNats:
     """The NATS server(s) at ``urls``; per-role passwords from ``cred_dir`` ('' = no users)."""

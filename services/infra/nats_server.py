@@ -18,7 +18,7 @@ import tempfile
 from dataclasses import dataclass, field
 
 from services.infra import nats_auth
-from services.infra.procs import free_port, port_open, preexec, stop_process, wait_until
+from services.infra.procs import free_port, preexec, stop_process, wait_until
 from shared.nats_auth import NatsAuth
 
 MAX_PAYLOAD = 8 * 1024 * 1024  # raw images ride the bus to the vision service; tensors never do
@@ -28,8 +28,6 @@ def _serves(host: str, port: int, name: str) -> bool:
     """A nats-server named ``name`` answers on ``host:port`` (its INFO line names it): not merely
     an open port, which another process could hold, so a server that failed to bind is not
     taken for ready."""
-    if not port_open(host, port):
-        return False
     try:
         with socket.create_connection((host, port), timeout=1.0) as s:
             s.settimeout(1.0)

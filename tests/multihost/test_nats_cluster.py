@@ -11,7 +11,6 @@ import asyncio
 import os
 import signal
 import time
-import uuid
 
 import pytest
 
@@ -20,11 +19,10 @@ from services.scheduler.app import follow_kv_events, watch_registry
 from shared import bus
 from shared.kv_events_stream import ensure_kv_events_stream
 from shared.protocol import subjects
-from shared.protocol.codec import encode
-from shared.protocol.kv import KVEvent
 from shared.protocol.sched import InstanceRecord
 from shared.registry import read_registry, register_instance
 from tests.multihost.netns import Net
+from tests.scheduler.test_nats_restart import Core, event
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -47,37 +45,6 @@ def start_cluster(net: Net, tmp_path) -> dict[str, object]:
         log = open(tmp_path / f"n{i}.log", "wb")  # noqa: SIM115 - lives as long as the server
         procs[f"n{i}"] = net.popen(i, [nats_binary(), "-c", str(conf)], stdout=log, stderr=log)
     return procs
-
-
-class Core:
-    """What the followers call on the scheduler's core, recorded."""
-
-    def __init__(self) -> None:
-        self.kv_seq = 0
-        self.events: list[int] = []
-        self.records: list[str] = []
-
-    def on_kv_event(self, ev: KVEvent) -> None:
-        self.events.append(ev.seq)
-
-    def on_record(self, rec: InstanceRecord) -> None:
-        self.records.append(rec.instance_id)
-
-    def on_deregister(self, key: str) -> None:
-        pass
-
-
-def event(seq: int) -> bytes:
-    return encode(
-        KVEvent(
-            instance_id="decode-0",
-            incarnation="x",
-            seq=seq,
-            tier="engine",
-            kind="stored",
-            hashes=[uuid.uuid4().hex],
-        )
-    )
 
 
 async def until(cond, what: str, timeout: float = 60.0) -> None:
