@@ -143,7 +143,7 @@ def start_cluster(model_dir: str, attempts: int = 3, **overrides) -> Cluster:
         try:
             return Cluster(model_dir, **overrides).start()
         except ServiceFailed as exc:
-            if "address already in use" not in str(exc) or i == attempts - 1:
+            if "address already in use" not in str(exc).lower() or i == attempts - 1:
                 raise
     raise AssertionError("unreachable")
 

@@ -3,7 +3,6 @@ built-in tiny model, Prometheus metrics scraped from each service's ``STRATA_MET
 
 from __future__ import annotations
 
-import os
 import time
 import urllib.request
 from collections.abc import Callable
@@ -11,6 +10,7 @@ from collections.abc import Callable
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from loadtests.simulator.realcluster import start_cluster as retrying_start
 from services.launcher import Cluster, ensure_model
 
 SHARED_PREFIX = (
@@ -34,7 +34,7 @@ def start_cluster(model_dir: str, **overrides) -> Cluster:
     overrides.setdefault("env", {"STRATA_LAYERWISE_TRANSFER": "true"})
     for role, n in (("prefill", 1), ("decode", 1), ("kvstore", 1), ("vision", 0)):
         overrides.setdefault(role, n)
-    return Cluster(model_dir, log_stream=open(os.devnull, "w"), **overrides).start()
+    return retrying_start(model_dir, **overrides)  # again when a port picked free was taken
 
 
 def metrics(cluster: Cluster, name: str) -> dict[tuple[str, tuple], float]:
