@@ -196,7 +196,30 @@ async def serve(
         tasks.add(t)
         t.add_done_callback(tasks.discard)
 
-    return await nc.subscribe(subject, queue=queue, cb=cb)
+    sub = await nc.subscribe(subject, queue=queue, cb=cb)
+    await _flush(nc)
+    return sub
+
+
+async def _flush(nc: NATS, timeout: float = 5.0) -> None:
+    """Wait until the server has seen what was sent (a PING/PONG round trip), so a request
+    another connection sends after `serve` returns finds the new subscription instead of "no
+    responders". Disconnected: the subscription is replayed on reconnect, nothing to wait for.
+
+    nats-py's `flush` writes its PING straight to the socket, ahead of commands still in its
+    pending buffer (a SUB not yet written by its flusher task), so the PONG alone can come back
+    before the server saw the SUB (measured: about 1 in 100 requests got "no responders").
+    The buffer is let drain first."""
+    if not nc.is_connected:
+        return
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    try:
+        while nc.pending_data_size and loop.time() < deadline:
+            await asyncio.sleep(0.001)
+        await nc.flush(timeout)
+    except Exception:  # noqa: BLE001 - connection lost meanwhile; reconnect resubscribes
+        log.debug("flush after subscribe failed", exc_info=True)
 
 
 _BAD = BadMessages(metrics.BAD_MESSAGES, log)

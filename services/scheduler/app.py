@@ -277,7 +277,6 @@ async def run_scheduler(
             bad=BAD,
         )
     )
-    await _wait_routable(nc)
     tick_task = asyncio.create_task(service.periodic(cfg.state_interval, publish_state, stop))
     service.announce_ready("scheduler", cfg.instance_id, f"policy={cfg.policy}")
     if ready is not None:
@@ -303,27 +302,6 @@ async def wait_for_members(core: SchedulerCore, timeout: float) -> None:
         if recs and all(i in members and members[i].alive for i in recs):
             return
         await asyncio.sleep(0.05)
-
-
-async def _wait_routable(nc: NATS, timeout: float = 5.0) -> None:
-    """Ready only once the server routes requests to us: a request to our own subject must get a
-    reply (right after SUB+flush the server has been seen answering "no responders" briefly)."""
-    await nc.flush()
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            await bus.request(
-                nc,
-                subjects.SCHED_INSTANCES,
-                InstancesRequest(role="-"),
-                InstancesReply,
-                timeout=1.0,
-            )
-            return
-        except StrataError:
-            if time.monotonic() > deadline:
-                raise
-            await asyncio.sleep(0.02)
 
 
 def main(argv: list[str]) -> None:

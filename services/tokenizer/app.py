@@ -53,7 +53,6 @@ def main(argv: list[str]) -> None:
         await bus.serve_ping(
             nc, subjects.TOK_PING, "tokenizer", cfg.instance_id, queue=subjects.QUEUE_TOKENIZER
         )
-        await nc.flush()
         announce_ready("tokenizer", cfg.instance_id)
         await stop.wait()
         await nc.drain()

@@ -58,7 +58,6 @@ def main(argv: list[str]) -> None:
         await bus.serve_ping(
             nc, subjects.VISION_PING, "vision", cfg.instance_id, queue=subjects.QUEUE_VISION
         )
-        await nc.flush()
         announce_ready("vision", cfg.instance_id, f"grpc={addr}")
         await stop.wait()
         await nc.drain()

@@ -26,10 +26,13 @@ from tests.gateway.test_failover_blame import Fleet
 pytestmark = pytest.mark.timeout(120)
 
 
-async def _until(cond, what: str, timeout: float = 30.0) -> None:
+async def _until(cond, what: str, timeout: float = 30.0, task=None) -> None:
     for _ in range(int(timeout / 0.02)):
         if cond():
             return
+        if task is not None and task.done():  # ended early: its error, not a 30 s wait
+            task.result()
+            pytest.fail(f"the stream ended before {what}")
         await asyncio.sleep(0.02)
     pytest.fail(f"timed out waiting for {what}")
 
@@ -66,7 +69,7 @@ async def test_open_stream_fails_cleanly_on_nats_loss_and_serving_resumes(tmp_pa
 
     try:
         task = asyncio.create_task(consume("rid-1", 5000))
-        await _until(lambda: len(got) >= 5, "the first tokens")
+        await _until(lambda: len(got) >= 5, "the first tokens", task=task)
         signal_group(server.proc.pid, signal.SIGKILL)
         with pytest.raises(StrataError) as err:  # well before the 60 s stall timeout
             await asyncio.wait_for(task, 20)
