@@ -3,12 +3,13 @@ reaching each other only by the addresses they advertise (nats-server on its own
 
 - isolating a decode host (its link down) under streaming load fails its streams over to the
   decode instance on another host, token-identical to the in-process greedy reference;
-- a decode instance started on a new host is routed to soon after its ready line (the delay is
-  printed, not asserted)."""
+- a decode instance started on a new host gets some of the first four requests sent after its
+  ready line (the delay to its first submit is printed, not asserted)."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import httpx
@@ -79,6 +80,10 @@ def test_isolated_decode_host_fails_over_token_identical(net_factory, model_dir,
 
 
 def test_new_decode_host_is_routed_to_after_its_ready_line(net_factory, model_dir, tmp_path):
+    """The first requests sent after the new instance's ready line reach it (four at once: the
+    scheduler counts each one routed against its instance, so the idle newcomer gets some). The
+    delay from the ready line to its first handled submit is watched while they run, and
+    printed (speed is reported, not asserted)."""
     net = net_factory(8)
     d = deploy(net, model_dir, tmp_path, {"decode-0": 5})
     new = d.start("decode", "decode-1", 8)
@@ -91,15 +96,21 @@ def test_new_decode_host_is_routed_to_after_its_ready_line(net_factory, model_di
         )
 
     base = handled()
-    msgs = prompts()
-    sent = 0
-    while handled() <= base and time.monotonic() - ready < 60:
-        batch = msgs[sent % 10 :][:2]
-        net.run_in(CLIENT_HOST, lambda b=batch: asyncio.run(run_streams(d, b)))
-        sent += len(batch)
-    delay = time.monotonic() - ready
-    print(
-        f"decode-1 on a new host got requests {delay:.1f}s after its ready line "
-        f"({sent} requests sent)"
-    )
-    assert handled() > base, "the new decode instance was never routed to"
+    first: list[float] = []
+    stop = threading.Event()
+
+    def watch() -> None:  # the moment decode-1 answered its first submit, polled every 20 ms
+        while not stop.is_set() and not first:
+            if handled() > base:
+                first.append(time.monotonic())
+            stop.wait(0.02)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        net.run_in(CLIENT_HOST, lambda: asyncio.run(run_streams(d, prompts()[:4])))
+        watcher.join(5)
+    finally:
+        stop.set()
+    assert first, "the first four requests after decode-1's ready line did not reach it"
+    print(f"decode-1 on a new host handled its first submit {first[0] - ready:.2f}s after ready")
