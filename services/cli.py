@@ -20,6 +20,7 @@ import urllib.request
 
 from pydantic import ValidationError
 
+from services.infra.gateway_tls import local_context
 from services.launcher import ROLES, ClusterConfig
 from services.shape import apply_affinity
 from shared.config import ConfigError, RuntimeSettings, add_model_flags, model_flag_values
@@ -197,8 +198,10 @@ def _interrupt(signum: int, frame: object) -> None:
 def _banner(cluster) -> None:
     url = cluster.gateway_url
     name = os.path.basename(cluster.model_dir.rstrip("/"))
+    cert = cluster.cfg.tls_cert
+    ctx = local_context(cert) if cert else None
     try:
-        with urllib.request.urlopen(url + "/v1/models", timeout=2) as r:
+        with urllib.request.urlopen(url + "/v1/models", timeout=2, context=ctx) as r:
             name = json.load(r)["data"][0]["id"]
     except (OSError, ValueError, KeyError, IndexError):
         pass
@@ -206,7 +209,11 @@ def _banner(cluster) -> None:
         {"model": name, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32}
     )
     say(f"Strata is up at {url}  (model {name!r}; NATS {cluster.nats_url})")
-    say(f"try:  curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'")
+    trust = f"--cacert {cert} " if cert else ""
+    say(
+        f"try:  curl {trust}{url}/v1/chat/completions -H 'Content-Type: application/json' "
+        f"-d '{body}'"
+    )
     if cluster.cfg.nats_auth:
         from services.infra.nats_auth import API_USER, password_file
 

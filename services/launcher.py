@@ -25,6 +25,7 @@ from typing import IO, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from services.infra.gateway_tls import check_pair, local_context
 from services.infra.joined import JoinedMinio, JoinedNats
 from services.infra.minio_server import MinioServer, minio_binary
 from services.infra.nats_auth import password_file
@@ -135,6 +136,8 @@ class ClusterConfig(BaseModel):
         description="Clients must present a certificate signed by the nats_tls_ca CA "
         "(give services theirs with STRATA_NATS_TLS_CERT/KEY)",
     )
+    tls_cert: str = Field("", description="Gateway HTTPS certificate, PEM ('' = plain HTTP)")
+    tls_key: str = Field("", description="Private key of tls_cert, PEM")
     nats_url: str = Field(
         "",
         description="Join this running NATS (a URL, or a comma-separated seed list of a NATS "
@@ -245,7 +248,8 @@ class Cluster:
     # ---- addresses ----
     @property
     def gateway_url(self) -> str:
-        return f"http://{self.cfg.host}:{self.port}"
+        scheme = "https" if self.cfg.tls_cert else "http"
+        return f"{scheme}://{self.cfg.host}:{self.port}"
 
     @property
     def nats_url(self) -> str:
@@ -279,6 +283,7 @@ class Cluster:
         checkpoint (`validate_checkpoint`), the MinIO binary. Raises one-line errors."""
         if port_open(self.cfg.host, self.port):
             raise RuntimeError(f"gateway port {self.port} is already in use (pass --port)")
+        check_pair(self.cfg.tls_cert, self.cfg.tls_key)
         joined_minio = bool(self.cfg.minio and self.cfg.minio_endpoint)
         for what, port, flag in (
             ("nats-server", 0 if self.cfg.nats_url else self.cfg.nats_port, "--nats-port"),
@@ -394,7 +399,10 @@ class Cluster:
     def healthy(self) -> bool:
         """The gateway's /health answers 200: the cluster is ready to serve (see readiness)."""
         try:
-            with urllib.request.urlopen(self.gateway_url + "/health", timeout=1.0) as r:
+            ctx = local_context(self.cfg.tls_cert) if self.cfg.tls_cert else None
+            with urllib.request.urlopen(
+                self.gateway_url + "/health", timeout=1.0, context=ctx
+            ) as r:
                 return r.status == 200
         except OSError:
             return False
@@ -476,6 +484,11 @@ class Cluster:
                 )
         if role == "gateway":
             e.update(STRATA_HOST=self.cfg.host, STRATA_PORT=str(self.port))
+            if self.cfg.tls_cert:
+                e.update(
+                    STRATA_TLS_CERT=os.path.abspath(self.cfg.tls_cert),
+                    STRATA_TLS_KEY=os.path.abspath(self.cfg.tls_key),
+                )
             if not self.cfg.vision:  # text only: refuse images, readiness needs no vision
                 e["STRATA_MAX_IMAGES"] = "0"
         e.update(self.cfg.env)

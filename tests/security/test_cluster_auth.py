@@ -1,7 +1,9 @@
-"""A real cluster (`Cluster`, as `strata up` starts it) with NATS auth on: every role logs in
-as its own user and does its whole job without one permission violation (the nats-server log
-records each), the external ``api`` user gets answers on `strata.api.v1.generate`, and an
-anonymous client is refused."""
+"""A real cluster (`Cluster`, as `strata up` starts it) with NATS auth on and its gateway on
+HTTPS (``--tls-cert`` / ``--tls-key``, an openssl-made CA): every role logs in as its own user
+and does its whole job without one permission violation (the nats-server log records each), the
+external ``api`` user gets answers on `strata.api.v1.generate`, and an anonymous client is
+refused. Clients that trust the CA get answers; plain HTTP and clients that do not trust it are
+refused. A bad certificate pair fails before anything starts, in one line."""
 
 from __future__ import annotations
 
@@ -24,9 +26,11 @@ from shared.protocol.codec import decode, encode
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster(tmp_path_factory, certs):
     c = Cluster(
         ensure_model(""),
+        tls_cert=certs["server"],
+        tls_key=certs["server_key"],
         log_stream=open(os.devnull, "w"),
         prefill=1,
         decode=1,
@@ -36,8 +40,10 @@ def cluster(tmp_path_factory):
         die_with_parent=True,
         data_dir=str(tmp_path_factory.mktemp("cluster")),
     )
-    c.start()
+    c.start()  # waits for /health over HTTPS: the launcher's probe trusts the served cert
+    c.http = httpx.Client(verify=certs["ca"], timeout=120)
     yield c
+    c.http.close()
     c.stop()
 
 
@@ -58,9 +64,9 @@ def test_every_role_serves_under_its_own_user(cluster):
         "temperature": 0.0,
         "messages": [{"role": "user", "content": "Hello there"}],
     }
-    r = httpx.post(cluster.gateway_url + "/v1/chat/completions", json=body, timeout=120)
+    r = cluster.http.post(cluster.gateway_url + "/v1/chat/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
-    r = httpx.post(
+    r = cluster.http.post(
         cluster.gateway_url + "/v1/chat/completions", json={**body, "stream": True}, timeout=120
     )
     assert r.status_code == 200 and "[DONE]" in r.text
@@ -79,7 +85,9 @@ def test_every_role_serves_under_its_own_user(cluster):
             }
         ],
     }
-    r = httpx.post(cluster.gateway_url + "/v1/chat/completions", json=image_body, timeout=120)
+    r = cluster.http.post(
+        cluster.gateway_url + "/v1/chat/completions", json=image_body, timeout=120
+    )
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] > 16, r.text
     asyncio.run(_api_user_generates(cluster, body))
     assert violations(cluster) == []
@@ -117,4 +125,29 @@ async def _api_user_generates(c: Cluster, body: dict) -> None:
 
 
 def _model(c: Cluster) -> str:
-    return httpx.get(c.gateway_url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    return c.http.get(c.gateway_url + "/v1/models").json()["data"][0]["id"]
+
+
+def test_gateway_serves_https_only_to_clients_that_trust_it(cluster):
+    assert cluster.gateway_url.startswith("https://127.0.0.1:")
+    assert cluster.http.get(cluster.gateway_url + "/health").status_code == 200
+    with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+        httpx.get(cluster.gateway_url + "/health", timeout=10)  # the system CAs only
+    plain = cluster.gateway_url.replace("https://", "http://")
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(plain + "/health", timeout=10)
+
+
+def test_a_bad_certificate_pair_fails_before_start_in_one_line(certs, tmp_path):
+    def start(**tls) -> str:
+        c = Cluster(ensure_model(""), log_stream=open(os.devnull, "w"), **tls)
+        with pytest.raises(RuntimeError) as err:
+            c.start()
+        assert c.nats is None  # nothing was started
+        assert "\n" not in str(err.value)
+        return str(err.value)
+
+    assert "go together" in start(tls_cert=certs["server"])
+    assert "key values mismatch" in start(tls_cert=certs["server"], tls_key=certs["client_key"])
+    missing = str(tmp_path / "nope.pem")
+    assert "No such file" in start(tls_cert=missing, tls_key=certs["server_key"])
