@@ -125,31 +125,55 @@ def build_text(kind: str, path: Path) -> Checkpoint:
     return Checkpoint(kind, Path(path), model, tok)
 
 
+def tiny_vision_config(kind: str = "clip", num_hidden_layers: int = 2) -> object:
+    """A tiny ViT: 32 px images, 8 px patches (16 patches), width 32, 4 heads.
+    ``kind``: clip | siglip."""
+    cls = {"clip": transformers.CLIPVisionConfig, "siglip": transformers.SiglipVisionConfig}[kind]
+    return cls(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=4,
+        image_size=32,
+        patch_size=8,
+    )
+
+
+def tiny_decoder_config(cls, **kwargs) -> object:
+    """A tiny decoder config of transformers class ``cls`` (``Qwen2Config``, ``LlamaConfig``...) to
+    go with `tiny_vision_config`: width 64, MLP 96, 2 layers, 4 heads; ``kwargs`` give the rest
+    (vocab_size, num_key_value_heads, initializer_range...)."""
+    return cls(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, **kwargs
+    )
+
+
+def random_llava(vision_config, text_config, **llava_kwargs) -> object:
+    """``LlavaForConditionalGeneration`` with seed-0 random weights, eval mode, the projector's
+    last layer scaled by 20 so that images matter (its output on the scale of embeddings)."""
+    cfg = transformers.LlavaConfig(
+        vision_config=vision_config, text_config=text_config, **llava_kwargs
+    )
+    torch.manual_seed(0)
+    model = transformers.LlavaForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        model.model.multi_modal_projector.linear_2.weight.mul_(20)
+    return model
+
+
 def build_llava(path: Path) -> Checkpoint:
     """CLIP ViT (32 px, 8 px patches: 16 image tokens) + projector + Qwen2, saved with today's
     ``LlavaProcessor.save_pretrained`` (``processor_config.json`` with the image processor
     nested, no ``preprocessor_config.json``)."""
     tok = hf_tokenizer()
-    vc = transformers.CLIPVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        image_size=32,
-        patch_size=8,
-    )
-    cfg = transformers.LlavaConfig(
-        vision_config=vc,
-        text_config=_text_config("qwen2", tok),
+    model = random_llava(
+        tiny_vision_config("clip"),
+        _text_config("qwen2", tok),
         image_token_index=tok.convert_tokens_to_ids(IMAGE_TOKEN),
         vision_feature_layer=-2,
         vision_feature_select_strategy="default",
         image_seq_length=16,
     )
-    torch.manual_seed(0)
-    model = transformers.LlavaForConditionalGeneration(cfg).eval()
-    with torch.no_grad():  # make images matter: projector output on the scale of embeddings
-        model.model.multi_modal_projector.linear_2.weight.mul_(20)
     model.save_pretrained(path)
     image_processor = transformers.CLIPImageProcessor(
         size={"shortest_edge": 32},

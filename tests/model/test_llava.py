@@ -7,6 +7,11 @@ from PIL import Image
 
 from shared.model.image import ImageProcessor, expand_image_placeholders, image_content_hash
 from shared.model.loader import load_model
+from tests.acceptance.checkpoints import (
+    random_llava,
+    tiny_decoder_config,
+    tiny_vision_config,
+)
 from tests.model.paged_driver import PagedDriver
 
 transformers = pytest.importorskip("transformers")
@@ -22,51 +27,22 @@ def _image(seed, size=(45, 37)):
 
 def _build(path, vision: str):
     if vision == "clip":
-        vc = transformers.CLIPVisionConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=3,
-            num_attention_heads=4,
-            image_size=32,
-            patch_size=8,
-        )
-        tc = transformers.Qwen2Config(
-            vocab_size=VOCAB,
-            hidden_size=64,
-            intermediate_size=96,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            initializer_range=0.5,
+        vc = tiny_vision_config("clip", num_hidden_layers=3)
+        tc = tiny_decoder_config(
+            transformers.Qwen2Config, vocab_size=VOCAB, num_key_value_heads=2, initializer_range=0.5
         )
         extra = dict(vision_feature_layer=-2, vision_feature_select_strategy="default")
     else:
-        vc = transformers.SiglipVisionConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            image_size=32,
-            patch_size=8,
-        )
-        tc = transformers.LlamaConfig(
+        vc = tiny_vision_config("siglip", num_hidden_layers=2)
+        tc = tiny_decoder_config(
+            transformers.LlamaConfig,
             vocab_size=VOCAB,
-            hidden_size=64,
-            intermediate_size=96,
-            num_hidden_layers=2,
-            num_attention_heads=4,
             num_key_value_heads=4,
             initializer_range=0.5,
             tie_word_embeddings=False,
         )
         extra = dict(vision_feature_layer=[-1, 1], vision_feature_select_strategy="full")
-    cfg = transformers.LlavaConfig(
-        vision_config=vc, text_config=tc, image_token_index=IMAGE_TOKEN, **extra
-    )
-    torch.manual_seed(0)
-    hf = transformers.LlavaForConditionalGeneration(cfg).eval()
-    with torch.no_grad():  # make images matter: projector output on the scale of embeddings
-        hf.model.multi_modal_projector.linear_2.weight.mul_(20)
+    hf = random_llava(vc, tc, image_token_index=IMAGE_TOKEN, **extra)
     hf.save_pretrained(path)
     return hf
 

@@ -28,6 +28,11 @@ from shared.model.loader import load_model
 from shared.model.tokenizer import Tokenizer
 from shared.protocol.sampling import SamplingParams
 from shared.protocol.tok import TokenizeRequest
+from tests.acceptance.checkpoints import (
+    random_llava,
+    tiny_decoder_config,
+    tiny_vision_config,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -62,35 +67,20 @@ def llava5(tmp_path_factory):
         extra_special_tokens={"image_token": "<image>"},
     )
     vocab = -(-tok.get_vocab_size(with_added_tokens=True) // 64) * 64
-    vc = transformers.CLIPVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        image_size=32,
-        patch_size=8,
-    )
-    tc = transformers.Qwen2Config(
+    tc = tiny_decoder_config(
+        transformers.Qwen2Config,
         vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
         num_key_value_heads=2,
         initializer_range=0.2,
         eos_token_id=tok.token_to_id("<|im_end|>"),
     )
-    cfg = transformers.LlavaConfig(
-        vision_config=vc,
-        text_config=tc,
+    hf = random_llava(
+        tiny_vision_config("clip"),
+        tc,
         image_token_index=tok.token_to_id("<image>"),
         vision_feature_layer=-2,
         vision_feature_select_strategy="default",
     )
-    torch.manual_seed(0)
-    hf = transformers.LlavaForConditionalGeneration(cfg).eval()
-    with torch.no_grad():  # make images matter: projector output on the scale of embeddings
-        hf.model.multi_modal_projector.linear_2.weight.mul_(20)
     proc = transformers.LlavaProcessor(
         image_processor=_clip_processor(),
         tokenizer=fast,
