@@ -66,6 +66,8 @@ TOOLS = [
 PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 MSGS = [{"role": "user", "content": "Is the blue shirt in stock?"}]
 SEEDS = range(3)
+JSON_REQ = {"max_tokens": 80, "response_format": RF}  # a stock record, per SCHEMA
+TOOLS_REQ = {"max_tokens": 120, "tools": TOOLS, "tool_choice": "required"}  # some tool call(s)
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +94,18 @@ def model(client) -> str:
     return client.models.list().data[0].id
 
 
+@pytest.fixture(scope="module")
+def chat(client, model):
+    """``chat(seed, **kwargs)``: a chat completion sampled at temperature 0.8 with ``seed``, on
+    MSGS unless ``messages`` is given."""
+
+    def create(seed: int, **kwargs):
+        kwargs.setdefault("messages", MSGS)
+        return client.chat.completions.create(model=model, temperature=0.8, seed=seed, **kwargs)
+
+    return create
+
+
 def _check_call(name: str, arguments: str) -> None:
     assert name in PARAMS, name
     jsonschema.validate(json.loads(arguments), PARAMS[name])
@@ -107,34 +121,19 @@ def _handed_off(before: dict[str, float], cluster) -> None:
     assert not [k for k in moved if k.startswith("fallback:")], moved
 
 
-def test_json_schema_outputs_validate(cluster, client, model):
+def test_json_schema_outputs_validate(cluster, chat):
     t0 = transfer_counters(cluster)
     for seed in SEEDS:
-        r = client.chat.completions.create(
-            model=model,
-            messages=MSGS,
-            temperature=0.8,
-            seed=seed,
-            max_tokens=80,
-            response_format=RF,
-        )
+        r = chat(seed, **JSON_REQ)
         c = r.choices[0]
         assert c.finish_reason == "stop", c
         jsonschema.validate(json.loads(c.message.content), SCHEMA)
     _handed_off(t0, cluster)
 
 
-def test_streamed_json_schema_outputs_validate(client, model):
+def test_streamed_json_schema_outputs_validate(chat):
     for seed in SEEDS:
-        stream = client.chat.completions.create(
-            model=model,
-            messages=MSGS,
-            temperature=0.8,
-            seed=seed,
-            max_tokens=80,
-            response_format=RF,
-            stream=True,
-        )
+        stream = chat(seed, **JSON_REQ, stream=True)
         text, reasons = "", []
         for ch in stream:
             text += ch.choices[0].delta.content or ""
@@ -157,14 +156,8 @@ def test_greedy_constrained_with_speculation_on_and_free_text_alongside(client, 
         json.loads(free.choices[0].message.content)
 
 
-def test_vllm_extras(client, model):
-    r = client.chat.completions.create(
-        model=model,
-        messages=MSGS,
-        temperature=0.8,
-        seed=5,
-        extra_body={"guided_choice": ["yes", "no", "maybe"]},
-    )
+def test_vllm_extras(client, model, chat):
+    r = chat(5, extra_body={"guided_choice": ["yes", "no", "maybe"]})
     assert r.choices[0].message.content in ("yes", "no", "maybe")
     r = client.completions.create(
         model=model,
@@ -175,23 +168,13 @@ def test_vllm_extras(client, model):
         extra_body={"guided_regex": "[A-Z]{3}-[0-9]{3}"},
     )
     assert re.fullmatch("[A-Z]{3}-[0-9]{3}", r.choices[0].text)
-    cut = client.chat.completions.create(
-        model=model, messages=MSGS, temperature=0.8, seed=1, max_tokens=4, response_format=RF
-    )
+    cut = chat(1, max_tokens=4, response_format=RF)
     assert cut.choices[0].finish_reason == "length"
 
 
-def test_required_tool_calls_parse_and_validate(client, model):
+def test_required_tool_calls_parse_and_validate(chat):
     for seed in SEEDS:
-        r = client.chat.completions.create(
-            model=model,
-            messages=MSGS,
-            temperature=0.8,
-            seed=seed,
-            max_tokens=120,
-            tools=TOOLS,
-            tool_choice="required",
-        )
+        r = chat(seed, **TOOLS_REQ)
         c = r.choices[0]
         assert c.finish_reason == "tool_calls" and c.message.tool_calls, c
         for call in c.message.tool_calls:
@@ -199,19 +182,10 @@ def test_required_tool_calls_parse_and_validate(client, model):
             _check_call(call.function.name, call.function.arguments)
 
 
-def test_streamed_tool_calls_arrive_as_deltas(cluster, client, model):
+def test_streamed_tool_calls_arrive_as_deltas(cluster, chat):
     t0 = transfer_counters(cluster)
     for seed in SEEDS:
-        stream = client.chat.completions.create(
-            model=model,
-            messages=MSGS,
-            temperature=0.8,
-            seed=seed,
-            max_tokens=120,
-            tools=TOOLS,
-            tool_choice="required",
-            stream=True,
-        )
+        stream = chat(seed, **TOOLS_REQ, stream=True)
         calls: dict[int, dict] = {}
         reasons = []
         for ch in stream:
@@ -228,7 +202,7 @@ def test_streamed_tool_calls_arrive_as_deltas(cluster, client, model):
     _handed_off(t0, cluster)
 
 
-def test_named_tool_choice_and_tool_results_in_the_conversation(client, model):
+def test_named_tool_choice_and_tool_results_in_the_conversation(chat):
     history = MSGS + [
         {
             "role": "assistant",
@@ -244,15 +218,7 @@ def test_named_tool_choice_and_tool_results_in_the_conversation(client, model):
         {"role": "tool", "tool_call_id": "call_1", "content": "shipped"},
     ]
     named = {"type": "function", "function": {"name": "add_to_cart"}}
-    r = client.chat.completions.create(
-        model=model,
-        messages=history,
-        temperature=0.8,
-        seed=9,
-        max_tokens=80,
-        tools=TOOLS,
-        tool_choice=named,
-    )
+    r = chat(9, messages=history, max_tokens=80, tools=TOOLS, tool_choice=named)
     [call] = r.choices[0].message.tool_calls
     assert call.function.name == "add_to_cart"
     _check_call(call.function.name, call.function.arguments)
