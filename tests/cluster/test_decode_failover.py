@@ -10,12 +10,15 @@ docs/SCHEDULER.md."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import httpx
 import pytest
 import torch
 
+from services.launcher import Cluster
 from tests.cluster.conftest import scrape, start_cluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
@@ -67,6 +70,63 @@ def reference(model_dir: str, msgs: list[list[dict]]) -> list[list[tuple[str, fl
     return [out[f"ref-{i}"] for i in range(len(msgs))]
 
 
+@contextlib.contextmanager
+def failover_cluster(model_dir: str) -> Iterator[tuple[Cluster, str]]:
+    """(cluster, model id) of the cluster the failover tests kill decode-0 in: prefill=1,
+    decode=2, no kvstore, vision or MinIO, one torch thread, a 10 s stall timeout; stopped on
+    exit."""
+    c = start_cluster(
+        model_dir,
+        prefill=1,
+        decode=2,
+        kvstore=0,
+        vision=0,
+        minio=False,
+        torch_threads=1,
+        env={"STRATA_STALL_TIMEOUT": "10"},
+    )
+    try:
+        yield c, httpx.get(c.gateway_url + "/v1/models").json()["data"][0]["id"]
+    finally:
+        c.stop()
+
+
+async def sse_chunks(client: httpx.AsyncClient, url: str, body: dict) -> AsyncIterator[dict]:
+    """The JSON chunks of one streamed chat completion (``[DONE]`` left out); asserts a 200 and
+    no error chunk."""
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            obj = json.loads(line[6:])
+            assert "error" not in obj, obj
+            yield obj
+
+
+async def kill_decode_0_under_streams(
+    c: Cluster,
+    n: int,
+    stream: Callable[[httpx.AsyncClient, int], Awaitable],
+    progress: list[int],
+    *,
+    min_progress: int,
+    poll_s: float,
+    **client_kwargs,
+) -> list:
+    """Runs ``stream(client, i)`` for each i < n at once; kill -9 of decode-0 once every
+    ``progress[i]`` is at least ``min_progress`` (so decode-0 holds live streams) or a stream has
+    ended; asserts that at least half the streams were still live then; their results."""
+    async with httpx.AsyncClient(timeout=180.0, **client_kwargs) as cl:
+        tasks = [asyncio.create_task(stream(cl, i)) for i in range(n)]
+        while min(progress) < min_progress and not any(t.done() for t in tasks):
+            await asyncio.sleep(poll_s)
+        await asyncio.to_thread(c.kill, "decode-0")
+        live_at_kill = sum(not t.done() for t in tasks)
+        assert live_at_kill >= n // 2, live_at_kill
+        return await asyncio.gather(*tasks)
+
+
 async def stream_one(
     client: httpx.AsyncClient, url: str, model: str, msgs: list[dict], progress: list[int], i: int
 ) -> list[tuple[str, float]]:
@@ -83,56 +143,32 @@ async def stream_one(
         "stream_options": {"include_usage": True},
     }
     parts: list[tuple[str, float]] = []
-    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
-        assert r.status_code == 200, await r.aread()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            obj = json.loads(line[6:])
-            assert "error" not in obj, obj
-            if obj.get("usage"):  # no token lost or duplicated
-                assert obj["usage"]["completion_tokens"] == MAX_TOKENS, obj["usage"]
-            for ch in obj["choices"]:
-                for t in (ch.get("logprobs") or {}).get("content") or ():
-                    parts.append((t["token"], t["logprob"]))
-                    progress[i] += 1
+    async for obj in sse_chunks(client, url, body):
+        if obj.get("usage"):  # no token lost or duplicated
+            assert obj["usage"]["completion_tokens"] == MAX_TOKENS, obj["usage"]
+        for ch in obj["choices"]:
+            for t in (ch.get("logprobs") or {}).get("content") or ():
+                parts.append((t["token"], t["logprob"]))
+                progress[i] += 1
     return parts
 
 
 def test_kill_decode_during_20_streams_all_complete_identically(default_model_dir):
     msgs = prompts()
     expected = reference(default_model_dir, msgs)
-    c = start_cluster(
-        default_model_dir,
-        prefill=1,
-        decode=2,
-        kvstore=0,
-        vision=0,
-        minio=False,
-        torch_threads=1,
-        env={"STRATA_STALL_TIMEOUT": "10"},
-    )
-    try:
-        model = httpx.get(c.gateway_url + "/v1/models").json()["data"][0]["id"]
-
-        async def run() -> list[str]:
-            progress = [0] * STREAMS
-            async with httpx.AsyncClient(
-                timeout=180.0, limits=httpx.Limits(max_connections=STREAMS)
-            ) as cl:
-                tasks = [
-                    asyncio.create_task(stream_one(cl, c.gateway_url, model, m, progress, i))
-                    for i, m in enumerate(msgs)
-                ]
-                # kill once every stream is under way (so decode-0 holds live streams)
-                while min(progress) < 2 and not any(t.done() for t in tasks):
-                    await asyncio.sleep(0.05)
-                await asyncio.to_thread(c.kill, "decode-0")
-                live_at_kill = sum(not t.done() for t in tasks)
-                assert live_at_kill >= STREAMS // 2, live_at_kill
-                return await asyncio.gather(*tasks)
-
-        got = asyncio.run(run())
+    with failover_cluster(default_model_dir) as (c, model):
+        progress = [0] * STREAMS
+        got = asyncio.run(
+            kill_decode_0_under_streams(
+                c,
+                STREAMS,
+                lambda cl, i: stream_one(cl, c.gateway_url, model, msgs[i], progress, i),
+                progress,
+                min_progress=2,
+                poll_s=0.05,
+                limits=httpx.Limits(max_connections=STREAMS),
+            )
+        )
         assert not c.alive("decode-0")
         for i in range(STREAMS):  # same tokens in the same places, none lost or repeated
             assert [t for t, _ in got[i]] == [t for t, _ in expected[i]], f"stream {i}"
@@ -140,5 +176,3 @@ def test_kill_decode_during_20_streams_all_complete_identically(default_model_di
                 assert a == pytest.approx(b, abs=2e-3), f"stream {i} logprobs"
         failovers = sum(scrape(c, "gateway-0", "strata:stream_failovers_total").values())
         assert failovers >= 1  # decode-0 really held streams that moved to decode-1
-    finally:
-        c.stop()

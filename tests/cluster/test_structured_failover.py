@@ -13,7 +13,12 @@ import json
 import httpx
 import pytest
 
-from tests.cluster.conftest import scrape, start_cluster
+from tests.cluster.conftest import scrape
+from tests.cluster.test_decode_failover import (
+    failover_cluster,
+    kill_decode_0_under_streams,
+    sse_chunks,
+)
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -51,52 +56,29 @@ async def stream_one(
         },
     }
     text, finish = "", ""
-    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
-        assert r.status_code == 200, await r.aread()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            obj = json.loads(line[6:])
-            assert "error" not in obj, obj
-            for ch in obj["choices"]:
-                text += ch["delta"].get("content") or ""
-                finish = ch.get("finish_reason") or finish
-            progress[i] += 1
+    async for obj in sse_chunks(client, url, body):
+        for ch in obj["choices"]:
+            text += ch["delta"].get("content") or ""
+            finish = ch.get("finish_reason") or finish
+        progress[i] += 1
     return text, finish
 
 
 def test_json_schema_streams_stay_valid_across_a_decode_failover(default_model_dir):
-    c = start_cluster(
-        default_model_dir,
-        prefill=1,
-        decode=2,
-        kvstore=0,
-        vision=0,
-        minio=False,
-        torch_threads=1,
-        env={"STRATA_STALL_TIMEOUT": "10"},
-    )
-    try:
-        model = httpx.get(c.gateway_url + "/v1/models").json()["data"][0]["id"]
-
-        async def run() -> list[tuple[str, str]]:
-            progress = [0] * STREAMS
-            async with httpx.AsyncClient(timeout=180.0) as cl:
-                tasks = [
-                    asyncio.create_task(stream_one(cl, c.gateway_url, model, i, progress))
-                    for i in range(STREAMS)
-                ]
-                while min(progress) < 3 and not any(t.done() for t in tasks):
-                    await asyncio.sleep(0.02)
-                await asyncio.to_thread(c.kill, "decode-0")
-                assert sum(not t.done() for t in tasks) >= STREAMS // 2
-                return await asyncio.gather(*tasks)
-
-        results = asyncio.run(run())
+    with failover_cluster(default_model_dir) as (c, model):
+        progress = [0] * STREAMS
+        results = asyncio.run(
+            kill_decode_0_under_streams(
+                c,
+                STREAMS,
+                lambda cl, i: stream_one(cl, c.gateway_url, model, i, progress),
+                progress,
+                min_progress=3,
+                poll_s=0.02,
+            )
+        )
         for i, (text, finish) in enumerate(results):
             assert finish == "stop", (i, finish, text)
             jsonschema.validate(json.loads(text), SCHEMA)  # the whole stream, across the cut
         failovers = sum(scrape(c, "gateway-0", "strata:stream_failovers_total").values())
         assert failovers >= 1  # decode-0 held constrained streams that moved to decode-1
-    finally:
-        c.stop()
