@@ -76,6 +76,29 @@ async def test_openai_client_parses_responses(nats_url):
             await client.chat.completions.create(model="nope", messages=MSG)
 
 
+async def _subscribe_events(nc, subject: str):
+    """(events, done, subscription): every `GenerateEvent` published on ``subject``, in order;
+    ``done`` is set by the one that ends the request."""
+    got: list[GenerateEvent] = []
+    done = asyncio.Event()
+
+    async def on_ev(msg):
+        got.append(decode(msg.data, GenerateEvent))
+        if got[-1].done:
+            done.set()
+
+    return got, done, await nc.subscribe(subject, cb=on_ev)
+
+
+async def _publish_generate(nc, **request) -> None:
+    """Publish a `GenerateRequest` on the NATS API, no reply awaited."""
+    await nc.publish(subjects.API_GENERATE, encode(GenerateRequest(**request)))
+
+
+def _finish_reasons(events: list[GenerateEvent]) -> list:
+    return [e.data["choices"][0]["finish_reason"] for e in events if e.data and e.data["choices"]]
+
+
 async def test_nats_api_request_stream_cancel_errors(nats_url, nc):
     async with gateway(nats_url) as (_, peers, _s):
         body = {"model": "tiny", "messages": MSG, "max_tokens": 2}
@@ -83,22 +106,9 @@ async def test_nats_api_request_stream_cancel_errors(nats_url, nc):
         ev = decode(rep.data, GenerateEvent)
         assert ev.done and ev.data["choices"][0]["message"]["content"] == "t0 t1 "
         # streamed to a subject the caller names
-        got: list[GenerateEvent] = []
-        done = asyncio.Event()
-
-        async def on_ev(msg):
-            got.append(decode(msg.data, GenerateEvent))
-            if got[-1].done:
-                done.set()
-
-        sub = await nc.subscribe("my.stream", cb=on_ev)
-        await nc.publish(
-            subjects.API_GENERATE,
-            encode(
-                GenerateRequest(
-                    body={**body, "stream": True}, stream_subject="my.stream", request_id="rid-s"
-                )
-            ),
+        got, done, sub = await _subscribe_events(nc, "my.stream")
+        await _publish_generate(
+            nc, body={**body, "stream": True}, stream_subject="my.stream", request_id="rid-s"
         )
         await asyncio.wait_for(done.wait(), 5)
         text = "".join(
@@ -111,15 +121,11 @@ async def test_nats_api_request_stream_cancel_errors(nats_url, nc):
         peers.decodes["dec-0"]["gap"] = 0.1
         got.clear()
         done.clear()
-        await nc.publish(
-            subjects.API_GENERATE,
-            encode(
-                GenerateRequest(
-                    body={**body, "stream": True, "max_tokens": 40},
-                    stream_subject="my.stream",
-                    request_id="rid-c",
-                )
-            ),
+        await _publish_generate(
+            nc,
+            body={**body, "stream": True, "max_tokens": 40},
+            stream_subject="my.stream",
+            request_id="rid-c",
         )
         while not [
             e
@@ -130,9 +136,7 @@ async def test_nats_api_request_stream_cancel_errors(nats_url, nc):
         await nc.publish(subjects.req_cancel("rid-c"), b"")
         await asyncio.wait_for(done.wait(), 2)  # ends at once, not after max_tokens * gap
         await sub.unsubscribe()
-        finals = [
-            e.data["choices"][0]["finish_reason"] for e in got if e.data and e.data["choices"]
-        ]
+        finals = _finish_reasons(got)
         assert finals[-1] == "abort" and len(finals) < 20
         # errors come back as an error event with the REST status
         rep = await nc.request(
@@ -160,22 +164,9 @@ async def test_nats_api_cancel_needs_the_key_and_stream_subject_stays_off_strata
     async with gateway(nats_url) as (_, peers, _s):
         peers.decodes["dec-0"]["gap"] = 0.1
         body = {"model": "tiny", "messages": MSG, "max_tokens": 40, "stream": True}
-        got: list[GenerateEvent] = []
-        done = asyncio.Event()
-
-        async def on_ev(msg):
-            got.append(decode(msg.data, GenerateEvent))
-            if got[-1].done:
-                done.set()
-
-        sub = await nc.subscribe("_INBOX.api.mine", cb=on_ev)
-        await nc.publish(
-            subjects.API_GENERATE,
-            encode(
-                GenerateRequest(
-                    body=body, stream_subject="_INBOX.api.mine", request_id="rid-k", api_key="k1"
-                )
-            ),
+        got, done, sub = await _subscribe_events(nc, "_INBOX.api.mine")
+        await _publish_generate(
+            nc, body=body, stream_subject="_INBOX.api.mine", request_id="rid-k", api_key="k1"
         )
         while sum(1 for e in got if e.data and e.data["choices"]) < 3:
             await asyncio.sleep(0.02)
@@ -189,9 +180,7 @@ async def test_nats_api_cancel_needs_the_key_and_stream_subject_stays_off_strata
         await nc.publish(subjects.API_CANCEL, encode(ApiCancel(request_id="rid-k", api_key="k1")))
         await asyncio.wait_for(done.wait(), 2)  # ends at once, not after max_tokens * gap
         await sub.unsubscribe()
-        finals = [
-            e.data["choices"][0]["finish_reason"] for e in got if e.data and e.data["choices"]
-        ]
+        finals = _finish_reasons(got)
         assert finals[-1] == "abort" and len(finals) < 30
         for bad in (
             "strata.req.x.cancel",
