@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -40,3 +41,37 @@ async def kvstore(nats_url, minio_server):
     yield store, addr
     stop.set()
     await task
+
+
+@contextlib.asynccontextmanager
+async def kv_workers(nc, nats_url: str, model_dir: str, kvstore_addr: str, specs, **common):
+    """Prefill and decode workers served in this process on ``model_dir`` (8 MiB of KV cache, load
+    reports every 0.2 s), using the kvstore at ``kvstore_addr``: one per ``(role, instance_id,
+    fields)`` of ``specs`` (``fields``: `WorkerConfig` fields of that worker alone), with the
+    fields in ``common`` for all. Yields them in ``specs`` order; stops them on exit."""
+    from services.decode.service import DecodeService
+    from services.prefill.service import PrefillService
+    from shared.worker.app import start_worker
+    from shared.worker.config import WorkerConfig
+
+    workers = []
+    try:
+        for role, iid, fields in specs:
+            cfg = WorkerConfig.load(
+                [],
+                role=role,
+                instance_id=iid,
+                nats_url=nats_url,
+                model=model_dir,
+                kv_cache_bytes=8 << 20,
+                load_interval=0.2,
+                kvstore_addrs=kvstore_addr,
+                **common,
+                **fields,
+            )
+            cls = {"prefill": PrefillService, "decode": DecodeService}[role]
+            workers.append(await start_worker(cfg, role, cls, nc))
+        yield workers
+    finally:
+        for w in workers:
+            await w.stop()

@@ -16,13 +16,10 @@ from __future__ import annotations
 
 import pytest
 
-from services.decode.service import DecodeService
-from services.prefill.service import PrefillService
 from shared.protocol import subjects
 from shared.protocol.sampling import SamplingParams
 from shared.protocol.work import PrefillWork
-from shared.worker.app import start_worker
-from shared.worker.config import WorkerConfig
+from tests.worker.conftest import kv_workers
 from tests.worker.kv_counters import Transfers, assert_moved, kv_bytes
 from tests.worker.test_pd import _run
 
@@ -70,28 +67,15 @@ def _check_close(chunks, ref: list[dict[int, float]]) -> None:
 @pytest.fixture
 async def int8_cluster(nats_url, nc, model_dir, kvstore):
     _, addr = kvstore
-    common = dict(
-        nats_url=nats_url,
-        model=model_dir,
-        kv_cache_bytes=8 << 20,
-        load_interval=0.2,
-        kvstore_addrs=addr,
-        kv_int8=True,
-        transfer_timeout=5.0,
-    )
-    workers = []
-    for role, iid, cls, layerwise in (
-        ("prefill", "p8-lw", PrefillService, True),
-        ("prefill", "p8-ap", PrefillService, False),
-        ("decode", "d8", DecodeService, True),
-    ):
-        cfg = WorkerConfig.load(
-            [], role=role, instance_id=iid, layerwise_transfer=layerwise, **common
-        )
-        workers.append(await start_worker(cfg, role, cls, nc))
-    yield workers
-    for w in workers:
-        await w.stop()
+    specs = [
+        ("prefill", "p8-lw", {"layerwise_transfer": True}),
+        ("prefill", "p8-ap", {"layerwise_transfer": False}),
+        ("decode", "d8", {"layerwise_transfer": True}),
+    ]
+    async with kv_workers(
+        nc, nats_url, model_dir, addr, specs, kv_int8=True, transfer_timeout=5.0
+    ) as workers:
+        yield workers
 
 
 @pytest.mark.parametrize("prefill,mode", [("p8-lw", "layerwise"), ("p8-ap", "after_prefill")])

@@ -12,13 +12,10 @@ import asyncio
 
 import pytest
 
-from services.decode.service import DecodeService
-from services.prefill.service import PrefillService
 from shared.protocol import subjects
 from shared.protocol.sampling import SamplingParams
 from shared.protocol.work import DecodeWork, PrefillWork
-from shared.worker.app import start_worker
-from shared.worker.config import WorkerConfig
+from tests.worker.conftest import kv_workers
 from tests.worker.kv_counters import Transfers, assert_moved, kv_bytes
 from tests.worker.test_pd import _run, _tokens
 
@@ -28,25 +25,10 @@ MAX_TOKENS = 8
 @pytest.fixture
 async def cluster(nats_url, nc, model_dir, kvstore):
     _, addr = kvstore
-    common = dict(
-        nats_url=nats_url,
-        model=model_dir,
-        kv_cache_bytes=8 << 20,
-        load_interval=0.2,
-        kvstore_addrs=addr,
-        layerwise_transfer=True,
-    )  # the tests assert that path
-    workers = []
-    for role, iid, cls in (
-        ("prefill", "pa", PrefillService),
-        ("prefill", "pb", PrefillService),
-        ("decode", "dd", DecodeService),
-    ):
-        cfg = WorkerConfig.load([], role=role, instance_id=iid, **common)
-        workers.append(await start_worker(cfg, role, cls, nc))
-    yield workers
-    for w in workers:
-        await w.stop()
+    specs = [("prefill", "pa", {}), ("prefill", "pb", {}), ("decode", "dd", {})]
+    # layerwise: the tests assert that path
+    async with kv_workers(nc, nats_url, model_dir, addr, specs, layerwise_transfer=True) as ws:
+        yield ws
 
 
 async def _wait_stored(link, hashes: list[str], timeout: float = 10.0) -> None:
