@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Idempotent set-up on a fresh Debian machine or a cached one:
 #   .venv (python >= 3.11) with the project installed editable (+test, +bench extras),
-#   MinIO built into .cache/bin/minio when none is found, and the default model in the cache.
+#   MinIO built into .cache/bin/minio when none is found, the default model in the cache, and
+#   (as root) Docker, debootstrap, Docker Compose and the images of the live compose test.
 # Needs no network beyond the package registries (PyPI, the Go module proxy, Debian).
 # Env: STRATA_PYTHON (interpreter to use), STRATA_CACHE (cache dir, default .cache),
 #      PIP_CACHE_DIR (default $STRATA_CACHE/pip), STRATA_MINIO_BIN (an existing minio binary),
-#      STRATA_SKIP_MODEL=1 (do not build the default model).
+#      STRATA_SKIP_MODEL=1 (do not build the default model), STRATA_SKIP_COMPOSE=1 (no Docker).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -72,11 +73,14 @@ MINIO=""
 for cand in "${STRATA_MINIO_BIN:-}" "$(command -v minio || true)" "$CACHE/bin/minio"; do
   if [ -n "$cand" ] && [ -x "$cand" ]; then MINIO="$cand"; break; fi
 done
-if [ -z "$MINIO" ]; then
+find_go() {
   GO="$(command -v go || true)"
   if [ -z "$GO" ] && [ -x /usr/local/go/bin/go ]; then GO=/usr/local/go/bin/go; fi
   if [ -z "$GO" ] && apt_install golang-go; then GO="$(command -v go || true)"; fi
-  if [ -z "$GO" ]; then log "MinIO not found and Go cannot be installed; set STRATA_MINIO_BIN"; exit 1; fi
+  [ -n "$GO" ]
+}
+if [ -z "$MINIO" ]; then
+  if ! find_go; then log "MinIO not found and Go cannot be installed; set STRATA_MINIO_BIN"; exit 1; fi
   log "building MinIO: go install github.com/minio/minio@$MINIO_VERSION (first time only: about 5 minutes on 2 cores)"
   # GOTOOLCHAIN=auto lets an older Debian Go fetch the toolchain MinIO needs from the module proxy.
   GOBIN="$CACHE/bin" GOPATH="$CACHE/go" GOMODCACHE="$CACHE/go/mod" GOCACHE="$CACHE/go/build" \
@@ -88,6 +92,48 @@ if [ -z "$MINIO" ]; then
   MINIO="$CACHE/bin/minio"
 fi
 log "minio: $MINIO"
+
+# ---- 3b. Docker for the live compose test (tests/compose/test_compose_live.py) ---------------
+# The test runs compose/docker-compose.yml under a dockerd of its own (Debian's docker.io, as
+# root), on images built here once from a debootstrap base (debootstrap) and kept in
+# $CACHE/docker; Docker Compose v2 is built from its pinned Go module (Debian's docker-compose 1.x
+# lacks what the compose file uses: configs with content, !reset in the test's override).
+# STRATA_SKIP_COMPOSE=1 skips this section (the live compose test then fails and says why).
+COMPOSE_VERSION="2.40.3"  # also tests/compose/docker_env.py
+if [ "${STRATA_SKIP_COMPOSE:-0}" = 1 ]; then
+  log "STRATA_SKIP_COMPOSE=1: no Docker set-up (tests/compose/test_compose_live.py will fail)"
+elif [ "$(id -u)" != 0 ]; then
+  log "not root: no Docker set-up (tests/compose/test_compose_live.py needs root and will fail)"
+else
+  missing=""
+  command -v dockerd >/dev/null || missing="$missing docker.io"
+  command -v debootstrap >/dev/null || missing="$missing debootstrap"
+  if [ -n "$missing" ]; then
+    # shellcheck disable=SC2086
+    apt_install --no-install-recommends $missing || { log "cannot install$missing"; exit 1; }
+  fi
+  COMPOSE_BIN="$CACHE/bin/docker-compose"
+  if [ "$("$COMPOSE_BIN" version --short 2>/dev/null)" != "$COMPOSE_VERSION" ]; then
+    if ! find_go; then log "Docker Compose not built and Go cannot be installed"; exit 1; fi
+    log "building Docker Compose v$COMPOSE_VERSION from its Go module (first time only: 3-6 minutes on 2 cores)"
+    # Not `go install module@version`: compose's go.mod has exclude directives, which go install
+    # refuses; so the module's source is downloaded and built as the main module, in a copy.
+    export GOPATH="$CACHE/go" GOMODCACHE="$CACHE/go/mod" GOCACHE="$CACHE/go/build" \
+      GOTOOLCHAIN=auto GOFLAGS=-modcacherw CGO_ENABLED=0
+    SRC="$("$GO" mod download -json "github.com/docker/compose/v2@v$COMPOSE_VERSION" \
+      | "$PY" -c 'import json, sys; print(json.load(sys.stdin)["Dir"])')"
+    BUILD="$(mktemp -d)"
+    cp -r "$SRC" "$BUILD/src" && chmod -R u+w "$BUILD/src"
+    (cd "$BUILD/src" && "$GO" build -trimpath -o "$COMPOSE_BIN" \
+      -ldflags "-s -w -X github.com/docker/compose/v2/internal.Version=v$COMPOSE_VERSION" ./cmd) \
+      || { rm -rf "$BUILD"; log "Docker Compose build failed"; exit 1; }
+    rm -rf "$BUILD"
+    unset GOPATH GOMODCACHE GOCACHE GOTOOLCHAIN GOFLAGS CGO_ENABLED
+  fi
+  log "docker compose: $COMPOSE_BIN ($("$COMPOSE_BIN" version --short))"
+  # The images (base, wheels, strata, NATS, MinIO): about 5 minutes the first time, seconds after.
+  "$PY" -m tests.compose.docker_env prepare || { log "compose images could not be built"; exit 1; }
+fi
 
 # ---- 4. the built-in default model ------------------------------------------------------------
 if [ "${STRATA_SKIP_MODEL:-0}" != 1 ]; then
