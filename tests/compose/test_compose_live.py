@@ -99,12 +99,15 @@ def native(model_dir) -> tuple[str, list[str], int]:
 def dockerd():
     t0 = time.monotonic()
     d = Dockerd()
+    error = ""
     try:
         d.start()
         build_images(d)
     except DockerEnvError as exc:
+        error = str(exc)
+    if error:  # outside the except: one line, no chained traceback
         d.stop()
-        pytest.fail(f"compose cluster cannot run here: {exc}", pytrace=False)
+        pytest.fail(f"compose cluster cannot run here: {error}", pytrace=False)
     print(f"dockerd and images ready in {time.monotonic() - t0:.0f}s")
     yield d
     d.stop()
@@ -154,7 +157,8 @@ def cluster(native, dockerd, tmp_path_factory):
         )  # fmt: skip
         if res.returncode != 0:
             pytest.fail(
-                f"compose up failed: {res.stderr.strip().splitlines()[-1:]}\n{c.diagnostics()}",
+                f"compose up failed: {(res.stderr.strip().splitlines() or ['?'])[-1]}\n"
+                + c.diagnostics(),
                 pytrace=False,
             )
         print(f"compose cluster healthy in {time.monotonic() - t0:.0f}s")
