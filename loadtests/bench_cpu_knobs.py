@@ -3,8 +3,8 @@
     .venv/bin/python -m loadtests.bench_cpu_knobs [--repeats 2] [--sides default,nice10,...]
 
 Each side is `Cluster` as ``strata up --model CK`` starts it (benchmark model, the machine's
-shape), driven with bench_peer's standard workload after a warm-up; the sides run one after the
-other in alternating order per repeat, each on a fresh cluster:
+shape), driven with bench_peer's standard workload (`drive` warms up on other prompts first);
+the sides run one after the other in alternating order per repeat, each on a fresh cluster:
 
 - ``default``: as users get it;
 - ``nice10``: every process but the model processes (gateway, tokenizer, scheduler, kvstore,
@@ -47,9 +47,7 @@ def run_side(side: str, model_dir: str, prompts: list[str], wl, log) -> dict:
         with Cluster(model_dir, log_stream=log, die_with_parent=True, log_level="WARNING") as c:
             if side == "nice10":
                 renice_services(c)
-            name = os.path.basename(model_dir)
-            drive(c.gateway_url, name, prompts[:8], wl)  # warm-up
-            return drive(c.gateway_url, name, prompts, wl)
+            return drive(c.gateway_url, os.path.basename(model_dir), prompts, wl)
     finally:
         os.environ.pop("OMP_WAIT_POLICY", None)
 

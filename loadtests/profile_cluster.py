@@ -3,7 +3,7 @@ workload: how much of the wall clock each thread is on a CPU, and how much it ho
 
     .venv/bin/python -m loadtests.profile_cluster [--role decode] [--seconds 12] [--model-size 25m]
 
-Starts `Cluster` as ``strata up --model CK`` does (the shape the machine gets), warms it up, then
+Starts `Cluster` as ``strata up --model CK`` does (the shape the machine gets), then
 drives bench_peer's standard workload twice while py-spy samples the role's process: once for
 on-CPU samples, once for GIL-holding samples (``--gil``). py-spy is installed with pip into
 ``.cache/tools`` when it is not on PATH. Prints one markdown table: per thread, the share of the
@@ -87,7 +87,6 @@ def main() -> None:
         if not names:
             sys.exit(f"profile_cluster: no {a.role} process in this shape ({c.shape.line})")
         pid = c.sup.procs[names[0]].proc.pid
-        drive(c.gateway_url, name, prompts[:8], wl)  # warm-up: first-call costs are not sampled
         runs = {}
         for gil in (False, True):
             out = os.path.join(tmp, f"{'gil' if gil else 'cpu'}.txt")
