@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import signal
 import socket
@@ -67,15 +68,18 @@ def stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> None:
         proc.wait(5)
 
 
-def _pdeathsig() -> None:  # runs in the child between fork and exec
+def _pdeathsig(sig: int) -> None:  # runs in the child between fork and exec
     with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
 
 
-def preexec(die_with_parent: bool) -> Callable[[], None] | None:
-    """`Popen(preexec_fn=...)` that makes Linux SIGKILL the child when the launching thread
-    dies (so a SIGKILLed `strata up` leaves nothing behind); None elsewhere or when off."""
-    return _pdeathsig if die_with_parent and sys.platform == "linux" else None
+def preexec(die_with_parent: bool, sig: int = signal.SIGKILL) -> Callable[[], None] | None:
+    """`Popen(preexec_fn=...)` that makes Linux send ``sig`` (default SIGKILL) to the child when
+    the launching thread dies (so a SIGKILLed `strata up` leaves nothing behind; SIGTERM lets a
+    daemon stop what it started); None elsewhere or when off."""
+    if not die_with_parent or sys.platform != "linux":
+        return None
+    return functools.partial(_pdeathsig, sig)
 
 
 def repo_root() -> str:

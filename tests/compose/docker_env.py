@@ -24,7 +24,6 @@ Every failure raises ``DockerEnvError`` with one line naming the problem and the
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import hashlib
 import json
 import os
@@ -39,7 +38,7 @@ import tomllib
 
 from services.infra.minio_server import minio_binary
 from services.infra.nats_server import nats_binary
-from services.infra.procs import cache_dir, repo_root
+from services.infra.procs import cache_dir, preexec, repo_root
 
 COMPOSE_VERSION = "2.40.3"  # scripts/setup.sh builds this one (COMPOSE_VERSION there)
 COMPOSE_FILE = os.path.join(repo_root(), "compose", "docker-compose.yml")
@@ -95,11 +94,6 @@ def _tail(text: str, n: int = 15) -> str:
     return " | ".join(ln for ln in text.strip().splitlines()[-n:])
 
 
-def _term_with_parent() -> None:  # child, between fork and exec
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 class Dockerd:
     """A root dockerd of our own: ``start()``, ``docker(...)``, ``stop()``."""
 
@@ -152,7 +146,9 @@ class Dockerd:
                 stdin=subprocess.DEVNULL,
                 stdout=logf,
                 stderr=subprocess.STDOUT,
-                preexec_fn=_term_with_parent,  # a killed test stops its daemon (and containers)
+                preexec_fn=preexec(
+                    True, signal.SIGTERM
+                ),  # a killed test stops its daemon (+ containers)
                 start_new_session=True,
             )
         deadline = time.monotonic() + timeout
