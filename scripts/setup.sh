@@ -2,7 +2,8 @@
 # Idempotent set-up on a fresh Debian machine or a cached one:
 #   .venv (python >= 3.11) with the project installed editable (+test, +bench extras),
 #   MinIO built into .cache/bin/minio when none is found, the default model in the cache, and
-#   (as root) Docker, debootstrap, Docker Compose and the images of the live compose test.
+#   (as root) Docker, debootstrap, Docker Compose and the images of the live compose test,
+#   and helm with the MinIO chart for tests/compose/test_helm.py.
 # Needs no network beyond the package registries (PyPI, the Go module proxy, Debian).
 # Env: STRATA_PYTHON (interpreter to use), STRATA_CACHE (cache dir, default .cache),
 #      PIP_CACHE_DIR (default $STRATA_CACHE/pip), STRATA_MINIO_BIN (an existing minio binary),
@@ -134,6 +135,30 @@ else
   # The images (base, wheels, strata, NATS, MinIO): about 5 minutes the first time, seconds after.
   "$PY" -m tests.compose.docker_env prepare || { log "compose images could not be built"; exit 1; }
 fi
+
+# ---- 3c. Helm and the MinIO chart (tests/compose/test_helm.py) -------------------------------
+# The test renders the upstream MinIO chart with compose/k8s/helm/minio-values.yaml. The chart
+# ships in MinIO's own Go module (folder helm/minio of the MINIO_VERSION above), so it comes from
+# the module cache; helm is built from its pinned Go module. Both only need the Go module proxy.
+HELM_VERSION="v3.22.0"  # also tests/compose/test_helm.py
+export_go_env() {
+  export GOPATH="$CACHE/go" GOMODCACHE="$CACHE/go/mod" GOCACHE="$CACHE/go/build" \
+    GOTOOLCHAIN=auto GOFLAGS=-modcacherw CGO_ENABLED=0
+}
+if [ "$("$CACHE/bin/helm" version --short 2>/dev/null)" != "$HELM_VERSION" ]; then
+  if ! find_go; then log "helm not built and Go cannot be installed"; exit 1; fi
+  log "building helm $HELM_VERSION from its Go module (first time only: 3-5 minutes on 2 cores)"
+  (export_go_env && GOBIN="$CACHE/bin" "$GO" install \
+    -ldflags "-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION" \
+    "helm.sh/helm/v3/cmd/helm@$HELM_VERSION") || { log "helm build failed"; exit 1; }
+fi
+if [ ! -f "$CACHE/go/mod/github.com/minio/minio@$MINIO_VERSION/helm/minio/Chart.yaml" ]; then
+  if ! find_go; then log "the MinIO chart is missing and Go cannot be installed"; exit 1; fi
+  log "downloading the MinIO module (its helm/minio chart) into the Go module cache"
+  (export_go_env && "$GO" mod download "github.com/minio/minio@$MINIO_VERSION") \
+    || { log "MinIO module download failed"; exit 1; }
+fi
+log "helm: $CACHE/bin/helm ($HELM_VERSION), MinIO chart in the Go module cache"
 
 # ---- 4. the built-in default model ------------------------------------------------------------
 if [ "${STRATA_SKIP_MODEL:-0}" != 1 ]; then
