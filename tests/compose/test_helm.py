@@ -24,7 +24,7 @@ import yaml
 
 from services.infra.minio_server import KV_BUCKET, KV_POLICY, KV_USER, MINIO_VERSION, bucket_policy
 from services.infra.procs import cache_dir, repo_root
-from tests.compose.test_k8s import KUBE_VERSION, K8S, chart_install, load
+from tests.compose.test_k8s import K8S, KUBE_VERSION, chart_install, load
 
 HELM_VERSION = "v3.22.0"  # scripts/setup.sh builds this one (HELM_VERSION there)
 CHART_VERSION = "5.4.0"
@@ -129,7 +129,7 @@ def test_the_kv_bucket_user_and_policy_are_those_strata_up_provisions(rendered):
     assert re.search(rf'^ *createBucket {KV_BUCKET} "none" false\b', data["initialize"], re.M)
     user = data["add-user"]
     assert re.search(rf"^ *echo {KV_USER} > ", user, re.M), user
-    assert re.search(rf"^ *cat /config/secrets/strata-minio/kvPassword >> ", user, re.M), user
+    assert re.search(r"^ *cat /config/secrets/strata-minio/kvPassword >> ", user, re.M), user
     assert re.search(rf"^ *createUser {KV_POLICY}$", user, re.M), user
     # one post-install Job runs the three scripts, with the user's password from the Secret
     (job,) = [d for d in rendered if d["kind"] == "Job"]
