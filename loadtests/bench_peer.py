@@ -2,6 +2,7 @@
 
     .venv/bin/python -m loadtests.bench_peer [--workloads standard,c1] [--repeats 2]
         [--num-prompts N] [--variants] [--model-size 25m|250m] [--skip-peer]
+        [--dtype float32|bfloat16]
 
 The peer is installed once into ``.cache/peer-venv`` (`loadtests.peer_vllm`). Each repeat starts
 every side in turn, never two at once (they share the CPU), alternating the order between
@@ -147,7 +148,7 @@ def check_tokenization(url: str, model: str, model_dir: str, prompts: list[str])
     return ""
 
 
-def engine_run(model_dir: str, prompts: list[str], wl: Workload, threads: int) -> dict:
+def engine_run(model_dir: str, prompts: list[str], wl: Workload, threads: int, dtype: str) -> dict:
     """The engine in this process: every prompt submitted at once, ``wl.conc`` running."""
     import torch
 
@@ -161,7 +162,7 @@ def engine_run(model_dir: str, prompts: list[str], wl: Workload, threads: int) -
     tok = Tokenizer.from_dir(model_dir)
     ids = [tok.encode(p) for p in prompts]
     cfg = WorkerConfig.load([], role="decode", max_num_seqs=wl.conc).engine_config()
-    eng = LLMEngine(load_model(model_dir), cfg)
+    eng = LLMEngine(load_model(model_dir, dtype=getattr(torch, dtype)), cfg)
     with torch.inference_mode():
         warm = [tok.encode(p) for p in wl.prompts("warm-up", 2)]
         eng.generate(warm, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
@@ -246,6 +247,12 @@ def main() -> None:
     ap.add_argument("--variants", action="store_true", help="also the explicit strata shapes")
     ap.add_argument("--model-size", choices=["25m", "250m"], default="25m")
     ap.add_argument("--skip-peer", action="store_true", help="no vLLM side (Strata rows only)")
+    ap.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="every side's --dtype (the checkpoint is fp32)",
+    )
     ap.add_argument("--greedy-prompts", type=int, default=4)
     ap.add_argument("--out", default="", help="also write the report to this file")
     a = ap.parse_args()
@@ -273,9 +280,11 @@ def main() -> None:
             print(f"[bench_peer] run {rep + 1}/{a.repeats}: {side}", file=sys.stderr, flush=True)
             if side == ENGINE:
                 for w, wl in wls.items():
-                    runs[w][side].append(engine_run(model_dir, prompts[w], wl, threads))
+                    runs[w][side].append(engine_run(model_dir, prompts[w], wl, threads, a.dtype))
             elif side == peer:
-                with peer_vllm.PeerServer(model_dir, os.path.join(log_dir, "vllm.log")) as srv:
+                with peer_vllm.PeerServer(
+                    model_dir, os.path.join(log_dir, "vllm.log"), dtype=a.dtype
+                ) as srv:
                     if rep == 0:
                         notes.append(f"vLLM server up in {srv.start_s:.0f} s")
                         why = check_tokenization(
@@ -296,7 +305,12 @@ def main() -> None:
                 with (
                     open(os.path.join(log_dir, "strata.log"), "a") as log,
                     Cluster(
-                        model_dir, log_stream=log, die_with_parent=True, log_level="WARNING", **kw
+                        model_dir,
+                        log_stream=log,
+                        die_with_parent=True,
+                        log_level="WARNING",
+                        dtype="" if a.dtype == "float32" else a.dtype,  # fp32: as users get it
+                        **kw,
                     ) as c,
                 ):
                     if rep == 0:
@@ -308,7 +322,7 @@ def main() -> None:
     n_params = _params(model_dir)
     out = [
         f"### bench_peer: {cpu_name()}, {threads} usable cores; model {a.model_size} "
-        f"({n_params / 1e6:.1f}M params, fp32, random weights); greedy, ignore_eos, streamed "
+        f"({n_params / 1e6:.1f}M params, {a.dtype}, random weights); greedy, ignore_eos, streamed "
         f"/v1/completions; {a.repeats} run(s) per side, order alternated",
         "",
     ]

@@ -126,6 +126,7 @@ class PeerServer:
         max_model_len: int = 4096,
         kv_space_gib: int = 2,
         start_timeout: float = 600.0,
+        dtype: str = "float32",
     ):
         self.model_dir = model_dir
         self.port = free_port()
@@ -136,6 +137,7 @@ class PeerServer:
         self.start_timeout = start_timeout
         self.proc: subprocess.Popen | None = None
         self.start_s = 0.0
+        self.dtype = dtype
 
     def argv(self) -> list[str]:
         return [
@@ -145,7 +147,7 @@ class PeerServer:
             "--model",
             self.model_dir,
             "--dtype",
-            "float32",
+            self.dtype,
             "--max-model-len",
             str(self.max_model_len),
             "--host",

@@ -21,7 +21,7 @@ import socket
 import sys
 import tempfile
 import urllib.request
-from typing import IO, Any
+from typing import IO, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -56,6 +56,9 @@ ROLES = ("scheduler", "tokenizer", "vision", "kvstore", "prefill", "decode", "ga
 """Every role `strata serve` knows, in start-up order."""
 MODEL_ROLES = ("vision", "prefill", "decode")
 """Roles that load model weights (they get ``STRATA_TORCH_THREADS``)."""
+DTYPE_ROLES = ("tokenizer", *MODEL_ROLES)
+"""Roles that read ``STRATA_DTYPE``: the model processes, and the tokenizer, whose block hashes
+carry the model fingerprint (dtype included) that the engines' prefix blocks are keyed by."""
 REQUIRED_ROLES = ("scheduler", "tokenizer", "decode", "gateway", "nats")
 """Roles without which nothing is served (`restart`: giving up on the last one is fatal)."""
 
@@ -99,6 +102,11 @@ class ClusterConfig(BaseModel):
         "cores, from the shape)",
     )
     device: str = Field("cpu", description="torch device of model processes: cpu or cuda[:N]")
+    dtype: Literal["", "float32", "bfloat16", "float16"] = Field(
+        "",
+        description="Weights, activations and KV of the model processes: float32 | bfloat16 | "
+        "float16 (default: the checkpoint's)",
+    )
     log_level: str = Field("INFO", description="Log level of every service")
     metrics_port_base: int = Field(
         0, ge=0, le=65000, description="First Prometheus port, +1 per process (0 = free)"
@@ -463,6 +471,8 @@ class Cluster:
             )
         )
         cpus = self.shape.model_cpus.get(name) if role in ("prefill", "decode") else None
+        if self.cfg.dtype and role in DTYPE_ROLES:
+            e["STRATA_DTYPE"] = self.cfg.dtype
         if role in ("prefill", "decode"):
             e["STRATA_TORCH_THREADS"] = str(self.cfg.torch_threads)
         else:  # services (vision too) stay single-threaded, on the spare cores if any

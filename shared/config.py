@@ -247,7 +247,7 @@ def add_model_flags(
     (or ``defaults``, where the command's default differs from the model's). A bool that is on
     (or None: auto) by default gets ``--no-foo-bar``, one that is off ``--foo-bar``; a
     ``dict[str, str]`` gets a repeatable ``--foo-bar KEY=VALUE`` (`model_flag_values` parses
-    it); ``X | None`` takes an X. Read the values back with `model_flag_values`."""
+    it); a ``Literal`` takes one of its values; ``X | None`` takes an X. Read the values back with `model_flag_values`."""
     defaults = defaults or {}
     for name, field in model.model_fields.items():
         if name in skip:
@@ -273,6 +273,12 @@ def add_model_flags(
         elif typing.get_origin(tp) is dict:
             parser.add_argument(
                 flag, dest=name, action="append", default=[], metavar="KEY=VALUE", help=help_
+            )
+        elif typing.get_origin(tp) is typing.Literal:
+            choices = [v for v in typing.get_args(tp) if v != ""]  # "": the unset default
+            shown = f" (default: {default})" if default not in (None, "") else ""
+            parser.add_argument(
+                flag, dest=name, choices=choices, default=default, help=help_ + shown
             )
         elif tp in (int, float, str):
             shown = f" (default: {default})" if default not in (None, "") else ""

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from services import cli
 from services.infra.nats_server import NatsServer
-from services.launcher import ROLES, Cluster, ClusterConfig
+from services.launcher import DTYPE_ROLES, ROLES, Cluster, ClusterConfig
 
 
 def test_up_flags_map_to_cluster_config():
@@ -184,6 +184,7 @@ def test_service_env_gives_each_role_its_settings(tmp_path):
         kvstore=2,
         port=8123,
         torch_threads=3,
+        dtype="bfloat16",
         env={"STRATA_BLOCK_SIZE": "4"},
         role_args={"decode": ["--max-num-seqs", "8"]},
     )
@@ -199,6 +200,8 @@ def test_service_env_gives_each_role_its_settings(tmp_path):
         assert int(e["STRATA_METRICS_PORT"]) > 0
         assert spec.argv[1:5] == ["-m", "services.cli", "serve", role]
         assert ("STRATA_TORCH_THREADS" in e) == (role in ("vision", "prefill", "decode"))
+        # the tokenizer too: its block hashes carry the fingerprint, dtype included
+        assert e.get("STRATA_DTYPE") == ("bfloat16" if role in DTYPE_ROLES else None), role
     assert specs["decode"].name == "decode-1"
     assert specs["decode"].argv[5:] == ["--max-num-seqs", "8"]
     assert specs["decode"].env["STRATA_TORCH_THREADS"] == "3"

@@ -57,6 +57,19 @@ def test_chat_matches_template_and_metadata(core, model_dir):
     assert rep.started_at <= rep.finished_at
 
 
+def test_a_dtype_override_keys_blocks_like_the_engine_that_runs_it(model_dir):
+    """`strata up --dtype bfloat16` on an fp32 checkpoint: the tokenizer's fingerprint (in every
+    block hash) and KV dtype are those of the bf16 engine, so prefix blocks still match."""
+    import torch
+
+    from shared.model.loader import load_model
+
+    rep = TokenizerCore(model_dir, "bfloat16").encode(TokenizeRequest(request_id="r", prompt="hi"))
+    engine = load_model(model_dir, dtype=torch.bfloat16)
+    assert rep.model_fingerprint == engine.fingerprint != load_model(model_dir).fingerprint
+    assert rep.kv_dtype == "bfloat16"
+
+
 def test_prompt_and_errors(core):
     rep = core.encode(TokenizeRequest(request_id="r", prompt="hello"))
     assert rep.token_ids == core.tokenizer.encode("hello") and rep.text == "hello"
