@@ -156,11 +156,12 @@ def run_policy(
     prefill: int = 4,
     prefill_kv_bytes: int = 16 << 20,
     log_dir: str = "",
+    dtype: str = "",
 ) -> PolicyRun:
-    """Start a cluster (``prefill`` instances, 1 decode, no kvstore), send ``warmup`` one at a
-    time, then ``jobs`` open-loop through the REST gateway (measured), stop it. Engine caches
-    are ``prefill_kv_bytes`` per prefill instance: one instance cannot hold every tenant's
-    prefix, the fleet can."""
+    """Start a cluster (``prefill`` instances, 1 decode, no kvstore; ``dtype`` as
+    ``strata up --dtype``), send ``warmup`` one at a time, then ``jobs`` open-loop through the
+    REST gateway (measured), stop it. Engine caches are ``prefill_kv_bytes`` per prefill
+    instance: one instance cannot hold every tenant's prefix, the fleet can."""
     log = open(os.path.join(log_dir, f"{policy}.log") if log_dir else os.devnull, "w")
     sched = ["--policy", policy, "--short-prompt-tokens", "0"]
     if log_dir:  # keep every service's log (and the scheduler's routing decisions)
@@ -173,6 +174,7 @@ def run_policy(
         vision=0,
         minio=False,
         torch_threads=1,
+        dtype=dtype,
         log_stream=log,
         data_dir=os.path.join(log_dir, policy) if log_dir else "",
         role_args={"scheduler": sched, "prefill": ["--kv-cache-bytes", str(prefill_kv_bytes)]},
