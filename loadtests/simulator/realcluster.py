@@ -17,6 +17,7 @@ import json
 import os
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 from loadtests.loadgen.client import RunConfig, run_jobs
@@ -157,13 +158,14 @@ def run_policy(
     prefill_kv_bytes: int = 16 << 20,
     log_dir: str = "",
     dtype: str = "",
+    scheduler_args: Sequence[str] = (),
 ) -> PolicyRun:
     """Start a cluster (``prefill`` instances, 1 decode, no kvstore; ``dtype`` as
-    ``strata up --dtype``), send ``warmup`` one at a time, then ``jobs`` open-loop through the
+    ``strata up --dtype``; ``scheduler_args`` added to the scheduler's flags), send ``warmup`` one at a time, then ``jobs`` open-loop through the
     REST gateway (measured), stop it. Engine caches are ``prefill_kv_bytes`` per prefill
     instance: one instance cannot hold every tenant's prefix, the fleet can."""
     log = open(os.path.join(log_dir, f"{policy}.log") if log_dir else os.devnull, "w")
-    sched = ["--policy", policy, "--short-prompt-tokens", "0"]
+    sched = ["--policy", policy, "--short-prompt-tokens", "0", *scheduler_args]
     if log_dir:  # keep every service's log (and the scheduler's routing decisions)
         sched += ["--log-level", "DEBUG"]
     c = start_cluster(

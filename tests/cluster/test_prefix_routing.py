@@ -34,12 +34,21 @@ def test_prefix_aware_beats_round_robin_on_prefix_hits(default_model_dir):
 def test_prefix_routing_holds_when_the_cluster_runs_another_dtype(default_model_dir):
     """`strata up --dtype bfloat16` on the fp32 default model: the gateway's block hashes (from
     the tokenizer's fingerprint) must be keyed like the bf16 engines' KV events, or the scheduler
-    sees no prefix anywhere and routes by load alone (hit rate then like round robin's)."""
+    sees no prefix anywhere and routes by load alone (hit rate then like round robin's). With
+    ``--expect-ttl-s 0`` the scheduler counts a routed prompt's blocks as cached only once the
+    engine's KV event says so: its own expectations, keyed by the gateway's hashes whatever the
+    engines use, would hide a mismatch (checked: with the tokenizer left at fp32 this fails)."""
     jobs, warm = WORKLOAD.jobs(), WORKLOAD.warmup_jobs()
     ref = reference_hit_rate(default_model_dir, jobs, warm)
     # half the bytes: bf16 blocks are half the size, so each cache holds as many as in fp32
     pa = run_policy(
-        default_model_dir, "prefix_aware", jobs, warm, prefill_kv_bytes=8 << 20, dtype="bfloat16"
+        default_model_dir,
+        "prefix_aware",
+        jobs,
+        warm,
+        prefill_kv_bytes=8 << 20,
+        dtype="bfloat16",
+        scheduler_args=["--expect-ttl-s", "0"],
     )
     assert pa.ok == len(jobs), pa.error_samples
     assert pa.hit_rate >= 0.9 * ref, (pa.hit_rate, ref)
