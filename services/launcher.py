@@ -13,6 +13,7 @@ Every service is started as ``python -m services.cli serve <role>`` with its set
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import shutil
@@ -209,6 +210,33 @@ def vision_replicas(model_dir: str, requested: int) -> tuple[int, str]:
     return 0, f"vision role off: {why}; requests with images get a 400"
 
 
+def checkpoint_dtype(model_dir: str) -> str:
+    """The dtype config.json declares (top level, then ``text_config``; "float32" when it names
+    none or cannot be read: the model processes then report what is wrong)."""
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return "float32"
+    text = cfg.get("text_config") or {}
+    found = [cfg.get("dtype"), cfg.get("torch_dtype"), text.get("dtype"), text.get("torch_dtype")]
+    named = [v for v in found if isinstance(v, str) and v]
+    return named[0].removeprefix("torch.") if named else "float32"
+
+
+def serving_dtype(checkpoint: str, requested: str, device: str, native: bool) -> tuple[str, str]:
+    """The ``STRATA_DTYPE`` the model processes get ("" = the checkpoint's), and why (one line)
+    when it is not what was asked: a bf16/fp16 checkpoint on a CPU without a native unit for it
+    (``native``) is served in float32, which runs several times faster there."""
+    if requested or device != "cpu" or checkpoint == "float32" or native:
+        return requested, ""
+    return "float32", (
+        f"dtype float32: the checkpoint is {checkpoint} and this CPU has no native {checkpoint} "
+        f"matrix unit (AVX512 / AMX), where {checkpoint} runs several times slower; "
+        f"--dtype {checkpoint} keeps it"
+    )
+
+
 class Cluster:
     """A local cluster: `start()` / `stop()`, `gateway_url`, `kill()` / `restart()` a service."""
 
@@ -252,6 +280,7 @@ class Cluster:
         self._infra_logs: list[IO[str]] = []
         self.watchdog: Watchdog | None = None
         self.launcher_metrics_port = 0
+        self.dtype = self.cfg.dtype  # what the model processes run: `serving_dtype` at start
 
     # ---- addresses ----
     @property
@@ -369,6 +398,12 @@ class Cluster:
             )
             self.minio.start(self._infra_log("minio"))
         self.sup.sink.write("strata", self.shape.line)
+        from shared.model.cpu_kernels import native_half
+
+        ck = checkpoint_dtype(self.model_dir)
+        self.dtype, why = serving_dtype(ck, self.cfg.dtype, self.cfg.device, native_half(ck))
+        if why:
+            self.sup.sink.write("strata", why)
         counts = {r: getattr(self.cfg, r) for r in ROLES if r != "gateway"}
         counts["vision"], why = vision_replicas(self.model_dir, self.cfg.vision)
         if why:
@@ -471,8 +506,8 @@ class Cluster:
             )
         )
         cpus = self.shape.model_cpus.get(name) if role in ("prefill", "decode") else None
-        if self.cfg.dtype and role in DTYPE_ROLES:
-            e["STRATA_DTYPE"] = self.cfg.dtype
+        if self.dtype and role in DTYPE_ROLES:
+            e["STRATA_DTYPE"] = self.dtype
         if role in ("prefill", "decode"):
             e["STRATA_TORCH_THREADS"] = str(self.cfg.torch_threads)
         else:  # services (vision too) stay single-threaded, on the spare cores if any

@@ -91,6 +91,20 @@ def _cpu_flags() -> str:
     return ""
 
 
+# CPU flags of a native matrix unit for each half type; without one torch emulates it (measured
+# 3-4x slower than float32 on an AVX2-only EPYC, docs/benchmarks/peer.md).
+_NATIVE_HALF = {"bfloat16": ("avx512_bf16", "amx_bf16"), "float16": ("avx512_fp16", "amx_fp16")}
+
+
+def native_half(dtype: str, flags: str | None = None) -> bool:
+    """Whether this CPU (or ``flags``, a /proc/cpuinfo flags line) has native matrix products
+    for ``dtype`` ("bfloat16" / "float16"); True for any other dtype."""
+    if dtype not in _NATIVE_HALF:
+        return True
+    have = set((_cpu_flags() if flags is None else flags).split())
+    return any(f in have for f in _NATIVE_HALF[dtype])
+
+
 def available() -> bool:
     global _lib
     if _lib is None:

@@ -30,6 +30,25 @@ from shared.worker.pool_link import PoolLink
 
 log = logging.getLogger(__name__)
 
+
+def warn_emulated_half(dtype: torch.dtype, device: str) -> bool:
+    """Log (and return True) when the model runs bf16/fp16 on a CPU with no native unit for it:
+    torch emulates those matrix products, several times slower than float32."""
+    from shared.model.cpu_kernels import native_half
+    from shared.protocol.dtypes import dtype_name
+
+    name = dtype_name(dtype)
+    if device != "cpu" or native_half(name):
+        return False
+    log.warning(
+        "running %s on a CPU without a native %s matrix unit (AVX512 / AMX): torch emulates it, "
+        "several times slower than float32 (STRATA_DTYPE=float32 / --dtype float32)",
+        name,
+        name,
+    )
+    return True
+
+
 LONGEST_FORWARD = metrics.Gauge(
     "strata:engine_longest_forward_seconds",
     "Longest single forward seen (the last forward's duration, sampled every load interval)",
@@ -64,6 +83,7 @@ class ModelRuntime:
         dtype = getattr(torch, self.cfg.dtype) if self.cfg.dtype else None
         t0 = time.perf_counter()
         self.loaded = load_model(self.cfg.model, dtype=dtype, device=self.cfg.device)
+        warn_emulated_half(self.loaded.model.dtype, self.cfg.device)
         self.tokenizer = Tokenizer.from_dir(self.cfg.model)
         # One prefill before serving: first-call overheads are paid there, and its measured
         # seconds per token seed the load-vs-recompute cost model.

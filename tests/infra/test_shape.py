@@ -143,3 +143,56 @@ def test_cluster_pins_prefill_and_decode_to_their_own_cores(fake, monkeypatch):
         assert os.sched_getaffinity(c.sup.procs["prefill-0"].pid) == {cores[0]}
         assert os.sched_getaffinity(c.sup.procs["decode-0"].pid) == {cores[1]}
         assert len(os.sched_getaffinity(c.sup.procs["gateway-0"].pid)) >= 2  # not pinned
+
+
+def test_native_half_reads_the_cpu_flags():
+    from shared.model.cpu_kernels import native_half
+
+    assert native_half("bfloat16", "flags : fpu avx2 avx512f avx512_bf16")
+    assert native_half("bfloat16", "flags : fpu avx2 amx_bf16 amx_tile")
+    assert not native_half("bfloat16", "flags : fpu avx2 avx512f avx512_vnni")
+    assert not native_half("float16", "flags : fpu avx2 avx512_bf16")
+    assert native_half("float32", "flags : fpu")
+
+
+def test_a_half_checkpoint_is_served_in_float32_where_the_cpu_emulates_it(tmp_path):
+    ck = write_fake_checkpoint(tmp_path / "bf16")
+    (tmp_path / "bf16" / "config.json").write_text('{"text_config": {"torch_dtype": "bfloat16"}}')
+    assert launcher.checkpoint_dtype(ck) == "bfloat16"
+    assert launcher.checkpoint_dtype(str(tmp_path / "missing")) == "float32"
+    dtype, why = launcher.serving_dtype("bfloat16", "", "cpu", native=False)
+    assert dtype == "float32" and "--dtype bfloat16 keeps it" in why
+    # asked for, native, on a GPU, or already fp32: left alone, without a word
+    assert launcher.serving_dtype("bfloat16", "bfloat16", "cpu", native=False) == ("bfloat16", "")
+    assert launcher.serving_dtype("bfloat16", "", "cpu", native=True) == ("", "")
+    assert launcher.serving_dtype("bfloat16", "", "cuda", native=False) == ("", "")
+    assert launcher.serving_dtype("float32", "", "cpu", native=False) == ("", "")
+
+
+@need_two
+def test_the_start_up_line_says_when_a_bf16_checkpoint_runs_in_float32(fake, monkeypatch):
+    import json
+
+    path = os.path.join(fake["model"], "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    with open(path, "w") as f:
+        json.dump({**cfg, "torch_dtype": "bfloat16"}, f)
+    monkeypatch.setattr("shared.model.cpu_kernels.native_half", lambda dtype: False)
+    out = io.StringIO()
+    with Cluster(fake["model"], minio=False, vision=0, env=fake["env"], log_stream=out) as c:
+        assert "[strata] dtype float32: the checkpoint is bfloat16" in out.getvalue()
+        assert c.service_spec("decode", 1).env["STRATA_DTYPE"] == "float32"
+        assert c.service_spec("tokenizer", 1).env["STRATA_DTYPE"] == "float32"
+
+
+def test_a_model_process_warns_when_it_runs_an_emulated_half_type(monkeypatch, caplog):
+    import torch
+
+    from shared.worker.runtime import warn_emulated_half
+
+    monkeypatch.setattr("shared.model.cpu_kernels.native_half", lambda dtype: dtype == "float32")
+    assert warn_emulated_half(torch.bfloat16, "cpu")
+    assert "running bfloat16 on a CPU without a native bfloat16 matrix unit" in caplog.text
+    assert not warn_emulated_half(torch.float32, "cpu")
+    assert not warn_emulated_half(torch.bfloat16, "cuda")
