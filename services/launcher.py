@@ -13,7 +13,6 @@ Every service is started as ``python -m services.cli serve <role>`` with its set
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import secrets
 import shutil
@@ -22,6 +21,7 @@ import socket
 import sys
 import tempfile
 import urllib.request
+from pathlib import Path
 from typing import IO, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -50,7 +50,8 @@ from services.shape import (
     usable_cores,
 )
 from shared.config import RuntimeSettings, comma_list
-from shared.model.validate import validate_checkpoint
+from shared.model.errors import CheckpointError
+from shared.model.validate import declared_dtype, read_config_json, validate_checkpoint
 from shared.nats_auth import NatsAuth
 
 ROLES = ("scheduler", "tokenizer", "vision", "kvstore", "prefill", "decode", "gateway")
@@ -211,17 +212,13 @@ def vision_replicas(model_dir: str, requested: int) -> tuple[int, str]:
 
 
 def checkpoint_dtype(model_dir: str) -> str:
-    """The dtype config.json declares (top level, then ``text_config``; "float32" when it names
-    none or cannot be read: the model processes then report what is wrong)."""
+    """The dtype the checkpoint's config.json declares, by name ("float32" when it names none or
+    cannot be read: the model processes then report what is wrong)."""
     try:
-        with open(os.path.join(model_dir, "config.json")) as f:
-            cfg = json.load(f)
-    except (OSError, ValueError):
+        named = declared_dtype(read_config_json(Path(model_dir) / "config.json"))
+    except CheckpointError:
         return "float32"
-    text = cfg.get("text_config") or {}
-    found = [cfg.get("dtype"), cfg.get("torch_dtype"), text.get("dtype"), text.get("torch_dtype")]
-    named = [v for v in found if isinstance(v, str) and v]
-    return named[0].removeprefix("torch.") if named else "float32"
+    return str(named).removeprefix("torch.") if named else "float32"
 
 
 def serving_dtype(checkpoint: str, requested: str, device: str, native: bool) -> tuple[str, str]:

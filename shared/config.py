@@ -247,7 +247,8 @@ def add_model_flags(
     (or ``defaults``, where the command's default differs from the model's). A bool that is on
     (or None: auto) by default gets ``--no-foo-bar``, one that is off ``--foo-bar``; a
     ``dict[str, str]`` gets a repeatable ``--foo-bar KEY=VALUE`` (`model_flag_values` parses
-    it); a ``Literal`` takes one of its values; ``X | None`` takes an X. Read the values back with `model_flag_values`."""
+    it); a ``Literal`` takes one of its values; ``X | None`` takes an X. Read the values back
+    with `model_flag_values`."""
     defaults = defaults or {}
     for name, field in model.model_fields.items():
         if name in skip:

@@ -161,9 +161,10 @@ def run_policy(
     scheduler_args: Sequence[str] = (),
 ) -> PolicyRun:
     """Start a cluster (``prefill`` instances, 1 decode, no kvstore; ``dtype`` as
-    ``strata up --dtype``; ``scheduler_args`` added to the scheduler's flags), send ``warmup`` one at a time, then ``jobs`` open-loop through the
-    REST gateway (measured), stop it. Engine caches are ``prefill_kv_bytes`` per prefill
-    instance: one instance cannot hold every tenant's prefix, the fleet can."""
+    ``strata up --dtype``; ``scheduler_args`` added to the scheduler's flags), send ``warmup``
+    one at a time, then ``jobs`` open-loop through the REST gateway (measured), stop it. Engine
+    caches are ``prefill_kv_bytes`` per prefill instance: one instance cannot hold every tenant's
+    prefix, the fleet can."""
     log = open(os.path.join(log_dir, f"{policy}.log") if log_dir else os.devnull, "w")
     sched = ["--policy", policy, "--short-prompt-tokens", "0", *scheduler_args]
     if log_dir:  # keep every service's log (and the scheduler's routing decisions)

@@ -16,7 +16,7 @@ import torch
 from shared.model.archs import LLAVA_ARCHITECTURE, TEXT_ARCHITECTURES, architecture_of
 from shared.model.archs import TEXT_FAMILIES as _TEXT_FAMILIES
 from shared.model.errors import CheckpointError
-from shared.model.validate import read_config_json
+from shared.model.validate import declared_dtype, read_config_json
 from shared.protocol.dtypes import torch_dtype
 
 
@@ -224,18 +224,12 @@ def config_from_dict(cfg: dict, source: str = "config.json") -> ModelConfig:
         vision = _vision_config(cfg)
         image_token_id = cfg.get("image_token_index", cfg.get("image_token_id", 32000))
         tie = bool(cfg.get("tie_word_embeddings", False) or text.get("tie_word_embeddings", False))
-        dtype_src = (
-            cfg.get("dtype")
-            or cfg.get("torch_dtype")
-            or text.get("dtype")
-            or text.get("torch_dtype")
-        )
         return ModelConfig(
             architecture=arch,
             model_type="llava",
             **fields,
             tie_word_embeddings=tie,
-            dtype=parse_dtype(dtype_src),
+            dtype=parse_dtype(declared_dtype(cfg)),
             bos_token_id=text.get("bos_token_id", cfg.get("bos_token_id")),
             eos_token_ids=_eos_tuple(text.get("eos_token_id", cfg.get("eos_token_id"))),
             vision=vision,
@@ -249,7 +243,7 @@ def config_from_dict(cfg: dict, source: str = "config.json") -> ModelConfig:
         model_type=cfg.get("model_type", fields["text_model_type"]),
         **fields,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        dtype=parse_dtype(cfg.get("dtype") or cfg.get("torch_dtype")),
+        dtype=parse_dtype(declared_dtype(cfg)),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=_eos_tuple(cfg.get("eos_token_id")),
     )

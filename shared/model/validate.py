@@ -33,6 +33,15 @@ class CheckpointInfo:
     weight_files: tuple[Path, ...]
 
 
+def declared_dtype(cfg: dict) -> object:
+    """The dtype a parsed config.json declares: ``dtype`` (transformers 5) or ``torch_dtype`` at
+    the top level, then in a LLaVA's ``text_config``; None when it names none."""
+    text = cfg.get("text_config") or {}
+    return (
+        cfg.get("dtype") or cfg.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype")
+    )
+
+
 def read_config_json(file: Path) -> dict:
     """``config.json`` parsed; `CheckpointError` when it is missing, unreadable or not a JSON
     object."""
