@@ -7,6 +7,7 @@ other exception to INTERNAL, logged), and counting calls, errors and bytes per m
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -24,6 +25,8 @@ from shared.protocol.errors import StrataError
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# A refused push is read to its end (up to this much) before the error status is sent: `_drain`.
+PUSH_DRAIN_BYTES = 1 << 30
 
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -91,6 +94,7 @@ class _Servicer(kv_transfer_pb2_grpc.KVTransferServicer):
             return await self.handler.push(counted())
         except Exception as exc:  # noqa: BLE001 - mapped to a status below
             status = "error"
+            await _drain(counted())
             await _abort(context, "Push", exc)
         finally:
             _observe("Push", status, start)
@@ -117,6 +121,20 @@ class _Servicer(kv_transfer_pb2_grpc.KVTransferServicer):
             await _abort(context, "Query", exc)
         finally:
             _observe("Query", status, start)
+
+
+async def _drain(frames: AsyncIterator[BlockFrame], limit: int = PUSH_DRAIN_BYTES) -> None:
+    """Read (and drop) the rest of a push the handler refused, up to ``limit`` bytes, before the
+    status goes out. A grpc.aio client that is still writing when the status arrives reports
+    INTERNAL "Internal error from Core" instead of it (grpc/grpc#36066), so the sender could not
+    tell a refused frame (``bad_request``) from a broken transport. A stream that breaks while
+    draining just ends the drain."""
+    n = 0
+    with contextlib.suppress(Exception):
+        async for f in frames:
+            n += len(f.data) + len(f.scales)
+            if n > limit:
+                return
 
 
 async def _abort(context: grpc.aio.ServicerContext, method: str, exc: Exception) -> None:

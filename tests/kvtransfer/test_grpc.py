@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
@@ -113,6 +115,31 @@ async def test_errors_map_to_strata_codes(peer):
         await dead.query(["x"], timeout=2)
     assert e.value.code == "unavailable"
     await dead.close()
+
+
+async def test_a_push_refused_mid_stream_reports_the_handlers_code(peer):
+    """The handler refuses the first frame of a long stream the client is still writing. The
+    server reads the rest before its status goes out, so the client gets ``bad_request``, never
+    grpc.aio's INTERNAL "Internal error from Core" (grpc/grpc#36066: a status that arrives while
+    the client still writes is replaced by that). Without the drain about half the tries failed."""
+    handler, addr = peer
+    client = KVClient(addr)
+    chunk = bytes(1 << 20)
+
+    async def frames():  # written over time, as a layer-by-layer push is
+        yield BlockFrame(key="boom", data=chunk)
+        for i in range(8):
+            await asyncio.sleep(0.001)
+            yield BlockFrame(key=f"k{i}", data=chunk)
+
+    codes = []
+    for _ in range(20):
+        with pytest.raises(StrataError) as e:
+            await client.push(frames())
+        codes.append((e.value.code, e.value.message))
+    assert all(c == "bad_request" and "refused key boom" in m for c, m in codes), codes
+    assert await client.query(["k0"]) == {}  # nothing after the refused frame was stored
+    await client.close()
 
 
 async def test_default_handler_refuses_push():
