@@ -215,25 +215,31 @@ class MinioServer(KVUser):
 
     def _provision(self) -> None:
         """Create the KV bucket and the kvstore's user limited to it (idempotent)."""
+        import urllib3
         from minio import Minio, MinioAdmin
         from minio.credentials import StaticProvider
-        from minio.error import MinioAdminException
+        from minio.error import MinioAdminException, S3Error
 
         root = StaticProvider(self.access_key, self.secret_key)
-        client = Minio(self.endpoint, credentials=root, secure=False)
-        if not client.bucket_exists(self.kv_bucket):
-            client.make_bucket(self.kv_bucket)
-        admin = MinioAdmin(endpoint=self.endpoint, credentials=root, secure=False)
+        # No retries inside urllib3: right after start MinIO answers 503 "server not initialized"
+        # with a Retry-After that urllib3 would sleep out (60 s); the loop below retries at once.
+        http = urllib3.PoolManager(
+            timeout=urllib3.Timeout(connect=5.0, read=30.0), retries=urllib3.Retry(total=0)
+        )
+        client = Minio(self.endpoint, credentials=root, secure=False, http_client=http)
+        admin = MinioAdmin(endpoint=self.endpoint, credentials=root, secure=False, http_client=http)
         # Right after start (above all on a restart over an existing data dir) MinIO may still be
         # loading its IAM state: a just-added policy can be "not found" for a moment. Retry.
         deadline = time.monotonic() + 30.0
         while True:
             try:
+                if not client.bucket_exists(self.kv_bucket):
+                    client.make_bucket(self.kv_bucket)
                 admin.policy_add(KV_POLICY, policy=bucket_policy(self.kv_bucket))
                 admin.user_add(self.kv_access_key, self.kv_secret_key)
                 admin.policy_set(KV_POLICY, user=self.kv_access_key)
                 return
-            except MinioAdminException:
+            except (MinioAdminException, S3Error, urllib3.exceptions.HTTPError):
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
