@@ -38,12 +38,16 @@ class DecodeService(RequestTasks):
             spec.dtype,
         )
 
-    async def cancel(self, request_id: str) -> None:
-        await self.receiver.drop(request_id)
-        await super().cancel(request_id)
+    async def cancel(self, request_id: str, attempt: int | None = None) -> None:
+        # KV may be arriving for a route whose decode work is not here yet: drop that too.
+        for eid in set(self.running(request_id, attempt)) | self.receiver.pending_of(
+            request_id, attempt
+        ):
+            await self.receiver.drop(eid)
+        await super().cancel(request_id, attempt)
 
     async def _run(self, item: DecodeWork) -> None:
-        rid = item.request_id
+        rid, eid = item.request_id, item.engine_id  # bus subjects / engine and KV transfer
         port = self.rt.port
         emitted = list(item.output_token_ids)
         if item.first_token_id is not None:
@@ -80,30 +84,35 @@ class DecodeService(RequestTasks):
                     finish_reason=out.finish_reason if out.finished else None,
                     usage=usage,
                     instance_id=self.instance_id,
+                    attempt=item.attempt,
                 )
                 index += len(out.new_token_ids)
                 await bus.publish(self.nc, subjects.req_out(rid), chunk)
         except asyncio.CancelledError:
-            log.info("decode of %s cancelled", rid)
-            port.abort(rid)
+            log.info("decode of %s cancelled", eid)
+            port.abort(eid)
             await bus.publish(
                 self.nc,
                 subjects.req_out(rid),
                 TokenChunk(
-                    request_id=rid, index=index, finish_reason="abort", instance_id=self.instance_id
+                    request_id=rid,
+                    index=index,
+                    finish_reason="abort",
+                    instance_id=self.instance_id,
+                    attempt=item.attempt,
                 ),
             )
         except Exception as exc:  # noqa: BLE001 - the request fails; the service does not
             REQUESTS_FAILED.labels("decode").inc()
-            log.warning("decode of %s failed: %s", rid, exc)
-            port.abort(rid)
-            await publish_error(self.nc, rid, exc, self.instance_id)
+            log.warning("decode of %s failed: %s", eid, exc)
+            port.abort(eid)
+            await publish_error(self.nc, rid, exc, self.instance_id, item.attempt)
 
     async def _start(self, item: DecodeWork, mm, emitted: list[int]):
         """(engine output stream, whether the prompt was prefilled elsewhere): from pushed KV
         when it checks out, from pool blocks, else by recompute."""
         port = self.rt.port
-        rid = item.request_id
+        rid = item.engine_id  # the engine's and the KV transfer's id of this route's work
         if item.kv_pushed and item.first_token_id is not None:
             try:
                 nbytes = await self.receiver.take(

@@ -49,7 +49,7 @@ class StreamAssembler:
 
     Per route: `begin(route)`, then `ack` / `chunk` / `down` / `timed_out` as things arrive;
     `chunk` returns the client-visible chunk (duplicates dropped, partial overlaps trimmed to
-    the new tokens, stragglers from excluded instances ignored) and `down` / `timed_out` the
+    the new tokens, stragglers of earlier routes ignored) and `down` / `timed_out` the
     `Failover` that ends the route, which `fail` records (the next route excludes it and
     resumes after ``sent``).
     """
@@ -59,6 +59,7 @@ class StreamAssembler:
         self.sent: list[int] = []  # token ids the client has seen, in order
         self.exclude: list[str] = []  # instances failed away from, oldest first
         self.route = RouteReply(decode_instance="", decode_addr="")
+        self.attempt = -1  # the current route's `WorkItem.attempt` (0 for the first)
         self.acked = False  # this route's submit was taken (ack or any chunk)
         self.got_chunk = False  # a chunk of this route arrived
         self.decode_streamed = False  # the route's decode instance sent a chunk
@@ -77,6 +78,7 @@ class StreamAssembler:
     def begin(self, route: RouteReply) -> None:
         """A new route (the first, or one after a failover) starts."""
         self.route = route
+        self.attempt += 1
         self.acked = self.got_chunk = self.decode_streamed = False
 
     def wait_limit(self, ack: float, first_token: float, stall: float) -> float:
@@ -93,9 +95,11 @@ class StreamAssembler:
     def chunk(self, c: TokenChunk) -> TokenChunk | None:
         """The client-visible part of ``c``, or None when nothing of it is new. A chunk that
         carries an error raises it."""
+        if c.attempt != self.attempt or (c.instance_id and c.instance_id in self.exclude):
+            # A straggler of a route given up: an instance failed away from, or the abort of
+            # an earlier route's work on an instance this route uses again.
+            return None
         self.acked = True  # a chunk implies the submit was taken
-        if c.instance_id and c.instance_id in self.exclude:
-            return None  # a straggler from an instance we failed away from
         if c.error is not None:
             raise c.error.to_exception()
         self.got_chunk = True

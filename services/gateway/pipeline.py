@@ -188,10 +188,15 @@ class Pipeline:
         )
         return Prepared(tok.token_ids, sampling, refs, hashes)
 
-    async def cancel(self, rid: str, reason: str = "client disconnected") -> None:
+    async def cancel(
+        self, rid: str, reason: str = "client disconnected", attempt: int | None = None
+    ) -> None:
+        """Stop ``rid`` on every instance; with ``attempt``, only that route's work."""
         with contextlib.suppress(Exception):
             await bus.publish(
-                self.nc, subjects.req_cancel(rid), Cancel(request_id=rid, reason=reason)
+                self.nc,
+                subjects.req_cancel(rid),
+                Cancel(request_id=rid, reason=reason, attempt=attempt),
             )
             m.CANCELS.inc()
 
@@ -211,7 +216,7 @@ class Pipeline:
         watched: list[str] = []
         try:
             while True:
-                route = await self._route(rid, p, spec, asm.exclude, asm.sent)
+                route = await self._route(rid, p, spec, asm.exclude, asm.sent, asm.attempt + 1)
                 asm.begin(route)
                 watched = [i for i in (route.decode_instance, route.prefill_instance) if i]
                 for inst in watched:
@@ -230,7 +235,8 @@ class Pipeline:
                 asm.fail(fo, rid)
                 log.warning("rid=%s failover from %s: %s", rid, fo.instance, fo.why)
                 m.FAILOVERS.labels(fo.why.split(":")[0]).inc()
-                await self.cancel(rid, f"failover from {fo.instance}: {fo.why}")
+                # Only this route's work stops: the next one may use the same instance.
+                await self.cancel(rid, f"failover from {fo.instance}: {fo.why}", asm.attempt)
         finally:
             self._open.discard(q)
             self._unwatch(q, watched)
@@ -246,7 +252,13 @@ class Pipeline:
                 self._watchers.pop(inst, None)
 
     async def _route(
-        self, rid: str, p: Prepared, spec: GenerateSpec, exclude: list[str], sent: list[int]
+        self,
+        rid: str,
+        p: Prepared,
+        spec: GenerateSpec,
+        exclude: list[str],
+        sent: list[int],
+        attempt: int,
     ) -> RouteReply:
         """Route and submit in one hop: the scheduler forwards the `WorkItem` to the instance it
         chose, which acks on ``strata.req.<rid>.ack`` (read by `_drain`)."""
@@ -257,6 +269,7 @@ class Pipeline:
             priority=spec.priority,
             images=p.images,
             output_token_ids=list(sent),
+            attempt=attempt,
         )
         req = RouteRequest(
             request_id=rid,

@@ -47,7 +47,7 @@ class PrefillService(RequestTasks):
             rt.port.set_connector(self.tap)
 
     async def _run(self, item: PrefillWork) -> None:
-        rid = item.request_id
+        rid, eid = item.request_id, item.engine_id  # bus subjects / engine and KV transfer
         port = self.rt.port
         held = False
         pushing: asyncio.Task | None = None
@@ -60,13 +60,13 @@ class PrefillService(RequestTasks):
             params = item.sampling.model_copy(update={"max_tokens": 1, "min_tokens": 0})
             direct = not (item.transfer_mode == "pool" and self.pool is not None)
             if direct and self.tap is not None:
-                q = self.tap.open(rid)  # before the engine can see the request
+                q = self.tap.open(eid)  # before the engine can see the request
                 pushing = asyncio.create_task(
-                    self._push_layerwise(rid, q, len(context), item.decode_addr)
+                    self._push_layerwise(eid, q, len(context), item.decode_addr)
                 )
             out = None
             async for o in port.generate(
-                rid,
+                eid,
                 item.prompt_token_ids,
                 params,
                 priority=item.priority,
@@ -82,7 +82,7 @@ class PrefillService(RequestTasks):
             done = await self._emit_first(item, out)
             new_blocks = []
             if self.pool is not None and hashes:
-                new_blocks = await self.pool.read_new_blocks(rid, hashes, tiers)
+                new_blocks = await self.pool.read_new_blocks(eid, hashes, tiers)
             if done:
                 self._store_later(new_blocks)
                 if pushing is not None:
@@ -98,7 +98,7 @@ class PrefillService(RequestTasks):
                 KV_SENT_BYTES.labels("pool").inc(await self.pool.store_blocks(new_blocks))
                 work = work.model_copy(update={"kv_block_hashes": hashes})
             else:
-                if await self._pushed(rid, pushing, len(context), item.decode_addr):
+                if await self._pushed(eid, pushing, len(context), item.decode_addr):
                     work = work.model_copy(
                         update={
                             "kv_pushed": True,
@@ -111,8 +111,8 @@ class PrefillService(RequestTasks):
                 self.nc, subjects.decode_submit(item.decode_instance), work, SubmitAck, timeout=10.0
             )
         except asyncio.CancelledError:
-            log.info("prefill of %s cancelled", rid)
-            port.abort(rid)
+            log.info("prefill of %s cancelled", eid)
+            port.abort(eid)
             await bus.publish(
                 self.nc,
                 subjects.req_out(rid),
@@ -121,19 +121,20 @@ class PrefillService(RequestTasks):
                     index=len(item.output_token_ids),
                     finish_reason="abort",
                     instance_id=self.instance_id,
+                    attempt=item.attempt,
                 ),
             )
         except Exception as exc:  # noqa: BLE001 - the request fails; the service does not
             REQUESTS_FAILED.labels("prefill").inc()
             log.warning("prefill of %s failed: %s", rid, exc)
-            await publish_error(self.nc, rid, exc, self.instance_id)
+            await publish_error(self.nc, rid, exc, self.instance_id, item.attempt)
         finally:
             if pushing is not None and not pushing.done():
                 pushing.cancel()
             if self.tap is not None:
-                self.tap.close(rid)
+                self.tap.close(eid)
             if held:
-                await port.release(rid)
+                await port.release(eid)
 
     async def _emit_first(self, item: PrefillWork, out) -> bool:
         """Publish the first token (this is the TTFT); True if it also ends the request."""
@@ -157,6 +158,7 @@ class PrefillService(RequestTasks):
             finish_reason=("stop" if out.finish_reason == "stop" else "length") if done else None,
             usage=usage,
             instance_id=self.instance_id,
+            attempt=item.attempt,
         )
         await bus.publish(self.nc, subjects.req_out(item.request_id), chunk)
         return done

@@ -28,8 +28,12 @@ class TokenChunk(Msg):
     usage: Usage | None = None
     error: ErrorInfo | None = None
     instance_id: str = ""
+    attempt: int = 0  # the `WorkItem.attempt` (route) this chunk belongs to
 
 
 class Cancel(Msg):
     request_id: str
     reason: str = "client disconnected"
+    # None: stop the request wherever it runs. A number (a failover): stop only that route's
+    # work; the request's next route (a higher attempt), maybe on the same instance, runs on.
+    attempt: int | None = None

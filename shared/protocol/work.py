@@ -28,6 +28,21 @@ class WorkItem(Msg):
     images: list[ImageRef] = []
     # Failover: tokens already streamed to the client; generation resumes after them.
     output_token_ids: list[int] = []
+    # Which route of the request this is (0, then +1 per failover). Chunks carry it back, and a
+    # failover's cancel names it: a straggler of an abandoned route cannot end the new one.
+    attempt: int = 0
+
+    @property
+    def engine_id(self) -> str:
+        """The id this route's work has inside an instance (engine, KV transfer, task table):
+        the request id, plus ``#<attempt>`` after a failover, so a cancelled earlier route on
+        the same instance can never touch this one's sequence or KV."""
+        return engine_id(self.request_id, self.attempt)
+
+
+def engine_id(request_id: str, attempt: int) -> str:
+    """See `WorkItem.engine_id`."""
+    return request_id if attempt == 0 else f"{request_id}#{attempt}"
 
 
 class PrefillWork(WorkItem):

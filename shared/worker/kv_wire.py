@@ -20,6 +20,7 @@ from shared.engine.port import EnginePort
 from shared.kvtransfer.frames import FrameAssembler, frame_nbytes, frame_to_tensor, tensor_to_frames
 from shared.kvtransfer.server import KVTransferHandler
 from shared.protocol.errors import StrataError
+from shared.protocol.work import engine_id
 
 log = logging.getLogger(__name__)
 
@@ -217,6 +218,13 @@ class KVReceiver(KVTransferHandler):
                 f"KV for {request_id} covers {p.num_tokens} tokens, prompt has {num_tokens}",
             )
         return p.nbytes
+
+    def pending_of(self, request_id: str, attempt: int | None = None) -> set[str]:
+        """Transfers in progress for ``request_id``: of every attempt, or of ``attempt``."""
+        if attempt is not None:
+            eid = engine_id(request_id, attempt)
+            return {eid} if eid in self._pending else set()
+        return {k for k in self._pending if k == request_id or k.startswith(request_id + "#")}
 
     async def drop(self, request_id: str) -> None:
         if self._pending.pop(request_id, None) is not None:

@@ -241,7 +241,9 @@ async def housekeeping(nc: NATS, rt: ModelRuntime, stop: asyncio.Event) -> None:
     await periodic(rt.cfg.load_interval, once, stop)
 
 
-async def publish_error(nc: NATS, request_id: str, err: Exception, instance_id: str) -> None:
+async def publish_error(
+    nc: NATS, request_id: str, err: Exception, instance_id: str, attempt: int = 0
+) -> None:
     """Tell the gateway a request failed here, with a typed error it can map to a status."""
     if not isinstance(err, StrataError):
         err = StrataError("internal", f"{type(err).__name__}: {err}")
@@ -251,15 +253,17 @@ async def publish_error(nc: NATS, request_id: str, err: Exception, instance_id: 
         finish_reason="abort",
         error=err.info(),
         instance_id=instance_id,
+        attempt=attempt,
     )
     await bus.publish(nc, subjects.req_out(request_id), chunk)
 
 
 async def subscribe_cancels(nc: NATS, on_cancel) -> None:
-    """``strata.req.*.cancel``: abort the request if it runs here (a no-op otherwise)."""
+    """``strata.req.*.cancel``: abort the request if it runs here (a no-op otherwise); a
+    failover's cancel (``attempt`` set) only that route's work."""
 
     async def handle(msg: Cancel):
-        await on_cancel(msg.request_id)
+        await on_cancel(msg.request_id, msg.attempt)
         return None
 
     await bus.serve(nc, subjects.REQ_CANCEL_ALL, Cancel, handle)

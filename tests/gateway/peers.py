@@ -184,6 +184,7 @@ class Peers:
                 if last
                 else None,
                 instance_id=inst,
+                attempt=item.attempt,
             )
             await bus.publish(self.nc, subjects.req_out(item.request_id), chunk)
             await asyncio.sleep(0)

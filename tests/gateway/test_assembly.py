@@ -19,8 +19,10 @@ def ch(
     inst: str = "dec-a",
     finish: str | None = None,
     logprobs: list[dict[int, float]] | None = None,
+    attempt: int = 0,
 ) -> TokenChunk:
     return TokenChunk(
+        attempt=attempt,
         request_id="r",
         index=index,
         token_ids=toks,
@@ -75,9 +77,46 @@ def test_failover_resume_splices_and_ignores_stragglers():
     asm.begin(DEC_B)
     assert not asm.acked and not asm.got_chunk and not asm.awaiting_ack  # tokens already out
     # dec-b resumes after the sent tokens (it was told them); a late dec-a chunk is a straggler.
-    out = feed(asm, [ch(3, [99], "dec-a"), ch(2, [12, 13], "dec-b"), ch(4, [14], "dec-b", "stop")])
+    out = feed(
+        asm,
+        [
+            ch(3, [99], "dec-a", attempt=1),
+            ch(2, [12, 13], "dec-b", attempt=1),
+            ch(4, [14], "dec-b", "stop", attempt=1),
+        ],
+    )
     assert out == [(3, [13], None), (4, [14], "stop")]
     assert asm.sent == [10, 11, 12, 13, 14]
+
+
+def test_an_earlier_routes_abort_on_a_reused_instance_does_not_end_the_new_route():
+    """The prefill instance is declared down after its first token, before decode streamed.
+    The next route uses the same decode instance (the only one). The failover's cancel stops
+    the first route's decode work there, which publishes an abort: from an instance the new
+    route uses, so only its attempt number tells it is a straggler."""
+    asm = StreamAssembler(max_failovers=2)
+    asm.begin(DISAGG)
+    assert asm.attempt == 0
+    assert feed(asm, [ch(0, [10], "pre-a")]) == [(0, [10], None)]
+    fo = asm.down("pre-a")
+    assert fo == Failover("pre-a", "down: declared down by the scheduler")
+    asm.fail(fo, "r")
+    asm.begin(RouteReply(decode_instance="dec-a", decode_addr="h:1"))
+    assert asm.attempt == 1
+    err = TokenChunk(
+        request_id="r", index=1, instance_id="dec-a", error=ErrorInfo(code="internal", message="x")
+    )
+    out = feed(
+        asm,
+        [
+            ch(1, [], "dec-a", "abort", attempt=0),  # the first route's work, cancelled
+            err,  # an error of the first route (attempt 0) is a straggler too
+            ch(1, [11], "dec-a", attempt=1),
+            ch(2, [12], "dec-a", "length", attempt=1),
+        ],
+    )
+    assert out == [(1, [11], None), (2, [12], "length")]
+    assert asm.sent == [10, 11, 12] and asm.finished
 
 
 def test_down_notices_that_do_not_concern_the_route():

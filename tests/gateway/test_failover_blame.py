@@ -108,6 +108,7 @@ class Fleet:
                 text=f"t{i} ",
                 finish_reason="length" if last else None,
                 instance_id=inst,
+                attempt=item.attempt,
             ),
         )
 

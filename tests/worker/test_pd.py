@@ -18,7 +18,7 @@ from shared import bus
 from shared.protocol import subjects
 from shared.protocol.codec import decode
 from shared.protocol.sampling import SamplingParams
-from shared.protocol.stream import TokenChunk
+from shared.protocol.stream import Cancel, TokenChunk
 from shared.protocol.work import DecodeWork, PrefillWork, SubmitAck, WorkItem
 from shared.worker.app import start_worker
 from shared.worker.config import WorkerConfig
@@ -313,3 +313,43 @@ async def test_broken_transfer_is_caught_by_the_byte_counters(
     assert not any(k.startswith("received:") for k in moved)
     await asyncio.sleep(0.2)
     assert d.svc.receiver.num_pending == 0
+
+
+async def test_a_failover_route_on_the_same_decode_instance_survives_the_first_ones_cancel(
+    pd, nc, prompt_ids, reference
+):
+    """A failover can route a request to the decode instance its first route used (the only
+    one, when the prefill instance died). Both routes' work then runs there side by side under
+    distinct engine ids; the failover's cancel (``attempt=0``) stops only the first, whose abort
+    is tagged attempt 0, and the second completes with the reference tokens."""
+    _, d = pd
+    rid = "r-again"
+    by_attempt: dict[int, list[TokenChunk]] = {0: [], 1: []}
+    finished = {0: asyncio.Event(), 1: asyncio.Event()}
+
+    async def on(msg):
+        c = decode(msg.data, TokenChunk)
+        by_attempt[c.attempt].append(c)
+        if c.finish_reason:
+            finished[c.attempt].set()
+
+    sub = await nc.subscribe(subjects.req_out(rid), cb=on)
+    first = _item(rid, prompt_ids).model_copy(
+        update={"sampling": SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)}
+    )
+    await bus.request(nc, subjects.decode_submit("d-test"), first, SubmitAck)
+    while not by_attempt[0]:  # the first route is decoding
+        await asyncio.sleep(0.01)
+    again = _item(rid, prompt_ids).model_copy(update={"attempt": 1})
+    await bus.request(nc, subjects.decode_submit("d-test"), again, SubmitAck)
+    assert sorted(d.svc.tasks) == [rid, f"{rid}#1"]
+    cancel = Cancel(request_id=rid, reason="failover from p-dead: down", attempt=0)
+    await bus.publish(nc, subjects.req_cancel(rid), cancel)
+    await asyncio.wait_for(finished[0].wait(), 60)
+    await asyncio.wait_for(finished[1].wait(), 60)
+    await sub.unsubscribe()
+    assert max(by_attempt[0], key=lambda c: c.index).finish_reason == "abort"
+    assert _tokens(by_attempt[1]) == reference
+    assert max(by_attempt[1], key=lambda c: c.index).finish_reason == "length"
+    await asyncio.sleep(0.2)
+    assert d.svc.tasks == {} and d.rt.port.stats().running == 0
