@@ -26,7 +26,9 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 REQUESTS = 16
 PROMPT_WORDS = 400  # 16 x ~400+ tokens: several 2048-token prefill chunks
 CHUNK = 2048  # max_num_batched_tokens: one forward of a full chunk takes seconds on a CPU core
-LOAD_INTERVAL, DOWN_AFTER = 0.1, 3  # down timeout 0.3 s
+# Down timeout 0.6 s: forwards take 2-3 s, so the precondition holds with room, and a loaded
+# 2-core box still gets each heartbeat thread on a core within it.
+LOAD_INTERVAL, DOWN_AFTER = 0.15, 4
 
 
 async def stream_one(cl: httpx.AsyncClient, url: str, model: str, prompt: str) -> dict:
@@ -101,11 +103,12 @@ def test_long_forwards_do_not_make_instances_look_dead():
         print(f"longest prefill forward {longest:.2f}s, down timeout {timeout_s:.2f}s")
         # precondition: a real forward outlasted the down timeout (else this proves nothing)
         assert longest > timeout_s, (longest, timeout_s, bad[:2])
-        assert not bad, bad[:3]
+        seen = (bad[:3], watcher.down_seen, down_total, failovers)  # all of it on any failure
+        assert not bad, seen
         assert all(r["finish"] == "length" for r in results), results
-        assert not watcher.down_seen, watcher.down_seen
-        assert sum(down_total.values()) == 0, down_total
-        assert sum(failovers.values()) == 0, failovers
+        assert not watcher.down_seen, seen
+        assert sum(down_total.values()) == 0, seen
+        assert sum(failovers.values()) == 0, seen
         assert c.alive("prefill-0") and c.alive("decode-0")
     finally:
         watcher.close()
