@@ -22,7 +22,7 @@ start=$(date +%s)
 set +e
 timeout --signal=INT --kill-after=60 "${STRATA_SUITE_TIMEOUT:-1800}" \
   "$PY" -m pytest -q -p no:cacheprovider --timeout="${STRATA_TEST_TIMEOUT:-300}" \
-  --durations=15 "$@"
+  --durations=40 "$@"
 rc=$?
 set -e
 log "pytest finished in $(( $(date +%s) - start ))s with exit code $rc"

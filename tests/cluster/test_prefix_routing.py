@@ -19,9 +19,14 @@ WORKLOAD = TenantWorkload(
 )
 
 
-def test_prefix_aware_beats_round_robin_on_prefix_hits(default_model_dir):
+@pytest.fixture(scope="module")
+def ref(default_model_dir) -> float:
+    """The single-instance hit rate of the workload (one in-process engine caching everything)."""
+    return reference_hit_rate(default_model_dir, WORKLOAD.jobs(), WORKLOAD.warmup_jobs())
+
+
+def test_prefix_aware_beats_round_robin_on_prefix_hits(default_model_dir, ref):
     jobs, warm = WORKLOAD.jobs(), WORKLOAD.warmup_jobs()
-    ref = reference_hit_rate(default_model_dir, jobs, warm)
     assert ref > 0.9  # after the warm-up, every system prompt is cached on a single instance
     rr = run_policy(default_model_dir, "round_robin", jobs, warm)
     pa = run_policy(default_model_dir, "prefix_aware", jobs, warm)
@@ -31,7 +36,7 @@ def test_prefix_aware_beats_round_robin_on_prefix_hits(default_model_dir):
     assert rr.hit_rate <= 0.5 * ref, (rr.hit_rate, ref)
 
 
-def test_prefix_routing_holds_when_the_cluster_runs_another_dtype(default_model_dir):
+def test_prefix_routing_holds_when_the_cluster_runs_another_dtype(default_model_dir, ref):
     """`strata up --dtype bfloat16` on the fp32 default model: the gateway's block hashes (from
     the tokenizer's fingerprint) must be keyed like the bf16 engines' KV events, or the scheduler
     sees no prefix anywhere and routes by load alone (hit rate then like round robin's). With
@@ -39,7 +44,6 @@ def test_prefix_routing_holds_when_the_cluster_runs_another_dtype(default_model_
     engine's KV event says so: its own expectations, keyed by the gateway's hashes whatever the
     engines use, would hide a mismatch (checked: with the tokenizer left at fp32 this fails)."""
     jobs, warm = WORKLOAD.jobs(), WORKLOAD.warmup_jobs()
-    ref = reference_hit_rate(default_model_dir, jobs, warm)
     # half the bytes: bf16 blocks are half the size, so each cache holds as many as in fp32
     pa = run_policy(
         default_model_dir,
