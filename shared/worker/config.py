@@ -55,7 +55,7 @@ def usable_cores() -> int:
 
 
 ENGINE_LIMITS: dict[str, dict[str, Any]] = {
-    "kv_cache_bytes": {"gt": 0},
+    "kv_cache_bytes": {"ge": 0},
     "block_size": {"ge": 1, "le": 1024},
     "max_num_seqs": {"ge": 1},
     "max_num_batched_tokens": {"ge": 16},
@@ -63,6 +63,12 @@ ENGINE_LIMITS: dict[str, dict[str, Any]] = {
 }
 """Bounds a worker puts on engine settings when they are parsed, beside `EngineConfig`'s own
 checks (which every `WorkerConfig` also passes: a bad combination names its setting)."""
+
+WORKER_DEFAULTS: dict[str, Any] = {"kv_cache_bytes": 0}
+"""Engine settings whose worker default differs from `EngineConfig`'s."""
+WORKER_DEFAULT_DOCS = {
+    "kv_cache_bytes": " 0 (default): auto, a share of the memory (`shared/worker/kv_budget.py`)."
+}
 
 ENGINE_DERIVED = ("collect_evicted_kv",)
 """Engine fields a worker does not set: they follow from other settings (`engine_config`)."""
@@ -92,7 +98,8 @@ def _engine_settings() -> tuple[dict[str, Any], dict[str, Callable[[Any], Any]]]
                 doc += f" Setting: {default!r} for None."
                 convert[f.name] = lambda v: v or None
         else:
-            default = f.default
+            default = WORKER_DEFAULTS.get(f.name, f.default)
+            doc += WORKER_DEFAULT_DOCS.get(f.name, "")
             convert[f.name] = lambda v: v
         if f.name not in ModelServiceConfig.model_fields:  # device, dtype: already settings
             fields[f.name] = (tp, Field(default, description=doc, **kw))
@@ -114,6 +121,20 @@ class WorkerConfig(EngineSettings):  # type: ignore[misc, valid-type]
     """A prefill or decode instance: the model, its engine and its KV transfer settings."""
 
     transfer_timeout: float = Field(30.0, gt=0, description="Seconds to wait for a KV transfer")
+    kv_memory_fraction: float = Field(
+        0.0,
+        ge=0,
+        le=0.95,
+        description="Auto KV budget (kv_cache_bytes 0): the share of memory for the KV caches "
+        "of this host's model processes; 0: 0.4 of host memory on CPU, 0.85 of the device "
+        "memory free after loading on CUDA",
+    )
+    host_engines: int = Field(
+        1,
+        ge=1,
+        description="Model processes sharing this machine's memory (the auto KV budget is "
+        "divided by it); strata up sets it",
+    )
     frame_merge_bytes: int = Field(
         256 << 10, ge=0, description="Merge layer frames below this size into one (direct mode)"
     )
@@ -157,8 +178,12 @@ class WorkerConfig(EngineSettings):  # type: ignore[misc, valid-type]
             raise ValidationError.from_exception_data(type(self).__name__, [detail]) from None
         return self
 
-    def engine_config(self) -> EngineConfig:
+    def engine_config(self, kv_cache_bytes: int = 0) -> EngineConfig:
         """The engine's settings: each `EngineConfig` field from the setting of its name, and
-        `collect_evicted_kv` on in pool mode (evicted blocks go to the kvstore)."""
+        `collect_evicted_kv` on in pool mode (evicted blocks go to the kvstore). An auto
+        ``kv_cache_bytes`` (0) takes the resolved ``kv_cache_bytes`` given (`kv_budget`; the
+        parse-time check, which has no model yet, passes `EngineConfig`'s default)."""
         values = {name: to_engine(getattr(self, name)) for name, to_engine in _TO_ENGINE.items()}
+        if not values["kv_cache_bytes"]:
+            values["kv_cache_bytes"] = kv_cache_bytes or EngineConfig.kv_cache_bytes
         return EngineConfig(**values, collect_evicted_kv=bool(self.kvstore_addrs))

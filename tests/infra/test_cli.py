@@ -205,6 +205,10 @@ def test_service_env_gives_each_role_its_settings(tmp_path):
     assert specs["decode"].name == "decode-1"
     assert specs["decode"].argv[5:] == ["--max-num-seqs", "8"]
     assert specs["decode"].env["STRATA_TORCH_THREADS"] == "3"
+    # the auto KV budget splits the memory among the model processes of this machine
+    engines = str(c.cfg.prefill + 2)
+    assert {r for r, s in specs.items() if "STRATA_HOST_ENGINES" in s.env} == {"prefill", "decode"}
+    assert specs["decode"].env["STRATA_HOST_ENGINES"] == engines
     assert specs["decode"].env["STRATA_KVSTORE_ADDRS"] == "127.0.0.1:7001,127.0.0.1:7002"
     assert specs["kvstore"].env["STRATA_GRPC_PORT"] == "7002"
     assert "STRATA_MINIO_ENDPOINT" not in specs["kvstore"].env  # not started: no MinIO
