@@ -60,6 +60,7 @@ class StreamAssembler:
         self.exclude: list[str] = []  # instances failed away from, oldest first
         self.route = RouteReply(decode_instance="", decode_addr="")
         self.attempt = -1  # the current route's `WorkItem.attempt` (0 for the first)
+        self.steps: dict[str, int] = {}  # engine step counts this route's probes saw
         self.acked = False  # this route's submit was taken (ack or any chunk)
         self.got_chunk = False  # a chunk of this route arrived
         self.decode_streamed = False  # the route's decode instance sent a chunk
@@ -79,6 +80,7 @@ class StreamAssembler:
         """A new route (the first, or one after a failover) starts."""
         self.route = route
         self.attempt += 1
+        self.steps = {}
         self.acked = self.got_chunk = self.decode_streamed = False
 
     def wait_limit(self, ack: float, first_token: float, stall: float) -> float:
@@ -86,6 +88,13 @@ class StreamAssembler:
         if self.awaiting_ack:
             return ack
         return first_token if not self.sent else stall
+
+    def engine_progressed(self, instance_id: str, steps: int) -> bool:
+        """A probe of a silent route saw ``instance_id``'s engine at ``steps``: True the first
+        time, then only when it stepped since the last probe (a stuck engine is a stall)."""
+        last = self.steps.get(instance_id)
+        self.steps[instance_id] = steps
+        return last is None or steps > last
 
     def ack(self, instance_id: str) -> None:
         """The submit was taken by ``instance_id`` (a late ack from another one is ignored)."""

@@ -29,4 +29,8 @@ CACHED_TOKENS = Counter("strata:prompt_tokens_cached", "Prompt tokens served fro
 REQUESTS = Counter("strata:request_success", "Finished requests", ["finished_reason"])
 HTTP = Counter("strata:http_requests", "HTTP requests by route and status", ["route", "status"])
 FAILOVERS = Counter("strata:stream_failovers", "Streams re-routed to another instance", ["why"])
+STALLS_WAITED = Counter(
+    "strata:stream_stalls_waited",
+    "Silent streams kept waiting: a probe found the request still worked on (not a failover)",
+)
 CANCELS = Counter("strata:request_cancelled", "Requests cancelled (client gone)")

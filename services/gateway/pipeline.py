@@ -34,7 +34,7 @@ from shared.protocol.sched import DegradeRules, RouteReply, RouteRequest, Schedu
 from shared.protocol.stream import Cancel, TokenChunk
 from shared.protocol.tok import TokenizeReply, TokenizeRequest
 from shared.protocol.vision import VisionEncodeReply, VisionEncodeRequest
-from shared.protocol.work import ImageRef, SubmitAck, WorkItem
+from shared.protocol.work import HeldQuery, HeldReply, ImageRef, SubmitAck, WorkItem
 
 log = logging.getLogger(__name__)
 
@@ -301,6 +301,27 @@ class Pipeline:
             raise StrataError("unavailable", "no decode instance is available")
         return route
 
+    async def _still_worked_on(self, rid: str, asm: StreamAssembler) -> bool:
+        """Whether a route that sent nothing for a while is still worked on: one of its
+        instances holds the request (queued, preempted, prefilling, handing off, decoding) and
+        its engine stepped since the last time we asked (the first answer only needs the
+        request held). No answer, not held, or an engine that stopped stepping: stalled."""
+        route = asm.route
+        for inst in dict.fromkeys(i for i in (route.decode_instance, route.prefill_instance) if i):
+            try:
+                rep = await bus.request(
+                    self.nc,
+                    subjects.work_probe(inst),
+                    HeldQuery(request_id=rid, attempt=asm.attempt),
+                    HeldReply,
+                    min(2.0, self.cfg.bus_timeout),
+                )
+            except StrataError:
+                continue
+            if rep.held and asm.engine_progressed(inst, rep.engine_steps):
+                return True
+        return False
+
     def _ack_problem(self, msg, route: RouteReply) -> str | None:
         """A failover reason when the forwarded submit was not taken; None when it was."""
         target = route.prefill_instance or route.decode_instance
@@ -328,6 +349,9 @@ class Pipeline:
             try:
                 msg = await asyncio.wait_for(q.get(), timeout)
             except TimeoutError:
+                if not asm.awaiting_ack and await self._still_worked_on(rid, asm):
+                    m.STALLS_WAITED.inc()
+                    continue  # queued, preempted or behind long forwards: not stalled
                 yield asm.timed_out(timeout)
                 return
             if isinstance(msg, _Lost):

@@ -50,6 +50,7 @@ _TABLE: dict[str, tuple[list[str], list[str]]] = {
             s.SCHED_ROUTE,
             s.SCHED_INSTANCES,
             s.REQ_CANCEL_ALL,
+            s.work_probe("*"),
             f"{inbox_prefix(API_USER)}.>",
         ],
         [s.API_GENERATE, s.API_CANCEL, s.SCHED_STATE, f"{_P}.req.*.*"],
@@ -74,11 +75,11 @@ _TABLE: dict[str, tuple[list[str], list[str]]] = {
     ),
     "prefill": (
         [s.load_report("prefill", "*"), _KV_EVENTS, _REQ_OUT, s.decode_submit("*"), *_REGISTRY],
-        [s.prefill_submit("*"), s.REQ_CANCEL_ALL],
+        [s.prefill_submit("*"), s.REQ_CANCEL_ALL, s.work_probe("*")],
     ),
     "decode": (
         [s.load_report("decode", "*"), _KV_EVENTS, _REQ_OUT, *_REGISTRY],
-        [s.decode_submit("*"), s.REQ_CANCEL_ALL],
+        [s.decode_submit("*"), s.REQ_CANCEL_ALL, s.work_probe("*")],
     ),
     API_USER: ([f"{_P}.api.v1.>"], []),
 }

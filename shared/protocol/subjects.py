@@ -58,6 +58,12 @@ def req_any(request_id: str) -> str:
 REQ_CANCEL_ALL = f"{PREFIX}.req.*.cancel"
 
 
+def work_probe(instance: str) -> str:
+    """`HeldQuery` -> `HeldReply`: does this prefill / decode instance still work on a request
+    (the gateway asks before it fails a silent stream over)."""
+    return f"{PREFIX}.probe.{instance}"
+
+
 def load_report(role: str, instance: str) -> str:
     return f"{PREFIX}.load.{role}.{instance}"
 

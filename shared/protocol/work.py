@@ -45,6 +45,21 @@ def engine_id(request_id: str, attempt: int) -> str:
     return request_id if attempt == 0 else f"{request_id}#{attempt}"
 
 
+class HeldQuery(Msg):
+    """`subjects.work_probe`: is route ``attempt`` of ``request_id`` still worked on here?"""
+
+    request_id: str
+    attempt: int = 0
+
+
+class HeldReply(Msg):
+    """``held``: its task runs here (queued, prefilling, preempted, handing off or decoding);
+    ``engine_steps``: the engine's step count, which a working engine keeps raising."""
+
+    held: bool
+    engine_steps: int = 0
+
+
 class PrefillWork(WorkItem):
     """`strata.prefill.<id>.submit` (from the scheduler): the request and where its KV goes."""
 

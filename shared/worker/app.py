@@ -16,7 +16,7 @@ from shared.logs import setup_logging
 from shared.model.validate import validate_checkpoint
 from shared.protocol import subjects
 from shared.protocol.sched import InstanceRecord
-from shared.protocol.work import DecodeWork, PrefillWork
+from shared.protocol.work import DecodeWork, HeldQuery, PrefillWork
 from shared.registry import deregister_instance, register_instance
 from shared.service import StartupError, announce_ready, run
 from shared.worker.config import WorkerConfig
@@ -81,6 +81,7 @@ async def start_worker(
     else:
         await bus.serve(nc, subjects.decode_submit(cfg.instance_id), DecodeWork, svc.submit)
     await subscribe_cancels(nc, svc.cancel)
+    await bus.serve(nc, subjects.work_probe(cfg.instance_id), HeldQuery, svc.held)
     m = rt.loaded.config
     await register_instance(
         nc.jetstream(),

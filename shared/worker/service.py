@@ -7,7 +7,7 @@ import asyncio
 from nats.aio.client import Client as NATS
 
 from shared.protocol.errors import StrataError
-from shared.protocol.work import SubmitAck, WorkItem, engine_id
+from shared.protocol.work import HeldQuery, HeldReply, SubmitAck, WorkItem, engine_id
 from shared.worker.runtime import ModelRuntime
 
 
@@ -50,6 +50,13 @@ class RequestTasks:
         if attempt is not None:
             attempts = attempts & {attempt}
         return [engine_id(request_id, a) for a in sorted(attempts)]
+
+    async def held(self, q: HeldQuery) -> HeldReply:
+        """`subjects.work_probe`: whether route ``q.attempt`` of the request runs here."""
+        return HeldReply(
+            held=engine_id(q.request_id, q.attempt) in self.tasks,
+            engine_steps=self.rt.port.stats().steps,
+        )
 
     async def cancel(self, request_id: str, attempt: int | None = None) -> None:
         """Cancel ``request_id``'s work here: all of it, or only route ``attempt`` (a failover:

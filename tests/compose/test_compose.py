@@ -31,6 +31,7 @@ SERVICE_SETTINGS = {
     "KVSTORE_ADDRS",
     "NATS_USER",
     "NATS_PASSWORD",
+    "HOST_ENGINES",  # prefill / decode: WorkerConfig.host_engines (the auto KV budget's split)
 }
 KNOWN = {f.upper() for f in ModelServiceConfig.model_fields} | SERVICE_SETTINGS
 

@@ -22,7 +22,14 @@ from shared.protocol.codec import encode
 from shared.protocol.sampling import SamplingParams
 from shared.protocol.sched import RouteReply, RouteRequest, SchedulerState, routed_submit
 from shared.protocol.stream import TokenChunk
-from shared.protocol.work import DecodeWork, PrefillWork, SubmitAck, WorkItem
+from shared.protocol.work import (
+    DecodeWork,
+    HeldQuery,
+    HeldReply,
+    PrefillWork,
+    SubmitAck,
+    WorkItem,
+)
 
 DISAGG = RouteReply(decode_instance="dec-a", decode_addr="h:1", prefill_instance="pre-a")
 SELF = RouteReply(decode_instance="dec-a", decode_addr="h:1")
@@ -86,8 +93,15 @@ class Fleet:
         subject = subjects.prefill_submit(inst)
         self.subs.append(await bus.serve(self.nc, subject, PrefillWork, submit))
 
-    async def add_decode(self, inst: str, gap: float = 0.0, stall_after: int | None = None):
-        self.decodes[inst] = {"gap": gap, "stall_after": stall_after}
+    async def add_decode(
+        self,
+        inst: str,
+        gap: float = 0.0,
+        stall_after: int | None = None,
+        pause: tuple[int, float] | None = None,
+    ):
+        """``pause``: (token index, seconds) to go silent before that token, then go on."""
+        self.decodes[inst] = {"gap": gap, "stall_after": stall_after, "pause": pause}
 
         async def submit(item: DecodeWork) -> SubmitAck:
             self.submits.append((inst, item))
@@ -95,6 +109,17 @@ class Fleet:
             return SubmitAck(instance_id=inst)
 
         self.subs.append(await bus.serve(self.nc, subjects.decode_submit(inst), DecodeWork, submit))
+
+    async def add_probe(self, inst: str, stepping: bool) -> None:
+        """Answer the gateway's probe as a live instance holding the request does: its engine
+        steps on (each answer one step later), or is stuck (always the same count)."""
+        self.probes = 0
+
+        async def held(q: HeldQuery) -> HeldReply:
+            self.probes += 1
+            return HeldReply(held=True, engine_steps=self.probes if stepping else 7)
+
+        self.subs.append(await bus.serve(self.nc, subjects.work_probe(inst), HeldQuery, held))
 
     async def _chunk(self, inst: str, item: WorkItem, i: int) -> None:
         last = i == item.sampling.max_tokens - 1
@@ -124,11 +149,13 @@ class Fleet:
         for i in range(len(item.output_token_ids), item.sampling.max_tokens):
             if b["stall_after"] is not None and i >= b["stall_after"]:
                 return
+            if b["pause"] is not None and b["pause"][0] == i:
+                await asyncio.sleep(b["pause"][1])
             await asyncio.sleep(b["gap"])
             await self._chunk(inst, item, i)
 
 
-async def _run(nats_url: str, setup, during, max_tokens: int = 6):
+async def _run(nats_url: str, setup, during, max_tokens: int = 6, stall_timeout: float = 20.0):
     """Stream one request through a real `Pipeline`; ``during(fleet, got)`` runs alongside.
     Returns (token ids, fleet)."""
     nc = await bus.connect(nats_url, "failover-blame-test")
@@ -140,7 +167,7 @@ async def _run(nats_url: str, setup, during, max_tokens: int = 6):
         nats_url=nats_url,
         bus_timeout=5.0,
         first_token_timeout=20.0,
-        stall_timeout=20.0,
+        stall_timeout=stall_timeout,
     )
     pipe = Pipeline(nc, cfg)
     await pipe.start()
@@ -224,3 +251,42 @@ async def test_decode_declared_down_is_excluded(nats_url, caplog):
     assert [r.exclude for r, _ in f.routes] == [[], ["dec-a"]]
     assert f.routes[1][1].decode_instance == "dec-b"
     assert any("failover from dec-a: down" in r.getMessage() for r in caplog.records)
+
+
+async def _nothing(f: Fleet, got: list[int]) -> None:
+    return None
+
+
+async def test_a_silent_decode_that_still_works_on_the_request_is_waited_for(nats_url):
+    """dec-a goes silent for 4 stall timeouts (preempted, queued behind long forwards) but
+    answers the probe: it holds the request and its engine steps. No failover: the stream
+    completes from dec-a, and each stall is counted as waited."""
+    from services.gateway import metrics as m
+
+    async def setup(f: Fleet) -> None:
+        await f.add_decode("dec-a", pause=(3, 2.0))
+        await f.add_probe("dec-a", stepping=True)
+        await f.add_decode("dec-b")
+
+    waited = m.STALLS_WAITED._value.get()
+    got, f = await _run(nats_url, setup, _nothing, stall_timeout=0.5)
+    assert got == [100, 101, 102, 103, 104, 105]
+    assert len(f.routes) == 1 and [i for i, _ in f.submits] == ["dec-a"]
+    assert f.probes >= 3 and m.STALLS_WAITED._value.get() - waited >= 3
+
+
+async def test_a_silent_decode_whose_engine_stopped_stepping_is_failed_over(nats_url, caplog):
+    """The same silence, but dec-a's engine count stands still: the first probe is given the
+    benefit of the doubt, the second is a stall, and the request moves to dec-b."""
+
+    async def setup(f: Fleet) -> None:
+        await f.add_decode("dec-a", pause=(3, 30.0))
+        await f.add_probe("dec-a", stepping=False)
+        await f.add_decode("dec-b")
+
+    with caplog.at_level(logging.WARNING, logger="services.gateway.pipeline"):
+        got, f = await _run(nats_url, setup, _nothing, stall_timeout=0.5)
+    assert got == [100, 101, 102, 103, 104, 105]
+    assert [r.exclude for r, _ in f.routes] == [[], ["dec-a"]]
+    assert f.probes == 2
+    assert any("failover from dec-a: stall" in r.getMessage() for r in caplog.records)

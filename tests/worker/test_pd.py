@@ -19,7 +19,14 @@ from shared.protocol import subjects
 from shared.protocol.codec import decode
 from shared.protocol.sampling import SamplingParams
 from shared.protocol.stream import Cancel, TokenChunk
-from shared.protocol.work import DecodeWork, PrefillWork, SubmitAck, WorkItem
+from shared.protocol.work import (
+    DecodeWork,
+    HeldQuery,
+    HeldReply,
+    PrefillWork,
+    SubmitAck,
+    WorkItem,
+)
 from shared.worker.app import start_worker
 from shared.worker.config import WorkerConfig
 from tests.worker.kv_counters import Transfers, assert_moved, kv_bytes
@@ -343,6 +350,11 @@ async def test_a_failover_route_on_the_same_decode_instance_survives_the_first_o
     again = _item(rid, prompt_ids).model_copy(update={"attempt": 1})
     await bus.request(nc, subjects.decode_submit("d-test"), again, SubmitAck)
     assert sorted(d.svc.tasks) == [rid, f"{rid}#1"]
+    # the gateway's probe of a silent stream sees both routes held, an unknown one not
+    for attempt, held in ((0, True), (1, True), (5, False)):
+        q = HeldQuery(request_id=rid, attempt=attempt)
+        rep = await bus.request(nc, subjects.work_probe("d-test"), q, HeldReply)
+        assert rep.held == held and rep.engine_steps > 0, (attempt, rep)
     cancel = Cancel(request_id=rid, reason="failover from p-dead: down", attempt=0)
     await bus.publish(nc, subjects.req_cancel(rid), cancel)
     await asyncio.wait_for(finished[0].wait(), 60)
