@@ -56,12 +56,14 @@ def engine_side(model_dir: str, prompts: list[str], out_len: int, conc: int, thr
     from shared.model.tokenizer import Tokenizer
     from shared.protocol.sampling import SamplingParams
     from shared.worker.config import WorkerConfig
+    from shared.worker.kv_budget import kv_budget_for
 
     torch.set_num_threads(threads)
     tok = Tokenizer.from_dir(model_dir)
     ids = [tok.encode(p) for p in prompts]
-    cfg = WorkerConfig.load([], role="decode", max_num_seqs=conc).engine_config()
-    eng = LLMEngine(load_model(model_dir), cfg)
+    wcfg = WorkerConfig.load([], role="decode", max_num_seqs=conc)
+    loaded = load_model(model_dir)
+    eng = LLMEngine(loaded, wcfg.engine_config(kv_budget_for(wcfg, loaded)[0]))  # as decode's
     sp = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
     with torch.inference_mode():
         eng.generate(ids[:2], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))

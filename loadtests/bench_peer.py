@@ -159,12 +159,14 @@ def engine_run(model_dir: str, prompts: list[str], wl: Workload, threads: int, d
     from shared.model.tokenizer import Tokenizer
     from shared.protocol.sampling import SamplingParams
     from shared.worker.config import WorkerConfig
+    from shared.worker.kv_budget import kv_budget_for
 
     torch.set_num_threads(threads)
     tok = Tokenizer.from_dir(model_dir)
     ids = [tok.encode(p) for p in prompts]
-    cfg = WorkerConfig.load([], role="decode", max_num_seqs=wl.conc).engine_config()
-    eng = LLMEngine(load_model(model_dir, dtype=getattr(torch, dtype)), cfg)
+    wcfg = WorkerConfig.load([], role="decode", max_num_seqs=wl.conc)
+    loaded = load_model(model_dir, dtype=getattr(torch, dtype))
+    eng = LLMEngine(loaded, wcfg.engine_config(kv_budget_for(wcfg, loaded)[0]))  # as decode's
     with torch.inference_mode():
         warm = [tok.encode(p) for p in wl.prompts("warm-up", 2)]
         eng.generate(warm, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))

@@ -108,11 +108,12 @@ def measure_engine(
     from shared.model.loader import load_model
     from shared.protocol.sampling import SamplingParams
     from shared.worker.config import WorkerConfig
+    from shared.worker.kv_budget import kv_budget_for
 
     torch.set_num_threads(threads)
     loaded = load_model(model_dir)
-    cfg = WorkerConfig.load([], role="decode", max_num_seqs=max(batch, 1)).engine_config()
-    eng = LLMEngine(loaded, cfg)
+    wcfg = WorkerConfig.load([], role="decode", max_num_seqs=max(batch, 1))
+    eng = LLMEngine(loaded, wcfg.engine_config(kv_budget_for(wcfg, loaded)[0]))  # as decode's
     rng = random.Random("roofline")
     vocab = min(loaded.config.vocab_size, 4096)
 

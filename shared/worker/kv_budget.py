@@ -119,3 +119,21 @@ def resolve_kv_bytes(
     return auto_kv_bytes(
         token_bytes, max_tokens, memory, fraction=fraction, host_engines=host_engines
     )
+
+
+def kv_budget_for(cfg, loaded) -> tuple[int, str]:
+    """`resolve_kv_bytes` for a `WorkerConfig` and its loaded model (loaded in the serving
+    dtype, which is its KV's dtype): what an instance, or a benchmark's in-process engine
+    standing for one, runs with."""
+    from shared.model.api import KVCache
+
+    m = loaded.model
+    token_bytes = KVCache.bytes_per_block(m.num_layers, 1, m.num_kv_heads, m.head_dim, m.dtype)
+    return resolve_kv_bytes(
+        cfg.kv_cache_bytes,
+        token_bytes,
+        cfg.max_num_seqs * loaded.config.max_position_embeddings,
+        device=cfg.device,
+        fraction=cfg.kv_memory_fraction,
+        host_engines=cfg.host_engines,
+    )

@@ -25,7 +25,7 @@ from shared.protocol.stream import Cancel, TokenChunk
 from shared.worker.config import WorkerConfig
 from shared.worker.cost import ReuseCostModel
 from shared.worker.heartbeat import Heartbeat
-from shared.worker.kv_budget import resolve_kv_bytes
+from shared.worker.kv_budget import kv_budget_for
 from shared.worker.metrics import EngineMetrics
 from shared.worker.pool_link import PoolLink
 
@@ -90,7 +90,7 @@ class ModelRuntime:
         # seconds per token seed the load-vs-recompute cost model.
         self.port = EnginePort.open(
             self.loaded,
-            self.cfg.engine_config(self._kv_budget()),
+            self._engine_config(),
             self.tokenizer,
             warm_up_tokens=128,
         )
@@ -104,22 +104,11 @@ class ModelRuntime:
             time.perf_counter() - t0,
         )
 
-    def _kv_budget(self) -> int:
-        """The KV cache bytes to run with (auto when the setting is 0), logged in one line."""
-        from shared.model.api import KVCache
-
-        cfg, m = self.cfg, self.loaded.model  # loaded in the serving dtype: the KV's dtype
-        token_bytes = KVCache.bytes_per_block(m.num_layers, 1, m.num_kv_heads, m.head_dim, m.dtype)
-        budget, why = resolve_kv_bytes(
-            cfg.kv_cache_bytes,
-            token_bytes,
-            cfg.max_num_seqs * self.loaded.config.max_position_embeddings,
-            device=cfg.device,
-            fraction=cfg.kv_memory_fraction,
-            host_engines=cfg.host_engines,
-        )
+    def _engine_config(self):
+        """The engine settings, with the KV budget resolved (auto when 0) and logged."""
+        budget, why = kv_budget_for(self.cfg, self.loaded)
         log.info("KV cache %s", why)
-        return budget
+        return self.cfg.engine_config(budget)
 
     def pool_link(self) -> PoolLink | None:
         """The link to the kvstore instances, when the instance is configured with some."""

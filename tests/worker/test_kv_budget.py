@@ -64,3 +64,16 @@ def test_the_cpu_pool_is_zero_and_becomes_resident_only_where_written():
     kv.k[:, 7] = 1.5
     assert float(kv.k[:, 7].float().mean()) == 1.5
     assert not kv.k[:, 8:4000:97].any() and not kv.v[:, ::101].any()  # zeros where unwritten
+
+
+def test_the_budget_of_a_loaded_model_counts_its_kv_bytes_per_token():
+    from services.launcher import ensure_model
+    from shared.model.loader import load_model
+    from shared.worker.kv_budget import kv_budget_for
+
+    loaded = load_model(ensure_model(""))  # tiny default: 4 layers x 2 KV heads x 64, fp32
+    cfg = WorkerConfig.load(["--kv-cache-bytes", str(4 << 20)], role="decode", model="m")
+    assert kv_budget_for(cfg, loaded) == (4 << 20, "4 MiB (1,024 tokens): kv_cache_bytes")
+    auto = WorkerConfig.load(["--max-num-seqs", "2"], role="decode", model="m")
+    budget, why = kv_budget_for(auto, loaded)  # 2 x max_model_len fits in any machine's share
+    assert budget == 2 * loaded.config.max_position_embeddings * 4096, why
