@@ -18,6 +18,7 @@ device memory free after the model loaded. The CPU pool is allocated lazily zero
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 MIN_AUTO_BYTES = 64 << 20
@@ -40,11 +41,15 @@ class Memory:
 def host_memory() -> Memory:
     """This machine's memory (``/proc/meminfo``), capped by the cgroup's limit when lower."""
     info: dict[str, int] = {}
-    with open("/proc/meminfo") as f:
-        for line in f:
-            key, _, rest = line.partition(":")
-            info[key] = int(rest.split()[0]) * 1024
-    total, avail, where = info["MemTotal"], info.get("MemAvailable", info["MemFree"]), "memory"
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                info[key] = int(rest.split()[0]) * 1024
+    except OSError:  # not Linux: physical pages, all counted as available
+        info["MemTotal"] = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    total = info["MemTotal"]
+    avail, where = info.get("MemAvailable", info.get("MemFree", total)), "memory"
     limit = _cgroup_limit()
     if limit is not None and limit < total:
         total, avail, where = limit, min(avail, limit), "cgroup limit"
@@ -78,16 +83,18 @@ def auto_kv_bytes(
     *,
     fraction: float,
     host_engines: int = 1,
+    free_cap: float = 0.8,
 ) -> tuple[int, str]:
     """(budget in bytes, why in one line) for ``token_bytes`` per token and at most
-    ``max_tokens`` tokens worth keeping (max_num_seqs x max_model_len)."""
+    ``max_tokens`` tokens worth keeping (max_num_seqs x max_model_len); never more than
+    ``free_cap`` of the memory available now (on CUDA the share is already of free memory)."""
     engines = max(1, host_engines)
     share = int(fraction * memory.total / engines)
-    free = int(0.8 * memory.available / engines)
+    free = int(free_cap * memory.available / engines)
     useful = token_bytes * max_tokens
     budget, why = share, f"{fraction:.0%} of {_gib(memory.total)} {memory.where} / {engines}"
     if free < budget:
-        budget, why = free, f"80% of {_gib(memory.available)} available / {engines}"
+        budget, why = free, f"{free_cap:.0%} of {_gib(memory.available)} available / {engines}"
     if useful < budget:
         budget, why = useful, f"max_num_seqs x max_model_len = {max_tokens:,} tokens"
     if budget < MIN_AUTO_BYTES:
@@ -117,7 +124,12 @@ def resolve_kv_bytes(
     memory = device_memory(device) if cuda else host_memory()
     fraction = fraction or DEFAULT_FRACTION["cuda" if cuda else "cpu"]
     return auto_kv_bytes(
-        token_bytes, max_tokens, memory, fraction=fraction, host_engines=host_engines
+        token_bytes,
+        max_tokens,
+        memory,
+        fraction=fraction,
+        host_engines=host_engines,
+        free_cap=1.0 if cuda else 0.8,
     )
 
 
