@@ -40,7 +40,7 @@ class DecodeService(RequestTasks):
 
     async def cancel(self, request_id: str, attempt: int | None = None) -> None:
         # KV may be arriving for a route whose decode work is not here yet: drop that too.
-        for eid in set(self.running(request_id, attempt)) | self.receiver.pending_of(
+        for eid in self.running(request_id, attempt) | self.receiver.pending_of(
             request_id, attempt
         ):
             await self.receiver.drop(eid)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Literal
 
 from shared.protocol.base import Msg
@@ -43,6 +44,15 @@ class WorkItem(Msg):
 def engine_id(request_id: str, attempt: int) -> str:
     """See `WorkItem.engine_id`."""
     return request_id if attempt == 0 else f"{request_id}#{attempt}"
+
+
+def engine_ids_of(request_id: str, attempt: int | None, among: Iterable[str]) -> set[str]:
+    """The engine ids in ``among`` of ``request_id``'s work: of every attempt, or of
+    ``attempt`` only."""
+    if attempt is not None:
+        eid = engine_id(request_id, attempt)
+        return {eid} & set(among)
+    return {k for k in among if k == request_id or k.startswith(request_id + "#")}
 
 
 class HeldQuery(Msg):

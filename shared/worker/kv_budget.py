@@ -72,7 +72,7 @@ def device_memory(device: str) -> Memory:
     """Free and total memory of a CUDA device (after the model was loaded on it)."""
     import torch
 
-    free, total = torch.cuda.mem_get_info(torch.device(device))
+    free = torch.cuda.mem_get_info(torch.device(device))[0]
     return Memory(total=free, available=free, where=f"{device} free")
 
 

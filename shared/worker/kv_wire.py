@@ -20,7 +20,7 @@ from shared.engine.port import EnginePort
 from shared.kvtransfer.frames import FrameAssembler, frame_nbytes, frame_to_tensor, tensor_to_frames
 from shared.kvtransfer.server import KVTransferHandler
 from shared.protocol.errors import StrataError
-from shared.protocol.work import engine_id
+from shared.protocol.work import engine_ids_of
 
 log = logging.getLogger(__name__)
 
@@ -221,10 +221,7 @@ class KVReceiver(KVTransferHandler):
 
     def pending_of(self, request_id: str, attempt: int | None = None) -> set[str]:
         """Transfers in progress for ``request_id``: of every attempt, or of ``attempt``."""
-        if attempt is not None:
-            eid = engine_id(request_id, attempt)
-            return {eid} if eid in self._pending else set()
-        return {k for k in self._pending if k == request_id or k.startswith(request_id + "#")}
+        return engine_ids_of(request_id, attempt, self._pending)
 
     async def drop(self, request_id: str) -> None:
         if self._pending.pop(request_id, None) is not None:

@@ -7,7 +7,7 @@ import asyncio
 from nats.aio.client import Client as NATS
 
 from shared.protocol.errors import StrataError
-from shared.protocol.work import HeldQuery, HeldReply, SubmitAck, WorkItem, engine_id
+from shared.protocol.work import HeldQuery, HeldReply, SubmitAck, WorkItem, engine_id, engine_ids_of
 from shared.worker.runtime import ModelRuntime
 
 
@@ -20,7 +20,6 @@ class RequestTasks:
         self.rt = rt
         self.nc = nc
         self.tasks: dict[str, asyncio.Task] = {}  # by `WorkItem.engine_id`
-        self.attempts: dict[str, set[int]] = {}  # request id -> attempts running here
 
     @property
     def instance_id(self) -> str:
@@ -32,24 +31,12 @@ class RequestTasks:
             raise StrataError("bad_request", f"duplicate request id {rid} (attempt {item.attempt})")
         task = asyncio.create_task(self._run(item))
         self.tasks[eid] = task
-        self.attempts.setdefault(rid, set()).add(item.attempt)
-
-        def done(_: asyncio.Task) -> None:
-            self.tasks.pop(eid, None)
-            left = self.attempts.get(rid, set())
-            left.discard(item.attempt)
-            if not left:
-                self.attempts.pop(rid, None)
-
-        task.add_done_callback(done)
+        task.add_done_callback(lambda _: self.tasks.pop(eid, None))
         return SubmitAck(instance_id=self.instance_id)
 
-    def running(self, request_id: str, attempt: int | None = None) -> list[str]:
+    def running(self, request_id: str, attempt: int | None = None) -> set[str]:
         """Engine ids of ``request_id``'s work here: every attempt, or only ``attempt``."""
-        attempts = self.attempts.get(request_id, set())
-        if attempt is not None:
-            attempts = attempts & {attempt}
-        return [engine_id(request_id, a) for a in sorted(attempts)]
+        return engine_ids_of(request_id, attempt, self.tasks)
 
     async def held(self, q: HeldQuery) -> HeldReply:
         """`subjects.work_probe`: whether route ``q.attempt`` of the request runs here."""
@@ -62,9 +49,7 @@ class RequestTasks:
         """Cancel ``request_id``'s work here: all of it, or only route ``attempt`` (a failover:
         a later route of the same request may run here too and must go on)."""
         for eid in self.running(request_id, attempt):
-            task = self.tasks.get(eid)
-            if task is not None:
-                task.cancel()
+            self.tasks[eid].cancel()
 
     async def _run(self, item: WorkItem) -> None:
         raise NotImplementedError
