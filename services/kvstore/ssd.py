@@ -101,13 +101,7 @@ class MinioTier:
         http = urllib3.PoolManager(
             timeout=urllib3.Timeout(connect=min(timeout, 2.0), read=timeout),
             maxsize=max_connections,
-            # Never sleep out a Retry-After: MinIO sends 60 s with its 503 "not initialized".
-            retries=urllib3.Retry(
-                total=1,
-                backoff_factor=0.05,
-                status_forcelist=[502, 503, 504],
-                respect_retry_after_header=False,
-            ),
+            retries=urllib3.Retry(total=1, backoff_factor=0.05, status_forcelist=[502, 503, 504]),
         )
         given = endpoint.split(",") if isinstance(endpoint, str) else endpoint
         self.endpoints = [e.strip() for e in given if e.strip()]
