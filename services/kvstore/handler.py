@@ -7,8 +7,8 @@ from collections.abc import AsyncIterator
 
 from protos.kv_transfer_pb2 import BlockFrame, PullRequest, PushReply, QueryReply, QueryRequest
 from services.kvstore.store import KVStore
-from shared.kvtransfer.frames import FrameAssembler, FrameError
 from shared.kvtransfer.server import KVTransferHandler
+from shared.kvtransfer.wire import FrameAssembler, FrameError
 from shared.protocol.errors import StrataError
 
 

@@ -18,8 +18,8 @@ from prometheus_client import Counter
 from protos import kv_transfer_pb2_grpc
 from protos.kv_transfer_pb2 import BlockFrame, PullRequest, PushReply, QueryReply, QueryRequest
 from shared import metrics
-from shared.kvtransfer.frames import DEFAULT_MAX_FRAME_BYTES, split_frame
 from shared.kvtransfer.tls import GrpcTls
+from shared.kvtransfer.wire import DEFAULT_MAX_FRAME_BYTES, split_frame
 from shared.protocol.errors import StrataError
 
 log = logging.getLogger(__name__)
