@@ -4,8 +4,13 @@ header (format: `services.kvstore.chunks`), read back with ranged GETs (a pull's
 one GET, GETs in parallel: `services.kvstore.reader`).
 
 Blocking minio-SDK calls; the async `KVStore` runs them in worker threads. Calls fail fast
-(short timeouts, one retry) so a MinIO outage degrades the kvstore to DRAM-only instead of
-stalling it; failures raise `ObjectStoreError`, a missing object returns None.
+(short timeouts, one quick retry, a 503's Retry-After not honoured) so a MinIO outage degrades
+the kvstore to DRAM-only instead of stalling it; failures raise `ObjectStoreError`, a missing
+object returns None. With several endpoints (one distributed MinIO), a node that is down or
+answers 503 (busy: a node that just lost a peer says ``SlowDownWrite`` with ``Retry-After: 60``
+for several seconds while its peers accept the write) sends the call to the next node; only when
+some node said busy and none took the call is the round repeated, after 0.5, 1, then 2 s
+pauses, up to 19.5 s (`BUSY_WAITS_S`).
 
 Why chunks below ~1 MiB and one object per block above: docs/benchmarks/kvpool.md.
 """
@@ -36,8 +41,45 @@ NO_FINGERPRINT = "_"
 CHUNK_DIR = "chunk"
 
 
+BUSY_CODES = frozenset(
+    {
+        "SlowDown",
+        "SlowDownWrite",
+        "SlowDownRead",
+        "ServiceUnavailable",
+        "XMinioServerNotInitialized",
+    }
+)
+"""S3 error codes of a 503 that reached the SDK (a request urllib3 does not retry)."""
+BUSY_WAITS_S = (0.5, 1.0, *[2.0] * 9)
+"""Pauses before another round over the endpoints when a node answered 503 and none took the
+call: a distributed MinIO settling after a node loss (seen: every surviving node busy for up to
+~13 s), 19.5 s in all; never the 60 s a 503 asks for."""
+
+
 class ObjectStoreError(RuntimeError):
-    """The object store could not be reached or refused the operation."""
+    """The object store could not be reached or refused the operation. ``kind``:
+    ``unreachable`` (no answer), ``busy`` (503 after the retry), ``refused`` (any other error
+    answer)."""
+
+    def __init__(self, message: str, kind: str = "refused"):
+        super().__init__(message)
+        self.kind = kind
+
+
+def _s3_error(exc: S3Error) -> ObjectStoreError:
+    """The `ObjectStoreError` of an error answer (``busy`` for a 503's codes)."""
+    kind = "busy" if exc.code in BUSY_CODES else "refused"
+    return ObjectStoreError(f"minio {exc.code}: {exc.message}", kind)
+
+
+def _transport_error(exc: Exception) -> ObjectStoreError:
+    """The `ObjectStoreError` of an exception from urllib3 or the socket layer."""
+    if isinstance(exc, urllib3.exceptions.MaxRetryError) and isinstance(
+        exc.reason, urllib3.exceptions.ResponseError
+    ):  # the status retry ran out: the node answers, but 502/503/504
+        return ObjectStoreError(f"minio busy: {exc.reason}", kind="busy")
+    return ObjectStoreError(f"minio unreachable: {type(exc).__name__}: {exc}", kind="unreachable")
 
 
 def object_name(key: BlockKey) -> str:
@@ -101,7 +143,12 @@ class MinioTier:
         http = urllib3.PoolManager(
             timeout=urllib3.Timeout(connect=min(timeout, 2.0), read=timeout),
             maxsize=max_connections,
-            retries=urllib3.Retry(total=1, backoff_factor=0.05, status_forcelist=[502, 503, 504]),
+            retries=urllib3.Retry(
+                total=1,
+                backoff_factor=0.05,
+                status_forcelist=[502, 503, 504],
+                respect_retry_after_header=False,
+            ),
         )
         given = endpoint.split(",") if isinstance(endpoint, str) else endpoint
         self.endpoints = [e.strip() for e in given if e.strip()]
@@ -129,15 +176,23 @@ class MinioTier:
 
     def _call(self, fn, *args, **kwargs):
         """``fn(client, *args, **kwargs)`` on the current endpoint, then on each other one while
-        the endpoint is unreachable."""
-        for attempt in range(len(self.clients)):
-            try:
-                return self._call_one(fn, *args, **kwargs)
-            except ObjectStoreError as exc:
-                if "unreachable" not in str(exc) or attempt == len(self.clients) - 1:
-                    raise
-                self.current = (self.current + 1) % len(self.clients)
-                self.failovers += 1
+        the endpoint is unreachable or busy; another round after a `BUSY_WAITS_S` pause while
+        some node said busy."""
+        for wait in (*BUSY_WAITS_S, None):
+            busy = False
+            for attempt in range(len(self.clients)):
+                try:
+                    return self._call_one(fn, *args, **kwargs)
+                except ObjectStoreError as exc:
+                    if exc.kind == "refused":
+                        raise
+                    busy = busy or exc.kind == "busy"
+                    if attempt == len(self.clients) - 1 and (not busy or wait is None):
+                        raise
+                    if attempt < len(self.clients) - 1:
+                        self.current = (self.current + 1) % len(self.clients)
+                        self.failovers += 1
+            time.sleep(wait)
         raise AssertionError("unreachable")
 
     def _call_one(self, fn, *args, **kwargs):
@@ -148,11 +203,11 @@ class MinioTier:
         except S3Error as exc:
             if exc.code in ("NoSuchKey", "NoSuchObject"):
                 return None
-            raise ObjectStoreError(f"minio {exc.code}: {exc.message}") from exc
+            raise _s3_error(exc) from exc
         except ObjectStoreError:
             raise
-        except Exception as exc:  # noqa: BLE001 - urllib3/socket errors: store unreachable
-            raise ObjectStoreError(f"minio unreachable: {type(exc).__name__}: {exc}") from exc
+        except Exception as exc:  # noqa: BLE001 - urllib3/socket errors: unreachable or busy
+            raise _transport_error(exc) from exc
 
     def ensure_bucket(self) -> None:
         try:
@@ -163,9 +218,9 @@ class MinioTier:
                     if exc.code not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
                         raise
         except S3Error as exc:
-            raise ObjectStoreError(f"minio {exc.code}: {exc.message}") from exc
+            raise _s3_error(exc) from exc
         except Exception as exc:  # noqa: BLE001
-            raise ObjectStoreError(f"minio unreachable: {type(exc).__name__}: {exc}") from exc
+            raise _transport_error(exc) from exc
         self._bucket_ready = True
 
     def put(self, key: BlockKey, data: bytes) -> SsdLoc:
