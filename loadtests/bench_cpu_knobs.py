@@ -73,20 +73,28 @@ def main() -> None:
                 runs[side].append(r)
                 print(f"[bench_cpu_knobs] {side}: {r['tok_s']:.1f} tok/s", file=sys.stderr)
     print(f"### OS knobs on the default cluster, standard workload, {a.repeats} run(s) per side\n")
-    print(
-        "| side | out tok/s median | spread | TTFT p50 | TTFT p99 | TBT p50 | errors | load avg |"
-    )
-    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | --- |")
-    for side, rs in runs.items():
+    print("\n".join(runs_table("side", runs)))
+
+
+def runs_table(first: str, runs: dict[str, list[dict]]) -> list[str]:
+    """Markdown rows, one per key of ``runs`` (`drive` results): out tok/s median and spread,
+    TTFT p50 / p99 and TBT medians, errors, load average range."""
+    rows = [
+        f"| {first} | out tok/s median | spread | TTFT p50 | TTFT p99 | TBT p50 | errors "
+        "| load avg |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for name, rs in runs.items():
         tok = [r["tok_s"] for r in rs]
         med = {k: statistics.median(r[k] for r in rs) for k in ("ttft_p50", "ttft_p99", "tbt_p50")}
         loads = [r["load"] for r in rs]
-        print(
-            f"| {side} | {statistics.median(tok):.1f} | {min(tok):.1f}-{max(tok):.1f} "
+        rows.append(
+            f"| {name} | {statistics.median(tok):.1f} | {min(tok):.1f}-{max(tok):.1f} "
             f"| {med['ttft_p50'] * 1000:.0f} ms | {med['ttft_p99'] * 1000:.0f} ms "
             f"| {med['tbt_p50'] * 1000:.1f} ms | {sum(r['errors'] for r in rs)} "
             f"| {min(loads):.2f}-{max(loads):.2f} |"
         )
+    return rows
 
 
 if __name__ == "__main__":

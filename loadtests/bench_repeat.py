@@ -16,9 +16,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import statistics
 import tempfile
 
+from loadtests.bench_cpu_knobs import runs_table
 from loadtests.bench_peer import WORKLOADS, drive, model_for, run_stats
 from loadtests.loadgen.client import RunConfig, run_jobs
 from loadtests.loadgen.workload import Job
@@ -64,19 +64,7 @@ def main() -> None:
                 passes[name].append(r)
     kv = f"{a.kv_cache_bytes} B" if a.kv_cache_bytes else "memory-sized default"
     print(f"### Same prompts twice, KV budget {kv}, {a.repeats} cluster(s)\n")
-    print(
-        "| pass | out tok/s median | spread | TTFT p50 | TTFT p99 | TBT p50 | errors | load avg |"
-    )
-    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | --- |")
-    for name, rs in passes.items():
-        tok = [r["tok_s"] for r in rs]
-        med = {k: statistics.median(r[k] for r in rs) for k in ("ttft_p50", "ttft_p99", "tbt_p50")}
-        print(
-            f"| {name} | {statistics.median(tok):.1f} | {min(tok):.1f}-{max(tok):.1f} "
-            f"| {med['ttft_p50'] * 1000:.0f} ms | {med['ttft_p99'] * 1000:.0f} ms "
-            f"| {med['tbt_p50'] * 1000:.1f} ms | {sum(r['errors'] for r in rs)} "
-            f"| {min(r['load'] for r in rs):.2f}-{max(r['load'] for r in rs):.2f} |"
-        )
+    print("\n".join(runs_table("pass", passes)))
 
 
 if __name__ == "__main__":
