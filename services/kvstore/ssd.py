@@ -179,19 +179,19 @@ class MinioTier:
         the endpoint is unreachable or busy; another round after a `BUSY_WAITS_S` pause while
         some node said busy."""
         for wait in (*BUSY_WAITS_S, None):
-            busy = False
+            errors: list[ObjectStoreError] = []
             for attempt in range(len(self.clients)):
+                if attempt:
+                    self.current = (self.current + 1) % len(self.clients)
+                    self.failovers += 1
                 try:
                     return self._call_one(fn, *args, **kwargs)
                 except ObjectStoreError as exc:
                     if exc.kind == "refused":
                         raise
-                    busy = busy or exc.kind == "busy"
-                    if attempt == len(self.clients) - 1 and (not busy or wait is None):
-                        raise
-                    if attempt < len(self.clients) - 1:
-                        self.current = (self.current + 1) % len(self.clients)
-                        self.failovers += 1
+                    errors.append(exc)
+            if wait is None or all(e.kind != "busy" for e in errors):
+                raise errors[-1]
             time.sleep(wait)
         raise AssertionError("unreachable")
 

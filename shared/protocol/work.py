@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection
 from typing import Literal
 
 from shared.protocol.base import Msg
@@ -46,12 +46,12 @@ def engine_id(request_id: str, attempt: int) -> str:
     return request_id if attempt == 0 else f"{request_id}#{attempt}"
 
 
-def engine_ids_of(request_id: str, attempt: int | None, among: Iterable[str]) -> set[str]:
+def engine_ids_of(request_id: str, attempt: int | None, among: Collection[str]) -> set[str]:
     """The engine ids in ``among`` of ``request_id``'s work: of every attempt, or of
     ``attempt`` only."""
     if attempt is not None:
         eid = engine_id(request_id, attempt)
-        return {eid} & set(among)
+        return {eid} if eid in among else set()
     return {k for k in among if k == request_id or k.startswith(request_id + "#")}
 
 
