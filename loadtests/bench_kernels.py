@@ -2,8 +2,11 @@
 
     .venv/bin/python -m loadtests.bench_kernels [--threads 1,2] [--repeats 50]
 
-GEMM: ``F.linear`` (MKL) against `shared.model.layers.Gemm` (oneDNN, weight prepacked) at the
-benchmark model's shapes, median ms, and the max error of each against a float64 product.
+GEMM: ``F.linear`` (MKL), oneDNN on its prepacked weight, and the native kernel
+(`shared.model.cpu_kernels.linear`, what `shared.model.layers.Gemm` runs for float32 on CPU) at
+the benchmark model's shapes, median ms, and the max error of each against a float64 product;
+then the same three over a whole model's projections (8 layers of qkv, o, gate_up, down: 94 MB,
+more than the caches, so every weight comes from memory as in a decode step) for 1-256 rows.
 Decode attention: one layer, 16 and 64 sequences with contexts 64-544, block 16, 8 heads over 4 KV
 heads of 64: the torch path (per-sequence gather + SDPA on one thread, what `paged_attention` runs
 without the kernel) against the native kernel (`shared.model.cpu_kernels.decode_attention`).
@@ -27,7 +30,7 @@ import torch.nn.functional as F
 
 from shared.model import cpu_kernels
 from shared.model.attention import _context, _serial
-from shared.model.layers import Gemm
+from shared.model.layers import Gemm, _pack
 
 GEMM_SHAPES = [
     (16, 512, 2816),
@@ -51,24 +54,67 @@ def alternate(fns: dict, repeats: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def _onednn(w: torch.Tensor):
+    packed = _pack(w)
+    return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+def _native(w: torch.Tensor):
+    packed = cpu_kernels.pack_linear(w)
+    return lambda x: cpu_kernels.linear(x, packed, None)
+
+
 def gemm(repeats: int) -> list[str]:
     rows = [
-        "| rows x in -> out | F.linear (MKL) ms | oneDNN prepacked ms | speed-up | max err MKL"
-        " | max err oneDNN |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        "| rows x in -> out | F.linear (MKL) ms | oneDNN prepacked ms | native ms"
+        " | native vs oneDNN | max err MKL | max err oneDNN | max err native |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     g = torch.Generator().manual_seed(0)
     for m, k, n in GEMM_SHAPES:
         x = torch.randn(m, k, generator=g)
         w = torch.randn(n, k, generator=g) * k**-0.5
-        packed = Gemm(w, None)
-        ms = alternate({"mkl": partial(F.linear, x, w), "onednn": partial(packed, x)}, repeats)
+        fns = {"mkl": partial(F.linear, weight=w), "onednn": _onednn(w), "native": _native(w)}
+        ms = alternate({name: partial(fn, x) for name, fn in fns.items()}, repeats)
         exact = (x.double() @ w.double().T).float()
-        err_mkl = (F.linear(x, w) - exact).abs().max().item()
-        err_dnn = (packed(x) - exact).abs().max().item()
+        err = {name: (fn(x) - exact).abs().max().item() for name, fn in fns.items()}
         rows.append(
-            f"| {m} x {k} -> {n} | {ms['mkl']:.3f} | {ms['onednn']:.3f} | "
-            f"{ms['mkl'] / ms['onednn']:.2f}x | {err_mkl:.1e} | {err_dnn:.1e} |"
+            f"| {m} x {k} -> {n} | {ms['mkl']:.3f} | {ms['onednn']:.3f} | {ms['native']:.3f} | "
+            f"{ms['onednn'] / ms['native']:.2f}x | {err['mkl']:.1e} | {err['onednn']:.1e} |"
+            f" {err['native']:.1e} |"
+        )
+    return rows
+
+
+def gemm_model(repeats: int) -> list[str]:
+    """Every projection of the benchmark model's 8 layers in turn (weights from memory)."""
+    rows = [
+        "| rows | F.linear (MKL) ms | oneDNN prepacked ms | native ms | native vs oneDNN |"
+        " native GB/s of weights |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    g = torch.Generator().manual_seed(2)
+    shapes = [(512, 1024), (512, 512), (512, 2816), (1408, 512)] * 8
+    ws = [torch.randn(n, k, generator=g) * k**-0.5 for k, n in shapes]
+    sides = {
+        "mkl": [partial(F.linear, weight=w) for w in ws],
+        "onednn": [_onednn(w) for w in ws],
+        "native": [_native(w) for w in ws],
+    }
+    nbytes = sum(w.numel() * 4 for w in ws)
+    for m in (1, 4, 16, 64, 256):
+        xs = {k: torch.randn(m, k, generator=g) for k in (512, 1408)}
+
+        def run(fns, xs=xs):
+            for fn, (k, _) in zip(fns, shapes, strict=True):
+                fn(xs[k])
+
+        ms = alternate(
+            {name: partial(run, fns) for name, fns in sides.items()}, max(3, repeats // 5)
+        )
+        rows.append(
+            f"| {m} | {ms['mkl']:.2f} | {ms['onednn']:.2f} | {ms['native']:.2f} | "
+            f"{ms['onednn'] / ms['native']:.2f}x | {nbytes / ms['native'] / 1e6:.1f} |"
         )
     return rows
 
@@ -98,7 +144,7 @@ def int8(repeats: int) -> list[str]:
                 ),
                 None,
             )
-        packed = Gemm(w, None)
+        packed = Gemm(w, None)  # the float32 path the engine runs (native where it builds)
         ms = alternate(
             {
                 "fp32": partial(packed, x),
@@ -174,6 +220,8 @@ def main() -> None:
         print(f"## {threads} torch thread(s); load average (1 min) {os.getloadavg()[0]:.2f}\n")
         print("GEMM, benchmark-model shapes:\n")
         print("\n".join(gemm(a.repeats)) + "\n")
+        print("GEMM, every projection of the model's 8 layers in turn (94 MB, from memory):\n")
+        print("\n".join(gemm_model(a.repeats)) + "\n", flush=True)
         print(
             "Decode attention, one layer, contexts 64-544, block 16, 8 heads / 4 KV heads x 64:\n"
         )

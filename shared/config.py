@@ -19,7 +19,7 @@ import typing
 import uuid
 from collections.abc import Collection, Mapping
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
@@ -125,7 +125,11 @@ class RuntimeSettings(BaseModel):
         True, description="Linear weights prepacked for oneDNN on CPU (off: plain F.linear)"
     )
     cpu_kernels: bool = Field(
-        True, description="Native C decode attention on CPU (off: the torch path)"
+        True, description="Native C kernels on CPU (off: torch decode attention, oneDNN GEMM)"
+    )
+    cpu_gemm: Literal["auto", "native", "onednn"] = Field(
+        "auto",
+        description="float32 CPU GEMM: native C kernel or oneDNN (auto: native without AVX-512)",
     )
     app_package: str = Field(
         "", description="Package holding <role>/app.py for `strata serve` ('' = services)"

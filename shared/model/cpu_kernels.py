@@ -1,4 +1,4 @@
-"""Native CPU kernel for decode attention over the paged KV cache.
+"""Native CPU kernels: decode attention over the paged KV cache, and float32 GEMM.
 
 Decode attention in torch needs, per sequence and layer, two ``index_select`` copies of its
 context blocks and one small SDPA call: ~300 tiny ops per step for 16 sequences x 8 layers, which
@@ -6,10 +6,16 @@ measured ~13 ms of a 33 ms step on the benchmark model (docs/benchmarks/model.md
 in ``decode_attention.c`` (beside this file, shipped as package data) reads K/V straight from
 the blocks (no copy) for every sequence and head in one call.
 
-It is plain C built on first use with the system C compiler (``cc -O3 -march=native``, well
+``gemm.c`` multiplies activations by a linear weight packed once into column panels
+(:func:`pack_linear`, :func:`linear`): on an AVX2 CPU it ran decode-sized products 1.4-1.8x
+faster than oneDNN's blocked GEMM and prefill-sized ones within ~10% of it
+(docs/benchmarks/engine.md), and `shared.model.layers.Gemm` uses it for float32 on CPU.
+
+Both are plain C built on first use with the system C compiler (``cc -O3 -march=native``, well
 under a second) into ``$STRATA_CACHE/kernels`` and called through ctypes, which releases the GIL.
 No torch headers are needed. Where there is no compiler, or ``STRATA_CPU_KERNELS=0``, or the
-dtype is not float32, ``decode_attention`` returns ``None`` and the caller uses the torch path.
+dtype is not float32, ``decode_attention`` and ``pack_linear`` return ``None`` and the caller
+uses the torch path (oneDNN for linears).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from shared.config import RuntimeSettings
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("decode_attention.c")  # package data (pyproject.toml)
+_SOURCES = (_SOURCE, Path(__file__).with_name("gemm.c"))
 
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-shared", "-fPIC"]
 _lock = threading.Lock()
@@ -46,22 +53,24 @@ def _build() -> ctypes.CDLL | bool:
         return False
     cc = os.environ.get("CC", "cc")
     try:
-        source = _SOURCE.read_text()
+        sources = [f.read_text() for f in _SOURCES]
     except OSError as e:
-        log.warning("CPU attention kernel source missing (%s); using the torch path", e)
+        log.warning("CPU kernel source missing (%s); using the torch path", e)
         return False
     key = hashlib.sha256(
-        "\0".join([source, cc, *_FLAGS, platform.machine(), _cpu_flags()]).encode()
+        "\0".join([*sources, cc, *_FLAGS, platform.machine(), _cpu_flags()]).encode()
     ).hexdigest()[:16]
-    out = _cache_dir() / f"strata_attn_{key}.so"
+    out = _cache_dir() / f"strata_kernels_{key}.so"
     try:
         if not out.exists():
             out.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-                src, so = Path(tmp) / "k.c", Path(tmp) / "k.so"
-                src.write_text(source)
+                srcs = [Path(tmp) / f.name for f in _SOURCES]
+                for src, text in zip(srcs, sources, strict=True):
+                    src.write_text(text)
+                so = Path(tmp) / "k.so"
                 subprocess.run(
-                    [cc, *_FLAGS, str(src), "-o", str(so), "-lm"],
+                    [cc, *_FLAGS, *map(str, srcs), "-o", str(so), "-lm"],
                     check=True,
                     capture_output=True,
                     timeout=120,
@@ -69,7 +78,7 @@ def _build() -> ctypes.CDLL | bool:
                 os.replace(so, out)  # atomic: concurrent builders race harmlessly
         lib = ctypes.CDLL(str(out))
     except (OSError, subprocess.SubprocessError) as e:
-        log.warning("CPU attention kernel unavailable (%s); using the torch path", e)
+        log.warning("CPU kernels unavailable (%s); using the torch path", e)
         return False
     f = lib.strata_decode_attn_f32
     f.restype = None
@@ -78,6 +87,13 @@ def _build() -> ctypes.CDLL | bool:
         + [ctypes.c_int64] * 6
         + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int64]
     )
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.strata_gemm_panel_width.restype = i64
+    lib.strata_gemm_panel_width.argtypes = ()
+    lib.strata_gemm_pack_f32.restype = None
+    lib.strata_gemm_pack_f32.argtypes = (ptr, i64, i64, ptr)
+    lib.strata_gemm_f32.restype = None
+    lib.strata_gemm_f32.argtypes = (ptr, i64, i64, ptr, i64, ptr, ptr, i64)
     return lib
 
 
@@ -153,3 +169,59 @@ def decode_attention(
         torch.get_num_threads(),
     )
     return out
+
+
+class PackedLinear:
+    """A ``[N, K]`` float32 weight repacked for ``gemm.c`` (column panels of the kernel's width,
+    zero past ``N``); ``data`` keeps the packed floats alive."""
+
+    __slots__ = ("data", "n", "k")
+
+    def __init__(self, data: torch.Tensor, n: int, k: int):
+        self.data, self.n, self.k = data, n, k
+
+
+def native_gemm_chosen(choice: str | None = None, flags: str | None = None) -> bool:
+    """Whether float32 linears run on the native kernel: ``STRATA_CPU_GEMM`` (or ``choice``),
+    ``auto`` meaning this CPU (or ``flags``) has no AVX-512. The kernel was measured faster than
+    oneDNN on AVX2 (docs/benchmarks/engine.md); where oneDNN has AVX-512 it has not been yet."""
+    choice = RuntimeSettings.from_env().cpu_gemm if choice is None else choice
+    if choice != "auto":
+        return choice == "native"
+    return "avx512f" not in (_cpu_flags() if flags is None else flags).split()
+
+
+def pack_linear(w: torch.Tensor) -> PackedLinear | None:
+    """``w`` packed for :func:`linear`, or ``None`` when the kernel does not apply (not a CPU
+    float32 matrix, or no compiler / ``STRATA_CPU_KERNELS=0``). Callers ask
+    :func:`native_gemm_chosen` first."""
+    if w.device.type != "cpu" or w.dtype != torch.float32 or w.dim() != 2:
+        return None
+    if not available():
+        return None
+    n, k = w.shape
+    width = _lib.strata_gemm_panel_width()
+    w = w.detach().contiguous()
+    data = torch.empty((n + width - 1) // width * width * k, dtype=torch.float32)
+    _lib.strata_gemm_pack_f32(w.data_ptr(), n, k, data.data_ptr())
+    return PackedLinear(data, n, k)
+
+
+def linear(x: torch.Tensor, w: PackedLinear, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ w.T + bias`` for float32 CPU ``x`` of shape ``[..., K]``."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, w.k).contiguous()
+    out = torch.empty((x2.shape[0], w.n), dtype=torch.float32)
+    if bias is not None:
+        bias = bias.contiguous()
+    _lib.strata_gemm_f32(
+        x2.data_ptr(),
+        x2.shape[0],
+        w.k,
+        w.data.data_ptr(),
+        w.n,
+        None if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return out.view(*lead, w.n)

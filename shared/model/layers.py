@@ -3,7 +3,8 @@
 Numerics follow transformers' Llama/Qwen code so logits match it: RMSNorm in float32, cos/sin
 computed in float32 then cast to the activation dtype, ``rotate_half`` RoPE layout. Every
 projection is a plain ``nn.Linear`` so it can be swapped for a quantised linear; the forward
-runs it through :class:`Gemm`, which on CPU prepacks the weight for oneDNN once.
+runs it through :class:`Gemm`, which on CPU packs the weight once: for the native float32 GEMM
+(``gemm.c``), or for oneDNN (bf16, or where the native kernels are off).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared.config import RuntimeSettings
+from shared.model import cpu_kernels
 from shared.model.attention import AttentionPlan, paged_attention
 
 ACTIVATIONS = {
@@ -101,10 +103,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 # oneDNN's fp32/bf16 GEMM on a weight reordered once into its blocked layout measured 1.2-2.7x
 # faster than ``F.linear`` (MKL) for 1-64 rows and 1.1-1.35x for 1024 rows on the benchmark
-# model's shapes (docs/benchmarks/model.md). The packed copy sits beside the dense weight
-# (which the loader, quantiser and KV tooling keep using): linear weights cost 2x host memory.
-# ``STRATA_CPU_PACKED_GEMM=0`` turns it off.
+# model's shapes (docs/benchmarks/model.md); for float32 the native kernel (gemm.c) beats it
+# again at decode sizes (docs/benchmarks/engine.md). Either packed copy sits beside the dense
+# weight (which the loader, quantiser and KV tooling keep using): linear weights cost 2x host
+# memory. ``STRATA_CPU_PACKED_GEMM=0`` turns packing off (plain ``F.linear``);
+# ``STRATA_CPU_GEMM`` picks native or oneDNN for float32 (auto: native without AVX-512).
 PACK_CPU_GEMM = RuntimeSettings.from_env().cpu_packed_gemm
+NATIVE_CPU_GEMM = cpu_kernels.native_gemm_chosen()  # STRATA_CPU_GEMM
 _PACK_ROWS_HINT = 16  # oneDNN picks its blocking for this many rows; 1-1024 all ran well
 
 
@@ -121,8 +126,17 @@ def _pack(w: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
+def _pack_native(w: torch.Tensor, b: torch.Tensor | None) -> cpu_kernels.PackedLinear | None:
+    if not (PACK_CPU_GEMM and NATIVE_CPU_GEMM):
+        return None
+    if b is not None and (b.dtype != w.dtype or b.device != w.device):
+        return None
+    return cpu_kernels.pack_linear(w)
+
+
 class Gemm:
-    """``x @ w.T + b`` with ``w`` prepacked for oneDNN on CPU (plain ``F.linear`` elsewhere).
+    """``x @ w.T + b`` with ``w`` packed once on CPU: for the native float32 kernel, else for
+    oneDNN (plain ``F.linear`` elsewhere).
 
     ``current`` tells whether it still describes ``w``: a new tensor or an in-place write
     (``_version``) makes the owner build a fresh one."""
@@ -130,12 +144,15 @@ class Gemm:
     def __init__(self, w: torch.Tensor, b: torch.Tensor | None):
         self.w, self.b = w, b
         self.key = (w.data_ptr(), w._version, None if b is None else b._version)
-        self.packed = _pack(w)
+        self.native = _pack_native(w, b)
+        self.packed = None if self.native is not None else _pack(w)
 
     def current(self, w: torch.Tensor, b: torch.Tensor | None) -> bool:
         return self.key == (w.data_ptr(), w._version, None if b is None else b._version)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native is not None and x.dtype == torch.float32 and x.device.type == "cpu":
+            return cpu_kernels.linear(x, self.native, self.b)
         if self.packed is None or x.dtype != self.w.dtype:
             return F.linear(x, self.w, self.b)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.b, "none", [], "")

@@ -1,4 +1,5 @@
-"""The native decode-attention kernel against the torch path it replaces (and SDPA)."""
+"""The native CPU kernels against what they replace: decode attention against the torch path
+(and SDPA), the float32 GEMM against a float64 product."""
 
 from __future__ import annotations
 
@@ -90,7 +91,97 @@ def test_kernel_source_is_package_data():
 
     src = Path(cpu_kernels.__file__).with_name("decode_attention.c")
     assert src == cpu_kernels._SOURCE and "strata_decode_attn_f32" in src.read_text()
+    gemm = Path(cpu_kernels.__file__).with_name("gemm.c")
+    assert gemm in cpu_kernels._SOURCES and "strata_gemm_f32" in gemm.read_text()
     root = Path(cpu_kernels.__file__).parents[2]
     data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
     patterns = data["package-data"]["shared.model"]
-    assert any(fnmatch.fnmatch(src.name, p) for p in patterns)
+    for f in cpu_kernels._SOURCES:
+        assert any(fnmatch.fnmatch(f.name, p) for p in patterns)
+
+
+@pytest.mark.parametrize(
+    "rows,k,n",
+    [
+        (1, 512, 1024),  # one decode row
+        (16, 512, 2816),  # a decode batch, the benchmark model's gate_up
+        (7, 13, 37),  # ragged: row tile, odd K, last panel narrower than the kernel's width
+        (97, 1408, 20),  # more rows than one work item, K over one K-block, N under a panel
+        (300, 515, 129),  # prefill-sized, several K-blocks with a tail
+        (0, 64, 8),  # no rows
+    ],
+)
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemm_matches_float64(rows, k, n, bias):
+    torch.manual_seed(rows * 7 + k + n)
+    w = torch.randn(n, k)
+    b = torch.randn(n) if bias else None
+    x = torch.randn(rows, k)
+    packed = cpu_kernels.pack_linear(w)
+    got = cpu_kernels.linear(x, packed, b)
+    want = F.linear(x.double(), w.double(), None if b is None else b.double())
+    assert got.shape == (rows, n) and got.dtype == torch.float32
+    # float32 sums of k products of N(0,1) terms: error grows like sqrt(k) ulps of the sum
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=2e-6 * k**0.5)
+
+
+def test_gemm_rows_do_not_depend_on_the_batch():
+    """Each output is summed over k in one fixed order, so a row's result is bit-identical
+    whatever else is in the batch (a decode row alone or among 40 others, or in a prefill)."""
+    w, x = torch.randn(300, 700), torch.randn(41, 700)
+    packed = cpu_kernels.pack_linear(w)
+    whole = cpu_kernels.linear(x, packed, None)
+    for i in (0, 5, 6, 40):
+        assert torch.equal(cpu_kernels.linear(x[i : i + 1], packed, None)[0], whole[i])
+    assert torch.equal(cpu_kernels.linear(x[3:20], packed, None), whole[3:20])
+
+
+def test_gemm_keeps_leading_dims_and_threads_agree():
+    w, x = torch.randn(96, 64), torch.randn(2, 3, 64)
+    packed = cpu_kernels.pack_linear(w)
+    got = cpu_kernels.linear(x, packed, None)
+    assert got.shape == (2, 3, 96)
+    torch.testing.assert_close(got, x @ w.T, rtol=1e-5, atol=1e-5)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_kernels.linear(x, packed, None)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, got)
+
+
+def test_gemm_not_applicable():
+    assert cpu_kernels.pack_linear(torch.randn(8, 8, dtype=torch.bfloat16)) is None
+    assert cpu_kernels.pack_linear(torch.randn(2, 8, 8)) is None
+
+
+def test_native_gemm_choice():
+    """``STRATA_CPU_GEMM=auto`` picks the native kernel where there is no AVX-512 (where it was
+    measured faster) and oneDNN where there is; an explicit choice wins."""
+    avx2 = "flags : fpu sse2 avx avx2 fma"
+    assert cpu_kernels.native_gemm_chosen("auto", avx2)
+    assert not cpu_kernels.native_gemm_chosen("auto", avx2 + " avx512f avx512bw")
+    assert cpu_kernels.native_gemm_chosen("native", avx2 + " avx512f")
+    assert not cpu_kernels.native_gemm_chosen("onednn", avx2)
+
+
+def test_layers_route_float32_to_the_chosen_gemm_and_bf16_to_onednn(monkeypatch):
+    """`Gemm` (every projection of the models) packs float32 weights for the native kernel
+    when it is chosen, for oneDNN otherwise, and leaves bf16 to oneDNN; all give F.linear's
+    result."""
+    from shared.model import layers
+    from shared.model.layers import Gemm
+
+    w, b, x = torch.randn(40, 32), torch.randn(40), torch.randn(5, 32)
+    monkeypatch.setattr(layers, "NATIVE_CPU_GEMM", True)
+    g = Gemm(w, b)
+    assert g.native is not None and g.packed is None
+    torch.testing.assert_close(g(x), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    gb = Gemm(w.bfloat16(), b.bfloat16())
+    assert gb.native is None
+    torch.testing.assert_close(gb(x.bfloat16()), F.linear(x.bfloat16(), w.bfloat16(), b.bfloat16()))
+    monkeypatch.setattr(layers, "NATIVE_CPU_GEMM", False)
+    g = Gemm(w, b)
+    assert g.native is None and g.packed is not None
+    torch.testing.assert_close(g(x), F.linear(x, w, b), rtol=1e-5, atol=1e-5)

@@ -115,6 +115,10 @@ def test_the_check_catches_each_kind_of_read():
 def test_runtime_settings_defaults_and_values():
     s = RuntimeSettings.from_env({})
     assert (s.cpu_packed_gemm, s.cpu_kernels, s.cache, s.minio_bin) == (True, True, "", "")
+    assert s.cpu_gemm == "auto"
+    assert RuntimeSettings.from_env({"STRATA_CPU_GEMM": "onednn"}).cpu_gemm == "onednn"
+    with pytest.raises(ConfigError, match="STRATA_CPU_GEMM"):
+        RuntimeSettings.from_env({"STRATA_CPU_GEMM": "mkl"})
     assert s.cache_dir == str(ROOT / ".cache")
     env = {
         "STRATA_CACHE": "/c",
