@@ -16,6 +16,9 @@ under a second) into ``$STRATA_CACHE/kernels`` and called through ctypes, which 
 No torch headers are needed. Where there is no compiler, or ``STRATA_CPU_KERNELS=0``, or the
 dtype is not float32, ``decode_attention`` and ``pack_linear`` return ``None`` and the caller
 uses the torch path (oneDNN for linears).
+
+``fused.c`` holds the decoder layer's row-wise ops as one call each (:func:`rms_norm`, with the
+residual add; :func:`qk_norm_rope`), which as torch ops were 8-20 small calls apiece.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from shared.config import RuntimeSettings
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("decode_attention.c")  # package data (pyproject.toml)
-_SOURCES = (_SOURCE, Path(__file__).with_name("gemm.c"))
+_SOURCES = tuple(Path(__file__).with_name(f) for f in ("decode_attention.c", "gemm.c", "fused.c"))
 
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-shared", "-fPIC"]
 _lock = threading.Lock()
@@ -94,6 +97,24 @@ def _build() -> ctypes.CDLL | bool:
     lib.strata_gemm_pack_f32.argtypes = (ptr, i64, i64, ptr)
     lib.strata_gemm_f32.restype = None
     lib.strata_gemm_f32.argtypes = (ptr, i64, i64, ptr, i64, ptr, ptr, i64)
+    f32 = ctypes.c_float
+    lib.strata_rms_norm_f32.restype = None
+    lib.strata_rms_norm_f32.argtypes = (ptr, ptr, ptr, ptr, f32, i64, i64, ptr, i64)
+    lib.strata_qk_norm_rope_f32.restype = None
+    lib.strata_qk_norm_rope_f32.argtypes = (
+        ptr,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        ptr,
+        ptr,
+        f32,
+        ptr,
+        ptr,
+        i64,
+    )
     return lib
 
 
@@ -225,3 +246,75 @@ def linear(x: torch.Tensor, w: PackedLinear, bias: torch.Tensor | None) -> torch
         torch.get_num_threads(),
     )
     return out.view(*lead, w.n)
+
+
+def _plain(*ts: torch.Tensor | None) -> bool:
+    """All given tensors CPU float32 and contiguous (None entries ignored)."""
+    return all(
+        t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+        for t in ts
+        if t is not None
+    )
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(h, weight * rmsnorm(h))`` over the last dim, with ``h = x + residual`` (a new
+    tensor) or ``h = x``; ``None`` when the kernel does not apply (not CPU float32 contiguous)."""
+    if not _plain(x, weight, residual) or (residual is not None and residual.shape != x.shape):
+        return None
+    if not available():
+        return None
+    d = x.shape[-1]
+    rows = x.numel() // d if d else 0
+    h = x if residual is None else torch.empty_like(x)
+    y = torch.empty_like(x)
+    _lib.strata_rms_norm_f32(
+        x.data_ptr(),
+        None if residual is None else residual.data_ptr(),
+        None if residual is None else h.data_ptr(),
+        weight.data_ptr(),
+        eps,
+        rows,
+        d,
+        y.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return h, y
+
+
+def qk_norm_rope(
+    qkv: torch.Tensor,
+    heads: int,
+    num_q: int,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> bool:
+    """In place on ``qkv [T, H_all, D]``: per-head RMSNorm of its first ``heads`` heads
+    (``q_weight`` for the first ``num_q``, ``k_weight`` after; none when ``q_weight`` is None),
+    then rotate-half RoPE by ``cos``/``sin [T, D]``. False (nothing done) when the kernel does
+    not apply."""
+    t, _, d = qkv.shape
+    if d % 2 or not _plain(qkv, q_weight, k_weight, cos, sin) or cos.shape != (t, d):
+        return False
+    if sin.shape != (t, d) or not available():
+        return False
+    _lib.strata_qk_norm_rope_f32(
+        qkv.data_ptr(),
+        t,
+        qkv.stride(0),
+        heads,
+        num_q,
+        d,
+        None if q_weight is None else q_weight.data_ptr(),
+        None if k_weight is None else k_weight.data_ptr(),
+        eps,
+        cos.data_ptr(),
+        sin.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return True

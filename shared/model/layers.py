@@ -45,10 +45,21 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        native = cpu_kernels.rms_norm(x, self.weight, self.eps)  # one call on CPU float32
+        if native is not None:
+            return native[1]
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor):
+        """``(x + residual, self(x + residual))``, the add fused into the norm where it can."""
+        native = cpu_kernels.rms_norm(x, self.weight, self.eps, residual)
+        if native is not None:
+            return native
+        h = x + residual
+        return h, self(h)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -246,9 +257,21 @@ class Attention(nn.Module):
         if self._qkv is not None:  # one GEMM, then q/k normed and rotated together
             qkv = self._qkv(x).view(t, nh + 2 * nkv, self.head_dim)
             qk, v = qkv[:, : nh + nkv], qkv[:, nh + nkv :]
-            if self.q_norm is not None:
-                qk = self._qk_norm(qk)
-            qk = apply_rope(qk, cos, sin)
+            qn, kn = (None, None) if self.q_norm is None else (self.q_norm, self.k_norm)
+            fused = cpu_kernels.qk_norm_rope(  # in place on the fresh GEMM output, one call
+                qkv,
+                nh + nkv,
+                nh,
+                None if qn is None else qn.weight,
+                None if kn is None else kn.weight,
+                0.0 if qn is None else qn.eps,
+                cos,
+                sin,
+            )
+            if not fused:
+                if self.q_norm is not None:
+                    qk = self._qk_norm(qk)
+                qk = apply_rope(qk, cos, sin)
             q, k = qk[:, :nh], qk[:, nh:]
         else:  # quantised projections
             q = self.q_proj(x).view(t, nh, self.head_dim)

@@ -185,3 +185,57 @@ def test_layers_route_float32_to_the_chosen_gemm_and_bf16_to_onednn(monkeypatch)
     g = Gemm(w, b)
     assert g.native is None and g.packed is not None
     torch.testing.assert_close(g(x), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def _torch_rms(h, w, eps):
+    return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps))
+
+
+@pytest.mark.parametrize("rows,dim", [(1, 512), (16, 1024), (3000, 64), (5, 13)])
+def test_rms_norm_matches_the_torch_path(rows, dim):
+    x, r, w = torch.randn(rows, dim), torch.randn(rows, dim), torch.randn(dim)
+    h, y = cpu_kernels.rms_norm(x, w, 1e-6)
+    assert h is x
+    torch.testing.assert_close(y, _torch_rms(x, w, 1e-6), rtol=2e-6, atol=1e-6)
+    h, y = cpu_kernels.rms_norm(x, w, 1e-6, residual=r)
+    assert torch.equal(h, x + r)  # the fused add is the same float add
+    torch.testing.assert_close(y, _torch_rms(x + r, w, 1e-6), rtol=2e-6, atol=1e-6)
+
+
+def test_qk_norm_rope_matches_the_torch_path():
+    """RoPE alone is bit-identical to `apply_rope` (no FMA contraction); with q/k norm it is
+    within float32 rounding of `_qk_norm` + `apply_rope`. Only the q and k heads change."""
+    from shared.model.layers import Rotary, apply_rope
+
+    t, nh, nkv, d = 37, 8, 2, 64
+    cos, sin = Rotary(d, 10000.0, None, "cpu")(torch.arange(t) * 3, torch.float32)
+    qkv = torch.randn(t, nh + 2 * nkv, d)
+    want = apply_rope(qkv[:, : nh + nkv], cos, sin)
+    got = qkv.clone()
+    assert cpu_kernels.qk_norm_rope(got, nh + nkv, nh, None, None, 0.0, cos, sin)
+    assert torch.equal(got[:, : nh + nkv], want)
+    assert torch.equal(got[:, nh + nkv :], qkv[:, nh + nkv :])
+
+    wq, wk = torch.randn(d), torch.randn(d)
+    normed = torch.cat(
+        [_torch_rms(qkv[:, :nh], wq, 1e-6), _torch_rms(qkv[:, nh : nh + nkv], wk, 1e-6)], 1
+    )
+    got = qkv.clone()
+    assert cpu_kernels.qk_norm_rope(got, nh + nkv, nh, wq, wk, 1e-6, cos, sin)
+    torch.testing.assert_close(
+        got[:, : nh + nkv], apply_rope(normed, cos, sin), rtol=2e-6, atol=2e-6
+    )
+    assert torch.equal(got[:, nh + nkv :], qkv[:, nh + nkv :])
+
+
+def test_fused_ops_not_applicable():
+    w = torch.randn(64)
+    assert (
+        cpu_kernels.rms_norm(torch.randn(4, 64, dtype=torch.bfloat16), w.bfloat16(), 1e-6) is None
+    )
+    assert cpu_kernels.rms_norm(torch.randn(64, 4).T, w, 1e-6) is None  # not contiguous
+    cos = sin = torch.randn(3, 64)
+    assert not cpu_kernels.qk_norm_rope(
+        torch.randn(3, 4, 64).bfloat16(), 2, 1, None, None, 0.0, cos, sin
+    )
+    assert not cpu_kernels.qk_norm_rope(torch.randn(3, 4, 63), 2, 1, None, None, 0.0, cos, sin)

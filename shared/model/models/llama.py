@@ -36,8 +36,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h, cos, sin, plan, slot_mapping, k_cache, v_cache):
         a = self.self_attn(self.input_layernorm(h), cos, sin, plan, slot_mapping, k_cache, v_cache)
-        h = h + a
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h, x = self.post_attention_layernorm.add_forward(h, a)
+        return h + self.mlp(x)
 
 
 class DecoderStack(nn.Module):
