@@ -239,3 +239,17 @@ def test_fused_ops_not_applicable():
         torch.randn(3, 4, 64).bfloat16(), 2, 1, None, None, 0.0, cos, sin
     )
     assert not cpu_kernels.qk_norm_rope(torch.randn(3, 4, 63), 2, 1, None, None, 0.0, cos, sin)
+
+
+def test_every_exported_kernel_has_a_ctypes_signature():
+    """A C function called without ``argtypes`` gets its pointers truncated to C ints (a
+    crash): every non-static ``strata_*`` function in the sources must have them set."""
+    import re
+
+    assert cpu_kernels.available()
+    names = set()
+    for src in cpu_kernels._SOURCES:
+        names |= set(re.findall(r"^\w[\w ]*?\b(strata_\w+)\(", src.read_text(), re.M))
+    assert {"strata_gemm_f32", "strata_rms_norm_f32", "strata_decode_attn_f32"} <= names
+    for name in sorted(names):
+        assert getattr(cpu_kernels._lib, name).argtypes is not None, name
