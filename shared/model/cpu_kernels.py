@@ -24,6 +24,7 @@ residual add; :func:`qk_norm_rope`), which as torch ops were 8-20 small calls ap
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -39,8 +40,9 @@ from shared.config import RuntimeSettings
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("decode_attention.c")  # package data (pyproject.toml)
+# package data (pyproject.toml), compiled together into one library
 _SOURCES = tuple(Path(__file__).with_name(f) for f in ("decode_attention.c", "gemm.c", "fused.c"))
+_SOURCE = _SOURCES[0]  # the decode-attention kernel
 
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-shared", "-fPIC"]
 _lock = threading.Lock()
@@ -118,6 +120,7 @@ def _build() -> ctypes.CDLL | bool:
     return lib
 
 
+@functools.cache  # read by the build key and the GEMM choice; fixed for the process
 def _cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -299,9 +302,9 @@ def qk_norm_rope(
     then rotate-half RoPE by ``cos``/``sin [T, D]``. False (nothing done) when the kernel does
     not apply."""
     t, _, d = qkv.shape
-    if d % 2 or not _plain(qkv, q_weight, k_weight, cos, sin) or cos.shape != (t, d):
+    if d % 2 or cos.shape != (t, d) or sin.shape != (t, d):
         return False
-    if sin.shape != (t, d) or not available():
+    if not _plain(qkv, q_weight, k_weight, cos, sin) or not available():
         return False
     _lib.strata_qk_norm_rope_f32(
         qkv.data_ptr(),
