@@ -129,7 +129,7 @@ class RuntimeSettings(BaseModel):
     )
     cpu_gemm: Literal["auto", "native", "onednn"] = Field(
         "auto",
-        description="float32 CPU GEMM: native C kernel or oneDNN (auto: native without AVX-512)",
+        description="float32 CPU GEMM: native C kernel or oneDNN (auto: native)",
     )
     app_package: str = Field(
         "", description="Package holding <role>/app.py for `strata serve` ('' = services)"

@@ -205,14 +205,13 @@ class PackedLinear:
         self.data, self.n, self.k = data, n, k
 
 
-def native_gemm_chosen(choice: str | None = None, flags: str | None = None) -> bool:
+def native_gemm_chosen(choice: str | None = None) -> bool:
     """Whether float32 linears run on the native kernel: ``STRATA_CPU_GEMM`` (or ``choice``),
-    ``auto`` meaning this CPU (or ``flags``) has no AVX-512. The kernel was measured faster than
-    oneDNN on AVX2 (docs/benchmarks/engine.md); where oneDNN has AVX-512 it has not been yet."""
+    ``auto`` and ``native`` meaning yes. It was measured against oneDNN on an AVX2 EPYC (1.3-1.6x
+    at decode batch sizes) and an AVX-512 one (2.1x at 1 row, 1.0-1.1x from 16 rows up), never
+    slower beyond the spread (docs/benchmarks/engine.md); ``onednn`` keeps oneDNN's kernel."""
     choice = RuntimeSettings.from_env().cpu_gemm if choice is None else choice
-    if choice != "auto":
-        return choice == "native"
-    return "avx512f" not in (_cpu_flags() if flags is None else flags).split()
+    return choice != "onednn"
 
 
 def pack_linear(w: torch.Tensor) -> PackedLinear | None:

@@ -118,7 +118,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # again at decode sizes (docs/benchmarks/engine.md). Either packed copy sits beside the dense
 # weight (which the loader, quantiser and KV tooling keep using): linear weights cost 2x host
 # memory. ``STRATA_CPU_PACKED_GEMM=0`` turns packing off (plain ``F.linear``);
-# ``STRATA_CPU_GEMM`` picks native or oneDNN for float32 (auto: native without AVX-512).
+# ``STRATA_CPU_GEMM`` picks native (auto) or oneDNN for float32.
 PACK_CPU_GEMM = RuntimeSettings.from_env().cpu_packed_gemm
 NATIVE_CPU_GEMM = cpu_kernels.native_gemm_chosen()  # STRATA_CPU_GEMM
 _PACK_ROWS_HINT = 16  # oneDNN picks its blocking for this many rows; 1-1024 all ran well

@@ -156,14 +156,15 @@ def test_gemm_not_applicable():
     assert cpu_kernels.pack_linear(torch.randn(2, 8, 8)) is None
 
 
-def test_native_gemm_choice():
-    """``STRATA_CPU_GEMM=auto`` picks the native kernel where there is no AVX-512 (where it was
-    measured faster) and oneDNN where there is; an explicit choice wins."""
-    avx2 = "flags : fpu sse2 avx avx2 fma"
-    assert cpu_kernels.native_gemm_chosen("auto", avx2)
-    assert not cpu_kernels.native_gemm_chosen("auto", avx2 + " avx512f avx512bw")
-    assert cpu_kernels.native_gemm_chosen("native", avx2 + " avx512f")
-    assert not cpu_kernels.native_gemm_chosen("onednn", avx2)
+def test_native_gemm_choice(monkeypatch):
+    """``STRATA_CPU_GEMM``: ``auto`` (the default) and ``native`` pick the native kernel on any
+    CPU (measured no slower than oneDNN on AVX2 and AVX-512), ``onednn`` keeps oneDNN's."""
+    monkeypatch.delenv("STRATA_CPU_GEMM", raising=False)
+    assert cpu_kernels.native_gemm_chosen()
+    assert cpu_kernels.native_gemm_chosen("auto") and cpu_kernels.native_gemm_chosen("native")
+    assert not cpu_kernels.native_gemm_chosen("onednn")
+    monkeypatch.setenv("STRATA_CPU_GEMM", "onednn")
+    assert not cpu_kernels.native_gemm_chosen()
 
 
 def test_layers_route_float32_to_the_chosen_gemm_and_bf16_to_onednn(monkeypatch):
