@@ -10,7 +10,9 @@ the sides run one after the other in alternating order per repeat, each on a fre
 - ``nice10``: every process but the model processes (gateway, tokenizer, scheduler, kvstore,
   nats-server, MinIO) reniced to 10, so the engine's OpenMP team is preempted less;
 - ``omp-passive`` / ``omp-active``: ``OMP_WAIT_POLICY`` for every process (idle OpenMP threads
-  sleep at once, or spin).
+  sleep at once, or spin);
+- ``no-pool``: the same shape without the kvstore and MinIO (``--kvstore 0 --no-minio``): what
+  offering every prompt's KV blocks to the pool costs the engine.
 
 Prints one markdown table: out tok/s median and spread, TTFT p50 / p99 and TBT medians, and the
 load average.
@@ -25,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 
-SIDES = ("default", "nice10", "omp-passive", "omp-active")
+SIDES = ("default", "nice10", "omp-passive", "omp-active", "no-pool")
 MODEL_ROLES = ("decode", "prefill", "vision")
 
 
@@ -44,7 +46,10 @@ def run_side(side: str, model_dir: str, prompts: list[str], wl, log) -> dict:
     if side.startswith("omp-"):
         os.environ["OMP_WAIT_POLICY"] = side[4:].upper()
     try:
-        with Cluster(model_dir, log_stream=log, die_with_parent=True, log_level="WARNING") as c:
+        extra = dict(kvstore=0, minio=False) if side == "no-pool" else {}
+        with Cluster(
+            model_dir, log_stream=log, die_with_parent=True, log_level="WARNING", **extra
+        ) as c:
             if side == "nice10":
                 renice_services(c)
             return drive(c.gateway_url, os.path.basename(model_dir), prompts, wl)

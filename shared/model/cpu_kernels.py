@@ -17,6 +17,9 @@ No torch headers are needed. Where there is no compiler, or ``STRATA_CPU_KERNELS
 dtype is not float32, ``decode_attention`` and ``pack_linear`` return ``None`` and the caller
 uses the torch path (oneDNN for linears).
 
+``gemm.c`` also holds causal prefill attention over the paged cache (:func:`prefill_attention`):
+both of its products run on the GEMM tile, with an online softmax between them.
+
 ``fused.c`` holds the decoder layer's row-wise ops as one call each (:func:`rms_norm`, with the
 residual add; :func:`qk_norm_rope`), which as torch ops were 8-20 small calls apiece.
 """
@@ -117,6 +120,10 @@ def _build() -> ctypes.CDLL | bool:
         ptr,
         i64,
     )
+    lib.strata_prefill_attn_f32.restype = i64
+    lib.strata_prefill_attn_f32.argtypes = (
+        [ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr] + [i64] * 6 + [f32, ptr, i64, i64]
+    )
     return lib
 
 
@@ -193,6 +200,56 @@ def decode_attention(
         torch.get_num_threads(),
     )
     return out
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    ctx: torch.Tensor,
+    qstart: torch.Tensor,
+    qlen: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> bool:
+    """Causal attention of the new tokens of several sequences over their cached context (the
+    new K/V already written), into ``out``: ``q`` and ``out`` ``[T, H, D]`` (any token stride,
+    heads contiguous), sequence ``s``'s ``qlen[s]`` rows from ``qstart[s]``, its context
+    ``ctx[s]`` tokens (new ones last) in the blocks of ``tables[s]``; int64 index tensors.
+    False (nothing done) when the kernel does not apply (not CPU float32, a head layout or size
+    it does not take, or no compiler)."""
+    if q.device.type != "cpu" or q.dtype != torch.float32 or k_cache.dtype != torch.float32:
+        return False
+    if out.dtype != torch.float32 or q.shape != out.shape:
+        return False
+    t, h, d = q.shape
+    if q.stride()[1:] != (d, 1) or out.stride()[1:] != (d, 1):
+        return False
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or not available():
+        return False
+    _, bs, kvh, _ = k_cache.shape
+    ok = _lib.strata_prefill_attn_f32(
+        q.data_ptr(),
+        q.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        tables.data_ptr(),
+        ctx.data_ptr(),
+        qstart.data_ptr(),
+        qlen.data_ptr(),
+        tables.shape[0],
+        tables.shape[1],
+        h,
+        kvh,
+        d,
+        bs,
+        scale,
+        out.data_ptr(),
+        out.stride(0),
+        torch.get_num_threads(),
+    )
+    return ok == 0
 
 
 class PackedLinear:
