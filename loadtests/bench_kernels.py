@@ -10,6 +10,9 @@ more than the caches, so every weight comes from memory as in a decode step) for
 Decode attention: one layer, 16 and 64 sequences with contexts 64-544, block 16, 8 heads over 4 KV
 heads of 64: the torch path (per-sequence gather + SDPA on one thread, what `paged_attention` runs
 without the kernel) against the native kernel (`shared.model.cpu_kernels.decode_attention`).
+Prefill attention: one layer, one prompt of 64-2048 tokens, same heads: torch's causal SDPA (what
+`paged_attention` runs without the kernel) against the native kernel reading the paged cache
+(`shared.model.cpu_kernels.prefill_attention`).
 int8: at the same shapes, the packed fp32 GEMM against fbgemm's dynamic W8A8 linear (int8 weights
 and per-row dynamically quantised activations) and ``aten._weight_int8pack_mm`` (int8 weights,
 float activations), with the max error of each against the fp32 product.
@@ -210,6 +213,43 @@ def decode_attention(repeats: int) -> list[str]:
     return rows
 
 
+def prefill_attention(repeats: int) -> list[str]:
+    rows = [
+        "| prompt tokens | torch SDPA ms | native kernel ms | speed-up |",
+        "| ---: | ---: | ---: | ---: |",
+    ]
+    h, kvh, d, bs = 8, 4, 64, 16
+    g = torch.Generator().manual_seed(0)
+    for n in (64, 272, 1024, 2048):
+        nb = -(-n // bs)
+        k_cache = torch.randn(nb + 8, bs, kvh, d, generator=g)
+        v_cache = torch.randn(nb + 8, bs, kvh, d, generator=g)
+        tables = torch.randperm(nb + 8, generator=g)[:nb].view(1, nb)
+        q = torch.randn(n, h + 2 * kvh, d, generator=g)[:, :h]  # a view into a qkv output
+        k = k_cache[tables[0]].view(-1, kvh, d)[:n].transpose(0, 1).contiguous()
+        v = v_cache[tables[0]].view(-1, kvh, d)[:n].transpose(0, 1).contiguous()
+        one = torch.tensor([n])
+        out = torch.empty(n, h, d)
+        fns = {
+            "torch": partial(
+                F.scaled_dot_product_attention,
+                q.transpose(0, 1),
+                k,
+                v,
+                is_causal=True,
+                scale=d**-0.5,
+                enable_gqa=True,
+            )
+        }
+        args = (tables, one, torch.tensor([0]), one, d**-0.5, out)
+        if cpu_kernels.prefill_attention(q, k_cache, v_cache, *args):
+            fns["native"] = partial(cpu_kernels.prefill_attention, q, k_cache, v_cache, *args)
+        ms = alternate(fns, repeats)
+        nat = ms.get("native", float("nan"))
+        rows.append(f"| {n} | {ms['torch']:.3f} | {nat:.3f} | {ms['torch'] / nat:.2f}x |")
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", default="1,2", help="torch thread counts to run (comma list)")
@@ -226,6 +266,8 @@ def main() -> None:
             "Decode attention, one layer, contexts 64-544, block 16, 8 heads / 4 KV heads x 64:\n"
         )
         print("\n".join(decode_attention(a.repeats)) + "\n", flush=True)
+        print("Prefill attention, one layer, one prompt, 8 heads / 4 KV heads x 64:\n")
+        print("\n".join(prefill_attention(a.repeats)) + "\n", flush=True)
         print("int8 GEMM options, same shapes:\n")
         print("\n".join(int8(a.repeats)) + "\n", flush=True)
 
