@@ -49,7 +49,17 @@ class _Span:
     end: int
     context_len: int
     blocks: torch.Tensor | None  # block ids covering the context (None for fresh prefill)
-    mask: torch.Tensor | None  # bool [q, ctx] offset causal mask (general path only)
+    _mask: torch.Tensor | None = None
+
+    def mask(self) -> torch.Tensor:
+        """bool ``[q, ctx]`` offset causal mask (general path only), built on the first layer
+        that needs it: the native prefill kernel never does."""
+        if self._mask is None:
+            c, device = self.context_len, self.blocks.device
+            kpos = torch.arange(c, device=device)
+            qpos = torch.arange(c - (self.end - self.start), c, device=device)
+            self._mask = kpos[None, :] <= qpos[:, None]
+        return self._mask
 
 
 @dataclass
@@ -110,13 +120,8 @@ class AttentionPlan:
             return cls(num_tokens, block_size, [], None, None, None, None, fresh, [], prefill)
         for i in rest:
             q, c = q_lens[i], ctx_lens[i]
-            blocks = mask = None
-            if c != q:
-                blocks = tables[i, : -(-c // block_size)]
-                kpos = torch.arange(c, device=device)
-                qpos = torch.arange(c - q, c, device=device)
-                mask = kpos[None, :] <= qpos[:, None]
-            spans.append(_Span(qs[i], qs[i] + q, c, blocks, mask))
+            blocks = tables[i, : -(-c // block_size)] if c != q else None
+            spans.append(_Span(qs[i], qs[i] + q, c, blocks))
         uniform = None
         if len(decodes) > 1 and len({d.context_len for d in decodes}) == 1:
             uniform = torch.cat([d.blocks for d in decodes])
@@ -232,7 +237,7 @@ def paged_attention(
             ks = _context(k_cache, s.blocks, s.context_len)
             vs = _context(v_cache, s.blocks, s.context_len)
             o = F.scaled_dot_product_attention(
-                qs, ks, vs, attn_mask=s.mask, scale=scale, enable_gqa=group > 1
+                qs, ks, vs, attn_mask=s.mask(), scale=scale, enable_gqa=group > 1
             )
         out[s.start : s.end] = o.transpose(0, 1)
     return out
