@@ -47,7 +47,7 @@ static NOFMA void scale_row(const float *h, float r, const float *w, int64_t D, 
  * (res and h_out both NULL or both set; h_out may be x). */
 NOFMA void strata_rms_norm_f32(const float *x, const float *res, float *h_out, const float *w,
                                float eps, int64_t T, int64_t D, float *y, int64_t nthreads) {
-    #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && T * D >= PAR_MIN)
+    #pragma omp parallel for schedule(dynamic, 8) num_threads(nthreads) if (nthreads > 1 && T * D >= PAR_MIN)
     for (int64_t t = 0; t < T; t++) {
         const float *h = x + t * D;
         if (res) {
@@ -68,7 +68,7 @@ NOFMA void strata_qk_norm_rope_f32(float *qkv, int64_t T, int64_t ld, int64_t he
                                    int64_t D, const float *wq, const float *wk, float eps,
                                    const float *cos_, const float *sin_, int64_t nthreads) {
     const int64_t half = D / 2;
-    #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && T * heads * D >= PAR_MIN)
+    #pragma omp parallel for schedule(dynamic, 8) num_threads(nthreads) if (nthreads > 1 && T * heads * D >= PAR_MIN)
     for (int64_t t = 0; t < T; t++) {
         const float *c = cos_ + t * D, *s = sin_ + t * D;
         for (int64_t hd = 0; hd < heads; hd++) {

@@ -102,13 +102,19 @@ static void tile_any(int m, const float *x, int64_t ldx, int64_t kc, const float
 }
 
 /* x: [M, K], p: strata_gemm_pack_f32 of w [N, K], bias: [N] or NULL, y: [M, N]; contiguous
- * float32. Work items (panel, block of MB rows) are shared out over ``nthreads`` OpenMP
- * threads in contiguous runs of panels (each thread streams its part of the weight); the
- * library links torch's libgomp, so this is torch's own team. */
+ * float32. Work items (panel, block of MB rows) are handed out over ``nthreads`` OpenMP
+ * threads in runs of about 1/8 of a thread's share (each run streams adjacent panels of the
+ * weight). Handed out, not split up front: when the OS takes a core from one thread (a service
+ * process waking up on a small box), the others go on with the remaining runs instead of
+ * waiting at the end for its fixed half (on the 2-core box the default cluster ran ~10% faster
+ * than with a static split; docs/benchmarks/engine.md). The library links torch's libgomp, so
+ * this is torch's own team. Which thread computes an output does not change its sum. */
 void strata_gemm_f32(const float *x, int64_t M, int64_t K, const float *p, int64_t N,
                      const float *bias, float *y, int64_t nthreads) {
     const int64_t panels = (N + NW - 1) / NW, blocks = (M + MB - 1) / MB;
-    #pragma omp parallel for collapse(2) schedule(static) num_threads(nthreads) if (nthreads > 1)
+    int64_t run = panels * blocks / (8 * (nthreads > 1 ? nthreads : 1));
+    if (run < 1) run = 1;
+    #pragma omp parallel for collapse(2) schedule(dynamic, run) num_threads(nthreads) if (nthreads > 1)
     for (int64_t q = 0; q < panels; q++) {
         for (int64_t ib = 0; ib < blocks; ib++) {
             const int64_t n0 = q * NW, i1 = (ib + 1) * MB < M ? (ib + 1) * MB : M;
