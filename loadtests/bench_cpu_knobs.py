@@ -12,7 +12,9 @@ the sides run one after the other in alternating order per repeat, each on a fre
 - ``omp-passive`` / ``omp-active``: ``OMP_WAIT_POLICY`` for every process (idle OpenMP threads
   sleep at once, or spin);
 - ``no-pool``: the same shape without the kvstore and MinIO (``--kvstore 0 --no-minio``): what
-  offering every prompt's KV blocks to the pool costs the engine.
+  offering every prompt's KV blocks to the pool costs the engine;
+- ``bf16`` / ``fp32``: the model processes in bfloat16 / float32 (``--dtype``; what a bf16
+  checkpoint costs served in its own dtype against float32 on this CPU).
 
 Prints one markdown table: out tok/s median and spread, TTFT p50 / p99 and TBT medians, and the
 load average.
@@ -27,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 
-SIDES = ("default", "nice10", "omp-passive", "omp-active", "no-pool")
+SIDES = ("default", "nice10", "omp-passive", "omp-active", "no-pool", "bf16", "fp32")
 MODEL_ROLES = ("decode", "prefill", "vision")
 
 
@@ -46,7 +48,11 @@ def run_side(side: str, model_dir: str, prompts: list[str], wl, log) -> dict:
     if side.startswith("omp-"):
         os.environ["OMP_WAIT_POLICY"] = side[4:].upper()
     try:
-        extra = dict(kvstore=0, minio=False) if side == "no-pool" else {}
+        extra = {
+            "no-pool": dict(kvstore=0, minio=False),
+            "bf16": dict(dtype="bfloat16"),
+            "fp32": dict(dtype="float32"),
+        }.get(side, {})
         with Cluster(
             model_dir, log_stream=log, die_with_parent=True, log_level="WARNING", **extra
         ) as c:

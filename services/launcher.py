@@ -21,7 +21,6 @@ import socket
 import sys
 import tempfile
 import urllib.request
-from pathlib import Path
 from typing import IO, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -41,6 +40,7 @@ from services.infra.procs import (
 )
 from services.infra.restart import ServerUnit, ServiceUnit, Watchdog, serve_restart_metrics
 from services.infra.supervisor import LogSink, ProcSpec, Supervisor
+from services.serving_dtype import checkpoint_dtype, serving_dtype, weight_bytes
 from services.shape import (
     AFFINITY_ENV,
     SERVICE_THREAD_ENV,
@@ -50,8 +50,7 @@ from services.shape import (
     usable_cores,
 )
 from shared.config import RuntimeSettings, comma_list
-from shared.model.errors import CheckpointError
-from shared.model.validate import declared_dtype, read_config_json, validate_checkpoint
+from shared.model.validate import validate_checkpoint
 from shared.nats_auth import NatsAuth
 
 ROLES = ("scheduler", "tokenizer", "vision", "kvstore", "prefill", "decode", "gateway")
@@ -209,29 +208,6 @@ def vision_replicas(model_dir: str, requested: int) -> tuple[int, str]:
     if why is None:
         return requested, ""
     return 0, f"vision role off: {why}; requests with images get a 400"
-
-
-def checkpoint_dtype(model_dir: str) -> str:
-    """The dtype the checkpoint's config.json declares, by name ("float32" when it names none or
-    cannot be read: the model processes then report what is wrong)."""
-    try:
-        named = declared_dtype(read_config_json(Path(model_dir) / "config.json"))
-    except CheckpointError:
-        return "float32"
-    return str(named).removeprefix("torch.") if named else "float32"
-
-
-def serving_dtype(checkpoint: str, requested: str, device: str, native: bool) -> tuple[str, str]:
-    """The ``STRATA_DTYPE`` the model processes get ("" = the checkpoint's), and why (one line)
-    when it is not what was asked: a bf16/fp16 checkpoint on a CPU without a native unit for it
-    (``native``) is served in float32, which runs several times faster there."""
-    if requested or device != "cpu" or checkpoint == "float32" or native:
-        return requested, ""
-    return "float32", (
-        f"dtype float32: the checkpoint is {checkpoint} and this CPU has no native {checkpoint} "
-        f"matrix unit (AVX512 / AMX), where {checkpoint} runs several times slower; "
-        f"--dtype {checkpoint} keeps it"
-    )
 
 
 class Cluster:
@@ -396,9 +372,17 @@ class Cluster:
             self.minio.start(self._infra_log("minio"))
         self.sup.sink.write("strata", self.shape.line)
         from shared.model.cpu_kernels import native_half
+        from shared.worker.kv_budget import host_memory
 
         ck = checkpoint_dtype(self.model_dir)
-        self.dtype, why = serving_dtype(ck, self.cfg.dtype, self.cfg.device, native_half(ck))
+        self.dtype, why = serving_dtype(
+            ck,
+            self.cfg.dtype,
+            self.cfg.device,
+            native_half(ck),
+            weight_bytes(self.model_dir),
+            host_memory().total,
+        )
         if why:
             self.sup.sink.write("strata", why)
         counts = {r: getattr(self.cfg, r) for r in ROLES if r != "gateway"}

@@ -12,6 +12,7 @@ import services.launcher as launcher
 from services import shape
 from services.infra.nats_server import NatsServer
 from services.launcher import Cluster
+from services.serving_dtype import checkpoint_dtype, serving_dtype, weight_bytes
 from services.shape import choose_shape, format_cpus, parse_cpus
 from tests.infra.fake_apps import write_fake_apps, write_fake_checkpoint
 
@@ -158,15 +159,25 @@ def test_native_half_reads_the_cpu_flags():
 def test_a_half_checkpoint_is_served_in_float32_where_the_cpu_emulates_it(tmp_path):
     ck = write_fake_checkpoint(tmp_path / "bf16")
     (tmp_path / "bf16" / "config.json").write_text('{"text_config": {"torch_dtype": "bfloat16"}}')
-    assert launcher.checkpoint_dtype(ck) == "bfloat16"
-    assert launcher.checkpoint_dtype(str(tmp_path / "missing")) == "float32"
-    dtype, why = launcher.serving_dtype("bfloat16", "", "cpu", native=False)
+    (tmp_path / "bf16" / "README.md").write_text("not weights")
+    assert checkpoint_dtype(ck) == "bfloat16"
+    assert checkpoint_dtype(str(tmp_path / "missing")) == "float32"
+    assert weight_bytes(ck) == 10  # model.safetensors: an 8-byte length and "{}"
+    assert weight_bytes(str(tmp_path / "missing")) == 0
+    dtype, why = serving_dtype("bfloat16", "", "cpu", native=False)
     assert dtype == "float32" and "--dtype bfloat16 keeps it" in why
     # asked for, native, on a GPU, or already fp32: left alone, without a word
-    assert launcher.serving_dtype("bfloat16", "bfloat16", "cpu", native=False) == ("bfloat16", "")
-    assert launcher.serving_dtype("bfloat16", "", "cpu", native=True) == ("", "")
-    assert launcher.serving_dtype("bfloat16", "", "cuda", native=False) == ("", "")
-    assert launcher.serving_dtype("float32", "", "cpu", native=False) == ("", "")
+    assert serving_dtype("bfloat16", "bfloat16", "cpu", native=False) == ("bfloat16", "")
+    assert serving_dtype("bfloat16", "", "cpu", native=True) == ("", "")
+    assert serving_dtype("bfloat16", "", "cuda", native=False) == ("", "")
+    assert serving_dtype("float32", "", "cpu", native=False) == ("", "")
+    # float32 weights would take more than half of memory: the half type stays, and it says so
+    gib = 2**30
+    dtype, why = serving_dtype("bfloat16", "", "cpu", False, weights=7 * gib, memory=24 * gib)
+    assert dtype == "" and "bfloat16 kept: float32 weights (14.0 GiB)" in why
+    assert serving_dtype("bfloat16", "", "cpu", False, weights=gib, memory=24 * gib)[0] == (
+        "float32"
+    )
 
 
 @need_two
