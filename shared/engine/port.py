@@ -253,6 +253,18 @@ class EnginePort:
             loop, q = target
             loop.call_soon_threadsafe(q.put_nowait, item)
 
+    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs, one wake-up per event loop: each ``call_soon_threadsafe`` writes
+        the loop's self-pipe and takes the GIL on both threads, so 16 running requests cost one
+        hand-over per step instead of 16."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        for o in outputs:
+            target = self._streams.get(o.request_id)
+            if target is not None:
+                batches.setdefault(target[0], []).append((target[1], o))
+        for loop, items in batches.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
     def _run(self) -> None:
         e = self._engine
         while not self._stop.is_set():
@@ -268,8 +280,12 @@ class EnginePort:
                     self._deliver(rid, exc)
                     e.abort_request(rid)
                 continue
-            for o in outputs:
-                self._deliver(o.request_id, o)
+            self._deliver_step(outputs)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)
 
 
 def _resolve(fut: asyncio.Future, res, err) -> None:

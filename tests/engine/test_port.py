@@ -53,6 +53,39 @@ async def test_streams_match_sync_and_abort_frees(qwen_ckpt):
         port.shutdown()
 
 
+async def test_a_step_hands_its_outputs_to_the_event_loop_at_once(qwen_ckpt, monkeypatch):
+    """Every output of one step reaches the event loop in one ``call_soon_threadsafe`` (one
+    self-pipe write and GIL hand-over), not one per running request."""
+    from shared.engine import port as port_module
+
+    _, path = qwen_ckpt
+    model = load_model(path)
+    ps = prompts(16, [5, 9, 13, 6])
+    want = LLMEngine(model, EngineConfig(**CFG)).generate(ps, SP)
+    port = EnginePort(LLMEngine(model, EngineConfig(**CFG)))
+    loop = asyncio.get_running_loop()
+    handed, orig = [], loop.call_soon_threadsafe
+
+    def counting(callback, *args, **kwargs):
+        if callback is port_module._put_all:
+            handed.append(len(args[0]))
+        return orig(callback, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "call_soon_threadsafe", counting)
+    try:
+
+        async def one(i, p):
+            return [o async for o in port.generate(f"r{i}", p, SP)]
+
+        outs = await asyncio.wait_for(asyncio.gather(*(one(i, p) for i, p in enumerate(ps))), 60)
+        assert [sum((o.new_token_ids for o in out), []) for out in outs] == want
+        assert sum(handed) == sum(map(len, outs))  # every output went through a batch
+        assert len(handed) <= port.stats().steps  # at most one hand-over per step
+        assert max(handed) == len(ps)  # the decode steps carried all four requests at once
+    finally:
+        port.shutdown()
+
+
 class Recorder(KVConnector):
     def __init__(self, wanted: set[str]):
         self.wanted = wanted
