@@ -184,6 +184,7 @@ def engine_run(model_dir: str, prompts: list[str], wl: Workload, threads: int, d
         "tbt_p50": nan,
         "prompt_tokens": list(map(len, ids)),
         "load": load,
+        "outputs": out,
     }
 
 

@@ -52,6 +52,7 @@ from services.shape import (
 from shared.config import RuntimeSettings, comma_list
 from shared.model.validate import validate_checkpoint
 from shared.nats_auth import NatsAuth
+from shared.worker.kv_budget import host_memory
 
 ROLES = ("scheduler", "tokenizer", "vision", "kvstore", "prefill", "decode", "gateway")
 """Every role `strata serve` knows, in start-up order."""
@@ -372,7 +373,6 @@ class Cluster:
             self.minio.start(self._infra_log("minio"))
         self.sup.sink.write("strata", self.shape.line)
         from shared.model.cpu_kernels import native_half
-        from shared.worker.kv_budget import host_memory
 
         ck = checkpoint_dtype(self.model_dir)
         self.dtype, why = serving_dtype(

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from shared.model.errors import CheckpointError
 from shared.model.validate import declared_dtype, read_config_json
+from shared.worker.kv_budget import fmt_bytes
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
@@ -42,10 +43,6 @@ def weight_bytes(model_dir: str) -> int:
     return sum(f.stat().st_size for f in files if f.suffix in WEIGHT_SUFFIXES and f.is_file())
 
 
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB"
-
-
 def serving_dtype(
     checkpoint: str,
     requested: str,
@@ -62,8 +59,8 @@ def serving_dtype(
         return requested, ""
     if weights and memory and 2 * weights > memory // 2:
         return requested, (
-            f"dtype {checkpoint} kept: float32 weights ({_gib(2 * weights)}) would take more than "
-            f"half of the memory ({_gib(memory)}), but this CPU has no native {checkpoint} unit "
+            f"dtype {checkpoint} kept: float32 weights ({fmt_bytes(2 * weights)}) would take more than "
+            f"half of the memory ({fmt_bytes(memory)}), but this CPU has no native {checkpoint} unit "
             f"and runs it several times slower"
         )
     return "float32", (

@@ -238,7 +238,7 @@ class EnginePort:
                 res = c.run(self._engine)
             except Exception as e:  # noqa: BLE001 - delivered to the caller, not swallowed
                 if isinstance(c, cmd.Add | cmd.AddPrefilled):
-                    self._deliver(c.request_id, e)
+                    self._deliver([(c.request_id, e)])
                 elif isinstance(c, cmd.Query):
                     c.reply.get_loop().call_soon_threadsafe(_resolve, c.reply, None, e)
                 else:
@@ -247,23 +247,17 @@ class EnginePort:
             if isinstance(c, cmd.Query):
                 c.reply.get_loop().call_soon_threadsafe(_resolve, c.reply, res, None)
 
-    def _deliver(self, rid: str, item) -> None:
-        target = self._streams.get(rid)
-        if target is not None:
-            loop, q = target
-            loop.call_soon_threadsafe(q.put_nowait, item)
-
-    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
-        """A step's outputs, one wake-up per event loop: each ``call_soon_threadsafe`` writes
-        the loop's self-pipe and takes the GIL on both threads, so 16 running requests cost one
-        hand-over per step instead of 16."""
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
-        for o in outputs:
-            target = self._streams.get(o.request_id)
+    def _deliver(self, items: list[tuple[str, object]]) -> None:
+        """(request id, output or exception) to each request's stream, one wake-up per event
+        loop: each ``call_soon_threadsafe`` writes the loop's self-pipe and takes the GIL on
+        both threads, so a step of 16 running requests costs one hand-over, not 16."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
+        for rid, item in items:
+            target = self._streams.get(rid)
             if target is not None:
-                batches.setdefault(target[0], []).append((target[1], o))
-        for loop, items in batches.items():
-            loop.call_soon_threadsafe(_put_all, items)
+                batches.setdefault(target[0], []).append((target[1], item))
+        for loop, batch in batches.items():
+            loop.call_soon_threadsafe(_put_all, batch)
 
     def _run(self) -> None:
         e = self._engine
@@ -276,14 +270,15 @@ class EnginePort:
             try:
                 outputs = e.step()
             except Exception as exc:  # noqa: BLE001 - fail every open stream loudly
-                for rid in list(self._streams):
-                    self._deliver(rid, exc)
+                rids = list(self._streams)
+                self._deliver([(rid, exc) for rid in rids])
+                for rid in rids:
                     e.abort_request(rid)
                 continue
-            self._deliver_step(outputs)
+            self._deliver([(o.request_id, o) for o in outputs])
 
 
-def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
     for q, item in items:
         q.put_nowait(item)
 

@@ -92,17 +92,18 @@ def auto_kv_bytes(
     share = int(fraction * memory.total / engines)
     free = int(free_cap * memory.available / engines)
     useful = token_bytes * max_tokens
-    budget, why = share, f"{fraction:.0%} of {_gib(memory.total)} {memory.where} / {engines}"
+    budget, why = share, f"{fraction:.0%} of {fmt_bytes(memory.total)} {memory.where} / {engines}"
     if free < budget:
-        budget, why = free, f"{free_cap:.0%} of {_gib(memory.available)} available / {engines}"
+        budget, why = free, f"{free_cap:.0%} of {fmt_bytes(memory.available)} available / {engines}"
     if useful < budget:
         budget, why = useful, f"max_num_seqs x max_model_len = {max_tokens:,} tokens"
     if budget < MIN_AUTO_BYTES:
         budget, why = MIN_AUTO_BYTES, f"the floor ({why} is less)"
-    return budget, f"{_gib(budget)} ({budget // token_bytes:,} tokens): {why}"
+    return budget, f"{fmt_bytes(budget)} ({budget // token_bytes:,} tokens): {why}"
 
 
-def _gib(n: int) -> str:
+def fmt_bytes(n: int) -> str:
+    """``n`` bytes as GiB (one decimal), or MiB under 1 GiB."""
     return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.0f} MiB"
 
 
@@ -119,7 +120,7 @@ def resolve_kv_bytes(
     (``fraction`` 0: `DEFAULT_FRACTION` of the device kind)."""
     if kv_cache_bytes > 0:
         tokens = kv_cache_bytes // token_bytes
-        return kv_cache_bytes, f"{_gib(kv_cache_bytes)} ({tokens:,} tokens): kv_cache_bytes"
+        return kv_cache_bytes, f"{fmt_bytes(kv_cache_bytes)} ({tokens:,} tokens): kv_cache_bytes"
     cuda = device.startswith("cuda")
     memory = device_memory(device) if cuda else host_memory()
     fraction = fraction or DEFAULT_FRACTION["cuda" if cuda else "cpu"]
