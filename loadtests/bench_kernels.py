@@ -1,6 +1,6 @@
 """Micro-benchmarks behind docs/benchmarks/model.md: the GEMM and decode-attention numbers.
 
-    .venv/bin/python -m loadtests.bench_kernels [--threads 1,2] [--repeats 50]
+    .venv/bin/python -m loadtests.bench_kernels [--threads 1,2] [--repeats 50] [--only decode-step,...]
 
 GEMM: ``F.linear`` (MKL), oneDNN on its prepacked weight, and the native kernel
 (`shared.model.cpu_kernels.linear`, what `shared.model.layers.Gemm` runs for float32 on CPU) at
@@ -10,6 +10,9 @@ more than the caches, so every weight comes from memory as in a decode step) for
 Decode attention: one layer, 16 and 64 sequences with contexts 64-544, block 16, 8 heads over 4 KV
 heads of 64: the torch path (per-sequence gather + SDPA on one thread, what `paged_attention` runs
 without the kernel) against the native kernel (`shared.model.cpu_kernels.decode_attention`).
+Decode attention as a decode step meets it: 8 layers' caches in turn in one pool allocated as the
+engine's (~65 MB of K/V for 16 sequences, more than L3, so K/V come from memory), the native
+kernel only, ms per step and GB/s of K/V read.
 Prefill attention: one layer, one prompt of 64-2048 tokens, same heads: torch's causal SDPA (what
 `paged_attention` runs without the kernel) against the native kernel reading the paged cache
 (`shared.model.cpu_kernels.prefill_attention`).
@@ -32,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from shared.model import cpu_kernels
+from shared.model.api import KVCache
 from shared.model.attention import _context, _serial
 from shared.model.layers import Gemm, _pack
 
@@ -213,6 +217,41 @@ def decode_attention(repeats: int) -> list[str]:
     return rows
 
 
+def decode_attention_step(repeats: int, layers: int = 8, n_seq: int = 16) -> list[str]:
+    """The native kernel over ``layers`` layers' caches in turn, as one decode step calls it."""
+    heads, kvh, dim, bs = 8, 4, 64, 16
+    rng = random.Random(7)
+    ctx = [rng.randint(64, 544) for _ in range(n_seq)]
+    nblocks = [-(-c // bs) for c in ctx]
+    total = sum(nblocks) + 8
+    g = torch.Generator().manual_seed(7)
+    cache = KVCache.allocate(layers, total, bs, kvh, dim, torch.float32)  # as the engine's
+    cache.k.copy_(torch.randn(cache.k.shape, generator=g))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=g))
+    kv = list(zip(cache.k, cache.v, strict=True))
+    perm = torch.randperm(total, generator=g)
+    tables = torch.zeros(n_seq, max(nblocks), dtype=torch.long)
+    used = 0
+    for i, nb in enumerate(nblocks):
+        tables[i, :nb] = perm[used : used + nb]
+        used += nb
+    q, lens = torch.randn(n_seq, heads, dim, generator=g), torch.tensor(ctx)
+    if cpu_kernels.decode_attention(q, *kv[0], tables, lens, dim**-0.5) is None:
+        return ["(native kernel unavailable)"]
+
+    def step() -> None:
+        for k, v in kv:
+            cpu_kernels.decode_attention(q, k, v, tables, lens, dim**-0.5)
+
+    ms = alternate({"native": step}, repeats)["native"]
+    read = 2 * sum(ctx) * kvh * dim * 4 * layers
+    return [
+        "| layers | sequences | K/V read per step | native kernel ms per step | GB/s |",
+        "| ---: | ---: | ---: | ---: | ---: |",
+        f"| {layers} | {n_seq} | {read / 1e6:.1f} MB | {ms:.2f} | {read / ms / 1e6:.1f} |",
+    ]
+
+
 def prefill_attention(repeats: int) -> list[str]:
     rows = [
         "| prompt tokens | torch SDPA ms | native kernel ms | speed-up |",
@@ -250,26 +289,45 @@ def prefill_attention(repeats: int) -> list[str]:
     return rows
 
 
+PARTS = {
+    "gemm": ("GEMM, benchmark-model shapes", gemm),
+    "gemm-model": (
+        "GEMM, every projection of the model's 8 layers in turn (94 MB, from memory)",
+        gemm_model,
+    ),
+    "decode": (
+        "Decode attention, one layer, contexts 64-544, block 16, 8 heads / 4 KV heads x 64",
+        decode_attention,
+    ),
+    "decode-step": (
+        "Decode attention over 8 layers' caches in turn (K/V from memory), same shapes",
+        decode_attention_step,
+    ),
+    "prefill": (
+        "Prefill attention, one layer, one prompt, 8 heads / 4 KV heads x 64",
+        prefill_attention,
+    ),
+    "int8": ("int8 GEMM options, same shapes", int8),
+}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", default="1,2", help="torch thread counts to run (comma list)")
     ap.add_argument("--repeats", type=int, default=50, help="timed calls per side")
+    ap.add_argument("--only", default=",".join(PARTS), help=f"of {', '.join(PARTS)}")
     a = ap.parse_args()
+    only = {p.strip() for p in a.only.split(",") if p.strip()}
+    if not only or only - set(PARTS):
+        raise SystemExit(f"bench_kernels: --only takes {', '.join(PARTS)}")
     for threads in (int(t) for t in a.threads.split(",")):
         torch.set_num_threads(threads)
         print(f"## {threads} torch thread(s); load average (1 min) {os.getloadavg()[0]:.2f}\n")
-        print("GEMM, benchmark-model shapes:\n")
-        print("\n".join(gemm(a.repeats)) + "\n")
-        print("GEMM, every projection of the model's 8 layers in turn (94 MB, from memory):\n")
-        print("\n".join(gemm_model(a.repeats)) + "\n", flush=True)
-        print(
-            "Decode attention, one layer, contexts 64-544, block 16, 8 heads / 4 KV heads x 64:\n"
-        )
-        print("\n".join(decode_attention(a.repeats)) + "\n", flush=True)
-        print("Prefill attention, one layer, one prompt, 8 heads / 4 KV heads x 64:\n")
-        print("\n".join(prefill_attention(a.repeats)) + "\n", flush=True)
-        print("int8 GEMM options, same shapes:\n")
-        print("\n".join(int8(a.repeats)) + "\n", flush=True)
+        for part in PARTS:
+            if part in only:
+                title, fn = PARTS[part]
+                print(title + ":\n")
+                print("\n".join(fn(a.repeats)) + "\n", flush=True)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,13 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(p, fi);
 }
 
+/* How far ahead (tokens) the K and V passes prefetch, into L2 (_MM_HINT_T1), not L1: a 16-token
+ * stretch of rows is 16 KB for 4 KV heads of 64, half of L1, so fetching one stretch ahead into
+ * L1 evicted rows before their use. Two stretches ahead into L2 (1 MB), a decode step's
+ * attention over 8 layers read K/V from memory 1.2-1.4x faster (docs/benchmarks/engine.md,
+ * "Decode attention prefetched into L2"). */
+#define PREFETCH_AHEAD 32
+
 /* The AVX-512 path (D a multiple of 16), per sequence, walking its context block by block so
  * each 16-token stretch of K (then V) is read from memory once for every head: scores of 16
  * tokens at a time as 16 vector accumulators folded by one transpose-add (no per-token
@@ -65,10 +72,10 @@ static void attn_avx512(const float *q, const float *k, const float *v, const in
         for (int64_t t0 = 0; t0 < n; t0 += 16) {
             const int64_t m = n - t0 < 16 ? n - t0 : 16;
             /* the cache is cold here (other layers ran in between) and the block table breaks
-             * the hardware prefetcher's stream: fetch the next 16 tokens' rows now */
-            for (int64_t j = t0 + 16; j < t0 + 32 && j < n; j++)
+             * the hardware prefetcher's stream: fetch the rows PREFETCH_AHEAD tokens on now */
+            for (int64_t j = t0 + PREFETCH_AHEAD; j < t0 + PREFETCH_AHEAD + 16 && j < n; j++)
                 for (int64_t l = 0; l < tok_stride; l += 16)
-                    _mm_prefetch((const char *)(rows[j] + l), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(rows[j] + l), _MM_HINT_T1);
             for (int64_t h = 0; h < H; h++) {
                 const float *qq = qb + h * D;
                 const int64_t off = (h / G) * D;
@@ -111,10 +118,11 @@ static void attn_avx512(const float *q, const float *k, const float *v, const in
         for (int64_t i = 0; i < H * D; i++) ob[i] = 0.f;
         for (int64_t t = 0; t < n; t++) {
             const float *vt = v + tab[t / BS] * blk_stride + (t % BS) * tok_stride;
-            if (t + 8 < n) {
-                const float *nx = v + tab[(t + 8) / BS] * blk_stride + ((t + 8) % BS) * tok_stride;
+            if (t + PREFETCH_AHEAD < n) {
+                const int64_t j = t + PREFETCH_AHEAD;
+                const float *nx = v + tab[j / BS] * blk_stride + (j % BS) * tok_stride;
                 for (int64_t l = 0; l < tok_stride; l += 16)
-                    _mm_prefetch((const char *)(nx + l), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(nx + l), _MM_HINT_T1);
             }
             for (int64_t h = 0; h < H; h++) {
                 const __m512 p = _mm512_set1_ps(s[h * pitch + t]);

@@ -3,6 +3,7 @@ it, and the lazily zeroed CPU pool that makes a large budget cheap until it is u
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from shared.model.api import KVCache
@@ -64,6 +65,38 @@ def test_the_cpu_pool_is_zero_and_becomes_resident_only_where_written():
     kv.k[:, 7] = 1.5
     assert float(kv.k[:, 7].float().mean()) == 1.5
     assert not kv.k[:, 8:4000:97].any() and not kv.v[:, ::101].any()  # zeros where unwritten
+
+
+def _anon_huge_bytes(t: torch.Tensor) -> int:
+    """AnonHugePages of this process's mappings over ``t``'s bytes (advising splits the
+    allocation's mapping: the aligned middle becomes a mapping of its own)."""
+    start = t.data_ptr()
+    end = start + t.numel() * t.element_size()
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo < end and start < hi
+            elif inside and head == "AnonHugePages:":
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+def test_the_cpu_pool_is_backed_by_huge_pages_where_the_kernel_has_them():
+    """numpy advises the kernel to back arrays of 4 MiB and more with transparent huge pages,
+    so the pool's blocks, scattered reads of a decode step, cost few TLB misses."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            if "[never]" in f.read():
+                pytest.skip("transparent huge pages are off on this kernel")
+    except OSError:
+        pytest.skip("this kernel has no transparent huge pages")
+    kv = KVCache.allocate(2, 512, 16, 4, 64, torch.float32)  # 2 x 16 MiB
+    assert _anon_huge_bytes(kv.k) == 0  # nothing written yet
+    kv.k.fill_(1.0)
+    assert _anon_huge_bytes(kv.k) >= 8 << 20  # written: 2 MiB pages, not 4 KiB
 
 
 def test_the_budget_of_a_loaded_model_counts_its_kv_bytes_per_token():
