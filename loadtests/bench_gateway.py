@@ -277,9 +277,9 @@ def latency(n: int, real: bool) -> list[str]:
     import subprocess
     import sys
 
+    from services.cluster_config import ensure_model
     from services.infra.nats_server import start_nats
     from services.infra.procs import free_port
-    from services.launcher import ensure_model
 
     nats = start_nats(data_dir=tempfile.mkdtemp(prefix="bench-nats-"))
     port = free_port()
@@ -379,7 +379,8 @@ def _wait_ready(url: str, timeout: float = 120.0) -> None:
 
 
 def streams(n: int, out_len: int) -> list[str]:
-    from services.launcher import Cluster, ensure_model
+    from services.cluster_config import ensure_model
+    from services.launcher import Cluster
 
     model_dir = ensure_model("")
     rng = random.Random("streams")

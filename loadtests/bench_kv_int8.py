@@ -15,7 +15,7 @@ import random
 
 import torch
 
-from services.launcher import ensure_model
+from services.cluster_config import ensure_model
 from shared.engine import commands as cmd
 from shared.engine.engine import LLMEngine
 from shared.engine.params import EngineConfig

@@ -21,12 +21,12 @@ import time
 
 import torch
 
+from services.cluster_config import ensure_model
 from services.decode.service import DecodeService
 from services.infra.minio_server import start_minio
 from services.infra.nats_server import start_nats
 from services.kvstore.app import run_kvstore
 from services.kvstore.config import KVStoreConfig
-from services.launcher import ensure_model
 from services.prefill.service import PrefillService
 from shared import bus
 from shared.engine.port_types import KVConnector, LayerKV

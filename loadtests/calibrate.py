@@ -146,7 +146,7 @@ def calibrate_model(name: str, model_dir: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from services.launcher import ensure_model
+    from services.cluster_config import ensure_model
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=1, help="torch threads (as in the cluster)")

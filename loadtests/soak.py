@@ -95,7 +95,8 @@ async def drive(url: str, model: str, concurrency: int, seconds: float) -> tuple
 
 
 def main() -> None:
-    from services.launcher import Cluster, ensure_model
+    from services.cluster_config import ensure_model
+    from services.launcher import Cluster
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--concurrency", type=int, default=500)

@@ -22,8 +22,8 @@ import urllib.request
 
 from pydantic import ValidationError
 
+from services.cluster_config import ROLES, ClusterConfig
 from services.infra.gateway_tls import local_context
-from services.launcher import ROLES, ClusterConfig
 from services.shape import apply_affinity
 from shared.config import ConfigError, RuntimeSettings, add_model_flags, model_flag_values
 from shared.model.errors import CheckpointError
@@ -109,8 +109,9 @@ def config_from_args(a: argparse.Namespace) -> ClusterConfig:
 
 def up(argv: list[str]) -> int:
     """Start everything, print the URL, wait for Ctrl-C/SIGTERM, stop everything."""
+    from services.cluster_config import default_model_dir, ensure_model
     from services.infra.supervisor import ServiceFailed
-    from services.launcher import Cluster, default_model_dir, ensure_model
+    from services.launcher import Cluster
 
     args = up_parser().parse_args(argv)
     try:
@@ -236,7 +237,7 @@ def model_cmd(argv: list[str]) -> int:
     p.add_argument("what", choices=["build-default", "build-benchmark"])
     p.add_argument("dir", nargs="?", default="", help="output dir (default: .cache/models/...)")
     a = p.parse_args(argv)
-    from services.launcher import ensure_model
+    from services.cluster_config import ensure_model
 
     try:
         if a.dir:

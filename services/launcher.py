@@ -21,25 +21,29 @@ import socket
 import sys
 import tempfile
 import urllib.request
-from typing import IO, Any, Literal
+from typing import IO, Any
 
-from pydantic import BaseModel, ConfigDict, Field
-
-from services.infra.gateway_tls import check_pair, local_context
+from services.cluster_config import (
+    DTYPE_ROLES,
+    REQUIRED_ROLES,
+    ROLES,
+    ClusterConfig,
+    vision_replicas,
+)
+from services.infra.gateway_tls import local_context
 from services.infra.joined import JoinedMinio, JoinedNats
-from services.infra.minio_server import MinioServer, minio_binary
+from services.infra.minio_server import MinioServer
 from services.infra.nats_auth import password_file
 from services.infra.nats_server import NatsServer
 from services.infra.procs import (
-    cache_dir,
     free_port,
-    port_open,
     repo_root,
     signal_group,
     wait_until,
 )
 from services.infra.restart import ServerUnit, ServiceUnit, Watchdog, serve_restart_metrics
 from services.infra.supervisor import LogSink, ProcSpec, Supervisor
+from services.preflight import preflight
 from services.serving_dtype import checkpoint_dtype, serving_dtype, weight_bytes
 from services.shape import (
     AFFINITY_ENV,
@@ -49,166 +53,8 @@ from services.shape import (
     format_cpus,
     usable_cores,
 )
-from shared.config import RuntimeSettings, comma_list
-from shared.model.validate import validate_checkpoint
 from shared.nats_auth import NatsAuth
 from shared.worker.kv_budget import host_memory
-
-ROLES = ("scheduler", "tokenizer", "vision", "kvstore", "prefill", "decode", "gateway")
-"""Every role `strata serve` knows, in start-up order."""
-MODEL_ROLES = ("vision", "prefill", "decode")
-"""Roles that load model weights (they get ``STRATA_TORCH_THREADS``)."""
-DTYPE_ROLES = ("tokenizer", *MODEL_ROLES)
-"""Roles that read ``STRATA_DTYPE``: the model processes, and the tokenizer, whose block hashes
-carry the model fingerprint (dtype included) that the engines' prefix blocks are keyed by."""
-REQUIRED_ROLES = ("scheduler", "tokenizer", "decode", "gateway", "nats")
-"""Roles without which nothing is served (`restart`: giving up on the last one is fatal)."""
-
-
-class ClusterConfig(BaseModel):
-    """Settings of a local cluster; `strata up`'s flags are derived from these fields
-    (`services.cli.up_parser`: ``foo_bar`` -> ``--foo-bar``, help = the description)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    model: str = Field("", description="Checkpoint directory (default: the built-in model)")
-    host: str = Field("127.0.0.1", description="Address every service binds")
-    port: int = Field(0, ge=0, le=65535, description="Gateway HTTP port (0 = a free port)")
-    nats_port: int = Field(0, ge=0, le=65535, description="nats-server port (0 = a free port)")
-    minio_port: int = Field(0, ge=0, le=65535, description="MinIO port (0 = a free port)")
-    minio: bool = Field(
-        True, description="MinIO, the SSD tier of the KV pool (off: the pool stays in DRAM)"
-    )
-    data_dir: str = Field(
-        "",
-        description="NATS/MinIO data and service logs (Cluster(): '' = a temp dir, removed "
-        "by stop())",
-    )
-    scheduler: int = Field(1, ge=1, le=16, description="Scheduler replicas")
-    tokenizer: int = Field(1, ge=1, le=64, description="Tokenizer replicas (queue group)")
-    vision: int = Field(1, ge=0, le=64, description="Vision encoder replicas (0 = text only)")
-    kvstore: int = Field(1, ge=0, le=64, description="kvstore instances (0 = no KV pool)")
-    prefill: int | None = Field(
-        None,
-        ge=0,
-        le=64,
-        description="Prefill instances (0 = decode prefills; unset = from the machine: "
-        "0 below 8 cores, else 1, see services.shape)",
-    )
-    decode: int = Field(1, ge=1, le=64, description="Decode instances")
-    torch_threads: int | None = Field(
-        None,
-        ge=1,
-        le=256,
-        description="torch threads per prefill/decode process (unset = its share of the "
-        "cores, from the shape)",
-    )
-    device: str = Field("cpu", description="torch device of model processes: cpu or cuda[:N]")
-    dtype: Literal["", "float32", "bfloat16", "float16"] = Field(
-        "",
-        description="Weights, activations and KV of the model processes: float32 | bfloat16 | "
-        "float16 (default: the checkpoint's)",
-    )
-    log_level: str = Field("INFO", description="Log level of every service")
-    metrics_port_base: int = Field(
-        0, ge=0, le=65000, description="First Prometheus port, +1 per process (0 = free)"
-    )
-    env: dict[str, str] = Field(
-        default_factory=dict, description="Extra env for every service (repeatable flag)"
-    )
-    role_args: dict[str, list[str]] = Field(
-        default_factory=dict, description="Extra `strata serve` flags per role"
-    )
-    ready_timeout: float = Field(300.0, gt=0, description="Seconds to wait for readiness")
-    stop_timeout: float = Field(10.0, gt=0, description="Seconds between SIGTERM and SIGKILL")
-    die_with_parent: bool = Field(False, description="Children die if the launcher is killed")
-    restart: bool = Field(
-        False,
-        description="Restart crashed services, nats-server and MinIO "
-        "with backoff (services.infra.restart)",
-    )
-    launcher_metrics_port: int = Field(
-        0,
-        ge=0,
-        le=65535,
-        description="With restart: port of strata_launcher_restarts_total (0 = a free port)",
-    )
-    nats_auth: bool = Field(
-        True,
-        description="Per-role NATS users and permissions (anonymous "
-        "clients refused); credentials in <data-dir>/nats/credentials",
-    )
-    nats_tls_cert: str = Field("", description="nats-server TLS certificate ('' = no TLS)")
-    nats_tls_key: str = Field("", description="nats-server TLS key")
-    nats_tls_ca: str = Field("", description="CA of the server certificate, given to clients")
-    nats_tls_verify: bool = Field(
-        False,
-        description="Clients must present a certificate signed by the nats_tls_ca CA "
-        "(give services theirs with STRATA_NATS_TLS_CERT/KEY)",
-    )
-    tls_cert: str = Field("", description="Gateway HTTPS certificate, PEM ('' = plain HTTP)")
-    tls_key: str = Field("", description="Private key of tls_cert, PEM")
-    nats_url: str = Field(
-        "",
-        description="Join this running NATS (a URL, or a comma-separated seed list of a NATS "
-        "cluster) instead of starting nats-server",
-    )
-    nats_credentials: str = Field(
-        "",
-        description="With nats_url: the directory of the joined NATS's <user>.password files "
-        "(<data-dir>/nats/credentials of the cluster that owns it; not needed with nats_auth off)",
-    )
-    minio_endpoint: str = Field(
-        "",
-        description="Join this running MinIO (host:port, or a comma-separated list of one "
-        "distributed MinIO's nodes) as the SSD tier instead of starting one",
-    )
-    minio_credentials: str = Field(
-        "",
-        description="With minio_endpoint: the owning cluster's <data-dir>/minio.credentials.json",
-    )
-    instance_prefix: str = Field(
-        "",
-        pattern=r"^[A-Za-z0-9_.-]*$",
-        description="Prefix of every instance id, which must be unique among the clusters "
-        "sharing a NATS ('' = none; when joining a NATS: '<hostname>-<4 hex>-')",
-    )
-    color: bool | None = Field(
-        None,
-        description="Colored [name] log prefixes (unset: on a terminal; NO_COLOR / "
-        "FORCE_COLOR also work)",
-    )
-
-
-def default_model_dir() -> str:
-    return os.path.join(cache_dir(), "models", "default")
-
-
-def ensure_model(path: str = "", benchmark: bool = False) -> str:
-    """The checkpoint to serve: ``path`` as given, else the default model (built once)."""
-    if path:
-        validate_checkpoint(path)  # CheckpointError: one line naming file, problem and fix
-        return os.path.abspath(path)
-    try:
-        from shared.model import default_model
-    except ImportError as exc:
-        raise RuntimeError(f"cannot build the default model ({exc}); pass --model DIR") from exc
-    out = os.path.join(cache_dir(), "models", "benchmark" if benchmark else "default")
-    build = default_model.build_benchmark_model if benchmark else default_model.build_default_model
-    return os.path.abspath(str(build(out)))
-
-
-def vision_replicas(model_dir: str, requested: int) -> tuple[int, str]:
-    """Vision replicas to start for the checkpoint in ``model_dir``, and why (one line) when
-    that is not ``requested``: a checkpoint without a vision tower gets none."""
-    if requested == 0:
-        return 0, ""
-    from shared.model.validate import text_only_reason
-
-    why = text_only_reason(model_dir)
-    if why is None:
-        return requested, ""
-    return 0, f"vision role off: {why}; requests with images get a 400"
 
 
 class Cluster:
@@ -289,63 +135,8 @@ class Cluster:
             raise
         return self
 
-    def _preflight(self) -> None:
-        """What can fail before any process starts, checked in well under a second: ports, the
-        checkpoint (`validate_checkpoint`), the MinIO binary. Raises one-line errors."""
-        if port_open(self.cfg.host, self.port):
-            raise RuntimeError(f"gateway port {self.port} is already in use (pass --port)")
-        check_pair(self.cfg.tls_cert, self.cfg.tls_key)
-        joined_minio = bool(self.cfg.minio and self.cfg.minio_endpoint)
-        for what, port, flag in (
-            ("nats-server", 0 if self.cfg.nats_url else self.cfg.nats_port, "--nats-port"),
-            (
-                "MinIO",
-                self.cfg.minio_port if self.cfg.minio and not joined_minio else 0,
-                "--minio-port",
-            ),
-        ):
-            if port and port_open(self.cfg.host, port):
-                raise RuntimeError(
-                    f"{what} port {port} is already in use (pass {flag} with a "
-                    "free port, or 0 for any)"
-                )
-        self.model_dir = ensure_model(self.cfg.model)
-        try:
-            if self.cfg.nats_url:
-                self.nats = JoinedNats(
-                    comma_list(self.cfg.nats_url),
-                    cred_dir=self.cfg.nats_credentials if self.cfg.nats_auth else "",
-                    tls_ca=self.cfg.nats_tls_ca,
-                )
-                if self.cfg.nats_auth and not self.cfg.nats_credentials:
-                    raise RuntimeError(
-                        "--nats-url needs --nats-credentials DIR (the joined cluster's "
-                        "<data-dir>/nats/credentials), or --no-nats-auth if its NATS has no users"
-                    )
-                self.nats.check(ROLES)
-            if joined_minio:
-                self.minio = JoinedMinio(
-                    comma_list(self.cfg.minio_endpoint), self.cfg.minio_credentials
-                )
-                self.minio.check()
-        except ValueError as exc:
-            raise RuntimeError(f"--nats-url / --minio-endpoint: {exc}") from None
-        if self.cfg.minio and not joined_minio:
-            given = RuntimeSettings.from_env().minio_bin
-            if given and not os.path.isfile(given):
-                raise RuntimeError(
-                    f"STRATA_MINIO_BIN={given}: no such file (fix the path, or "
-                    "pass --no-minio: the KV pool then stays in DRAM)"
-                )
-            try:
-                minio_binary(build=False)
-            except RuntimeError as exc:
-                raise RuntimeError(
-                    f"{exc}; or pass --no-minio (the KV pool then stays in DRAM)"
-                ) from None
-
     def _start(self) -> None:
-        self._preflight()
+        self.model_dir, self.nats, self.minio = preflight(self.cfg, self.port)
         if not self.data_dir:
             self.data_dir = tempfile.mkdtemp(prefix="strata-cluster-")
         os.makedirs(self.log_dir, exist_ok=True)

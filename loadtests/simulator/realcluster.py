@@ -23,8 +23,9 @@ from dataclasses import asdict, dataclass, field
 from loadtests.loadgen.client import RunConfig, run_jobs
 from loadtests.loadgen.stats import percentile
 from loadtests.loadgen.workload import Job, poisson_arrivals, words
+from services.cluster_config import ensure_model
 from services.infra.supervisor import ServiceFailed
-from services.launcher import Cluster, ensure_model
+from services.launcher import Cluster
 
 
 @dataclass(frozen=True)

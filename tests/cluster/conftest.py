@@ -12,7 +12,8 @@ import urllib.request
 import pytest
 
 from loadtests.simulator.realcluster import start_cluster
-from services.launcher import Cluster, ensure_model
+from services.cluster_config import ensure_model
+from services.launcher import Cluster
 from shared.protocol import subjects
 from shared.protocol.codec import decode
 from shared.protocol.sched import SchedulerState

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from loadtests.loadgen.workload import words
-from services.launcher import ensure_model
+from services.cluster_config import ensure_model
 from tests.cluster.conftest import StateWatcher, scrape, start_cluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from loadtests.loadgen.workload import words
-from services.launcher import ensure_model
+from services.cluster_config import ensure_model
 from tests.cluster.conftest import scrape, start_cluster
 from tests.cluster.test_busy_liveness import stream_one
 

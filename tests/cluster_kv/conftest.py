@@ -11,7 +11,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadtests.simulator.realcluster import start_cluster as retrying_start
-from services.launcher import Cluster, ensure_model
+from services.cluster_config import ensure_model
+from services.launcher import Cluster
 
 SHARED_PREFIX = (
     "You are the storage assistant of a large inference cluster. Every answer must be short, "

@@ -12,10 +12,10 @@ import subprocess
 import pytest
 import yaml
 
+from services.cluster_config import ROLES
 from services.infra import nats_auth
 from services.infra.nats_server import MAX_PAYLOAD, nats_binary
 from services.infra.procs import repo_root
-from services.launcher import ROLES
 from shared.config import ModelServiceConfig
 
 COMPOSE = os.path.join(repo_root(), "compose")

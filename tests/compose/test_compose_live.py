@@ -19,8 +19,8 @@ import time
 import openai
 import pytest
 
+from services.cluster_config import ensure_model
 from services.infra import nats_auth
-from services.launcher import ensure_model
 from tests.compose.docker_env import (
     COMPOSE_FILE,
     Dockerd,

@@ -16,6 +16,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from services.cluster_config import ROLES
 from services.gateway.config import GatewayConfig
 from services.gateway.http import OPEN_PATHS, build_app
 from services.infra import nats_auth
@@ -23,7 +24,6 @@ from services.infra.minio_server import KV_BUCKET, KV_POLICY, KV_USER, bucket_po
 from services.infra.nats_server import MAX_PAYLOAD, nats_binary
 from services.infra.procs import repo_root
 from services.kvstore.config import KVStoreConfig
-from services.launcher import ROLES
 from services.scheduler.config import SchedulerConfig
 from services.tokenizer.app import TokenizerConfig
 from services.vision.app import VisionServiceConfig

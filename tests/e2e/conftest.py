@@ -7,7 +7,8 @@ import os
 
 import pytest
 
-from services.launcher import Cluster, ensure_model
+from services.cluster_config import ensure_model
+from services.launcher import Cluster
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ from shared.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 @pytest.fixture(scope="module")
 def tok():
-    from services.launcher import ensure_model
+    from services.cluster_config import ensure_model
 
     return Tokenizer.from_dir(ensure_model(""))
 

@@ -44,7 +44,7 @@ CFG = dict(kv_cache_bytes=16 << 20, block_size=16)
 
 @pytest.fixture(scope="module")
 def model_dir():
-    from services.launcher import ensure_model
+    from services.cluster_config import ensure_model
 
     torch.set_num_threads(1)
     return ensure_model("")

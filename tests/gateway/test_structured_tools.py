@@ -102,7 +102,7 @@ def test_bad_requests_name_the_field():
 
 
 def test_invalid_schema_is_a_400_naming_the_problem(tmp_path):
-    from services.launcher import ensure_model
+    from services.cluster_config import ensure_model
     from shared.model.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(ensure_model(""))
@@ -202,7 +202,7 @@ def test_messages_with_tool_calls_and_results_reach_the_template(tmp_path):
         "{% else %}{{ m.content }}{% endif %}{% endfor %}"
     )
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
-    from services.launcher import ensure_model
+    from services.cluster_config import ensure_model
 
     src = ensure_model("")
     (tmp_path / "tokenizer.json").write_text(open(f"{src}/tokenizer.json").read())

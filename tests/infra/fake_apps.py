@@ -16,7 +16,7 @@ import os
 import struct
 from pathlib import Path
 
-from services.launcher import ROLES
+from services.cluster_config import ROLES
 
 APP = """
 import json, os, signal, subprocess, sys, threading

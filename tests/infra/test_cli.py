@@ -11,8 +11,9 @@ import pytest
 from pydantic import ValidationError
 
 from services import cli
+from services.cluster_config import DTYPE_ROLES, ROLES, ClusterConfig
 from services.infra.nats_server import NatsServer
-from services.launcher import DTYPE_ROLES, ROLES, Cluster, ClusterConfig
+from services.launcher import Cluster
 
 
 def test_up_flags_map_to_cluster_config():
@@ -264,7 +265,7 @@ def test_model_commands_build_into_the_given_dir_or_the_cache(tmp_path, monkeypa
 
 
 def test_ensure_model_validates_the_checkpoint(tmp_path):
-    from services.launcher import ensure_model
+    from services.cluster_config import ensure_model
     from shared.model.errors import CheckpointError
     from tests.infra.fake_apps import write_fake_checkpoint
 

@@ -10,6 +10,7 @@ import pytest
 
 import services.launcher as launcher
 from services import shape
+from services.cluster_config import ROLES
 from services.infra.nats_server import NatsServer
 from services.launcher import Cluster
 from services.serving_dtype import checkpoint_dtype, serving_dtype, weight_bytes
@@ -97,7 +98,7 @@ def test_service_env_carries_the_shape(tmp_path, monkeypatch):
     c.model_dir = str(tmp_path)
     c._kvstore_addrs = ["127.0.0.1:7001"]
     assert (c.cfg.prefill, c.cfg.torch_threads) == (1, 7)
-    env = {r: c.service_spec(r, 0).env for r in launcher.ROLES}
+    env = {r: c.service_spec(r, 0).env for r in ROLES}
     assert env["prefill"]["STRATA_CPU_AFFINITY"] == "0-6"
     assert env["decode"]["STRATA_CPU_AFFINITY"] == "7-13"
     assert env["decode"]["STRATA_TORCH_THREADS"] == "7"

@@ -10,8 +10,9 @@ import sys
 
 import pytest
 
+from services.cluster_config import vision_replicas
 from services.infra.procs import repo_root
-from services.launcher import Cluster, vision_replicas
+from services.launcher import Cluster
 from shared.model.validate import text_only_reason
 from tests.infra.fake_apps import write_fake_apps, write_fake_checkpoint
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.launcher import ensure_model
+from services.cluster_config import ensure_model
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from services.launcher import ensure_model
+from services.cluster_config import ensure_model
 from tests.cluster.test_decode_failover import prompts, reference, stream_one
 from tests.multihost.hosts import Deployment
 

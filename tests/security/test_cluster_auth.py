@@ -16,7 +16,8 @@ import httpx
 import pytest
 from PIL import Image
 
-from services.launcher import Cluster, ensure_model
+from services.cluster_config import ensure_model
+from services.launcher import Cluster
 from shared import bus
 from shared.config import ConfigError
 from shared.nats_auth import NatsAuth

@@ -13,7 +13,7 @@ from services.kvstore.config import KVStoreConfig
 
 @pytest.fixture(scope="module")
 def model_dir():
-    from services.launcher import ensure_model
+    from services.cluster_config import ensure_model
 
     return ensure_model("")
 

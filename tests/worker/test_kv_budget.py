@@ -100,7 +100,7 @@ def test_the_cpu_pool_is_backed_by_huge_pages_where_the_kernel_has_them():
 
 
 def test_the_budget_of_a_loaded_model_counts_its_kv_bytes_per_token():
-    from services.launcher import ensure_model
+    from services.cluster_config import ensure_model
     from shared.model.loader import load_model
     from shared.worker.kv_budget import kv_budget_for
 

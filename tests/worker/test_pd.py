@@ -36,7 +36,7 @@ MAX_TOKENS = 10
 
 @pytest.fixture(scope="module")
 def model_dir():
-    from services.launcher import ensure_model
+    from services.cluster_config import ensure_model
 
     return ensure_model("")
 
