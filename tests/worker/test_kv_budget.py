@@ -93,7 +93,9 @@ def test_the_cpu_pool_is_backed_by_huge_pages_where_the_kernel_has_them():
                 pytest.skip("transparent huge pages are off on this kernel")
     except OSError:
         pytest.skip("this kernel has no transparent huge pages")
-    kv = KVCache.allocate(2, 512, 16, 4, 64, torch.float32)  # 2 x 16 MiB
+    # 2 x 64 MiB: above glibc's largest mmap threshold (32 MiB), so a fresh mapping even in a
+    # process that freed memory before (a smaller calloc may reuse written heap memory)
+    kv = KVCache.allocate(2, 2048, 16, 4, 64, torch.float32)
     assert _anon_huge_bytes(kv.k) == 0  # nothing written yet
     kv.k.fill_(1.0)
     assert _anon_huge_bytes(kv.k) >= 8 << 20  # written: 2 MiB pages, not 4 KiB
