@@ -170,6 +170,18 @@ def int8(repeats: int) -> list[str]:
     return rows
 
 
+def _scattered_tables(nblocks: list[int], total: int, g: torch.Generator) -> torch.Tensor:
+    """Block tables of sequences with ``nblocks`` blocks each, placed at random among ``total``
+    (a long-running pool's scattered blocks), padded with 0."""
+    perm = torch.randperm(total, generator=g)
+    tables = torch.zeros(len(nblocks), max(nblocks), dtype=torch.long)
+    used = 0
+    for i, nb in enumerate(nblocks):
+        tables[i, :nb] = perm[used : used + nb]
+        used += nb
+    return tables
+
+
 def _attention_case(n_seq: int, repeats: int) -> dict[str, float]:
     heads, kvh, dim, bs = 8, 4, 64, 16
     rng = random.Random(n_seq)
@@ -179,12 +191,7 @@ def _attention_case(n_seq: int, repeats: int) -> dict[str, float]:
     total = sum(nblocks) + 8
     k_cache = torch.randn(total, bs, kvh, dim, generator=g)
     v_cache = torch.randn(total, bs, kvh, dim, generator=g)
-    perm = torch.randperm(total, generator=g)
-    tables = torch.zeros(n_seq, max(nblocks), dtype=torch.long)
-    used = 0
-    for i, nb in enumerate(nblocks):
-        tables[i, :nb] = perm[used : used + nb]
-        used += nb
+    tables = _scattered_tables(nblocks, total, g)
     q = torch.randn(n_seq, heads, dim, generator=g)
     lens = torch.tensor(ctx)
     scale = dim**-0.5
@@ -229,12 +236,7 @@ def decode_attention_step(repeats: int, layers: int = 8, n_seq: int = 16) -> lis
     cache.k.copy_(torch.randn(cache.k.shape, generator=g))
     cache.v.copy_(torch.randn(cache.v.shape, generator=g))
     kv = list(zip(cache.k, cache.v, strict=True))
-    perm = torch.randperm(total, generator=g)
-    tables = torch.zeros(n_seq, max(nblocks), dtype=torch.long)
-    used = 0
-    for i, nb in enumerate(nblocks):
-        tables[i, :nb] = perm[used : used + nb]
-        used += nb
+    tables = _scattered_tables(nblocks, total, g)
     q, lens = torch.randn(n_seq, heads, dim, generator=g), torch.tensor(ctx)
     if cpu_kernels.decode_attention(q, *kv[0], tables, lens, dim**-0.5) is None:
         return ["(native kernel unavailable)"]
