@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from pydantic import Field
@@ -16,6 +17,7 @@ from shared.config import ModelServiceConfig
 from shared.kvtransfer.server import start_kv_server
 from shared.logs import setup_logging
 from shared.model.validate import text_only_reason
+from shared.omp import in_fresh_thread, serial_torch_here
 from shared.protocol import subjects
 from shared.protocol.vision import VisionEncodeReply, VisionEncodeRequest
 from shared.service import announce_ready, run
@@ -31,10 +33,14 @@ class VisionServiceConfig(ModelServiceConfig):
 
 
 async def serve_vision(nc, core: VisionCore, instance_id: str, source_addr: str):
-    """Subscribe the core on `strata.vision.encode` (queue group "vision"); returns the sub."""
+    """Subscribe the core on `strata.vision.encode` (queue group "vision"); returns the sub.
+    Encodes run one at a time on one thread, the process's only OpenMP team leader
+    (shared/omp.py): concurrent encodes would each lead a team on the same cores."""
+    encoder = ThreadPoolExecutor(1, thread_name_prefix="strata-vision")
 
     async def handle(req: VisionEncodeRequest) -> VisionEncodeReply:
-        return await asyncio.to_thread(core.encode, req, instance_id, source_addr)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(encoder, core.encode, req, instance_id, source_addr)
 
     return await bus.serve(
         nc, subjects.VISION_ENCODE, VisionEncodeRequest, handle, queue=subjects.QUEUE_VISION
@@ -49,7 +55,13 @@ def main(argv: list[str]) -> None:
     torch.set_num_threads(cfg.torch_threads)
 
     async def amain(stop: asyncio.Event) -> None:
-        core = VisionCore(cfg.model, cfg.device, cfg.dtype, cfg.cache_bytes, cfg.max_image_pixels)
+        serial_torch_here()  # the loop only converts embeddings; the encoder thread computes
+        core = await asyncio.to_thread(
+            in_fresh_thread,
+            lambda: VisionCore(
+                cfg.model, cfg.device, cfg.dtype, cfg.cache_bytes, cfg.max_image_pixels
+            ),
+        )
         server, addr = await start_kv_server(EmbeddingHandler(core), cfg.grpc_host, cfg.grpc_port)
         metrics.serve_metrics(cfg.metrics_port, cfg.metrics_bind)
         metrics.SERVICE_INFO.labels("vision", cfg.instance_id).set(1)

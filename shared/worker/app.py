@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from nats.aio.client import Client as NATS
@@ -14,6 +15,7 @@ from shared.kvtransfer.client import close_clients
 from shared.kvtransfer.server import KVTransferHandler, start_kv_server
 from shared.logs import setup_logging
 from shared.model.validate import validate_checkpoint
+from shared.omp import in_fresh_thread, serial_torch_here
 from shared.protocol import subjects
 from shared.protocol.sched import InstanceRecord
 from shared.protocol.work import DecodeWork, HeldQuery, PrefillWork
@@ -72,7 +74,9 @@ async def start_worker(
     """
     if rt is None:
         rt = ModelRuntime(cfg, role)
-        await asyncio.to_thread(rt.load)
+        # The load and warm-up forward lead an OpenMP team; on a thread that then exits, so the
+        # engine thread's team stays the process's only one (shared/omp.py).
+        await asyncio.to_thread(in_fresh_thread, rt.load)
     svc = make_service(rt, nc)
     handler = getattr(svc, "receiver", None) or KVTransferHandler()
     server, addr = await start_kv_server(handler, cfg.grpc_host, cfg.grpc_port)
@@ -115,6 +119,11 @@ def run_worker(role: str, argv: list[str], make_service) -> None:
     metrics.serve_metrics(cfg.metrics_port, cfg.metrics_bind)
 
     async def main(stop: asyncio.Event) -> None:
+        # The loop and its executor threads copy KV blocks with torch; never as a second
+        # OpenMP team beside the engine's (shared/omp.py).
+        serial_torch_here()
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(ThreadPoolExecutor(4, initializer=serial_torch_here))
         nc = await bus.connect(cfg.nats_url, f"{role}:{cfg.instance_id}")
         worker = await start_worker(cfg, role, make_service, nc, stop=stop)
         metrics.SERVICE_INFO.labels(role, cfg.instance_id).set(1)

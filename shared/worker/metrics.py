@@ -20,6 +20,7 @@ PREFIX_HITS = Counter(
     "strata:prefix_cache_hits", "Prompt tokens found in the engine prefix cache", _L
 )
 PREEMPTIONS = Counter("strata:num_preemptions", "Sequences preempted for KV or priority", _L)
+STEPS = Counter("strata:engine_steps", "Engine steps taken (schedule, forward, sample)", _L)
 
 
 class EngineMetrics:
@@ -27,7 +28,7 @@ class EngineMetrics:
 
     def __init__(self, role: str, instance: str):
         self.labels = (role, instance)
-        self._last = {"q": 0, "h": 0, "p": 0}
+        self._last = {"q": 0, "h": 0, "p": 0, "s": 0}
 
     def update(self, s) -> None:
         lab = self.labels
@@ -39,6 +40,7 @@ class EngineMetrics:
             ("q", PREFIX_QUERIES, s.prefix_query_tokens),
             ("h", PREFIX_HITS, s.prefix_hit_tokens),
             ("p", PREEMPTIONS, s.preemptions),
+            ("s", STEPS, s.steps),
         ):
             delta = value - self._last[key]
             if delta > 0:
