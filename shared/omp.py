@@ -22,6 +22,7 @@ So a model process keeps one team:
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import threading
 from collections.abc import Callable
@@ -33,8 +34,10 @@ T = TypeVar("T")
 _OMP_LIBS = ("libgomp", "libiomp", "libomp")
 
 
-def _omp_runtime() -> ctypes.CDLL | None:
-    """The OpenMP runtime torch loaded (found in this process's mappings), or None."""
+@functools.cache
+def _omp_set_num_threads():
+    """``omp_set_num_threads`` of the OpenMP runtime torch loaded (found once in this process's
+    mappings), or None."""
     try:
         with open("/proc/self/maps") as f:
             paths = {
@@ -45,9 +48,12 @@ def _omp_runtime() -> ctypes.CDLL | None:
     for p in sorted(paths):
         if os.path.basename(p).startswith(_OMP_LIBS):
             try:
-                return ctypes.CDLL(p)
-            except OSError:
+                fn = ctypes.CDLL(p).omp_set_num_threads
+            except (OSError, AttributeError):
                 continue
+            fn.argtypes = (ctypes.c_int,)
+            fn.restype = None
+            return fn
     return None
 
 
@@ -56,12 +62,10 @@ def serial_torch_here() -> bool:
     team. Other threads keep their own thread counts (an OpenMP setting is per thread). Returns
     False where no OpenMP runtime is loaded (nothing to do)."""
     torch.get_num_threads()  # torch's per-thread init first: it would reset the count later
-    rt = _omp_runtime()
-    if rt is None:
+    set_num_threads = _omp_set_num_threads()
+    if set_num_threads is None:
         return False
-    rt.omp_set_num_threads.argtypes = (ctypes.c_int,)
-    rt.omp_set_num_threads.restype = None
-    rt.omp_set_num_threads(1)
+    set_num_threads(1)
     return True
 
 
