@@ -8,7 +8,10 @@ import logging
 import signal
 from collections.abc import Awaitable, Callable
 
+from shared.heap import freeze_startup_heap, watch_gc_pauses
+
 log = logging.getLogger(__name__)
+_owns_process = False  # set by `run`: this process is one service's
 
 READY_LINE = "STRATA_READY"
 FATAL_LINE = "STRATA_FATAL"
@@ -21,7 +24,12 @@ class StartupError(RuntimeError):
 
 
 def run(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
-    """Run ``main(stop)`` on uvloop until SIGINT/SIGTERM sets ``stop``."""
+    """Run ``main(stop)`` on uvloop until SIGINT/SIGTERM sets ``stop``; the service owns the
+    process: the garbage collector's pauses are measured and `announce_ready` freezes the
+    start-up heap (`shared.heap`)."""
+    global _owns_process
+    _owns_process = True
+    watch_gc_pauses()
 
     async def runner() -> None:
         stop = asyncio.Event()
@@ -40,7 +48,12 @@ def run(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
 
 
 def announce_ready(role: str, instance: str, detail: str = "") -> None:
-    """One greppable line once subscriptions are live (`strata up` and tests wait for it)."""
+    """One greppable line once subscriptions are live (`strata up` and tests wait for it).
+    In a process started by `run`, what start-up allocated is frozen out of the garbage
+    collector's view first, so full collections stop walking it (`shared.heap`); a service
+    run inside another process (a test's) leaves that process's collector alone."""
+    if _owns_process:
+        freeze_startup_heap()
     print(f"{READY_LINE} role={role} instance={instance} {detail}".rstrip(), flush=True)
 
 
