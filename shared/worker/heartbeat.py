@@ -27,6 +27,7 @@ the gateway's per-request first-token and stall timeouts fail such requests over
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -80,6 +81,8 @@ class Heartbeat:
         self.labels = labels
         self.beats = 0
         self._stop = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None  # the thread's, once it runs
+        self._wake: asyncio.Event | None = None  # set by `stop` on the thread's loop
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="strata-heartbeat", daemon=True)
@@ -99,6 +102,10 @@ class Heartbeat:
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
+        loop, wake = self._loop, self._wake
+        if loop is not None and wake is not None:
+            with contextlib.suppress(RuntimeError):  # the loop has already closed
+                loop.call_soon_threadsafe(wake.set)
         if self._thread.is_alive():
             self._thread.join(timeout)
 
@@ -114,6 +121,10 @@ class Heartbeat:
                 log.error("heartbeat thread ended: %s", exc)
 
     async def _main(self) -> None:
+        # The wake-up event exists before the stop flag is read: a `stop` that finds no loop yet
+        # set the flag before this thread's first check of it.
+        self._wake = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
         nc = await bus.connect(self.nats_url, self.client_name)
         self._ready.set()
         try:
@@ -122,8 +133,10 @@ class Heartbeat:
                 await self._beat(nc)
                 # fixed cadence: a slow beat does not push every later one back
                 next_at = max(next_at + self.interval, time.monotonic())
-                while not self._stop.is_set() and time.monotonic() < next_at:
-                    await asyncio.sleep(min(0.05, next_at - time.monotonic()))
+                # asleep until the next beat or `stop`: on a small box every wake-up of this
+                # thread takes a core (and the GIL) from the engine's OpenMP team
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), next_at - time.monotonic())
         finally:
             await nc.close()
 
