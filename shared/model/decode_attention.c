@@ -46,20 +46,36 @@ static inline __m512 exp16(__m512 x) {
  * "Decode attention prefetched into L2"). */
 #define PREFETCH_AHEAD 32
 
-/* The AVX-512 path (D a multiple of 16), per sequence, walking its context block by block so
- * each 16-token stretch of K (then V) is read from memory once for every head: scores of 16
- * tokens at a time as 16 vector accumulators folded by one transpose-add (no per-token
- * horizontal sum), a vectorised softmax per head, then the weighted V sums into the output
- * rows (L1-resident). */
+/* Tokens of V summed per load and store of an output chunk (see the V pass below). */
+#define TV 4
+
+/* The AVX-512 path (D a multiple of 16), per sequence. Both passes walk the context token by
+ * token, each token's row (every KV head) front to back, so memory is read in the order it
+ * lies within a block and the hardware prefetcher follows it; the software prefetch only
+ * crosses the block table's jumps.
+ *
+ * - Scores: for each token, the dot product of every query head with its KV head's row as one
+ *   vector of 16 partial sums, kept in a small L1 buffer; every 16 tokens a transpose-add per
+ *   head folds the 16 vectors into 16 scores (no per-token horizontal sum). This replaced a
+ *   head-major walk (16 tokens' rows at one head's offset at a time) that read K at about a
+ *   third of the box's bandwidth: 1.2-1.4x faster for the decode step's attention
+ *   (docs/benchmarks/engine.md, "Decode attention, token-major").
+ * - A vectorised softmax per head.
+ * - The weighted V sum into the output rows (L1-resident), TV tokens per load and store of an
+ *   output chunk: the same FMAs in the same order as one token at a time.
+ *
+ * Both passes sum in the same order as before, so the output is bit-identical to it. */
 static void attn_avx512(const float *q, const float *k, const float *v, const int64_t *tables,
                         const int64_t *ctx, int64_t max_blocks, int64_t B, int64_t H,
                         int64_t KVH, int64_t D, int64_t BS, float scale, float *out) {
     const int64_t G = H / KVH, C = D / 16;
     const int64_t tok_stride = KVH * D, blk_stride = BS * tok_stride;
+    const int64_t dv = v - k; /* a token's V row is at the same offset as its K row */
     int64_t cap = 0;
     for (int64_t b = 0; b < B; b++) if (ctx[b] > cap) cap = ctx[b];
     const int64_t pitch = cap + 16;  /* s[h * pitch + t] */
     float *s = (float *)aligned_alloc(64, sizeof(float) * (size_t)(H * pitch));
+    float *part = (float *)aligned_alloc(64, sizeof(float) * (size_t)(H * 16 * 16));
     const float **rows = (const float **)malloc(sizeof(float *) * (size_t)pitch);
     const __m512 vscale = _mm512_set1_ps(scale);
     for (int64_t b = 0; b < B; b++) {
@@ -67,32 +83,32 @@ static void attn_avx512(const float *q, const float *k, const float *v, const in
         const int64_t *tab = tables + b * max_blocks;
         const float *qb = q + b * H * D;
         float *ob = out + b * H * D;
-        for (int64_t t = 0; t < n; t++)
-            rows[t] = k + tab[t / BS] * blk_stride + (t % BS) * tok_stride;
+        for (int64_t t = 0, blk = 0; t < n; blk++) {
+            const float *base = k + tab[blk] * blk_stride;
+            for (int64_t i = 0; i < BS && t < n; i++, t++) rows[t] = base + i * tok_stride;
+        }
         for (int64_t t0 = 0; t0 < n; t0 += 16) {
             const int64_t m = n - t0 < 16 ? n - t0 : 16;
-            /* the cache is cold here (other layers ran in between) and the block table breaks
-             * the hardware prefetcher's stream: fetch the rows PREFETCH_AHEAD tokens on now */
-            for (int64_t j = t0 + PREFETCH_AHEAD; j < t0 + PREFETCH_AHEAD + 16 && j < n; j++)
-                for (int64_t l = 0; l < tok_stride; l += 16)
-                    _mm_prefetch((const char *)(rows[j] + l), _MM_HINT_T1);
-            for (int64_t h = 0; h < H; h++) {
-                const float *qq = qb + h * D;
-                const int64_t off = (h / G) * D;
-                __m512 acc[16];
-                for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
-                for (int64_t c = 0; c < C; c++) {
-                    const __m512 qc = _mm512_loadu_ps(qq + 16 * c);
-                    if (m == 16) {
-                        for (int j = 0; j < 16; j++)
-                            acc[j] = _mm512_fmadd_ps(
-                                qc, _mm512_loadu_ps(rows[t0 + j] + off + 16 * c), acc[j]);
-                    } else {
-                        for (int64_t j = 0; j < m; j++)
-                            acc[j] = _mm512_fmadd_ps(
-                                qc, _mm512_loadu_ps(rows[t0 + j] + off + 16 * c), acc[j]);
-                    }
+            for (int64_t j = 0; j < m; j++) {
+                const int64_t t = t0 + j;
+                if (t + PREFETCH_AHEAD < n)
+                    for (int64_t l = 0; l < tok_stride; l += 16)
+                        _mm_prefetch((const char *)(rows[t + PREFETCH_AHEAD] + l), _MM_HINT_T1);
+                for (int64_t h = 0; h < H; h++) {
+                    const float *qq = qb + h * D, *kk = rows[t] + (h / G) * D;
+                    __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qq), _mm512_loadu_ps(kk));
+                    for (int64_t c = 1; c < C; c++)
+                        a = _mm512_fmadd_ps(_mm512_loadu_ps(qq + 16 * c),
+                                            _mm512_loadu_ps(kk + 16 * c), a);
+                    _mm512_store_ps(part + (h * 16 + j) * 16, a);
                 }
+            }
+            for (int64_t j = m; j < 16; j++)
+                for (int64_t h = 0; h < H; h++)
+                    _mm512_store_ps(part + (h * 16 + j) * 16, _mm512_setzero_ps());
+            for (int64_t h = 0; h < H; h++) {
+                __m512 acc[16];
+                for (int j = 0; j < 16; j++) acc[j] = _mm512_load_ps(part + (h * 16 + j) * 16);
                 _mm512_storeu_ps(s + h * pitch + t0, _mm512_mul_ps(sum16x16(acc), vscale));
             }
         }
@@ -116,25 +132,42 @@ static void attn_avx512(const float *q, const float *k, const float *v, const in
                 _mm512_storeu_ps(sg + t, _mm512_mul_ps(_mm512_loadu_ps(sg + t), inv));
         }
         for (int64_t i = 0; i < H * D; i++) ob[i] = 0.f;
-        for (int64_t t = 0; t < n; t++) {
-            const float *vt = v + tab[t / BS] * blk_stride + (t % BS) * tok_stride;
-            if (t + PREFETCH_AHEAD < n) {
-                const int64_t j = t + PREFETCH_AHEAD;
-                const float *nx = v + tab[j / BS] * blk_stride + (j % BS) * tok_stride;
+        for (int64_t t = 0; t < n; t += TV) {
+            const int64_t m = n - t < TV ? n - t : TV;
+            for (int64_t j = t + PREFETCH_AHEAD; j < t + PREFETCH_AHEAD + m && j < n; j++)
                 for (int64_t l = 0; l < tok_stride; l += 16)
-                    _mm_prefetch((const char *)(nx + l), _MM_HINT_T1);
-            }
+                    _mm_prefetch((const char *)(rows[j] + dv + l), _MM_HINT_T1);
             for (int64_t h = 0; h < H; h++) {
-                const __m512 p = _mm512_set1_ps(s[h * pitch + t]);
-                const float *vv = vt + (h / G) * D;
+                const int64_t off = dv + (h / G) * D;
+                const float *sh = s + h * pitch + t;
                 float *o = ob + h * D;
-                for (int64_t c = 0; c < C; c++)
-                    _mm512_storeu_ps(o + 16 * c, _mm512_fmadd_ps(
-                        p, _mm512_loadu_ps(vv + 16 * c), _mm512_loadu_ps(o + 16 * c)));
+                if (m == TV) {
+                    __m512 p[TV];
+                    const float *vr[TV];
+                    for (int j = 0; j < TV; j++) {
+                        p[j] = _mm512_set1_ps(sh[j]);
+                        vr[j] = rows[t + j] + off;
+                    }
+                    for (int64_t c = 0; c < C; c++) {
+                        __m512 a = _mm512_loadu_ps(o + 16 * c);
+                        for (int j = 0; j < TV; j++)
+                            a = _mm512_fmadd_ps(p[j], _mm512_loadu_ps(vr[j] + 16 * c), a);
+                        _mm512_storeu_ps(o + 16 * c, a);
+                    }
+                } else {
+                    for (int64_t j = 0; j < m; j++) {
+                        const __m512 p = _mm512_set1_ps(sh[j]);
+                        const float *vv = rows[t + j] + off;
+                        for (int64_t c = 0; c < C; c++)
+                            _mm512_storeu_ps(o + 16 * c, _mm512_fmadd_ps(
+                                p, _mm512_loadu_ps(vv + 16 * c), _mm512_loadu_ps(o + 16 * c)));
+                    }
+                }
             }
         }
     }
     free(rows);
+    free(part);
     free(s);
 }
 #endif
