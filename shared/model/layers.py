@@ -157,6 +157,7 @@ class Gemm:
         self.key = (w.data_ptr(), w._version, None if b is None else b._version)
         self.native = _pack_native(w, b)
         self.packed = None if self.native is not None else _pack(w)
+        self.rows: list[int] = []  # `_fuse`: data_ptr of each fused module's weight slice
 
     def current(self, w: torch.Tensor, b: torch.Tensor | None) -> bool:
         return self.key == (w.data_ptr(), w._version, None if b is None else b._version)
@@ -197,18 +198,18 @@ def _fuse(linears: list[nn.Linear]) -> Gemm | None:
             if b is not None:
                 m.bias = nn.Parameter(b[row : row + n], requires_grad=False)
             row += n
-    return Gemm(w, b)
+    g = Gemm(w, b)
+    g.rows = [m.weight.data_ptr() for m in linears]  # where each module's weight must start
+    return g
 
 
 def _still_fused(fused: Gemm | None, linears: list[nn.Linear]) -> bool:
     """True while every module's weight is still the row slice of ``fused`` it was given."""
-    if fused is None or not fused.current(fused.w, fused.b):
+    if fused is None or not fused.current(fused.w, fused.b) or len(linears) != len(fused.rows):
         return False
-    w, row = fused.w, 0
-    for m in linears:
-        if type(m) is not nn.Linear or m.weight.data_ptr() != w[row].data_ptr():
+    for m, ptr in zip(linears, fused.rows, strict=True):  # per forward: no slicing of ``w``
+        if type(m) is not nn.Linear or m.weight.data_ptr() != ptr:
             return False
-        row += m.out_features
     return True
 
 
