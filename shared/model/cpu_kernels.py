@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 # package data (pyproject.toml), compiled together into one library
 _SOURCES = tuple(Path(__file__).with_name(f) for f in ("decode_attention.c", "gemm.c", "fused.c"))
 _SOURCE = _SOURCES[0]  # the decode-attention kernel
+_HEADERS = tuple(Path(__file__).with_name(f) for f in ("exp2_poly.h",))  # included by _SOURCES
 
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-shared", "-fPIC"]
 _lock = threading.Lock()
@@ -62,11 +63,12 @@ def _build() -> ctypes.CDLL | bool:
     cc = os.environ.get("CC", "cc")
     try:
         sources = [f.read_text() for f in _SOURCES]
+        headers = [f.read_text() for f in _HEADERS]
     except OSError as e:
         log.warning("CPU kernel source missing (%s); using the torch path", e)
         return False
     key = hashlib.sha256(
-        "\0".join([*sources, cc, *_FLAGS, platform.machine(), _cpu_flags()]).encode()
+        "\0".join([*sources, *headers, cc, *_FLAGS, platform.machine(), _cpu_flags()]).encode()
     ).hexdigest()[:16]
     out = _cache_dir() / f"strata_kernels_{key}.so"
     try:
@@ -76,6 +78,8 @@ def _build() -> ctypes.CDLL | bool:
                 srcs = [Path(tmp) / f.name for f in _SOURCES]
                 for src, text in zip(srcs, sources, strict=True):
                     src.write_text(text)
+                for h, text in zip(_HEADERS, headers, strict=True):
+                    (Path(tmp) / h.name).write_text(text)
                 so = Path(tmp) / "k.so"
                 subprocess.run(
                     [cc, *_FLAGS, *map(str, srcs), "-o", str(so), "-lm"],

@@ -2,6 +2,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+
+#include "exp2_poly.h"
+
 /* How far ahead (tokens) the K and V passes prefetch, into L2 (_MM_HINT_T1), not L1: a 16-token
  * stretch of rows is 16 KB for 4 KV heads of 64, half of L1, so fetching one stretch ahead into
  * L1 evicted rows before their use. Two stretches ahead into L2 (1 MB), a decode step's
@@ -32,26 +35,14 @@ static inline __m512 sum16x16(const __m512 *v) {
                          _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
 }
 
-/* e^x for x <= 0 (arguments below -87 give ~0): 2^(x log2 e) as 2^f * 2^i, i the nearest
- * integer, f in [-1/2, 1/2] by a degree-6 polynomial: relative error <= 3e-7 for x in [-5, 0],
- * growing with |x| to ~4e-6 at -87 (x log2 e rounded to a float). With i = floor, f in [0, 1),
- * the same polynomial was 5.6e-6 off as f nears 1 (docs/benchmarks/engine.md, "Decode attention
- * on AVX2"). */
+/* e^x for x <= 0 (arguments below -87 give ~0); the polynomial and its error: exp2_poly.h. */
 static inline __m512 exp16(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(STRATA_LOG2E));
     const __m512 fi = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(t, fi);
-    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-    return _mm512_scalef_ps(p, fi);
+    return _mm512_scalef_ps(STRATA_EXP2_POLY(f, _mm512_fmadd_ps, _mm512_set1_ps), fi);
 }
-
 
 /* The AVX-512 path (D a multiple of 16), per sequence. Both passes walk the context token by
  * token, each token's row (every KV head) front to back, so memory is read in the order it
@@ -193,20 +184,14 @@ static inline __m256 sum8x8(const __m256 *v) {
                          _mm256_permute2f128_ps(s4[0], s4[1], 0x31));
 }
 
-/* e^x for x <= 0, as exp16 of the AVX-512 path: 2^f by the same polynomial, times 2^i built
- * in the exponent bits (x >= -87 keeps i >= -126, a normal float). */
+/* e^x for x <= 0, as exp16 of the AVX-512 path: 2^f by the same polynomial (exp2_poly.h),
+ * times 2^i built in the exponent bits (x >= -87 keeps i >= -126, a normal float). */
 static inline __m256 exp8(__m256 x) {
     x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
-    const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+    const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(STRATA_LOG2E));
     const __m256 fi = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m256 f = _mm256_sub_ps(t, fi);
-    __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+    const __m256 p = STRATA_EXP2_POLY(f, _mm256_fmadd_ps, _mm256_set1_ps);
     const __m256i e = _mm256_slli_epi32(
         _mm256_add_epi32(_mm256_cvtps_epi32(fi), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));

@@ -160,30 +160,28 @@ void strata_gemm_f32(const float *x, int64_t M, int64_t K, const float *p, int64
 #include <math.h>
 #include <stdlib.h>
 
+#include "exp2_poly.h"
+
 #define QB 64      /* query tokens per work item */
 #define KP 4       /* key panels per block */
 #define KB (KP * NW) /* keys per block */
 
-/* e^x for x <= 0 (below -87 gives ~0): 2^i * 2^f, i the nearest integer, f in [-1/2, 1/2] by
- * a degree-6 polynomial (relative error <= 3e-7 for x in [-5, 0]; see exp16 in
- * decode_attention.c). */
+/* e^x for x <= 0 (below -87 gives ~0): 2^i * 2^f, i the nearest integer, f in [-1/2, 1/2];
+ * the polynomial and its error: exp2_poly.h. */
 typedef int32_t vi __attribute__((vector_size(VW * sizeof(float))));
+
+#define VEXP_FMA(a, b, c) ((a) * (b) + (c))
+#define VEXP_SET1(c) ((vf){0} + (c))
 
 static inline vf vexp(vf x) {
     const vf lo = (vf){0} - 87.f;
     const vi keep = x >= lo;
     x = (vf)(((vi)x & keep) | ((vi)lo & ~keep));
-    const vf t = x * 1.44269504088896341f;
+    const vf t = x * STRATA_LOG2E;
     /* nearest for t <= 0: t - 1/2 converted toward zero (t in [0, 1/2) gives 0 as well) */
     const vi ti = __builtin_convertvector(t - 0.5f, vi);
     const vf f = t - __builtin_convertvector(ti, vf);
-    vf p = (vf){0} + 1.535336188319500e-4f;
-    p = p * f + 1.339887440266574e-3f;
-    p = p * f + 9.618437357674640e-3f;
-    p = p * f + 5.550332471162809e-2f;
-    p = p * f + 2.402264791363012e-1f;
-    p = p * f + 6.931472028550421e-1f;
-    p = p * f + 1.f;
+    const vf p = STRATA_EXP2_POLY(f, VEXP_FMA, VEXP_SET1);
     const vi e = (ti + 127) << 23;
     vf s;
     memcpy(&s, &e, sizeof s);

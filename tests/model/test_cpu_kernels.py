@@ -101,8 +101,9 @@ def test_kernel_source_is_package_data():
     root = Path(cpu_kernels.__file__).parents[2]
     data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
     patterns = data["package-data"]["shared.model"]
-    for f in cpu_kernels._SOURCES:
-        assert any(fnmatch.fnmatch(f.name, p) for p in patterns)
+    assert cpu_kernels._HEADERS
+    for f in (*cpu_kernels._SOURCES, *cpu_kernels._HEADERS):
+        assert f.exists() and any(fnmatch.fnmatch(f.name, p) for p in patterns), f.name
 
 
 @pytest.mark.parametrize(
