@@ -5,12 +5,18 @@ shapes, and the decode step / prefill roofline of the benchmark model against me
 
 - bandwidth: STREAM-like on 256 MiB fp32 tensors: copy (``dst.copy_(src)``, read + write
   counted) and read (``src.sum()``), best of several, at each thread count;
+- FMA peak: a loop of 12 independent vector FMA chains in registers per thread (built with the
+  system ``cc`` at ``-march=native``), the most FLOP/s the cores sustain: the compute limit;
 - GEMM: ``torch.mm`` fp32 at the model's projection shapes (qkv, o, gate_up, down, lm_head)
-  with M = 16 (a decode batch) and M = 512 (a prefill chunk), at each thread count;
+  with M = 16 (a decode batch) and M = 512 (a prefill chunk), at each thread count, and the
+  engine's own native kernel (``shared/model/gemm.c``) at the same shapes;
 - decode roofline = bytes one step must read (every weight but the embedding table, plus the
-  batch's KV cache) / read bandwidth, and the step's FLOPs / GEMM FLOP/s at M = batch, the
-  larger of the two; prefill roofline = FLOPs (projections + causal attention + one lm_head
-  row) / GEMM FLOP/s at M = 512;
+  batch's KV cache) / read bandwidth, and the step's FLOPs / compute rate, the larger of the
+  two; prefill roofline = FLOPs (projections + causal attention + one lm_head row) / compute
+  rate. Each is given twice: against the FMA peak (the box's limit) and against the best GEMM
+  measured at that M (``torch.mm`` or native; what a GEMM reaches on these shapes). A decode
+  roofline against ``torch.mm`` alone flattered the engine where MKL is slow at 16 rows (an
+  AMD EPYC: 51 GFLOP/s, where the native kernel does ~90 from memory and the FMA peak is ~185);
 - measured: the in-process `LLMEngine` at the largest thread count: decode ms per step with
   ``batch`` sequences of ``ctx`` tokens, and prefill time of one prompt (1 output token).
 """
@@ -18,11 +24,67 @@ shapes, and the decode step / prefill roofline of the benchmark model against me
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
+import shutil
 import statistics
+import subprocess
+import tempfile
 import time
 
 import torch
+
+FMA_SOURCE = r"""
+#include <omp.h>
+#if defined(__AVX512F__)
+#define VW 16
+#elif defined(__AVX__)
+#define VW 8
+#else
+#define VW 4
+#endif
+typedef float vf __attribute__((vector_size(VW * sizeof(float))));
+int fma_width(void) { return VW; }
+/* seconds for iters rounds of 12 independent a = a * b + c chains on each of nthreads */
+double fma_run(long iters, int nthreads) {
+    volatile float sink = 0.f;
+    double t0 = omp_get_wtime();
+    #pragma omp parallel num_threads(nthreads)
+    {
+        vf a[12], b = (vf){0} + 0.9999f, c = (vf){0} + 1e-4f;
+        for (int i = 0; i < 12; i++) a[i] = (vf){0} + 1e-3f * i;
+        for (long it = 0; it < iters; it++)
+            for (int i = 0; i < 12; i++) a[i] = a[i] * b + c;
+        float s = 0.f;
+        for (int i = 0; i < 12; i++) s += a[i][0];
+        #pragma omp atomic
+        sink += s;
+    }
+    return omp_get_wtime() - t0;
+}
+"""
+
+
+def fma_peak(threads: int, repeats: int) -> float | None:
+    """FLOP/s (GFLOP/s) of the cores' vector FMA units at ``threads`` threads, or None without
+    a C compiler."""
+    cc = os.environ.get("CC", "cc")
+    if not shutil.which(cc):
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        src, so = os.path.join(tmp, "fma.c"), os.path.join(tmp, "fma.so")
+        with open(src, "w") as f:
+            f.write(FMA_SOURCE)
+        flags = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC"]
+        try:
+            subprocess.run([cc, *flags, src, "-o", so], check=True, capture_output=True)
+        except (OSError, subprocess.CalledProcessError):
+            return None
+        lib = ctypes.CDLL(so)
+    lib.fma_run.restype, lib.fma_run.argtypes = ctypes.c_double, [ctypes.c_long, ctypes.c_int]
+    iters = 20_000_000
+    t = min(lib.fma_run(iters, threads) for _ in range(max(repeats, 2)))
+    return threads * iters * 12 * lib.fma_width() * 2 / t / 1e9
 
 
 def best_time(fn, repeats: int) -> float:
@@ -66,6 +128,26 @@ def gemm_flops(cfg, m: int, threads: int, repeats: int) -> dict[str, float]:
     for name, (k, n) in shapes(cfg).items():
         a, b = torch.randn(m, k), torch.randn(k, n)
         t = best_time(lambda a=a, b=b: torch.mm(a, b), repeats)
+        out[name] = 2 * m * k * n / t / 1e9
+        if name != "lm_head":
+            tot_f, tot_t = tot_f + 2 * m * k * n, tot_t + t
+    out["layer"] = tot_f / tot_t / 1e9
+    return out
+
+
+def native_gemm_flops(cfg, m: int, threads: int, repeats: int) -> dict[str, float] | None:
+    """As `gemm_flops` on the engine's native kernel (its packed weight), or None where the
+    kernel is unavailable."""
+    from shared.model import cpu_kernels
+
+    torch.set_num_threads(threads)
+    out, tot_f, tot_t = {}, 0.0, 0.0
+    for name, (k, n) in shapes(cfg).items():
+        w = cpu_kernels.pack_linear(torch.randn(n, k))
+        if w is None:
+            return None
+        a = torch.randn(m, k)
+        t = best_time(lambda a=a, w=w: cpu_kernels.linear(a, w, None), repeats)
         out[name] = 2 * m * k * n / t / 1e9
         if name != "lm_head":
             tot_f, tot_t = tot_f + 2 * m * k * n, tot_t + t
@@ -177,34 +259,63 @@ def main() -> None:
         f"params (fp32); {cores} usable cores; load average {os.getloadavg()[0]:.2f}\n"
     )
     print(
-        "| threads | copy GB/s | read GB/s | GEMM GFLOP/s M=16 (layer / lm_head) | "
-        "GEMM GFLOP/s M=512 (layer / lm_head) |\n| ---: | ---: | ---: | ---: | ---: |"
+        "| threads | copy GB/s | read GB/s | FMA peak GFLOP/s | torch.mm GFLOP/s M=16 "
+        "(layer / lm_head) | native GFLOP/s M=16 | torch.mm GFLOP/s M=512 (layer / lm_head) "
+        "| native GFLOP/s M=512 |\n| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
     )
     box = {}
     for t in threads:
         copy, read = bandwidth(t, 64 if a.quick else 256, reps)
+        peak = fma_peak(t, reps)
         g16, g512 = gemm_flops(cfg, 16, t, reps), gemm_flops(cfg, 512, t, reps)
-        box[t] = (read, g16, g512)
+        n16, n512 = native_gemm_flops(cfg, 16, t, reps), native_gemm_flops(cfg, 512, t, reps)
+        box[t] = (read, peak, g16, g512, n16, n512)
+
+        def fmt(g):
+            return "-" if g is None else f"{g['layer']:.0f}"
+
         print(
-            f"| {t} | {copy:.1f} | {read:.1f} | {g16['layer']:.0f} / {g16['lm_head']:.0f} | "
-            f"{g512['layer']:.0f} / {g512['lm_head']:.0f} |"
+            f"| {t} | {copy:.1f} | {read:.1f} | {'-' if peak is None else f'{peak:.0f}'} | "
+            f"{g16['layer']:.0f} / {g16['lm_head']:.0f} | {fmt(n16)} | "
+            f"{g512['layer']:.0f} / {g512['lm_head']:.0f} | {fmt(n512)} |"
         )
     t = max(threads)
-    read, g16, g512 = box[t]
+    read, peak, g16, g512, n16, n512 = box[t]
+    best16 = max(g16["layer"], n16["layer"] if n16 else 0.0)
+    best512 = max(g512["layer"], n512["layer"] if n512 else 0.0)
     lens = [int(x) for x in a.prefill.split(",")]
     step, pre = measure_engine(model_dir, t, a.batch, a.ctx, 10 if a.quick else 30, lens)
     print(f"\nStrata's in-process engine at {t} torch threads against the roofline at {t}:\n")
-    print("| phase | roofline | measured | measured / roofline |\n| --- | ---: | ---: | ---: |")
-    roof = decode_roofline(cfg, a.batch, a.ctx, read, g16["layer"])
     print(
-        f"| decode step, {a.batch} seqs x {a.ctx} ctx (bytes / read BW vs FLOPs / GEMM) | "
-        f"{roof * 1e3:.2f} ms | {step * 1e3:.2f} ms | {step / roof:.2f}x |"
+        "| phase | roofline, FMA peak | roofline, best GEMM | measured | measured / roofline "
+        "(peak / best GEMM) |\n| --- | ---: | ---: | ---: | ---: |"
+    )
+
+    def row(name: str, r_peak: float | None, r_best: float, got: float, unit: float, fmt: str):
+        rp = "-" if r_peak is None else f"{r_peak * unit:{fmt}}"
+        ratio = "-" if r_peak is None else f"{got / r_peak:.2f}x"
+        print(
+            f"| {name} | {rp} ms | {r_best * unit:{fmt}} ms | {got * unit:{fmt}} ms | "
+            f"{ratio} / {got / r_best:.2f}x |"
+        )
+
+    row(
+        f"decode step, {a.batch} seqs x {a.ctx} ctx (bytes / read BW vs FLOPs / compute)",
+        None if peak is None else decode_roofline(cfg, a.batch, a.ctx, read, peak),
+        decode_roofline(cfg, a.batch, a.ctx, read, best16),
+        step,
+        1e3,
+        ".2f",
     )
     for n in lens:
-        roof = prefill_flops(cfg, n) / (g512["layer"] * 1e9)
-        print(
-            f"| prefill {n} tokens (FLOPs / GEMM M=512) | {roof * 1e3:.1f} ms | "
-            f"{pre[n] * 1e3:.1f} ms | {pre[n] / roof:.2f}x |"
+        f = prefill_flops(cfg, n)
+        row(
+            f"prefill {n} tokens (FLOPs / compute)",
+            None if peak is None else f / (peak * 1e9),
+            f / (best512 * 1e9),
+            pre[n],
+            1e3,
+            ".1f",
         )
 
 
