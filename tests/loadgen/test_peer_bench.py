@@ -50,16 +50,21 @@ def test_greedy_agreement_names_the_first_differing_token():
     assert agreement([["a"]], [["a"]]) == "1/1 prompts with identical greedy tokens"
 
 
-def test_roofline_arithmetic_on_a_known_shape():
-    cfg = SimpleNamespace(
-        hidden_size=4,
-        intermediate_size=8,
+def model_shape(hidden: int, intermediate: int, head_dim: int, vocab: int, layers: int):
+    """The config fields the roofline reads: 2 query heads over 1 KV head."""
+    return SimpleNamespace(
+        hidden_size=hidden,
+        intermediate_size=intermediate,
         num_heads=2,
         num_kv_heads=1,
-        head_dim=2,
-        vocab_size=10,
-        num_layers=3,
+        head_dim=head_dim,
+        vocab_size=vocab,
+        num_layers=layers,
     )
+
+
+def test_roofline_arithmetic_on_a_known_shape():
+    cfg = model_shape(hidden=4, intermediate=8, head_dim=2, vocab=10, layers=3)
     # per layer: qkv 4x8, o 4x4, gate_up 4x16, down 8x4 = 32 + 16 + 64 + 32 = 144
     assert linear_params(cfg) == (3 * 144, 40)
     # 1 token: 2 x projections + one lm_head row + causal attention 2 x 1 x 3 layers x 2 x 2
@@ -80,15 +85,7 @@ def test_roofline_probes_report_the_fma_peak_and_the_native_gemm():
     threads = torch.get_num_threads()
     peak = fma_peak(1, 2)
     assert peak is not None and peak > 0
-    cfg = SimpleNamespace(
-        hidden_size=64,
-        intermediate_size=96,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=32,
-        vocab_size=128,
-        num_layers=1,
-    )
+    cfg = model_shape(hidden=64, intermediate=96, head_dim=32, vocab=128, layers=1)
     got = native_gemm_flops(cfg, 16, 1, 2)
     torch.set_num_threads(threads)
     assert got is not None
