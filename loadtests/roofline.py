@@ -16,7 +16,7 @@ shapes, and the decode step / prefill roofline of the benchmark model against me
   rate. Each is given twice: against the FMA peak (the box's limit) and against the best GEMM
   measured at that M (``torch.mm`` or native; what a GEMM reaches on these shapes). A decode
   roofline against ``torch.mm`` alone flattered the engine where MKL is slow at 16 rows (an
-  AMD EPYC: 51 GFLOP/s, where the native kernel does ~90 from memory and the FMA peak is ~185);
+  AMD EPYC, Zen 3: 53-61 GFLOP/s, the native kernel 85-108, the FMA peak 191-200);
 - measured: the in-process `LLMEngine` at the largest thread count: decode ms per step with
   ``batch`` sequences of ``ctx`` tokens, and prefill time of one prompt (1 output token).
 """
@@ -120,39 +120,45 @@ def shapes(cfg) -> dict[str, tuple[int, int]]:
     }
 
 
-def gemm_flops(cfg, m: int, threads: int, repeats: int) -> dict[str, float]:
+def _rates(cfg, m: int, threads: int, repeats: int, op) -> dict[str, float] | None:
     """GFLOP/s of each projection at M = ``m`` and ``"layer"``: one layer's projections
-    together (total FLOPs / total time)."""
+    together (total FLOPs / total time). ``op(m, k, n)`` gives the product to time, or None
+    when it cannot run (then the result is None)."""
     torch.set_num_threads(threads)
     out, tot_f, tot_t = {}, 0.0, 0.0
     for name, (k, n) in shapes(cfg).items():
-        a, b = torch.randn(m, k), torch.randn(k, n)
-        t = best_time(lambda a=a, b=b: torch.mm(a, b), repeats)
+        fn = op(m, k, n)
+        if fn is None:
+            return None
+        t = best_time(fn, repeats)
         out[name] = 2 * m * k * n / t / 1e9
         if name != "lm_head":
             tot_f, tot_t = tot_f + 2 * m * k * n, tot_t + t
     out["layer"] = tot_f / tot_t / 1e9
     return out
+
+
+def gemm_flops(cfg, m: int, threads: int, repeats: int) -> dict[str, float]:
+    """`_rates` of ``torch.mm``."""
+
+    def op(m, k, n):
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        return lambda: torch.mm(a, b)
+
+    return _rates(cfg, m, threads, repeats, op)
 
 
 def native_gemm_flops(cfg, m: int, threads: int, repeats: int) -> dict[str, float] | None:
-    """As `gemm_flops` on the engine's native kernel (its packed weight), or None where the
-    kernel is unavailable."""
+    """`_rates` of the engine's native kernel on its packed weight, or None where the kernel
+    is unavailable."""
     from shared.model import cpu_kernels
 
-    torch.set_num_threads(threads)
-    out, tot_f, tot_t = {}, 0.0, 0.0
-    for name, (k, n) in shapes(cfg).items():
+    def op(m, k, n):
         w = cpu_kernels.pack_linear(torch.randn(n, k))
-        if w is None:
-            return None
         a = torch.randn(m, k)
-        t = best_time(lambda a=a, w=w: cpu_kernels.linear(a, w, None), repeats)
-        out[name] = 2 * m * k * n / t / 1e9
-        if name != "lm_head":
-            tot_f, tot_t = tot_f + 2 * m * k * n, tot_t + t
-    out["layer"] = tot_f / tot_t / 1e9
-    return out
+        return None if w is None else lambda: cpu_kernels.linear(a, w, None)
+
+    return _rates(cfg, m, threads, repeats, op)
 
 
 def linear_params(cfg) -> tuple[int, int]:
@@ -263,6 +269,10 @@ def main() -> None:
         "(layer / lm_head) | native GFLOP/s M=16 | torch.mm GFLOP/s M=512 (layer / lm_head) "
         "| native GFLOP/s M=512 |\n| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
     )
+
+    def layer(g: dict[str, float] | None) -> str:
+        return "-" if g is None else f"{g['layer']:.0f}"
+
     box = {}
     for t in threads:
         copy, read = bandwidth(t, 64 if a.quick else 256, reps)
@@ -270,14 +280,10 @@ def main() -> None:
         g16, g512 = gemm_flops(cfg, 16, t, reps), gemm_flops(cfg, 512, t, reps)
         n16, n512 = native_gemm_flops(cfg, 16, t, reps), native_gemm_flops(cfg, 512, t, reps)
         box[t] = (read, peak, g16, g512, n16, n512)
-
-        def fmt(g):
-            return "-" if g is None else f"{g['layer']:.0f}"
-
         print(
             f"| {t} | {copy:.1f} | {read:.1f} | {'-' if peak is None else f'{peak:.0f}'} | "
-            f"{g16['layer']:.0f} / {g16['lm_head']:.0f} | {fmt(n16)} | "
-            f"{g512['layer']:.0f} / {g512['lm_head']:.0f} | {fmt(n512)} |"
+            f"{g16['layer']:.0f} / {g16['lm_head']:.0f} | {layer(n16)} | "
+            f"{g512['layer']:.0f} / {g512['lm_head']:.0f} | {layer(n512)} |"
         )
     t = max(threads)
     read, peak, g16, g512, n16, n512 = box[t]
@@ -291,11 +297,12 @@ def main() -> None:
         "(peak / best GEMM) |\n| --- | ---: | ---: | ---: | ---: |"
     )
 
-    def row(name: str, r_peak: float | None, r_best: float, got: float, unit: float, fmt: str):
-        rp = "-" if r_peak is None else f"{r_peak * unit:{fmt}}"
+    def row(name: str, r_peak: float | None, r_best: float, got: float, fmt: str):
+        """One phase: rooflines and measured time in seconds, printed in ms with ``fmt``."""
+        rp = "-" if r_peak is None else f"{r_peak * 1e3:{fmt}}"
         ratio = "-" if r_peak is None else f"{got / r_peak:.2f}x"
         print(
-            f"| {name} | {rp} ms | {r_best * unit:{fmt}} ms | {got * unit:{fmt}} ms | "
+            f"| {name} | {rp} ms | {r_best * 1e3:{fmt}} ms | {got * 1e3:{fmt}} ms | "
             f"{ratio} / {got / r_best:.2f}x |"
         )
 
@@ -304,7 +311,6 @@ def main() -> None:
         None if peak is None else decode_roofline(cfg, a.batch, a.ctx, read, peak),
         decode_roofline(cfg, a.batch, a.ctx, read, best16),
         step,
-        1e3,
         ".2f",
     )
     for n in lens:
@@ -314,7 +320,6 @@ def main() -> None:
             None if peak is None else f / (peak * 1e9),
             f / (best512 * 1e9),
             pre[n],
-            1e3,
             ".1f",
         )
 

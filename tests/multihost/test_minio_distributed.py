@@ -83,13 +83,16 @@ def wait_serving(net: Net, creds: MinioCredentials, bucket: str, timeout: float 
     its IAM is loaded, and answers 503 (XMinioIAMNotInitialized) to signed calls until then.
     The test is about losing a node of a settled cluster, so the kill waits for this (seen on
     CI: a node still without IAM 20 s after the kill of another, past the tier's busy waits)."""
+    probes = {
+        i: MinioTier(f"{net.addr(i)}:{PORT}", creds.kv_user, creds.kv_password, bucket)
+        for i in MINIO_HOSTS
+    }
     end = time.monotonic() + timeout
     pending = set(MINIO_HOSTS)
     while pending and time.monotonic() < end:
         for i in sorted(pending):
-            probe = MinioTier(f"{net.addr(i)}:{PORT}", creds.kv_user, creds.kv_password, bucket)
             try:
-                if probe.client.bucket_exists(bucket):
+                if probes[i].client.bucket_exists(bucket):
                     pending.discard(i)
             except Exception:  # noqa: BLE001 - 503 until IAM is loaded; retried below
                 pass
