@@ -127,6 +127,11 @@ class RuntimeSettings(BaseModel):
     cpu_kernels: bool = Field(
         True, description="Native C kernels on CPU (off: torch decode attention, oneDNN GEMM)"
     )
+    cpu_layer: bool = Field(
+        True,
+        description="A Llama-family decoder layer in one native call on CPU float32 "
+        "(off: one kernel or torch op at a time)",
+    )
     cpu_gemm: Literal["auto", "native", "onednn"] = Field(
         "auto",
         description="float32 CPU GEMM: native C kernel or oneDNN (auto: native)",

@@ -22,6 +22,10 @@ both of its products run on the GEMM tile, with an online softmax between them.
 
 ``fused.c`` holds the decoder layer's row-wise ops as one call each (:func:`rms_norm`, with the
 residual add; :func:`qk_norm_rope`), which as torch ops were 8-20 small calls apiece.
+
+``layer.c`` strings all of them into one call per decoder layer (:class:`NativeLayer`,
+:class:`LayerBatch`, :func:`decoder_layer`), so a forward of a Llama-family model in float32 on
+CPU runs no torch op and no Python between its layers' kernels.
 """
 
 from __future__ import annotations
@@ -44,7 +48,9 @@ from shared.config import RuntimeSettings
 log = logging.getLogger(__name__)
 
 # package data (pyproject.toml), compiled together into one library
-_SOURCES = tuple(Path(__file__).with_name(f) for f in ("decode_attention.c", "gemm.c", "fused.c"))
+_SOURCES = tuple(
+    Path(__file__).with_name(f) for f in ("decode_attention.c", "gemm.c", "fused.c", "layer.c")
+)
 _SOURCE = _SOURCES[0]  # the decode-attention kernel
 _HEADERS = tuple(Path(__file__).with_name(f) for f in ("exp2_poly.h",))  # included by _SOURCES
 
@@ -128,6 +134,10 @@ def _build() -> ctypes.CDLL | bool:
     lib.strata_prefill_attn_f32.argtypes = (
         [ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr] + [i64] * 6 + [f32, ptr, i64, i64]
     )
+    lib.strata_layer_scratch.restype = i64
+    lib.strata_layer_scratch.argtypes = (ptr, i64, i64)
+    lib.strata_decoder_layer_f32.restype = i64
+    lib.strata_decoder_layer_f32.argtypes = (ptr, ptr, ptr, ptr, ptr)
     return lib
 
 
@@ -381,3 +391,153 @@ def qk_norm_rope(
         torch.get_num_threads(),
     )
     return True
+
+
+class NativeLayer(ctypes.Structure):
+    """One decoder layer's weights for ``strata_decoder_layer_f32`` (``strata_layer`` in
+    layer.c: pointers, int64 and double only). ``keep`` holds the tensors it points into."""
+
+    _fields_ = [
+        (name, ctypes.c_void_p)
+        for name in (
+            "ln1_w", "qkv_p", "qkv_b", "qn_w", "kn_w", "o_p", "o_b", "ln2_w", "gu_p", "gu_b",
+            "down_p", "down_b",
+        )
+    ] + [(n, ctypes.c_int64) for n in ("hidden", "heads", "kv_heads", "head_dim", "inter")] + [
+        (n, ctypes.c_double) for n in ("ln1_eps", "qk_eps", "ln2_eps", "scale")
+    ]  # fmt: skip
+
+
+def native_layer(
+    ln1: tuple[torch.Tensor, float],
+    qkv: tuple[PackedLinear, torch.Tensor | None],
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None,
+    o: tuple[PackedLinear, torch.Tensor | None],
+    ln2: tuple[torch.Tensor, float],
+    gate_up: tuple[PackedLinear, torch.Tensor | None],
+    down: tuple[PackedLinear, torch.Tensor | None],
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    scale: float,
+) -> NativeLayer | None:
+    """The layer for :func:`decoder_layer` from its norms' ``(weight, eps)`` and its packed
+    projections' ``(weight, bias)`` (q/k/v and gate/up fused, SiLU gating); ``None`` when a
+    shape or tensor does not fit the kernels."""
+    hidden = ln1[0].numel()
+    att = heads * head_dim
+    inter = gate_up[0].n // 2
+    shapes = (
+        qkv[0].k == hidden and qkv[0].n == att + 2 * kv_heads * head_dim,
+        o[0].k == att and o[0].n == hidden,
+        gate_up[0].k == hidden and gate_up[0].n == 2 * inter,
+        down[0].k == inter and down[0].n == hidden,
+        ln2[0].numel() == hidden and heads % kv_heads == 0,
+    )
+    norms = [ln1[0], ln2[0], *(qk_norm[:2] if qk_norm else ())]
+    biases = [b for _, b in (qkv, o, gate_up, down) if b is not None]
+    if not all(shapes) or not _plain(*norms, *biases) or not available():
+        return None
+    if qk_norm and not (qk_norm[0].numel() == qk_norm[1].numel() == head_dim):
+        return None
+    if any(b.numel() != p.n for p, b in (qkv, o, gate_up, down) if b is not None):
+        return None
+
+    def ptr(t: torch.Tensor | None) -> int | None:
+        return None if t is None else t.data_ptr()
+
+    layer = NativeLayer(
+        ptr(ln1[0]), ptr(qkv[0].data), ptr(qkv[1]),
+        ptr(qk_norm[0]) if qk_norm else None, ptr(qk_norm[1]) if qk_norm else None,
+        ptr(o[0].data), ptr(o[1]), ptr(ln2[0]), ptr(gate_up[0].data), ptr(gate_up[1]),
+        ptr(down[0].data), ptr(down[1]),
+        hidden, heads, kv_heads, head_dim, inter,
+        ln1[1], qk_norm[2] if qk_norm else 0.0, ln2[1], scale,
+    )  # fmt: skip
+    layer.keep = (norms, biases, qkv[0], o[0], gate_up[0], down[0])
+    return layer
+
+
+class LayerBatch(ctypes.Structure):
+    """One forward's batch for :func:`decoder_layer` (``strata_batch`` in layer.c)."""
+
+    _fields_ = [
+        (name, ctypes.c_void_p)
+        for name in (
+            "cos", "sin", "slots", "p_tables", "p_ctx", "p_qstart", "p_qlen", "d_tables",
+            "d_ctx", "d_rows", "scratch",
+        )
+    ] + [
+        (n, ctypes.c_int64)
+        for n in ("T", "block_size", "p_n", "p_max_blocks", "d_n", "d_max_blocks", "nthreads")
+    ]  # fmt: skip
+
+
+def layer_batch(
+    layers: list[NativeLayer],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slots: torch.Tensor,
+    block_size: int,
+    prefill: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    decode: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None,
+) -> LayerBatch | None:
+    """The batch of ``cos``/``sin`` ``[T, head_dim]`` and int64 ``slots [T]``; ``prefill`` the
+    non-decode sequences as (block tables, context lengths, first rows, new-token counts),
+    ``decode`` the decode tokens as (block tables, context lengths, rows or None for all rows
+    in order), all int64. ``None`` when a tensor or the prefill kernel's head size does not
+    fit. Every layer of ``layers`` (one forward's) shares it, and its scratch."""
+    t = slots.numel()
+    d = layers[0].head_dim
+    if not _plain(cos, sin) or cos.shape != (t, d) or sin.shape != (t, d):
+        return None
+    width = _lib.strata_gemm_panel_width()
+    if prefill is not None and (d < width or d % width):
+        return None  # strata_prefill_attn_f32 takes head sizes of whole panels
+    i64 = torch.int64
+
+    def index(x: torch.Tensor) -> torch.Tensor:
+        return x.to(i64).contiguous()
+
+    slots = index(slots)
+    p = tuple(index(x) for x in prefill) if prefill is not None else None
+    dec = tuple(None if x is None else index(x) for x in decode) if decode is not None else None
+    d_n = 0 if dec is None else dec[1].numel()
+    if any(x.head_dim != d for x in layers):
+        return None
+    floats = max(_lib.strata_layer_scratch(ctypes.byref(x), t, d_n) for x in layers)
+    scratch = torch.empty(floats, dtype=torch.float32)
+
+    def ptr(x: torch.Tensor | None) -> int | None:
+        return None if x is None else x.data_ptr()
+
+    batch = LayerBatch(
+        ptr(cos), ptr(sin), ptr(slots),
+        *(ptr(x) for x in (p if p is not None else (None,) * 4)),
+        *(ptr(x) for x in (dec if dec is not None else (None,) * 3)),
+        ptr(scratch), t, block_size,
+        0 if p is None else p[0].shape[0], 0 if p is None else p[0].shape[1],
+        d_n, 0 if dec is None else dec[0].shape[1], torch.get_num_threads(),
+    )  # fmt: skip
+    batch.keep = (cos, sin, slots, p, dec, scratch)
+    return batch
+
+
+# calls of decoder_layer in this process: tests read it to tell the one-call layer ran
+layer_calls = 0
+
+
+def decoder_layer(
+    layer: NativeLayer, batch: LayerBatch, h: torch.Tensor, k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> None:  # fmt: skip
+    """One decoder layer over ``h [T, hidden]`` in place (CPU float32, contiguous), writing the
+    batch's new K/V into this layer's ``k_cache``/``v_cache [blocks, block_size, KVH, D]``."""
+    global layer_calls
+    rc = _lib.strata_decoder_layer_f32(
+        ctypes.byref(layer), ctypes.byref(batch), h.data_ptr(), k_cache.data_ptr(),
+        v_cache.data_ptr(),
+    )  # fmt: skip
+    if rc:
+        raise RuntimeError("strata_decoder_layer_f32 refused the batch's head layout")
+    layer_calls += 1

@@ -1,9 +1,10 @@
 /* The vectorised e^x of the CPU kernels (the AVX-512 and AVX2 decode-attention paths in
- * decode_attention.c, vexp in gemm.c): e^x = 2^t with t = x log2 e, split as 2^i * 2^f, i the
- * nearest integer and f in [-1/2, 1/2], 2^f by the degree-6 polynomial below. Relative error
+ * decode_attention.c, vexp in gemm.c, SiLU in layer.c): e^x = 2^t with t = x log2 e, split
+ * as 2^i * 2^f, i the nearest integer and f in [-1/2, 1/2], 2^f by the degree-6 polynomial
+ * below. Relative error
  * <= 3e-7 for x in [-5, 0], growing with |x| to ~4e-6 at -87 (t rounded to a float). With
  * i = floor, f in [0, 1), the same polynomial was 5.6e-6 off as f nears 1 (docs/benchmarks/
- * engine.md, "Decode attention on AVX2"). One definition, so the three cannot drift apart. */
+ * engine.md, "Decode attention on AVX2"). One definition, so the copies cannot drift apart. */
 #ifndef STRATA_EXP2_POLY_H
 #define STRATA_EXP2_POLY_H
 

@@ -180,6 +180,17 @@ def project(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return g(x)
 
 
+def native_linear(m: nn.Module) -> tuple[cpu_kernels.PackedLinear, torch.Tensor | None] | None:
+    """``(packed weight, bias)`` of a plain ``nn.Linear`` on the native float32 GEMM (its cached
+    :class:`Gemm`, refreshed as :func:`project` would), else ``None``."""
+    if type(m) is not nn.Linear:
+        return None
+    g = m.__dict__.get("_gemm")
+    if g is None or not g.current(m.weight, m.bias):
+        g = m.__dict__["_gemm"] = Gemm(m.weight, m.bias)
+    return None if g.native is None else (g.native, g.b)
+
+
 def _fuse(linears: list[nn.Linear]) -> Gemm | None:
     """Stack the weights of ``linears`` into one matrix and make each module's weight (and
     bias) a row slice of it, so one GEMM replaces several and the dense weights are not
@@ -284,6 +295,14 @@ class Attention(nn.Module):
         o = paged_attention(q, k, v, k_cache, v_cache, slot_mapping, plan, self.scale)
         return project(self.o_proj, o.reshape(t, self.num_heads * self.head_dim))
 
+    def native_qkv(self) -> tuple[cpu_kernels.PackedLinear, torch.Tensor | None] | None:
+        """``(packed weight, bias)`` of the fused q/k/v projection on the native GEMM, or None."""
+        projs = [self.q_proj, self.k_proj, self.v_proj]
+        if not _still_fused(self._qkv, projs):
+            self._qkv = _fuse(projs)
+        g = self._qkv
+        return None if g is None or g.native is None else (g.native, g.b)
+
     def _qk_norm(self, qk: torch.Tensor) -> torch.Tensor:
         """``q_norm``/``k_norm`` over ``[T, H + KVH, D]`` in one pass (same ops per element)."""
         h = qk.float()
@@ -302,7 +321,19 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.act = activation(act)
+        self.act_name = act
         self._gate_up = None  # Gemm over the weight backing gate/up_proj, built on first forward
+
+    def native_gate_up(self) -> tuple[cpu_kernels.PackedLinear, torch.Tensor | None] | None:
+        """``(packed weight, bias)`` of the fused gate/up projection on the native GEMM when the
+        gating is SiLU (the one the native layer computes), or None."""
+        projs = [self.gate_proj, self.up_proj]
+        if self.act_name != "silu":
+            return None
+        if not _still_fused(self._gate_up, projs):
+            self._gate_up = _fuse(projs)
+        g = self._gate_up
+        return None if g is None or g.native is None else (g.native, g.b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         projs = [self.gate_proj, self.up_proj]

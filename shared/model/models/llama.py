@@ -9,10 +9,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from shared.config import RuntimeSettings
+from shared.model import cpu_kernels
 from shared.model.api import AttentionMetadata, KVCache, LayerCallback
 from shared.model.attention import AttentionPlan
 from shared.model.config import ModelConfig
-from shared.model.layers import MLP, Attention, RMSNorm, Rotary, project
+from shared.model.layers import MLP, Attention, RMSNorm, Rotary, native_linear, project
+
+# Each decoder layer in one native call on CPU float32 (`cpu_kernels.decoder_layer`) instead of
+# ~30 torch ops and kernel calls with Python between them; STRATA_CPU_LAYER=0 turns it off.
+NATIVE_LAYER = RuntimeSettings.from_env().cpu_layer
 
 
 class DecoderLayer(nn.Module):
@@ -38,6 +44,42 @@ class DecoderLayer(nn.Module):
         a = self.self_attn(self.input_layernorm(h), cos, sin, plan, slot_mapping, k_cache, v_cache)
         h, x = self.post_attention_layernorm.add_forward(h, a)
         return h + self.mlp(x)
+
+    def native(self) -> cpu_kernels.NativeLayer | None:
+        """This layer for `cpu_kernels.decoder_layer`: every projection a plain linear on the
+        native GEMM, SiLU gating; rebuilt when a weight changes, ``None`` when it cannot run."""
+        a, m = self.self_attn, self.mlp
+        parts = (a.native_qkv(), native_linear(a.o_proj), m.native_gate_up())
+        parts += (native_linear(m.down_proj),) if parts[-1] is not None else (None,)
+        if any(p is None for p in parts):
+            self.__dict__["_native"] = None
+            return None
+        norms = (self.input_layernorm, self.post_attention_layernorm, a.q_norm, a.k_norm)
+        key = (
+            *(id(p[0]) for p in parts),
+            *((n.weight.data_ptr(), n.weight._version, n.eps) for n in norms if n is not None),
+        )
+        cached = self.__dict__.get("_native")
+        if cached is not None and cached.key == key:
+            return cached
+        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        layer = cpu_kernels.native_layer(
+            (ln1.weight, ln1.eps),
+            parts[0],
+            None if a.q_norm is None else (a.q_norm.weight, a.k_norm.weight, a.q_norm.eps),
+            parts[1],
+            (ln2.weight, ln2.eps),
+            parts[2],
+            parts[3],
+            a.num_heads,
+            a.num_kv_heads,
+            a.head_dim,
+            a.scale,
+        )
+        if layer is not None:
+            layer.key = key
+        self.__dict__["_native"] = layer
+        return layer
 
 
 class DecoderStack(nn.Module):
@@ -104,11 +146,44 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary()(positions.to(self.device), self.dtype)
         plan = AttentionPlan.build(meta, kv_cache.block_size, self.device)
         slots = meta.slot_mapping.to(self.device)
+        native = self._native_forward(h, cos, sin, plan, slots, kv_cache, inputs_embeds)
+        if native is not None:
+            layers, batch, h = native
+            for i, layer in enumerate(layers):
+                cpu_kernels.decoder_layer(layer, batch, h, kv_cache.k[i], kv_cache.v[i])
+                if layer_callback is not None:
+                    layer_callback(i)
+            return self.model.norm(h)
         for i, layer in enumerate(self.model.layers):
             h = layer(h, cos, sin, plan, slots, kv_cache.k[i], kv_cache.v[i])
             if layer_callback is not None:
                 layer_callback(i)
         return self.model.norm(h)
+
+    def _native_forward(self, h, cos, sin, plan, slots, kv_cache, inputs_embeds):
+        """``(native layers, their batch, h to update in place)`` when every layer runs as one
+        native call (CPU float32, `NATIVE_LAYER`), else ``None``."""
+        if not NATIVE_LAYER or h.device.type != "cpu" or h.dtype != torch.float32:
+            return None
+        if kv_cache.k.dtype != torch.float32 or not cpu_kernels.available():
+            return None
+        if not (kv_cache.k.is_contiguous() and kv_cache.v.is_contiguous()):
+            return None
+        layers = [layer.native() for layer in self.model.layers]
+        if not layers or any(n is None for n in layers):
+            return None
+        decode = None
+        if plan.decodes:
+            decode = (plan.decode_tables, plan.decode_ctx, plan.decode_rows)
+        batch = cpu_kernels.layer_batch(
+            layers, cos, sin, slots, kv_cache.block_size, plan.prefill, decode
+        )
+        if batch is None:
+            return None
+        # the layers update h in place: never the caller's embeddings
+        fresh = inputs_embeds is None or h.data_ptr() != inputs_embeds.data_ptr()
+        h = h.contiguous() if fresh else h.clone(memory_format=torch.contiguous_format)
+        return layers, batch, h
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
