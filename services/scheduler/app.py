@@ -163,39 +163,45 @@ async def snapshot_loop(js, core: SchedulerCore, cfg: SchedulerConfig, stop: asy
         await service.periodic(cfg.snapshot_interval, maybe, stop)
 
 
-async def watch_registry(
-    js, core: SchedulerCore, stop: asyncio.Event, nc=None, replicas: int = 1
-) -> None:
-    """Apply registry records and deletions as they change. With ``nc``, the watcher is made
-    again after each reconnect (a restarted nats-server lost its in-memory consumer; the new
-    watcher delivers every key's latest entry, which is idempotent for the core)."""
-    kv = await registry_bucket(js, replicas=replicas)
-    watcher = await kv.watchall()
-    reconnects = nc.stats["reconnects"] if nc is not None else 0
+REGISTRY_HEARTBEAT_S = 1.0
+
+
+async def watch_registry(js, core: SchedulerCore, stop: asyncio.Event, replicas: int = 1) -> None:
+    """Apply registry records and deletions as they change, until ``stop``.
+
+    One ordered consumer on the bucket's stream, starting from every key's latest entry, with
+    idle heartbeats like `follow_kv_events`: when two are missed nats-py makes the consumer
+    again from the next sequence. That covers a restarted nats-server (its in-memory consumer
+    is gone) and a lost node of a NATS cluster that held the consumer while this connection
+    stays up on another node, where ``kv.watchall()`` (no heartbeat) waited forever."""
+    await registry_bucket(js, replicas=replicas)  # created if this is the first process
+    prefix = f"$KV.{subjects.REGISTRY_BUCKET}."
+
+    async def on_entry(m) -> None:
+        key = m.subject[len(prefix) :]
+        if (m.headers or {}).get("KV-Operation") in ("DEL", "PURGE") or not m.data:
+            core.on_deregister(key)
+            return
+        try:
+            core.on_record(decode(m.data, InstanceRecord))
+        except (StrataError, ValidationError) as exc:
+            BAD.report(prefix + ">", m.subject, one_line(exc))
+
+    sub = await js.subscribe(
+        prefix + ">",
+        stream=f"KV_{subjects.REGISTRY_BUCKET}",
+        cb=on_entry,
+        ordered_consumer=True,
+        deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
+        idle_heartbeat=REGISTRY_HEARTBEAT_S,
+        pending_msgs_limit=-1,
+        pending_bytes_limit=-1,
+    )
     try:
-        while not stop.is_set():
-            if nc is not None and nc.is_connected and nc.stats["reconnects"] != reconnects:
-                with contextlib.suppress(Exception):
-                    await watcher.stop()
-                try:
-                    watcher = await kv.watchall()
-                except Exception:  # noqa: BLE001 - JetStream not answering yet: next round
-                    await asyncio.sleep(0.5)
-                    continue
-                reconnects = nc.stats["reconnects"]
-            try:
-                entry = await watcher.updates(timeout=1.0)
-            except Exception:  # noqa: BLE001 - nats TimeoutError: nothing new
-                continue
-            if entry is None:
-                continue
-            if entry.operation in ("DEL", "PURGE") or not entry.value:
-                core.on_deregister(entry.key)
-            else:
-                core.on_record(decode(entry.value, InstanceRecord))
+        await stop.wait()
     finally:
         with contextlib.suppress(Exception):
-            await watcher.stop()
+            await sub.unsubscribe()
 
 
 async def run_scheduler(
@@ -258,7 +264,7 @@ async def run_scheduler(
     metrics.KV_EVENTS_REPLAYED.set(core.index.events_applied)
     metrics.REPLAY_SECONDS.set(replay_s)
     metrics.PREFIX_INDEX_DIGEST.set_function(core.index.digest)  # computed on scrape only
-    reg_task = asyncio.create_task(watch_registry(js, core, stop, nc, cfg.js_replicas))
+    reg_task = asyncio.create_task(watch_registry(js, core, stop, cfg.js_replicas))
     snap_task = asyncio.create_task(snapshot_loop(js, core, cfg, stop))
     subs.append(await nc.subscribe(subjects.LOAD_ALL, cb=on_load))
     await wait_for_members(core, cfg.load_interval * cfg.down_after)

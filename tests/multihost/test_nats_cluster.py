@@ -1,13 +1,17 @@
 """A 3-node NATS cluster with JetStream across three namespace hosts: the KV-event stream and
 the registry are R3 (``js_replicas=3``); the scheduler's followers (`follow_kv_events`,
 `watch_registry`) run on a fourth host, connected through the seed list of all three servers.
-Killing the stream's leader node under a steady publisher loses no event (publishes retried
-with a message id, so none is stored twice), the follower's index gets every one, and the
-registry keeps the record written before the kill and takes one written after it."""
+Killing a node under a steady publisher loses no event (publishes retried with a message id,
+so none is stored twice), the follower's index gets every one, and the registry keeps the record
+written before the kill and takes one written after it. The node killed is the KV-event
+stream's leader (a leader election under the publisher), or the one holding the registry
+watcher's consumer while the scheduler's own connection is on another node (no reconnect tells
+the watcher; its missed heartbeats must)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -73,7 +77,7 @@ async def publish_retrying(js, seq: int) -> None:
     raise AssertionError(f"event {seq} never acknowledged")
 
 
-async def scenario(net: Net, procs: dict) -> dict:
+async def scenario(net: Net, procs: dict, victim: str) -> dict:
     seeds = ",".join(f"nats://{net.addr(i)}:4222" for i in NATS_HOSTS)
     nc = await bus.connect(seeds, "scheduler-mh")
     pub = await bus.connect(seeds, "decode-mh")
@@ -87,17 +91,51 @@ async def scenario(net: Net, procs: dict) -> dict:
             return False
 
     await until(stream_ready, "the R3 stream (cluster formed)")
-    core, stop = Core(), asyncio.Event()
+    core, stops, watchers = Core(), [], []
     sub, replayed = await follow_kv_events(js, core, 1, replicas=3)
     await replayed.wait()
-    watcher = asyncio.create_task(watch_registry(js, core, stop, nc, replicas=3))
+    reg_stream = f"KV_{subjects.REGISTRY_BUCKET}"
+
+    def start_watcher() -> None:
+        stops.append(asyncio.Event())
+        watchers.append(asyncio.create_task(watch_registry(js, core, stops[-1], replicas=3)))
+
+    async def consumers() -> dict[str, str]:
+        """The registry stream's consumers: name -> the node holding it."""
+        with contextlib.suppress(Exception):
+            return {c.name: c.cluster.leader for c in await pjs.consumers_info(reg_stream)}
+        return {}
+
+    async def watcher_off_its_connections_node() -> str:
+        """Start watchers until one's consumer sits on another node than the scheduler's
+        connection (placement is the cluster's choice); that node's name."""
+        for _ in range(20):
+            before = await consumers()
+            start_watcher()
+            new: dict[str, str] = {}
+            for _ in range(100):
+                new = {n: h for n, h in (await consumers()).items() if n not in before}
+                if new and all(new.values()):
+                    break
+                await asyncio.sleep(0.1)
+            (host,) = new.values() or ("",)
+            if host and nc.connected_url.hostname != net.addr(int(host[1:])):
+                return host
+            stops[-1].set()
+            await watchers[-1]
+        pytest.fail("every registry watcher's consumer landed on the scheduler's own node")
+
+    if victim == "stream-leader":
+        start_watcher()
     try:
         await register_instance(
             pjs, InstanceRecord(instance_id="decode-0", role="decode", incarnation="a"), replicas=3
         )
         info = await pjs.stream_info(subjects.KV_EVENTS_STREAM)
-        reg = await pjs.stream_info(f"KV_{subjects.REGISTRY_BUCKET}")
+        reg = await pjs.stream_info(reg_stream)
         leader = info.cluster.leader
+        if victim == "registry-consumer":
+            leader = await watcher_off_its_connections_node()
         for seq in range(1, EVENTS + 1):
             if seq == EVENTS // 2:
                 os.killpg(procs[leader].pid, signal.SIGKILL)
@@ -111,7 +149,13 @@ async def scenario(net: Net, procs: dict) -> dict:
         async def all_applied() -> bool:
             return len(core.events) >= EVENTS and "decode-1" in core.records
 
-        await until(all_applied, "every event and the new record at the follower")
+        try:
+            await until(all_applied, "every event and the new record at the follower")
+        except pytest.fail.Exception as e:
+            raise AssertionError(
+                f"{e}: killed {leader} ({victim}); {len(core.events)} of {EVENTS} events, "
+                f"records {sorted(core.records)}"
+            ) from None
         after = await pjs.stream_info(subjects.KV_EVENTS_STREAM)
         records = await read_registry(pjs)
         return {
@@ -125,17 +169,19 @@ async def scenario(net: Net, procs: dict) -> dict:
             "urls": [str(nc.connected_url.netloc), str(pub.connected_url.netloc)],
         }
     finally:
-        stop.set()
-        await asyncio.gather(watcher, return_exceptions=True)
+        for stop in stops:
+            stop.set()
+        await asyncio.gather(*watchers, return_exceptions=True)
         for c in (nc, pub):
             await c.close()
 
 
-def test_losing_one_nats_node_loses_no_kv_event_or_registry_record(net_factory, tmp_path):
+@pytest.mark.parametrize("victim", ["stream-leader", "registry-consumer"])
+def test_losing_one_nats_node_loses_no_kv_event_or_registry_record(net_factory, tmp_path, victim):
     net = net_factory(4)
     procs = start_cluster(net, tmp_path)
     t0 = time.monotonic()
-    out = net.run_in(CLIENT_HOST, lambda: asyncio.run(scenario(net, procs)))
+    out = net.run_in(CLIENT_HOST, lambda: asyncio.run(scenario(net, procs, victim)))
     print(
         f"killed stream leader {out['killed']}, new leader {out['new_leader']}, "
         f"clients on {out['urls']}, {time.monotonic() - t0:.1f}s"

@@ -74,7 +74,7 @@ async def test_kv_event_follower_and_registry_watcher_recover_after_nats_restart
     core, stop = Core(), asyncio.Event()
     sub, replayed = await follow_kv_events(js, core)
     await replayed.wait()
-    watcher = asyncio.create_task(watch_registry(js, core, stop, nc))
+    watcher = asyncio.create_task(watch_registry(js, core, stop))
     try:
         await pjs.publish(subjects.kv_events("decode-0"), event(1))
         await register_instance(
