@@ -1,9 +1,10 @@
 """The scheduler's JetStream followers survive a nats-server restart (same port, same data dir,
 as `strata up` restarts it): the KV-event follower (`follow_kv_events`, an ordered consumer)
-applies events published after the restart, and the registry watcher (`watch_registry`) sees
-records written after it (made again on reconnect). Its own nats-server, killed with SIGKILL and
-started again. The ordered consumer is recreated by nats-py after two missed heartbeats (1 s
-each here, `KV_EVENTS_HEARTBEAT_S`), so the event arrives about 3 s after the restart."""
+applies events published after the restart, and the registry watcher (`watch_registry`, an
+ordered consumer too) sees records and deletions written after it, past a record that does not
+decode. Its own nats-server, killed with SIGKILL and started again. The ordered consumers are
+recreated by nats-py after two missed heartbeats (1 s each here, `KV_EVENTS_HEARTBEAT_S`), so the
+event arrives about 3 s after the restart."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from shared.protocol import subjects
 from shared.protocol.codec import encode
 from shared.protocol.kv import KVEvent
 from shared.protocol.sched import InstanceRecord
-from shared.registry import register_instance
+from shared.registry import deregister_instance, register_instance, registry_bucket
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -33,6 +34,7 @@ class Core:
         self.kv_seq = 0
         self.events: list[int] = []
         self.records: list[str] = []
+        self.deleted: list[str] = []
 
     def on_kv_event(self, ev: KVEvent) -> None:
         self.events.append(ev.seq)
@@ -41,7 +43,7 @@ class Core:
         self.records.append(rec.instance_id)
 
     def on_deregister(self, key: str) -> None:
-        pass
+        self.deleted.append(key)
 
 
 def event(seq: int) -> bytes:
@@ -93,6 +95,13 @@ async def test_kv_event_follower_and_registry_watcher_recover_after_nats_restart
         await _until(lambda: core.events[-1:] == [2], "an event after the restart")
         await _until(lambda: "decode-1" in core.records, "a record after the restart")
         assert core.events == [1, 2] and core.kv_seq == 2  # none lost, none applied twice
+        await (await registry_bucket(pjs)).put("junk", b"\xc1 not msgpack")  # counted, skipped
+        await deregister_instance(pjs, "decode-0")
+        await register_instance(
+            pjs, InstanceRecord(instance_id="decode-2", role="decode", incarnation="c")
+        )
+        await _until(lambda: "decode-2" in core.records, "a record after a bad one")
+        assert core.deleted == ["decode-0"] and "junk" not in core.records
     finally:
         stop.set()
         await asyncio.gather(watcher, return_exceptions=True)
