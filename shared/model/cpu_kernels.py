@@ -393,6 +393,11 @@ def qk_norm_rope(
     return True
 
 
+def _ptr(t: torch.Tensor | None) -> int | None:
+    """``t``'s address for a ``c_void_p`` field (NULL for None)."""
+    return None if t is None else t.data_ptr()
+
+
 class NativeLayer(ctypes.Structure):
     """One decoder layer's weights for ``strata_decoder_layer_f32`` (``strata_layer`` in
     layer.c: pointers, int64 and double only). ``keep`` holds the tensors it points into."""
@@ -442,15 +447,11 @@ def native_layer(
         return None
     if any(b.numel() != p.n for p, b in (qkv, o, gate_up, down) if b is not None):
         return None
-
-    def ptr(t: torch.Tensor | None) -> int | None:
-        return None if t is None else t.data_ptr()
-
     layer = NativeLayer(
-        ptr(ln1[0]), ptr(qkv[0].data), ptr(qkv[1]),
-        ptr(qk_norm[0]) if qk_norm else None, ptr(qk_norm[1]) if qk_norm else None,
-        ptr(o[0].data), ptr(o[1]), ptr(ln2[0]), ptr(gate_up[0].data), ptr(gate_up[1]),
-        ptr(down[0].data), ptr(down[1]),
+        _ptr(ln1[0]), _ptr(qkv[0].data), _ptr(qkv[1]),
+        _ptr(qk_norm[0]) if qk_norm else None, _ptr(qk_norm[1]) if qk_norm else None,
+        _ptr(o[0].data), _ptr(o[1]), _ptr(ln2[0]), _ptr(gate_up[0].data), _ptr(gate_up[1]),
+        _ptr(down[0].data), _ptr(down[1]),
         hidden, heads, kv_heads, head_dim, inter,
         ln1[1], qk_norm[2] if qk_norm else 0.0, ln2[1], scale,
     )  # fmt: skip
@@ -489,6 +490,8 @@ def layer_batch(
     fit. Every layer of ``layers`` (one forward's) shares it, and its scratch."""
     t = slots.numel()
     d = layers[0].head_dim
+    if any(x.head_dim != d for x in layers):
+        return None
     if not _plain(cos, sin) or cos.shape != (t, d) or sin.shape != (t, d):
         return None
     width = _lib.strata_gemm_panel_width()
@@ -503,19 +506,13 @@ def layer_batch(
     p = tuple(index(x) for x in prefill) if prefill is not None else None
     dec = tuple(None if x is None else index(x) for x in decode) if decode is not None else None
     d_n = 0 if dec is None else dec[1].numel()
-    if any(x.head_dim != d for x in layers):
-        return None
     floats = max(_lib.strata_layer_scratch(ctypes.byref(x), t, d_n) for x in layers)
     scratch = torch.empty(floats, dtype=torch.float32)
-
-    def ptr(x: torch.Tensor | None) -> int | None:
-        return None if x is None else x.data_ptr()
-
     batch = LayerBatch(
-        ptr(cos), ptr(sin), ptr(slots),
-        *(ptr(x) for x in (p if p is not None else (None,) * 4)),
-        *(ptr(x) for x in (dec if dec is not None else (None,) * 3)),
-        ptr(scratch), t, block_size,
+        _ptr(cos), _ptr(sin), _ptr(slots),
+        *(_ptr(x) for x in (p if p is not None else (None,) * 4)),
+        *(_ptr(x) for x in (dec if dec is not None else (None,) * 3)),
+        _ptr(scratch), t, block_size,
         0 if p is None else p[0].shape[0], 0 if p is None else p[0].shape[1],
         d_n, 0 if dec is None else dec[0].shape[1], torch.get_num_threads(),
     )  # fmt: skip

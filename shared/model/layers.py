@@ -170,25 +170,28 @@ class Gemm:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.b, "none", [], "")
 
 
-def project(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``m(x)``, through a cached :class:`Gemm` when ``m`` is a plain ``nn.Linear``."""
-    if type(m) is not nn.Linear:
-        return m(x)
+def _gemm_of(m: nn.Linear) -> Gemm:
+    """The :class:`Gemm` cached on a plain ``nn.Linear``, made again when its weight changed."""
     g = m.__dict__.get("_gemm")
     if g is None or not g.current(m.weight, m.bias):
         g = m.__dict__["_gemm"] = Gemm(m.weight, m.bias)
-    return g(x)
+    return g
+
+
+def _native(g: Gemm | None) -> tuple[cpu_kernels.PackedLinear, torch.Tensor | None] | None:
+    """``(packed weight, bias)`` when ``g`` runs on the native float32 GEMM, else ``None``."""
+    return None if g is None or g.native is None else (g.native, g.b)
+
+
+def project(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``m(x)``, through a cached :class:`Gemm` when ``m`` is a plain ``nn.Linear``."""
+    return _gemm_of(m)(x) if type(m) is nn.Linear else m(x)
 
 
 def native_linear(m: nn.Module) -> tuple[cpu_kernels.PackedLinear, torch.Tensor | None] | None:
-    """``(packed weight, bias)`` of a plain ``nn.Linear`` on the native float32 GEMM (its cached
-    :class:`Gemm`, refreshed as :func:`project` would), else ``None``."""
-    if type(m) is not nn.Linear:
-        return None
-    g = m.__dict__.get("_gemm")
-    if g is None or not g.current(m.weight, m.bias):
-        g = m.__dict__["_gemm"] = Gemm(m.weight, m.bias)
-    return None if g.native is None else (g.native, g.b)
+    """``(packed weight, bias)`` of a plain ``nn.Linear`` on the native float32 GEMM, else
+    ``None``."""
+    return _native(_gemm_of(m)) if type(m) is nn.Linear else None
 
 
 def _fuse(linears: list[nn.Linear]) -> Gemm | None:
@@ -263,11 +266,9 @@ class Attention(nn.Module):
         v_cache: torch.Tensor,
     ) -> torch.Tensor:
         t, nh, nkv = x.shape[0], self.num_heads, self.num_kv_heads
-        projs = [self.q_proj, self.k_proj, self.v_proj]
-        if not _still_fused(self._qkv, projs):
-            self._qkv = _fuse(projs)
-        if self._qkv is not None:  # one GEMM, then q/k normed and rotated together
-            qkv = self._qkv(x).view(t, nh + 2 * nkv, self.head_dim)
+        gemm = self._fused_qkv()
+        if gemm is not None:  # one GEMM, then q/k normed and rotated together
+            qkv = gemm(x).view(t, nh + 2 * nkv, self.head_dim)
             qk, v = qkv[:, : nh + nkv], qkv[:, nh + nkv :]
             qn, kn = (None, None) if self.q_norm is None else (self.q_norm, self.k_norm)
             fused = cpu_kernels.qk_norm_rope(  # in place on the fresh GEMM output, one call
@@ -295,13 +296,17 @@ class Attention(nn.Module):
         o = paged_attention(q, k, v, k_cache, v_cache, slot_mapping, plan, self.scale)
         return project(self.o_proj, o.reshape(t, self.num_heads * self.head_dim))
 
-    def native_qkv(self) -> tuple[cpu_kernels.PackedLinear, torch.Tensor | None] | None:
-        """``(packed weight, bias)`` of the fused q/k/v projection on the native GEMM, or None."""
+    def _fused_qkv(self) -> Gemm | None:
+        """The one GEMM over q/k/v_proj, fused again when a projection changed; ``None`` when
+        they cannot share one (quantised)."""
         projs = [self.q_proj, self.k_proj, self.v_proj]
         if not _still_fused(self._qkv, projs):
             self._qkv = _fuse(projs)
-        g = self._qkv
-        return None if g is None or g.native is None else (g.native, g.b)
+        return self._qkv
+
+    def native_qkv(self) -> tuple[cpu_kernels.PackedLinear, torch.Tensor | None] | None:
+        """``(packed weight, bias)`` of the fused q/k/v projection on the native GEMM, or None."""
+        return _native(self._fused_qkv())
 
     def _qk_norm(self, qk: torch.Tensor) -> torch.Tensor:
         """``q_norm``/``k_norm`` over ``[T, H + KVH, D]`` in one pass (same ops per element)."""
@@ -324,23 +329,23 @@ class MLP(nn.Module):
         self.act_name = act
         self._gate_up = None  # Gemm over the weight backing gate/up_proj, built on first forward
 
+    def _fused_gate_up(self) -> Gemm | None:
+        """The one GEMM over gate/up_proj, fused again when one changed; ``None`` when they
+        cannot share one (quantised)."""
+        projs = [self.gate_proj, self.up_proj]
+        if not _still_fused(self._gate_up, projs):
+            self._gate_up = _fuse(projs)
+        return self._gate_up
+
     def native_gate_up(self) -> tuple[cpu_kernels.PackedLinear, torch.Tensor | None] | None:
         """``(packed weight, bias)`` of the fused gate/up projection on the native GEMM when the
         gating is SiLU (the one the native layer computes), or None."""
-        projs = [self.gate_proj, self.up_proj]
-        if self.act_name != "silu":
-            return None
-        if not _still_fused(self._gate_up, projs):
-            self._gate_up = _fuse(projs)
-        g = self._gate_up
-        return None if g is None or g.native is None else (g.native, g.b)
+        return _native(self._fused_gate_up()) if self.act_name == "silu" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        projs = [self.gate_proj, self.up_proj]
-        if not _still_fused(self._gate_up, projs):
-            self._gate_up = _fuse(projs)
-        if self._gate_up is None:
+        fused = self._fused_gate_up()
+        if fused is None:
             return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
         n = self.gate_proj.out_features
-        gu = self._gate_up(x)
+        gu = fused(x)
         return project(self.down_proj, self.act(gu[..., :n]).mul_(gu[..., n:]))

@@ -50,7 +50,7 @@ class DecoderLayer(nn.Module):
         native GEMM, SiLU gating; rebuilt when a weight changes, ``None`` when it cannot run."""
         a, m = self.self_attn, self.mlp
         parts = (a.native_qkv(), native_linear(a.o_proj), m.native_gate_up())
-        parts += (native_linear(m.down_proj),) if parts[-1] is not None else (None,)
+        parts += (native_linear(m.down_proj),)
         if any(p is None for p in parts):
             self.__dict__["_native"] = None
             return None
