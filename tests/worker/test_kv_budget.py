@@ -68,8 +68,7 @@ def test_the_cpu_pool_is_zero_and_becomes_resident_only_where_written():
 
 
 def _anon_huge_bytes(t: torch.Tensor) -> int:
-    """AnonHugePages of this process's mappings over ``t``'s bytes (advising splits the
-    allocation's mapping: the aligned middle becomes a mapping of its own)."""
+    """AnonHugePages of this process's mappings over ``t``'s bytes."""
     start = t.data_ptr()
     end = start + t.numel() * t.element_size()
     total, inside = 0, False
@@ -85,20 +84,18 @@ def _anon_huge_bytes(t: torch.Tensor) -> int:
 
 
 def test_the_cpu_pool_is_backed_by_huge_pages_where_the_kernel_has_them():
-    """numpy advises the kernel to back arrays of 4 MiB and more with transparent huge pages,
-    so the pool's blocks, scattered reads of a decode step, cost few TLB misses."""
+    """The pool's own mapping is advised for transparent huge pages, so the pool's blocks,
+    scattered reads of a decode step, cost few TLB misses."""
     try:
         with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
             if "[never]" in f.read():
                 pytest.skip("transparent huge pages are off on this kernel")
     except OSError:
         pytest.skip("this kernel has no transparent huge pages")
-    # 2 x 64 MiB: above glibc's largest mmap threshold (32 MiB), so a fresh mapping even in a
-    # process that freed memory before (a smaller calloc may reuse written heap memory)
-    kv = KVCache.allocate(2, 2048, 16, 4, 64, torch.float32)
+    kv = KVCache.allocate(2, 2048, 16, 4, 64, torch.float32)  # 2 x 64 MiB
     # The kernel merges the fresh mapping with an adjacent anonymous one of the same flags (a
-    # live, written array of an earlier test; any anonymous mapping where THP is "always"), and
-    # smaps counts per mapping: so compare before and after writing, never against zero.
+    # live, written pool of an earlier test), and smaps counts per mapping: so compare before
+    # and after writing, never against zero.
     before = _anon_huge_bytes(kv.k)
     kv.k.fill_(1.0)
     assert _anon_huge_bytes(kv.k) - before >= 8 << 20  # written: 2 MiB pages, not 4 KiB
