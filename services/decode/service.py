@@ -148,6 +148,13 @@ class DecodeService(RequestTasks):
                 count_fallback("pool_miss")
             else:
                 pooled = True
+        elif pool is not None:
+            # This instance computes the context itself (the colocated shape, a failed push, a
+            # failover): the prefix the pool holds beyond engine memory is loaded first when
+            # the cost model says loading beats recomputing (a restart, an evicted prefix, or
+            # a failed-over stream's blocks written through by the instance that died).
+            got = await pool.load_prefix(list(item.prompt_token_ids) + emitted, mm)
+            KV_RECEIVED_BYTES.labels("pool").inc(got.nbytes)
         stream = port.generate(
             rid,
             item.prompt_token_ids,

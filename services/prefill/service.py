@@ -56,7 +56,7 @@ class PrefillService(RequestTasks):
             context = list(item.prompt_token_ids) + list(item.output_token_ids)
             hashes, tiers = [], []
             if self.pool is not None:
-                hashes, tiers, _ = await self.pool.load_prefix(context, mm)
+                hashes, tiers, _, _ = await self.pool.load_prefix(context, mm)
             params = item.sampling.model_copy(update={"max_tokens": 1, "min_tokens": 0})
             direct = not (item.transfer_mode == "pool" and self.pool is not None)
             if direct and self.tap is not None:
@@ -81,7 +81,9 @@ class PrefillService(RequestTasks):
             self.rt.prefilled_tokens += len(context) - out.num_cached_tokens
             done = await self._emit_first(item, out)
             new_blocks = []
-            if self.pool is not None and hashes:
+            if hashes and (not direct or not self.rt.cfg.kv_pool_save):
+                # pool mode: decode pulls them; direct mode only without kv_pool_save (with it
+                # the engine writes every block it computed through to the pool)
                 new_blocks = await self.pool.read_new_blocks(eid, hashes, tiers)
             if done:
                 self._store_later(new_blocks)
@@ -93,7 +95,7 @@ class PrefillService(RequestTasks):
                 first_token_id=out.new_token_ids[0],
                 num_cached_tokens=out.num_cached_tokens,
             )
-            if item.transfer_mode == "pool" and self.pool is not None:
+            if not direct:
                 # decode pulls them: store first (the blocks the pool holds already stay)
                 KV_SENT_BYTES.labels("pool").inc(await self.pool.store_blocks(new_blocks))
                 work = work.model_copy(update={"kv_block_hashes": hashes})

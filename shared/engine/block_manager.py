@@ -4,8 +4,10 @@ Free blocks wait in one queue ordered for reuse: blocks without a hash at the fr
 lose), then cached blocks in least-recently-freed order. A cached block stays findable by its
 hash while it sits in the queue, so a later request can revive it; it is evicted only when the
 queue hands it out for new data. Evictions are recorded so the engine can copy the bytes out to
-the KV pool before the block is overwritten (``drain_evicted``), and every change to the set of
-cached hashes is recorded as a ``CacheEvent`` (``drain_events``).
+the KV pool before the block is overwritten (``drain_evicted``), every change to the set of
+cached hashes is recorded as a ``CacheEvent`` (``drain_events``), and with ``record_computed``
+every block that became cached because this engine computed it (not one loaded from outside) is
+recorded too (``drain_computed``), so the engine can write it through to the pool.
 """
 
 from __future__ import annotations
@@ -26,7 +28,13 @@ class CacheEvent:
 class BlockManager:
     """Owns block ids ``0..num_blocks-1``; callers hold them in per-sequence block tables."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        record_computed: bool = False,
+    ):
         if num_blocks < 1:
             raise ValueError("BlockManager needs at least one block")
         self.num_blocks = num_blocks
@@ -36,7 +44,9 @@ class BlockManager:
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.cached: dict[bytes, int] = {}
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.record_computed = record_computed
         self._evicted: list[tuple[bytes, int]] = []
+        self._computed: list[tuple[bytes, int]] = []
         self._events: list[CacheEvent] = []
 
     # ----- queries -------------------------------------------------------------------------
@@ -102,9 +112,16 @@ class BlockManager:
                     self.free_queue.move_to_end(b, last=False)
 
     def cache_full_blocks(
-        self, block_table: Sequence[int], block_hashes: Sequence[bytes], start: int, end: int
+        self,
+        block_table: Sequence[int],
+        block_hashes: Sequence[bytes],
+        start: int,
+        end: int,
+        computed: bool = True,
     ) -> int:
-        """Make blocks ``[start, end)`` of a table findable by hash; returns the new ``end``."""
+        """Make blocks ``[start, end)`` of a table findable by hash; returns the new ``end``.
+        ``computed``: this engine computed their KV (False: it was written from elsewhere, a
+        push, and is not recorded for `drain_computed`)."""
         if not self.enable_prefix_caching:
             return end
         stored: list[str] = []
@@ -114,6 +131,8 @@ class BlockManager:
                 self.block_hash[b] = h
                 self.cached[h] = b
                 stored.append(h.hex())
+                if computed and self.record_computed:
+                    self._computed.append((h, b))
         if stored:
             self._events.append(CacheEvent("stored", stored))
         return end
@@ -152,6 +171,12 @@ class BlockManager:
         Their bytes are intact until the next forward writes them.
         """
         out, self._evicted = self._evicted, []
+        return out
+
+    def drain_computed(self) -> list[tuple[bytes, int]]:
+        """Blocks cached by `cache_full_blocks` since the last call (with ``record_computed``):
+        (hash, block id). A block evicted meanwhile no longer holds that hash."""
+        out, self._computed = self._computed, []
         return out
 
     def drain_events(self) -> list[CacheEvent]:

@@ -199,6 +199,14 @@ class DrainEvicted(Query):
 
 
 @dataclass
+class DrainComputed(Query):
+    """Blocks computed and cached since the last drain (with ``save_computed_kv``)."""
+
+    def run(self, e: LLMEngine) -> list[EvictedBlock]:
+        return e.kv.drain_computed()
+
+
+@dataclass
 class DrainKVEvents(Query):
     """Cached blocks stored / removed since the last drain."""
 

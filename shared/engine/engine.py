@@ -61,7 +61,12 @@ class LLMEngine:
         self.runner = ModelRunner(model, num_blocks, config.block_size, kv_dtype)
         self.salt = model_salt(loaded_model.fingerprint, dtype_name(kv_dtype), config.block_size)
         self.eos_token_ids = list(loaded_model.config.eos_token_ids or [])
-        self.bm = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.bm = BlockManager(
+            num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            record_computed=config.save_computed_kv,
+        )
         self.scheduler = Scheduler(
             self.bm,
             self.salt,

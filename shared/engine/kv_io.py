@@ -1,6 +1,7 @@
 """``EngineKV``: KV that moves in and out of the engine's paged cache.
 
-Swap out/in, evicted cached blocks kept for the pool, blocks reserved for KV computed elsewhere
+Swap out/in, evicted cached blocks kept for the pool, newly computed blocks read out for the
+pool (write-through), blocks reserved for KV computed elsewhere
 (reserve -> write -> commit or cancel: the one write path of pushed KV), cached blocks loaded
 from the pool, and the per-layer views handed to a `KVConnector`. It works on the block manager
 and the model runner it is given, never on the scheduler's tables; the engine owns one
@@ -164,3 +165,13 @@ class EngineKV:
         """Evicted cached blocks, collected only with ``EngineConfig.collect_evicted_kv``."""
         out, self.evicted = self.evicted, []
         return out
+
+    def drain_computed(self) -> list[EvictedBlock]:
+        """Copies of the blocks this engine computed and cached since the last call (with
+        ``EngineConfig.save_computed_kv``) that still hold their data; one evicted meanwhile
+        went out through `drain_evicted` instead (its bytes were copied before reuse)."""
+        got = [(h, b) for h, b in self.bm.drain_computed() if self.bm.block_hash[b] == h]
+        if not got:
+            return []
+        data = self.runner.read_blocks([b for _, b in got]).cpu()
+        return [EvictedBlock(h.hex(), data[:, :, i]) for i, (h, _) in enumerate(got)]

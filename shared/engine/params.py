@@ -45,6 +45,9 @@ class EngineConfig:
     """KV cache dtype name (e.g. "float32"); None follows the model dtype."""
     collect_evicted_kv: bool = False
     """Copy evicted cached blocks out for the KV pool (``EnginePort.drain_evicted``)."""
+    save_computed_kv: bool = False
+    """Record every full block this engine computes so it can be copied out for the KV pool
+    (``EnginePort.drain_computed``: write-through, so a restart or another instance finds it)."""
     async_scheduling: bool | None = None
     """Schedule and prepare decode step i+1 while the forward of step i runs (see
     ``LLMEngine.step``); False runs every step strictly in sequence; None: on for CUDA, off on

@@ -169,6 +169,10 @@ class EnginePort:
         """Cached blocks evicted since the last call (``collect_evicted_kv``)."""
         return await self._ask(cmd.DrainEvicted())
 
+    async def drain_computed(self) -> list[EvictedBlock]:
+        """Copies of the blocks computed here since the last call (``save_computed_kv``)."""
+        return await self._ask(cmd.DrainComputed())
+
     async def drain_kv_events(self) -> list[BlockEvent]:
         """Cached blocks stored / removed since the last call."""
         return await self._ask(cmd.DrainKVEvents())

@@ -72,7 +72,8 @@ class RequestKV(NamedTuple):
 
 
 class EvictedBlock(NamedTuple):
-    """A cached block the engine evicted: its hex hash and KV ``[L, 2, block_size, kvh, hd]``."""
+    """A cached block on its way to the pool (evicted, or newly computed): its hex hash and KV
+    ``[L, 2, block_size, kvh, hd]``."""
 
     hash: str
     kv: torch.Tensor

@@ -307,17 +307,17 @@ class Scheduler:
     def postprocess_prefilled(self, seq: Sequence, first_token_id: int) -> None:
         """Append the first token of a sequence prefilled elsewhere (KV already written)."""
         seq.token_ids.append(first_token_id)
-        self._commit_blocks(seq)
+        self._commit_blocks(seq, computed=False)  # the prompt's KV was computed elsewhere
         reason = self._stop_reason(seq, first_token_id)
         if reason:
             self.finish(seq, reason)
 
-    def _commit_blocks(self, seq: Sequence) -> None:
+    def _commit_blocks(self, seq: Sequence, computed: bool = True) -> None:
         full = seq.num_computed_tokens // self.bm.block_size
         if full > seq.num_committed_blocks:
             hashes = seq.update_block_hashes(self.salt, self.bm.block_size)
             seq.num_committed_blocks = self.bm.cache_full_blocks(
-                seq.block_table, hashes, seq.num_committed_blocks, full
+                seq.block_table, hashes, seq.num_committed_blocks, full, computed
             )
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:

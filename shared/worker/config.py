@@ -12,7 +12,7 @@ import os
 import types
 import typing
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import (
     Field,
@@ -70,7 +70,7 @@ WORKER_DEFAULT_DOCS = {
     "kv_cache_bytes": " 0 (default): auto, a share of the memory (`shared/worker/kv_budget.py`)."
 }
 
-ENGINE_DERIVED = ("collect_evicted_kv",)
+ENGINE_DERIVED = ("collect_evicted_kv", "save_computed_kv")
 """Engine fields a worker does not set: they follow from other settings (`engine_config`)."""
 
 
@@ -151,6 +151,16 @@ class WorkerConfig(EngineSettings):  # type: ignore[misc, valid-type]
         False,
         description="Send and store KV as int8 with per-row float32 scales (~3.8x fewer bytes)",
     )
+    kv_pool_save: bool = Field(
+        True,
+        description="With a kvstore: write every full block this instance computes through to "
+        "the pool (a restart or another instance reuses it); false: only evicted blocks go",
+    )
+    kv_pool_load: Literal["auto", "always", "never"] = Field(
+        "auto",
+        description="Prefix blocks the pool holds and engine memory lacks: auto = load those "
+        "the measured cost model says are cheaper to load than to recompute; always; never",
+    )
 
     @field_validator("layerwise_transfer", mode="before")
     @classmethod
@@ -180,10 +190,15 @@ class WorkerConfig(EngineSettings):  # type: ignore[misc, valid-type]
 
     def engine_config(self, kv_cache_bytes: int = 0) -> EngineConfig:
         """The engine's settings: each `EngineConfig` field from the setting of its name, and
-        `collect_evicted_kv` on in pool mode (evicted blocks go to the kvstore). An auto
+        `collect_evicted_kv` on in pool mode (evicted blocks go to the kvstore), and
+        `save_computed_kv` too unless ``kv_pool_save`` is off (computed blocks are written
+        through). An auto
         ``kv_cache_bytes`` (0) takes the resolved ``kv_cache_bytes`` given (`kv_budget`; the
         parse-time check, which has no model yet, passes `EngineConfig`'s default)."""
         values = {name: to_engine(getattr(self, name)) for name, to_engine in _TO_ENGINE.items()}
         if not values["kv_cache_bytes"]:
             values["kv_cache_bytes"] = kv_cache_bytes or EngineConfig.kv_cache_bytes
-        return EngineConfig(**values, collect_evicted_kv=bool(self.kvstore_addrs))
+        pool = bool(self.kvstore_addrs)
+        return EngineConfig(
+            **values, collect_evicted_kv=pool, save_computed_kv=pool and self.kv_pool_save
+        )

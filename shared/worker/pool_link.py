@@ -1,22 +1,28 @@
 """A model instance's link to the KV pool (kvstore DRAM + MinIO tiers).
 
-- `load_prefix`: before a prefill, find the longest reusable prefix (own memory first, then the
-  pool), load what the cost model says is cheaper to load than to recompute, and insert it into
-  the engine as cached blocks, so the engine computes only the rest.
+- `load_prefix`: before a prefill (on a prefill instance, or on a decode instance that computes
+  the prompt itself: the colocated shape, a failed push, a failover), find the longest reusable
+  prefix (own memory first, then the pool), load what the cost model says is cheaper to load
+  than to recompute (or every pool block / none, by ``kv_pool_load``), and insert it into the
+  engine as cached blocks, so the engine computes only the rest. Each decision is counted and
+  logged at debug level with its inputs.
 - `load_blocks`: pull given blocks (decode in pool mode), reporting the payload bytes written.
-- `store_blocks`: after a prefill, offer the full blocks the pool does not hold yet.
-- `offer_evicted`: blocks the engine evicts go to the pool instead of being dropped.
+- `store_blocks`: offer blocks to the pool (prefill in pool mode, before decode pulls them).
+- `offer`: the blocks the engine computed since the last call (write-through) and those it
+  evicted go to the pool, less those the pool already holds.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from typing import NamedTuple
 
 import torch
 from prometheus_client import Counter
 
 from shared.engine.port import EnginePort
+from shared.kvcache_rules import pool_continuation
 from shared.kvtransfer.frames import frame_nbytes, frame_to_tensor, payload_nbytes
 from shared.kvtransfer.pool import PoolClient
 from shared.worker.cost import ReuseCostModel
@@ -26,7 +32,32 @@ log = logging.getLogger(__name__)
 POOL_HIT_BLOCKS = Counter(
     "strata_prefix_pool_hit_blocks_total", "Prefix blocks loaded from the pool, by tier", ["tier"]
 )
-POOL_STORED_BLOCKS = Counter("strata_prefix_pool_stored_blocks_total", "Blocks offered to pool")
+POOL_STORED_BLOCKS = Counter(
+    "strata_prefix_pool_stored_blocks_total",
+    "Blocks the pool accepted from this instance, by source",
+    ["source"],  # "prefill" (pool mode, before decode pulls), "computed", "evicted"
+)
+POOL_DECISIONS = Counter(
+    "strata_kv_pool_load_decisions_total",
+    "Prefix lookups in the pool before computing a prompt, by outcome",
+    ["decision"],  # DECISIONS
+)
+DECISIONS = ("miss", "load", "recompute")
+"""``miss``: the pool holds no block right after the local prefix; ``load``: pool blocks were
+loaded; ``recompute``: the pool held some but loading them was judged (or set) not worth it."""
+for _d in DECISIONS:
+    POOL_DECISIONS.labels(_d)
+for _s in ("prefill", "computed", "evicted"):
+    POOL_STORED_BLOCKS.labels(_s)
+
+
+class PrefixLoad(NamedTuple):
+    """What `PoolLink.load_prefix` found and did for one prompt."""
+
+    hashes: list[str]  # the prompt's full-block hashes
+    tiers: list[str | None]  # pool tier of each block (None: not in the pool)
+    blocks: int  # blocks loaded from the pool into the engine
+    nbytes: int  # their payload bytes written into the engine
 
 
 class PoolLink:
@@ -37,6 +68,7 @@ class PoolLink:
         cost: ReuseCostModel,
         port: EnginePort,
         int8: bool = False,
+        load_mode: str = "auto",
     ):
         self.pool = PoolClient(addrs)
         self.fingerprint = fingerprint
@@ -44,19 +76,40 @@ class PoolLink:
         self.port = port
         self.dtype = port.kv_spec.dtype
         self.int8 = int8
+        self.load_mode = load_mode
 
-    async def load_prefix(self, context: list[int], mm) -> tuple[list[str], list[str | None], int]:
-        """Returns (block hashes, pool tier per block, blocks loaded from the pool)."""
+    async def load_prefix(self, context: list[int], mm) -> PrefixLoad:
+        """Load the pool blocks worth loading right after the engine's own cached prefix."""
         hashes, cached = await self.port.match_prefix(context, mm)
         if not hashes:
-            return hashes, [], 0
+            return PrefixLoad(hashes, [], 0, 0)
         own = cached // self.cost.block_size
         tiers = await self.pool.lookup(hashes, self.fingerprint)
-        plan = self.cost.plan(own, tiers)  # shared.kvcache_rules: local prefix, then the pool
-        if plan.pool_blocks == 0:
-            return hashes, tiers, 0
-        n, _ = await self.load_blocks(hashes[own : plan.blocks], list(plan.pool_tiers))
-        return hashes, tiers, n
+        rest = pool_continuation(own, tiers)
+        if self.load_mode == "always":
+            want = rest
+        elif self.load_mode == "never":
+            want = []
+        else:  # shared.kvcache_rules: local prefix, then the cost-worthy part of the pool's
+            want = list(self.cost.plan(own, tiers).pool_tiers)
+        decision = "miss" if not rest else "load" if want else "recompute"
+        POOL_DECISIONS.labels(decision).inc()
+        log.debug(
+            "pool prefix: %d blocks, %d local, pool continuation %s, recompute %.2e s/block, "
+            "load %s s/block, mode %s: %s %d",
+            len(hashes),
+            own,
+            {t: rest.count(t) for t in set(rest)},
+            self.cost.recompute_s(1),
+            {t: f"{self.cost.load_s_per_block.get(t, 0.0):.2e}" for t in set(rest)},
+            self.load_mode,
+            decision,
+            len(want),
+        )
+        if not want:
+            return PrefixLoad(hashes, tiers, 0, 0)
+        n, nbytes = await self.load_blocks(hashes[own : own + len(want)], want)
+        return PrefixLoad(hashes, tiers, n, nbytes)
 
     async def load_blocks(
         self, want: list[str], tiers: list[str | None] | None = None
@@ -93,14 +146,28 @@ class PoolLink:
         kv = (await self.port.read_kv(request_id, block_indices=idx)).blocks
         return [(hashes[i], kv[:, :, j].contiguous()) for j, i in enumerate(idx)]
 
-    async def store_blocks(self, blocks: list[tuple[str, torch.Tensor]]) -> int:
+    async def store_blocks(
+        self, blocks: list[tuple[str, torch.Tensor]], source: str = "prefill"
+    ) -> int:
         """Offer ``blocks`` to the pool; returns the payload bytes of those it accepted."""
         if not blocks:
             return 0
         stored = set(await self.pool.put(blocks, self.fingerprint, int8=self.int8))
-        POOL_STORED_BLOCKS.inc(len(stored))
+        POOL_STORED_BLOCKS.labels(source).inc(len(stored))
         return sum(payload_nbytes(t, self.int8) for h, t in blocks if h in stored)
 
-    async def offer_evicted(self) -> int:
-        evicted = await self.port.drain_evicted()
-        return await self.store_blocks([(b.hash, b.kv) for b in evicted])
+    async def offer(self) -> int:
+        """Blocks computed here since the last call (write-through, with ``save_computed_kv``)
+        and blocks evicted here go to the pool, less those it already holds (pushed by prefill,
+        loaded from it, or stored before). Returns the payload bytes the pool accepted."""
+        sent = 0
+        for source, blocks in (
+            ("computed", await self.port.drain_computed()),
+            ("evicted", await self.port.drain_evicted()),
+        ):
+            if not blocks:
+                continue
+            tiers = await self.pool.lookup([b.hash for b in blocks], self.fingerprint)
+            new = [(b.hash, b.kv) for b, t in zip(blocks, tiers, strict=True) if t is None]
+            sent += await self.store_blocks(new, source)
+        return sent

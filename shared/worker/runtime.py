@@ -119,6 +119,7 @@ class ModelRuntime:
                 self.cost,
                 self.port,
                 int8=self.cfg.kv_int8,
+                load_mode=self.cfg.kv_pool_load,
             )
         return self._pool
 
@@ -234,8 +235,8 @@ def start_heartbeat(rt: ModelRuntime, nc: NATS, grpc_addr: str) -> Heartbeat:
 
 
 async def housekeeping(nc: NATS, rt: ModelRuntime, stop: asyncio.Event) -> None:
-    """Every ``load_interval`` on the main loop: engine metrics, KV events, evicted blocks to the
-    pool. These wait for the engine thread (up to one forward); liveness does not depend on
+    """Every ``load_interval`` on the main loop: engine metrics, KV events, computed and evicted
+    blocks to the pool. These wait for the engine thread (up to one forward); liveness does not depend on
     them, the heartbeat thread reports load meanwhile."""
 
     async def once() -> None:
@@ -244,7 +245,7 @@ async def housekeeping(nc: NATS, rt: ModelRuntime, stop: asyncio.Event) -> None:
             await bus.publish(nc, subjects.kv_events(rt.cfg.instance_id), ev)
         pool = rt.pool_link()
         if pool is not None:
-            await pool.offer_evicted()
+            await pool.offer()
 
     from shared.service import periodic
 

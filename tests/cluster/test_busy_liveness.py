@@ -3,7 +3,7 @@ outlasts the scheduler's down timeout several times over. Every request complete
 declared down and no stream fails over, because load reports (the heartbeat) come from a thread
 that no forward blocks (`shared/worker/heartbeat.py`).
 
-The cluster runs a kvstore so that the instances' periodic pool work (`offer_evicted`, which
+The cluster runs a kvstore so that the instances' periodic pool work (`offer`, which
 waits for the engine thread) is live too: before the split, that wait sat on the heartbeat.
 The precondition (a real forward in the prefill process took longer than the down timeout) is
 read from the prefill instance's own metric after the run, so the test cannot pass vacuously."""

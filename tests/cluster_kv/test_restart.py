@@ -78,3 +78,49 @@ def test_restarted_cluster_is_served_from_minio(model_dir, tmp_path):
         assert metric(second, "kvstore-0", "strata_kvstore_restores_total") >= ssd_blocks
     finally:
         second.stop()
+
+
+def test_restarted_colocated_cluster_loads_prefixes_from_minio(model_dir, tmp_path):
+    """The shape a small box gets: no prefill instance, decode computes its prompts. Its blocks
+    are written through to the pool while it serves; after a full restart on the same data dir
+    the same prompt's prefix is loaded from MinIO into decode instead of being recomputed.
+    Loading is forced on (the tiny model recomputes faster than it reads MinIO on some boxes:
+    the cost model's choice is tested in tests/worker/test_pool_colocated.py)."""
+    data = str(tmp_path / "cluster")
+    prompt = SHARED_PREFIX + "Which tier survives a restart?"
+    shape = dict(data_dir=data, prefill=0, env={"STRATA_KV_POOL_LOAD": "always"})
+    first = start_cluster(model_dir, **shape)
+    try:
+        before = complete(first, prompt)
+        blocks = (before.usage.prompt_tokens - 1) // 16
+        wait_until(
+            lambda: (
+                metric(
+                    first, "decode-0", "strata_prefix_pool_stored_blocks_total", source="computed"
+                )
+                >= blocks
+                and metric(first, "kvstore-0", "strata_kvstore_persists_total") >= 1
+                and metric(first, "kvstore-0", "strata_kvstore_blocks", tier="write_behind") == 0
+            ),
+            30,
+            "decode's write-through and the write-behind to MinIO",
+        )
+    finally:
+        first.stop()
+
+    second = start_cluster(model_dir, **shape)
+    try:
+        t0 = transfer_counters(second)
+        after = complete(second, prompt)
+        assert after.choices[0].text == before.choices[0].text
+        cached = after.usage.prompt_tokens_details.cached_tokens
+        assert cached == blocks * 16
+        assert (
+            metric(second, "decode-0", "strata_prefix_pool_hit_blocks_total", tier="ssd") == blocks
+        )
+        n = cached * kv_bytes_per_token(model_dir)
+        assert moved_since(t0, transfer_counters(second)) == {"received:pool": n}
+        loads = metric(second, "decode-0", "strata_kv_pool_load_decisions_total", decision="load")
+        assert loads == 1
+    finally:
+        second.stop()

@@ -45,8 +45,8 @@ async def kvstore(nats_url, minio_server):
 
 @contextlib.asynccontextmanager
 async def kv_workers(nc, nats_url: str, model_dir: str, kvstore_addr: str, specs, **common):
-    """Prefill and decode workers served in this process on ``model_dir`` (8 MiB of KV cache, load
-    reports every 0.2 s), using the kvstore at ``kvstore_addr``: one per ``(role, instance_id,
+    """Prefill and decode workers served in this process on ``model_dir`` (8 MiB of KV cache and
+    load reports every 0.2 s unless set), using the kvstore at ``kvstore_addr``: one per ``(role, instance_id,
     fields)`` of ``specs`` (``fields``: `WorkerConfig` fields of that worker alone), with the
     fields in ``common`` for all. Yields them in ``specs`` order; stops them on exit."""
     from services.decode.service import DecodeService
@@ -57,17 +57,15 @@ async def kv_workers(nc, nats_url: str, model_dir: str, kvstore_addr: str, specs
     workers = []
     try:
         for role, iid, fields in specs:
+            settings = {"kv_cache_bytes": 8 << 20, "load_interval": 0.2, **common, **fields}
             cfg = WorkerConfig.load(
                 [],
                 role=role,
                 instance_id=iid,
                 nats_url=nats_url,
                 model=model_dir,
-                kv_cache_bytes=8 << 20,
-                load_interval=0.2,
                 kvstore_addrs=kvstore_addr,
-                **common,
-                **fields,
+                **settings,
             )
             cls = {"prefill": PrefillService, "decode": DecodeService}[role]
             workers.append(await start_worker(cfg, role, cls, nc))

@@ -1,0 +1,145 @@
+"""The KV pool in the colocated shape: decode instances that compute their prompts themselves
+(no prefill instance), over real NATS, real gRPC, a real kvstore and MinIO.
+
+Every full block a decode instance computes is written through to the pool; another instance
+(or the same one after a restart, or after the prefix left its engine memory) loads that prefix
+from the pool instead of recomputing it. Recompute gives the same tokens, so each test asserts on
+the counters that say which path ran: pool bytes received, the connector's load decisions and
+the blocks the pool accepted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from prometheus_client import REGISTRY
+
+from shared.protocol import subjects
+from shared.protocol.sampling import SamplingParams
+from shared.protocol.work import DecodeWork
+from tests.worker.conftest import kv_workers
+from tests.worker.kv_counters import Transfers, kv_bytes
+from tests.worker.test_pd import _run, _tokens
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    """A prompt no other test uses: the kvstore's MinIO bucket lives for the whole session."""
+    return [(i * 37 + seed * 1009 + 11) % 2000 + 10 for i in range(n)]
+
+
+PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+def _count(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def decisions() -> dict[str, float]:
+    from shared.worker.pool_link import DECISIONS
+
+    return {d: _count("strata_kv_pool_load_decisions_total", decision=d) for d in DECISIONS}
+
+
+def stored(source: str) -> float:
+    return _count("strata_prefix_pool_stored_blocks_total", source=source)
+
+
+def work(rid: str, prompt: list[int], **kw) -> DecodeWork:
+    return DecodeWork(request_id=rid, prompt_token_ids=prompt, sampling=PARAMS, **kw)
+
+
+async def wait_in_pool(w, prompt: list[int], blocks: int, timeout: float = 10.0) -> None:
+    link = w.rt.pool_link()
+    hashes = (await w.rt.port.match_prefix(prompt)).hashes[:blocks]
+    deadline = asyncio.get_running_loop().time() + timeout
+    while asyncio.get_running_loop().time() < deadline:
+        if all(t is not None for t in await link.pool.lookup(hashes, link.fingerprint)):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the pool never got the {blocks} blocks {w.rt.cfg.instance_id} computed")
+
+
+@pytest.fixture
+async def two_decodes(nats_url, nc, model_dir, kvstore):
+    """Two decode instances with the pool, no prefill instance (the colocated shape); loading
+    forced on (``always``), so the tests do not depend on this machine's measured costs."""
+    _, addr = kvstore
+    specs = [("decode", "ca", {}), ("decode", "cb", {})]
+    async with kv_workers(nc, nats_url, model_dir, addr, specs, kv_pool_load="always") as ws:
+        yield ws
+
+
+async def test_prefix_written_through_by_a_is_loaded_by_b(two_decodes, nc):
+    ca, cb = two_decodes
+    prefix = tokens(71, 160)  # 10 full blocks
+    p1, p2 = prefix + [5, 6, 7], prefix + [21, 22, 23, 24]
+    before = stored("computed")
+    ref = await _run(nc, subjects.decode_submit("ca"), work("w-a", p1))
+    # write-through: the 10 prompt blocks reach the pool with no eviction and no prefill
+    await wait_in_pool(ca, p1, 10)
+    assert stored("computed") - before >= 10
+
+    t, d = Transfers(), decisions()
+    got = await _run(nc, subjects.decode_submit("cb"), work("w-b", p2))
+    moved = t.moved()
+    assert moved.get("received:pool") == kv_bytes(cb.rt, 160)
+    assert moved.get("kvstore_hits:dram") == 10
+    assert decisions()["load"] - d["load"] == 1
+    last = max(got, key=lambda c: c.index)
+    assert last.usage.cached_tokens == 160  # b computed only the 4 new tokens
+
+    # the same tokens as a's, which computed p2's new tail over its own cached prefix
+    assert _tokens(got) == _tokens(await _run(nc, subjects.decode_submit("ca"), work("w-a2", p2)))
+    assert len(_tokens(ref)) == PARAMS.max_tokens
+
+
+async def test_prefix_evicted_from_engine_memory_is_reloaded(nats_url, nc, model_dir, kvstore):
+    """A small engine cache: other prompts evict the prefix, and a later request loads it back
+    from the pool rather than recomputing it."""
+    _, addr = kvstore
+    specs = [("decode", "small", {"kv_cache_bytes": 2 << 20})]  # ~32 blocks
+    prefix = tokens(73, 160)
+    async with kv_workers(nc, nats_url, model_dir, addr, specs, kv_pool_load="always") as (w,):
+        total = w.rt.port.stats().kv_blocks_total
+        await _run(nc, subjects.decode_submit("small"), work("e-0", prefix + [1, 2]))
+        await wait_in_pool(w, prefix, 10)
+        # fill the engine with other prompts until the prefix is gone from its memory
+        i = 0
+        while (await w.rt.port.match_prefix(prefix)).cached_tokens > 0:
+            filler = tokens(80 + i, 16 * (total // 3))
+            await _run(nc, subjects.decode_submit("small"), work(f"e-fill-{i}", filler))
+            i += 1
+            assert i < 10, "the prefix never left engine memory"
+        t, d = Transfers(), decisions()
+        got = await _run(nc, subjects.decode_submit("small"), work("e-1", prefix + [3, 4]))
+        assert t.moved().get("received:pool") == kv_bytes(w.rt, 160)
+        assert decisions()["load"] - d["load"] == 1
+        assert max(got, key=lambda c: c.index).usage.cached_tokens == 160
+
+
+async def test_cost_model_decides_load_or_recompute(two_decodes, nc):
+    """``auto`` loads only what the measured costs say is cheaper than recomputing: with
+    recompute made expensive the prefix is loaded, with it made cheap it is recomputed (the
+    decision is counted either way)."""
+    ca, cb = two_decodes
+    prefix = tokens(74, 160)
+    await _run(nc, subjects.decode_submit("ca"), work("c-a", prefix + [9]))
+    await wait_in_pool(ca, prefix, 10)
+    link = cb.rt.pool_link()
+    link.load_mode = "auto"
+    link.cost.prefill_s_per_token = 1e-9  # recompute far cheaper than any pool read
+    t, d = Transfers(), decisions()
+    await _run(nc, subjects.decode_submit("cb"), work("c-b1", prefix + [8]))
+    assert "received:pool" not in t.moved()
+    assert decisions()["recompute"] - d["recompute"] == 1
+
+    # a prefix b does not hold yet, and recompute made expensive
+    other = tokens(72, 96)
+    await _run(nc, subjects.decode_submit("ca"), work("c-a2", other + [7]))
+    await wait_in_pool(ca, other, 6)
+    link.cost.prefill_s_per_token = 1.0
+    t, d = Transfers(), decisions()
+    await _run(nc, subjects.decode_submit("cb"), work("c-b2", other + [6]))
+    assert t.moved().get("received:pool") == kv_bytes(cb.rt, 96)
+    assert decisions()["load"] - d["load"] == 1
