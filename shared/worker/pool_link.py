@@ -23,7 +23,7 @@ from prometheus_client import Counter
 
 from shared.engine.port import EnginePort
 from shared.kvcache_rules import pool_continuation
-from shared.kvtransfer.frames import frame_nbytes, frame_to_tensor, payload_nbytes
+from shared.kvtransfer.frames import FrameError, frame_nbytes, frame_to_tensor, payload_nbytes
 from shared.kvtransfer.pool import PoolClient
 from shared.worker.cost import ReuseCostModel
 
@@ -41,6 +41,10 @@ POOL_DECISIONS = Counter(
     "strata_kv_pool_load_decisions_total",
     "Prefix lookups in the pool before computing a prompt, by outcome",
     ["decision"],  # DECISIONS
+)
+POOL_BAD_BLOCKS = Counter(
+    "strata_kv_pool_bad_blocks_total",
+    "Pool blocks that did not decode as this engine's blocks (corrupt, truncated, other shape)",
 )
 DECISIONS = ("miss", "load", "recompute")
 """``miss``: the pool holds no block right after the local prefix; ``load``: pool blocks were
@@ -77,6 +81,8 @@ class PoolLink:
         self.dtype = port.kv_spec.dtype
         self.int8 = int8
         self.load_mode = load_mode
+        spec = port.kv_spec
+        self.block_shape = (spec.num_layers, 2, spec.block_size, spec.kv_heads, spec.head_dim)
 
     async def load_prefix(self, context: list[int], mm) -> PrefixLoad:
         """Load the pool blocks worth loading right after the engine's own cached prefix."""
@@ -119,13 +125,20 @@ class PoolLink:
         engine: blocks it already held are skipped and not counted)."""
         t0 = time.perf_counter()
         frames = await self.pool.get_frames(want, self.fingerprint)
-        n = 0
-        while n < len(want) and want[n] in frames:
-            n += 1
+        run, blocks = [], []
+        for h in want:  # the present, usable leading run
+            f = frames.get(h)
+            if f is None:
+                break
+            t = self._block(h, f)
+            if t is None:
+                break
+            run.append(f)
+            blocks.append(t)
+        n = len(run)
         if n == 0:
             return 0, 0
-        run = [frames[h] for h in want[:n]]
-        kv = torch.stack([frame_to_tensor(f, dtype=self.dtype) for f in run], dim=2)
+        kv = torch.stack(blocks, dim=2)
         written = await self.port.insert_cached_blocks(want[:n], kv)  # [L, 2, n, bs, kvh, hd]
         nbytes = sum(frame_nbytes(f) for f, w in zip(run, written, strict=True) if w)
         elapsed = time.perf_counter() - t0
@@ -135,6 +148,22 @@ class PoolLink:
             self.cost.observe_load(tier or "dram", cnt, elapsed * cnt / n)
             POOL_HIT_BLOCKS.labels(tier or "dram").inc(cnt)
         return n, nbytes
+
+    def _block(self, h: str, frame) -> torch.Tensor | None:
+        """The frame as this engine's block ``[L, 2, bs, kvh, hd]``, or None when it is not one
+        (a corrupt or truncated object, another shape): counted, and the prompt is computed
+        from that block on instead of failing."""
+        try:
+            t = frame_to_tensor(frame, dtype=self.dtype)
+        except FrameError as exc:
+            why = str(exc)
+        else:
+            if tuple(t.shape) == self.block_shape:
+                return t
+            why = f"shape {list(t.shape)}, this engine's blocks are {list(self.block_shape)}"
+        POOL_BAD_BLOCKS.inc()
+        log.warning("pool block %s unusable (%s): computing the prompt from it on", h[:16], why)
+        return None
 
     async def read_new_blocks(
         self, request_id: str, hashes: list[str], tiers: list[str | None]

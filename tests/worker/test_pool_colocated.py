@@ -143,3 +143,35 @@ async def test_cost_model_decides_load_or_recompute(two_decodes, nc):
     await _run(nc, subjects.decode_submit("cb"), work("c-b2", other + [6]))
     assert t.moved().get("received:pool") == kv_bytes(cb.rt, 96)
     assert decisions()["load"] - d["load"] == 1
+
+
+@pytest.mark.parametrize("damage", ["truncated", "other_shape"])
+async def test_bad_pool_block_is_counted_and_recomputed(two_decodes, nc, kvstore, damage):
+    """A pool object that is not this engine's block (bytes cut short, or another model's
+    shape under the same hash): the prompt is computed from that block on, the block is counted,
+    the stream is served with the same tokens and no error."""
+    import torch
+
+    from shared.kvtransfer.client import get_client
+    from shared.kvtransfer.frames import tensor_to_frames
+
+    ca, _ = two_decodes
+    _, addr = kvstore
+    link = ca.rt.pool_link()
+    prompt = tokens(75 + (damage == "other_shape"), 48)  # 3 full blocks
+    hashes = (await ca.rt.port.match_prefix(prompt)).hashes
+    L, two, bs, kvh, hd = link.block_shape
+    shape = (L, two, bs, kvh, hd) if damage == "truncated" else (L, two, bs, kvh + 1, hd)
+    frames = list(tensor_to_frames(torch.ones(shape), key=hashes[0], fingerprint=link.fingerprint))
+    if damage == "truncated":
+        frames[0].data = frames[0].data[:-64]
+    await get_client(addr).push(iter(frames), timeout=10)
+    assert (await link.pool.lookup(hashes[:1], link.fingerprint))[0] is not None
+
+    bad = _count("strata_kv_pool_bad_blocks_total")
+    t = Transfers()
+    got = await _run(nc, subjects.decode_submit("ca"), work(f"bad-{damage}", prompt + [3]))
+    assert _count("strata_kv_pool_bad_blocks_total") - bad == 1
+    assert "received:pool" not in t.moved()
+    ref = await _run(nc, subjects.decode_submit("ca"), work(f"bad-{damage}-ref", prompt + [3]))
+    assert _tokens(got) == _tokens(ref) and len(_tokens(ref)) == PARAMS.max_tokens
