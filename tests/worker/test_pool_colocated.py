@@ -175,3 +175,30 @@ async def test_bad_pool_block_is_counted_and_recomputed(two_decodes, nc, kvstore
     assert "received:pool" not in t.moved()
     ref = await _run(nc, subjects.decode_submit("ca"), work(f"bad-{damage}-ref", prompt + [3]))
     assert _tokens(got) == _tokens(ref) and len(_tokens(ref)) == PARAMS.max_tokens
+
+
+async def test_failed_over_stream_continues_from_blocks_written_through(two_decodes, nc):
+    """A stream resumed on another instance (as the gateway fails one over: the prompt plus the
+    tokens already sent) loads the blocks the first instance wrote through, generated tokens'
+    blocks included, instead of recomputing its context; the rest of the stream is identical."""
+    from tests.worker.test_pd import _tokens_from
+
+    ca, cb = two_decodes
+    prompt = tokens(77, 40)  # 2 full blocks + 8 tokens
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    full = _tokens(
+        await _run(
+            nc,
+            subjects.decode_submit("ca"),
+            DecodeWork(request_id="fo-a", prompt_token_ids=prompt, sampling=params),
+        )
+    )
+    await wait_in_pool(ca, prompt + full, 4)  # 79 tokens computed: 4 full blocks, 2 of output
+    sent = 30  # the dead instance had streamed this many tokens
+    t = Transfers()
+    resumed = DecodeWork(
+        request_id="fo-b", prompt_token_ids=prompt, sampling=params, output_token_ids=full[:sent]
+    )
+    chunks = await _run(nc, subjects.decode_submit("cb"), resumed)
+    assert t.moved().get("received:pool") == kv_bytes(cb.rt, 64)  # 40 + 30 tokens: 4 blocks
+    assert _tokens_from(chunks, sent) == full[sent:]
