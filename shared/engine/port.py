@@ -56,7 +56,8 @@ class EnginePort:
     ) -> EnginePort:
         """Build the engine and start its thread. With ``warm_up_tokens``, one prefill of that
         many tokens runs first (first-call overheads are paid here; ``warm_up_s_per_token`` is
-        its measured seconds per token) and its blocks are not announced as KV events."""
+        its measured seconds per token) and its blocks are neither announced as KV events nor
+        written through to the pool."""
         engine = LLMEngine(loaded_model, config, tokenizer=tokenizer)
         spt = 0.0
         if warm_up_tokens > 0:
@@ -67,6 +68,7 @@ class EnginePort:
             engine.generate([ids], SamplingParams(max_tokens=1, temperature=0.0))
             spt = (time.perf_counter() - t0) / n
             engine.bm.drain_events()
+            engine.bm.drain_computed()  # synthetic tokens: nothing for the pool
         port = cls(engine)
         port.warm_up_s_per_token = spt
         return port

@@ -112,14 +112,18 @@ async def kill_decode_0_under_streams(
     *,
     min_progress: int,
     poll_s: float,
+    until: Callable[[], bool] = lambda: True,
     **client_kwargs,
 ) -> list:
     """Runs ``stream(client, i)`` for each i < n at once; kill -9 of decode-0 once every
-    ``progress[i]`` is at least ``min_progress`` (so decode-0 holds live streams) or a stream has
-    ended; asserts that at least half the streams were still live then; their results."""
+    ``progress[i]`` is at least ``min_progress`` (so decode-0 holds live streams) and ``until()``
+    holds (called in a thread), or a stream has ended; asserts that at least half the streams
+    were still live then; their results."""
     async with httpx.AsyncClient(timeout=180.0, **client_kwargs) as cl:
         tasks = [asyncio.create_task(stream(cl, i)) for i in range(n)]
-        while min(progress) < min_progress and not any(t.done() for t in tasks):
+        while not any(t.done() for t in tasks) and (
+            min(progress) < min_progress or not await asyncio.to_thread(until)
+        ):
             await asyncio.sleep(poll_s)
         await asyncio.to_thread(c.kill, "decode-0")
         live_at_kill = sum(not t.done() for t in tasks)
@@ -176,3 +180,54 @@ def test_kill_decode_during_20_streams_all_complete_identically(default_model_di
                 assert a == pytest.approx(b, abs=2e-3), f"stream {i} logprobs"
         failovers = sum(scrape(c, "gateway-0", "strata:stream_failovers_total").values())
         assert failovers >= 1  # decode-0 really held streams that moved to decode-1
+
+
+def test_colocated_failover_continues_from_pool_kv(default_model_dir):
+    """The shape a small box gets (no prefill instance) with the KV pool: decode-0's blocks,
+    generated tokens' included, are written through to the kvstore as it fills them, so the
+    streams failed over to decode-1 load their context from the pool instead of recomputing it,
+    and still finish identical to the reference. Loading is forced on (the cost model's choice
+    is tested in tests/worker/test_pool_colocated.py)."""
+    n = 8
+    msgs = prompts()[:n]
+    expected = reference(default_model_dir, msgs)
+    c = start_cluster(
+        default_model_dir,
+        prefill=0,
+        decode=2,
+        kvstore=1,
+        vision=0,
+        torch_threads=1,
+        env={"STRATA_STALL_TIMEOUT": "10", "STRATA_KV_POOL_LOAD": "always"},
+    )
+    try:
+        model = httpx.get(c.gateway_url + "/v1/models").json()["data"][0]["id"]
+        progress = [0] * n
+
+        def written() -> float:
+            got = scrape(c, "decode-0", "strata_prefix_pool_stored_blocks_total")
+            return got.get('{source="computed"}', 0.0)
+
+        got = asyncio.run(
+            kill_decode_0_under_streams(
+                c,
+                n,
+                lambda cl, i: stream_one(cl, c.gateway_url, model, msgs[i], progress, i),
+                progress,
+                min_progress=48,
+                poll_s=0.05,
+                until=lambda: written() >= n,  # output blocks written through, not only prompts
+                limits=httpx.Limits(max_connections=n),
+            )
+        )
+        assert not c.alive("decode-0")
+        for i in range(n):
+            assert [t for t, _ in got[i]] == [t for t, _ in expected[i]], f"stream {i}"
+        assert sum(scrape(c, "gateway-0", "strata:stream_failovers_total").values()) >= 1
+        loaded = scrape(c, "decode-1", "strata_kv_transfer_received_bytes_total")
+        why = (loaded, scrape(c, "decode-1", "strata_kv_pool_load_decisions_total"))
+        assert loaded.get('{mode="pool"}', 0) > 0, why
+        hits = scrape(c, "decode-1", "strata_prefix_pool_hit_blocks_total")
+        assert sum(hits.values()) >= 4, hits  # more than the prompt's blocks alone
+    finally:
+        c.stop()

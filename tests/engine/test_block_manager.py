@@ -66,3 +66,23 @@ def test_prefix_caching_disabled():
     bm.allocate_slots(a, 2)
     bm.cache_full_blocks(a, [H[0]], 0, 1)
     assert bm.find_cached_prefix([H[0]]) == [] and bm.drain_events() == []
+
+
+def test_computed_blocks_recorded_for_write_through_only_when_asked():
+    """`drain_computed`: blocks cached because this engine computed them, in order; not blocks
+    written from elsewhere (``computed=False``) or loaded (`insert_cached`), and nothing
+    without ``record_computed``."""
+    h = [bytes([i]) * 16 for i in range(6)]
+    bm = BlockManager(8, 4, record_computed=True)
+    t1, t2 = [], []
+    assert bm.allocate_slots(t1, 8) and bm.allocate_slots(t2, 8)
+    bm.cache_full_blocks(t1, h[:2], 0, 2)
+    bm.cache_full_blocks(t2, h[2:4], 0, 2, computed=False)  # pushed KV
+    bm.insert_cached(h[4])
+    assert bm.drain_computed() == [(h[0], t1[0]), (h[1], t1[1])]
+    assert bm.drain_computed() == []
+    off = BlockManager(8, 4)
+    t3 = []
+    assert off.allocate_slots(t3, 4)
+    off.cache_full_blocks(t3, h[5:], 0, 1)
+    assert off.drain_computed() == []

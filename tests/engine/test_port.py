@@ -139,3 +139,20 @@ async def test_connector_sees_each_layer_of_wanted_requests(qwen_ckpt):
 
 async def _collect(stream):
     return [o async for o in stream]
+
+
+async def test_warm_up_blocks_are_not_written_through_but_computed_ones_are(qwen_ckpt):
+    """The warm-up prefill's synthetic blocks never reach `drain_computed`; a real request's
+    full blocks do, with the KV its blocks hold."""
+    _, path = qwen_ckpt
+    cfg = EngineConfig(**CFG, save_computed_kv=True)
+    port = EnginePort.open(load_model(path), cfg, warm_up_tokens=16)
+    try:
+        assert await port.drain_computed() == []
+        p = prompts(14, [9])[0]  # 2 full blocks of 4 computed (+ 6 outputs: 3 more)
+        _ = [o async for o in port.generate("r", p, SP)]
+        got = await port.drain_computed()
+        hashes = (await port.match_prefix(p)).hashes
+        assert [b.hash for b in got][:2] == hashes[:2] and len(got) == (9 + 6 - 1) // 4
+    finally:
+        port.shutdown()
