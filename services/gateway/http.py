@@ -8,6 +8,7 @@ OpenAI-style body; a client that disconnects cancels its request on the bus.
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 import logging
 import time
@@ -26,6 +27,11 @@ from services.gateway.service import GatewayService
 from shared.protocol.errors import StrataError
 
 log = logging.getLogger(__name__)
+
+try:
+    VERSION = importlib.metadata.version("strata")
+except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
+    VERSION = "0.1.0"
 
 
 def error_response(err: StrataError) -> JSONResponse:
@@ -188,7 +194,12 @@ def build_app(service: GatewayService) -> FastAPI:
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
         """vLLM's detokenize: token ids -> text."""
-        return service.detokenize(await read_json(request))
+        return await service.detokenize(await read_json(request))
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        """vLLM's ``/version``: the server's version."""
+        return {"version": VERSION}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

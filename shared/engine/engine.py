@@ -165,7 +165,7 @@ class LLMEngine:
         detok = IncrementalDetokenizer(
             self.tokenizer, list(seq.token_ids), skip_special_tokens=seq.params.skip_special_tokens
         )
-        tracker = TextTracker(detok, seq.params.stop)
+        tracker = TextTracker(detok, seq.params.stop, seq.params.include_stop_str_in_output)
         tracker.prime(seq.token_ids[seq.num_prompt_tokens :])  # resumed outputs (failover)
         self.trackers[seq.request_id] = tracker
 
