@@ -137,7 +137,7 @@ def validation_error(exc: ValidationError) -> ApiError:
             "bad_request",
             f"unknown field{'s' if len(unknown) > 1 else ''} "
             f"{', '.join(repr(u) for u in unknown)}: not supported by this server "
-            "(docs/STRUCTURED.md lists the accepted fields)",
+            "(docs/api.md lists the accepted fields)",
             param=unknown[0],
         )
     e = errors[0]

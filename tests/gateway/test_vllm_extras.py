@@ -211,3 +211,49 @@ async def test_nats_api_carries_the_same_fields(nats_url, nc):
         )
         ev = decode(rep.data, GenerateEvent)
         assert ev.status == 400 and ev.data["error"]["param"] == "continue_final_message"
+
+
+def _doc_rows() -> list[tuple[list[str], str, str]]:
+    """(field names, endpoint, Strata column) of every request-field row of docs/api.md."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text()
+    body = text.split("## Request fields", 1)[1].split("## How it is tested", 1)[0]
+    rows = []
+    for line in body.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 3 or not cells[0].startswith("`"):
+            continue
+        names = [n for n in re.findall(r"`([a-z_]+)`", cells[0])]
+        rows.append((names, cells[1], cells[-1]))
+    return rows
+
+
+def test_docs_api_md_is_true_to_the_validator():
+    """Every field docs/api.md calls refused is a 400 naming it on its endpoint(s); every other
+    field it lists is in the schema."""
+    from services.gateway.core import ApiError
+    from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
+
+    cfg = GatewayConfig.load([], role="gateway", model_name="tiny")
+    rows = _doc_rows()
+    assert len(rows) >= 30
+    for names, endpoint, strata in rows:
+        kinds = {"chat": ["chat"], "completions": ["completion"]}.get(
+            endpoint, ["chat", "completion"]
+        )
+        for kind in kinds:
+            schema = ChatCompletionRequest if kind == "chat" else CompletionRequest
+            base = CHAT if kind == "chat" else CMPL
+            for name in names:
+                if name in ("model", "messages", "prompt") or (
+                    endpoint == "both / chat" and kind != "chat"
+                ):
+                    continue
+                if strata.startswith("refused"):
+                    with pytest.raises(ApiError) as ei:
+                        build_spec(kind, {**base, name: 1}, cfg, "tiny")
+                    assert ei.value.param == name, (kind, name)
+                else:
+                    assert name in schema.model_fields, (kind, name)
