@@ -71,7 +71,7 @@ class GatewayService:
         self.auth = auth
         self.token_str = token_str
         self.readiness = readiness
-        self.tokenizer = tokenizer  # the checkpoint's (``/detokenize``); None without one
+        self.tokenizer = tokenizer  # the checkpoint's; None without one (detokenize: the service)
         self.grammars = grammars  # validates constraints here; None: the engine does
         self.tool_format = tool_format
 

@@ -114,7 +114,9 @@ class Peers:
         ids, spans = [], []
         if req.prompt is not None:
             ids = [ord(c) % 500 for c in req.prompt]
-        if req.prompt_token_ids is not None:
+        if req.prompt_token_ids is not None:  # checked against the vocabulary, as the real one
+            if any(t >= 500 for t in req.prompt_token_ids):
+                raise StrataError("bad_request", "prompt: token id is not in the vocabulary")
             ids = list(req.prompt_token_ids)
         for msg in req.messages or []:
             content = msg["content"]
