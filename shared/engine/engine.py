@@ -402,7 +402,10 @@ class LLMEngine:
                 if hit:
                     del seq.token_ids[before + n + 1 :]
                     new = new[: n + 1]
-                    self.scheduler.finish(seq, "stop")
+                    if seq.is_finished:  # max_tokens (a prefill's 1) ended it on this token
+                        seq.finish_reason = "stop"
+                    else:
+                        self.scheduler.finish(seq, "stop")
                     break
             if seq.is_finished:
                 held = tracker.flush()

@@ -157,3 +157,49 @@ def test_version_and_detokenize_over_the_tokenizer_service(h, tok):
     assert h.post("/detokenize", json={"tokens": ids}).json() == {
         "prompt": "<|im_start|>blue shirt"
     }
+
+
+def _sse_events(text: str) -> list[tuple[str, dict]]:
+    import json
+
+    out = []
+    for block in text.strip().split("\n\n"):
+        lines = dict(ln.split(": ", 1) for ln in block.split("\n"))
+        out.append((lines["event"], json.loads(lines["data"])))
+    return out
+
+
+def test_anthropic_messages_with_a_stop_sequence(h, model, tok):
+    """The Messages API through the cluster: a stop sequence taken from the free greedy text
+    ends the output there (stop_reason stop_sequence, the sequence not in the text), streamed
+    and not; input_tokens is the chat template's prompt with the system prompt."""
+    base = {
+        "model": model,
+        "max_tokens": 24,
+        "temperature": 0,
+        "system": "be brief",
+        "messages": MSGS,
+    }
+    free = h.post("/v1/messages", json=base).json()
+    text = free["content"][0]["text"]
+    assert free["stop_reason"] in ("end_turn", "max_tokens") and free["usage"]["output_tokens"]
+    msgs = [{"role": "system", "content": "be brief"}, *MSGS]
+    prompt = tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=True))
+    assert free["usage"]["input_tokens"] == len(prompt)
+    count = h.post(
+        "/v1/messages/count_tokens", json={"model": model, "system": "be brief", "messages": MSGS}
+    )
+    assert count.json() == {"input_tokens": len(prompt)}
+    stop = next(text[i : i + 2] for i in range(4, len(text) - 2) if text[i : i + 2].strip())
+    cut = h.post("/v1/messages", json={**base, "stop_sequences": [stop]}).json()
+    assert cut["content"] == [{"type": "text", "text": text[: text.find(stop)]}]
+    assert cut["stop_reason"] == "stop_sequence" and cut["stop_sequence"] == stop
+    r = h.post("/v1/messages", json={**base, "stop_sequences": [stop], "stream": True})
+    events = _sse_events(r.text)
+    kinds = [k for k, _ in events]
+    assert kinds[:2] == ["message_start", "content_block_start"]
+    assert kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert set(kinds[2:-3]) <= {"content_block_delta"}
+    streamed = "".join(d["delta"]["text"] for k, d in events if k == "content_block_delta")
+    assert streamed == cut["content"][0]["text"]
+    assert events[-2][1]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": stop}

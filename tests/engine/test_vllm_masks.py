@@ -111,3 +111,32 @@ def test_engine_allowed_and_bad_words_change_greedy_tokens(qwen_ckpt):
     # a two-token bad word: its last token is avoided right after its first
     pair = eng.generate([p], SamplingParams(**base, bad_words_ids=[[free[0], free[1]]]))[0]
     assert pair[0] == free[0] and pair[1] != free[1]
+
+
+class _PairTok:
+    """Each id decodes to two letters, so a stop string can sit inside one token."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(97 + i % 26) + chr(97 + (i // 26) % 26) for i in ids)
+
+
+def test_a_stop_string_in_the_last_allowed_token_finishes_with_stop(qwen_ckpt):
+    """A stop string inside the token that also reaches max_tokens (a prefill instance runs
+    max_tokens=1): the text is cut and the reason is "stop", so decode does not go on."""
+    _, path = qwen_ckpt
+    eng = LLMEngine(load_model(path), EngineConfig(kv_cache_bytes=1 << 20), tokenizer=_PairTok())
+    [p] = prompts(4, [9])
+
+    def run_one(**kw):
+        eng.add_request("r", p, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, **kw))
+        outs = []
+        while eng.has_unfinished_requests():
+            outs += [o for o in eng.step() if o.request_id == "r"]
+        return "".join(o.text_delta for o in outs), outs[-1].finish_reason
+
+    text, reason = run_one()
+    assert reason == "length" and len(text) == 6
+    stop = text[3:5]  # the second token's last letter and the third's first: complete only
+    assert text.find(stop) == 3, f"{stop!r} occurs earlier in {text!r}"  # with the last token
+    assert run_one(stop=[stop]) == (text[:3], "stop")
+    assert run_one(stop=[stop], include_stop_str_in_output=True) == (text[:5], "stop")
