@@ -219,7 +219,7 @@ def _doc_rows() -> list[tuple[list[str], str, str]]:
     from pathlib import Path
 
     text = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text()
-    body = text.split("## Request fields", 1)[1].split("## How it is tested", 1)[0]
+    body = text.split("## Request fields", 1)[1].split("## Anthropic", 1)[0]
     rows = []
     for line in body.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
