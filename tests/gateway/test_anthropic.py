@@ -164,3 +164,22 @@ async def test_x_api_key_is_accepted(nats_url, tmp_path):
             assert r.status_code == 200, r.text
             r = await c.post("/v1/messages/count_tokens", json=COUNT, headers={"x-api-key": "sk-a"})
             assert r.json() == {"input_tokens": 2}
+
+
+async def test_stream_disconnect_cancels_on_the_bus(nats_url):
+    import asyncio
+
+    async with gateway(nats_url) as (url, peers, _):
+        peers.decodes["dec-0"]["gap"] = 0.2
+        async with httpx.AsyncClient(base_url=url) as c:
+            body = {**BODY, "max_tokens": 50, "stream": True}
+            async with c.stream("POST", "/v1/messages", json=body) as r:
+                async for line in r.aiter_lines():
+                    if '"t0 "' in line:
+                        break
+        rid = peers.items[-1].request_id
+        for _ in range(100):
+            if rid in peers.cancels:
+                break
+            await asyncio.sleep(0.02)
+        assert rid in peers.cancels

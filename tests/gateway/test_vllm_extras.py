@@ -257,3 +257,27 @@ def test_docs_api_md_is_true_to_the_validator():
                     assert ei.value.param == name, (kind, name)
                 else:
                     assert name in schema.model_fields, (kind, name)
+
+
+async def test_nats_api_streams_token_ids_and_echo(nats_url, nc):
+    import asyncio
+
+    async with gateway(nats_url):
+        got: list[GenerateEvent] = []
+        done = asyncio.Event()
+
+        async def on_ev(msg):
+            got.append(decode(msg.data, GenerateEvent))
+            if got[-1].done:
+                done.set()
+
+        sub = await nc.subscribe("_INBOX.api.vllm-extras", cb=on_ev)
+        body = {**CMPL, "stream": True, "echo": True, "return_token_ids": True}
+        req = GenerateRequest(kind="completion", body=body, stream_subject="_INBOX.api.vllm-extras")
+        await nc.publish(subjects.API_GENERATE, encode(req))
+        await asyncio.wait_for(done.wait(), 10)
+        await sub.unsubscribe()
+        choices = [e.data["choices"][0] for e in got if e.data and e.data.get("choices")]
+        assert choices[0]["text"] == "ab" and choices[0]["prompt_token_ids"] == [97, 98]
+        assert "".join(c["text"] for c in choices) == "abt0 t1 "
+        assert sum((c["token_ids"] for c in choices), []) == [100, 101]
