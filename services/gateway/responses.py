@@ -170,11 +170,12 @@ class Formatter:
         echo: list[str] | None = None,
         prompt_ids: list[list[int]] | None = None,
     ) -> dict[str, Any]:
-        """The whole response; ``echo`` and ``prompt_ids`` are per choice (completions' echo
-        text; with ``token_ids`` on, each choice's prompt ids)."""
+        """The whole response; ``echo`` and ``prompt_ids`` are per choice (the text ``echo``
+        prepends; with ``token_ids`` on, each choice's prompt ids)."""
         out = []
         for c in sorted(choices, key=lambda c: c.index):
-            text = "".join(c.text)
+            prefix = echo[c.index] if echo else ""
+            text = prefix + "".join(c.text)
             lps = self._logprobs(c.token_ids, c.logprobs, 0) if self.top_n is not None else None
             if self.kind == "chat" and self.tool_format:
                 content, calls = parse_tool_calls(text, self.tool_format)
@@ -196,11 +197,10 @@ class Formatter:
                     }
                 )
             else:
-                prefix = echo[c.index] if echo else ""
                 out.append(
                     {
                         "index": c.index,
-                        "text": prefix + text,
+                        "text": text,
                         "logprobs": lps,
                         "finish_reason": c.finish_reason,
                     }

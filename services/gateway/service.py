@@ -363,9 +363,13 @@ class Run:
         if not self._began:
             self._began = True
             ids = self._choice_prompt_ids()
-            if self.spec.kind == "chat":
-                return [self.fmt.role_chunk(i, ids[i]) for i in range(len(self.choices))]
             echo = self._echo()
+            if self.spec.kind == "chat":
+                out = [self.fmt.role_chunk(i, ids[i]) for i in range(len(self.choices))]
+                for i in range(len(self.choices)) if echo and echo[0] else ():
+                    text = TokenChunk(request_id=self.request_id, index=0, text=echo[i])
+                    out.append(self.fmt.chunk(i, text))
+                return out
             if echo is not None or self.fmt.token_ids:
                 return [
                     self.fmt.prompt_chunk(i, echo[i] if echo else "", ids[i])
@@ -427,7 +431,17 @@ class Run:
         return [self.prepared[i // self.spec.n].prompt_token_ids for i in range(len(self.choices))]
 
     def _echo(self) -> list[str] | None:
-        """Per choice, the prompt text a completions ``echo`` prepends (None: no echo)."""
-        if self.spec.kind != "completion" or not getattr(self.spec.request, "echo", False):
+        """Per choice, the text ``echo`` prepends (None: no echo): completions, the prompt;
+        chat (vLLM), the last message's content when it is the assistant's."""
+        req = self.spec.request
+        if not req.echo:
             return None
-        return [self.prepared[i // self.spec.n].prompt_text for i in range(len(self.choices))]
+        if self.spec.kind == "completion":
+            return [self.prepared[i // self.spec.n].prompt_text for i in range(len(self.choices))]
+        last = req.messages[-1]
+        if last.role != "assistant":
+            return None
+        content = last.content
+        if isinstance(content, list):
+            content = "".join(p.text or "" for p in content if p.type != "image_url")
+        return [content or ""] * len(self.choices)

@@ -123,7 +123,7 @@ async def test_token_id_and_string_list_prompts_and_echo(nats_url):
         ("chat", {"bad_words": [""]}, "bad_words.0", "at least 1"),
         ("chat", {"prompt_logprobs": 1}, "prompt_logprobs", "not supported"),
         ("chat", {"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs", "may not"),
-        ("chat", {"echo": True}, "echo", "unknown field"),
+        ("chat", {"suffix": "x"}, "suffix", "unknown field"),
         ("chat", {"use_beam_search": True}, "use_beam_search", "unknown field"),
         ("completion", {"prompt": [[]]}, "prompt", "must not be empty"),
         ("completion", {"prompt": [1, "a"]}, "prompt", "invalid field"),
@@ -281,3 +281,18 @@ async def test_nats_api_streams_token_ids_and_echo(nats_url, nc):
         assert choices[0]["text"] == "ab" and choices[0]["prompt_token_ids"] == [97, 98]
         assert "".join(c["text"] for c in choices) == "abt0 t1 "
         assert sum((c["token_ids"] for c in choices), []) == [100, 101]
+
+
+async def test_chat_echo_prepends_a_last_assistant_message(nats_url):
+    async with gateway(nats_url) as (url, _, _s):
+        async with httpx.AsyncClient(base_url=url) as c:
+            msgs = [*MSGS, {"role": "assistant", "content": "So: "}]
+            body = {**CHAT, "messages": msgs, "echo": True, "add_generation_prompt": False}
+            r = await c.post("/v1/chat/completions", json={**body, "continue_final_message": True})
+            assert r.json()["choices"][0]["message"]["content"] == "So: t0 t1 "
+            r = await c.post("/v1/chat/completions", json={**body, "stream": True})
+            evs = sse_events(r.text)
+            parts = [e["choices"][0]["delta"].get("content", "") for e in evs]
+            assert parts[:2] == ["", "So: "] and "".join(parts) == "So: t0 t1 "
+            r = await c.post("/v1/chat/completions", json={**CHAT, "echo": True})
+            assert r.json()["choices"][0]["message"]["content"] == "t0 t1 "  # last is the user's
