@@ -12,14 +12,11 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 from services.gateway.core import ApiError, validation_error
+from services.gateway.schemas import _Body
 from shared.protocol.errors import StrataError
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
 
 
 class ImageSource(_Body):
@@ -36,12 +33,12 @@ class ContentBlock(_Body):
     cache_control: dict[str, Any] | None = None  # a prompt-caching hint: Strata caches anyway
 
 
-class Message(_Body):
+class AnthropicMessage(_Body):
     role: Literal["user", "assistant"]
     content: str | list[ContentBlock]
 
 
-class Metadata(_Body):
+class AnthropicMetadata(_Body):
     user_id: str | None = None
 
 
@@ -49,7 +46,7 @@ class MessagesRequest(_Body):
     """The fields of Anthropic's ``POST /v1/messages`` that Strata serves (docs/api.md)."""
 
     model: str = Field(..., min_length=1, max_length=256)
-    messages: list[Message] = Field(..., min_length=1)
+    messages: list[AnthropicMessage] = Field(..., min_length=1)
     max_tokens: int = Field(..., ge=1)
     system: str | list[ContentBlock] | None = None
     stop_sequences: list[str] | None = Field(None, max_length=16)
@@ -57,12 +54,12 @@ class MessagesRequest(_Body):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)
     stream: bool = False
-    metadata: Metadata | None = None
+    metadata: AnthropicMetadata | None = None
 
 
 class CountTokensRequest(_Body):
     model: str = Field(..., min_length=1, max_length=256)
-    messages: list[Message] = Field(..., min_length=1)
+    messages: list[AnthropicMessage] = Field(..., min_length=1)
     system: str | list[ContentBlock] | None = None
 
 
