@@ -95,6 +95,7 @@ class StructuredOutputs(_Body):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: with include_usage, usage on every chunk
 
 
 class _Sampling(_Body):

@@ -379,14 +379,26 @@ class Run:
             return None
         got = await self._take(timeout)
         out = []
+        opts = self.spec.request.stream_options
+        continuous = self.spec.include_usage and opts is not None and opts.continuous_usage_stats
+        if continuous:  # vLLM: each chunk carries the usage as of that chunk
+            prompt = sum(self._prompt_lens())
+            done = sum(len(c.token_ids) for c in self.choices)
+            done -= sum(len(c.token_ids) for _, c in got or ())
         for i, c in got or ():
             if not c.token_ids and not c.text and c.finish_reason is None:
                 continue
             if self._tools is not None:
-                out += self._tool_chunks(i, c)
+                made = self._tool_chunks(i, c)
             else:
-                out.append(self.fmt.chunk(i, c, self._offsets[i]))
+                made = [self.fmt.chunk(i, c, self._offsets[i])]
             self._offsets[i] += len(c.text)
+            if continuous:
+                done += len(c.token_ids)
+                use = {"prompt_tokens": prompt, "completion_tokens": done}
+                for ev in made:
+                    ev["usage"] = {**use, "total_tokens": prompt + done}
+            out += made
         if self._done:
             self._ended = True
             if self.spec.include_usage and self._finished():

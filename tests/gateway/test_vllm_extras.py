@@ -296,3 +296,17 @@ async def test_chat_echo_prepends_a_last_assistant_message(nats_url):
             assert parts[:2] == ["", "So: "] and "".join(parts) == "So: t0 t1 "
             r = await c.post("/v1/chat/completions", json={**CHAT, "echo": True})
             assert r.json()["choices"][0]["message"]["content"] == "t0 t1 "  # last is the user's
+
+
+async def test_continuous_usage_stats_put_usage_on_every_chunk(nats_url):
+    async with gateway(nats_url) as (url, _, _s):
+        async with httpx.AsyncClient(base_url=url) as c:
+            opts = {"include_usage": True, "continuous_usage_stats": True}
+            body = {**CMPL, "max_tokens": 3, "stream": True, "stream_options": opts}
+            evs = sse_events((await c.post("/v1/completions", json=body)).text)
+            done = [e["usage"]["completion_tokens"] for e in evs if e["choices"]]
+            assert done == [1, 2, 3] and evs[-1]["choices"] == []
+            assert all(e["usage"]["prompt_tokens"] == 2 for e in evs)
+            body["stream_options"] = {"include_usage": True}
+            evs = sse_events((await c.post("/v1/completions", json=body)).text)
+            assert [("usage" in e) for e in evs] == [False, False, False, True]
