@@ -41,7 +41,7 @@ def token_speller(model_dir: str):
 
 
 def model_text(model_dir: str) -> dict:
-    """What the gateway needs of the checkpoint's text side: the tokenizer (``/detokenize``),
+    """What the gateway needs of the checkpoint's text side: the tokenizer (token strings),
     a grammar cache to validate structured-output constraints before anything goes on the bus,
     and the family's tool-call syntax. Empty without a checkpoint (the engine still validates)."""
     if not model_dir:

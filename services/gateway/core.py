@@ -38,7 +38,7 @@ class GenerateSpec:
 
     kind: str  # "chat" | "completion"
     request: ChatCompletionRequest | CompletionRequest
-    prompts: list[Any]  # chat: [messages]; completion: one str per prompt
+    prompts: list[Any]  # chat: [messages]; completion: one str or token-id list per prompt
     image_urls: list[str] = field(default_factory=list)
     priority: int = 0
     slo_class: str = "interactive"
@@ -137,7 +137,7 @@ def validation_error(exc: ValidationError) -> ApiError:
             "bad_request",
             f"unknown field{'s' if len(unknown) > 1 else ''} "
             f"{', '.join(repr(u) for u in unknown)}: not supported by this server "
-            "(docs/STRUCTURED.md lists the accepted fields)",
+            "(docs/api.md lists the accepted fields)",
             param=unknown[0],
         )
     e = errors[0]
@@ -175,6 +175,7 @@ def build_spec(
             param="best_of",
         )
     _check_logit_bias(req.logit_bias)
+    _check_vllm_extras(req)
     try:
         found = request_constraint(req, tool_format)
     except StrataError as exc:
@@ -210,7 +211,9 @@ def build_spec(
         prompts: list[Any] = [req.messages]
     else:
         urls = []
-        prompts = [req.prompt] if isinstance(req.prompt, str) else list(req.prompt)
+        p = req.prompt
+        one = isinstance(p, str) or (bool(p) and all(isinstance(t, int) for t in p))
+        prompts = [p] if one else list(p)
         if not prompts:
             raise ApiError("bad_request", "prompt must not be empty", param="prompt")
         if len(prompts) * req.n > cfg.max_n:
@@ -219,6 +222,46 @@ def build_spec(
     return GenerateSpec(
         kind, req, prompts, urls, priority, slo, ttft_slo_ms, constraint, param, tool_format
     )
+
+
+def _check_vllm_extras(req: ChatCompletionRequest | CompletionRequest) -> None:
+    """vLLM's extra fields that the schema alone cannot check (each 400 names its field)."""
+    if req.prompt_logprobs is not None:
+        raise ApiError(
+            "bad_request",
+            "prompt_logprobs is not supported: the engine does not return prompt-token logprobs",
+            param="prompt_logprobs",
+        )
+    if req.truncate_prompt_tokens == 0:
+        raise ApiError(
+            "bad_request",
+            "truncate_prompt_tokens must be -1 (the context length) or >= 1",
+            param="truncate_prompt_tokens",
+        )
+    if req.allowed_token_ids is not None and not req.allowed_token_ids:
+        raise ApiError(
+            "bad_request", "allowed_token_ids must not be empty", param="allowed_token_ids"
+        )
+    if isinstance(req, ChatCompletionRequest):
+        if req.continue_final_message and req.add_generation_prompt:
+            raise ApiError(
+                "bad_request",
+                "cannot set both continue_final_message and add_generation_prompt to true "
+                "(send add_generation_prompt: false to continue the last message)",
+                param="continue_final_message",
+            )
+        if req.chat_template_kwargs:
+            reserved = sorted(
+                {"messages", "add_generation_prompt", "tools"} & set(req.chat_template_kwargs)
+            )
+            if reserved:
+                raise ApiError(
+                    "bad_request",
+                    f"chat_template_kwargs may not set {reserved} (they have their own fields)",
+                    param="chat_template_kwargs",
+                )
+    elif isinstance(req.prompt, list) and any(isinstance(p, list) and not p for p in req.prompt):
+        raise ApiError("bad_request", "a token-id prompt must not be empty", param="prompt")
 
 
 def _check_logit_bias(bias: dict[str, float] | None) -> None:
@@ -299,6 +342,8 @@ def sampling_for(
     cfg: GatewayConfig,
     degrade_level: int = 0,
     rules: DegradeRules | None = None,
+    bad_words_ids: list[list[int]] | None = None,
+    vocab_size: int = 0,
 ) -> SamplingParams:
     """SamplingParams for one prompt of ``prompt_len`` tokens (context length checked here)."""
     r = spec.request
@@ -322,6 +367,14 @@ def sampling_for(
         )
     max_tokens = asked if asked is not None else min(cfg.default_max_tokens, room)
     stops = [r.stop] if isinstance(r.stop, str) else list(r.stop or [])
+    if vocab_size and r.allowed_token_ids:
+        bad = next((t for t in r.allowed_token_ids if t >= vocab_size), None)
+        if bad is not None:
+            raise ApiError(
+                "bad_request",
+                f"allowed_token_ids: {bad} is not in the vocabulary (size {vocab_size})",
+                param="allowed_token_ids",
+            )
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -341,6 +394,9 @@ def sampling_for(
             skip_special_tokens=r.skip_special_tokens,
             structured=spec.constraint,
             logit_bias={int(k): v for k, v in r.logit_bias.items()} if r.logit_bias else None,
+            allowed_token_ids=list(r.allowed_token_ids) if r.allowed_token_ids else None,
+            bad_words_ids=bad_words_ids or [],
+            include_stop_str_in_output=r.include_stop_str_in_output,
         )
     except ValidationError as exc:
         raise validation_error(exc) from None

@@ -8,6 +8,7 @@ OpenAI-style body; a client that disconnects cancels its request on the bus.
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 import logging
 import time
@@ -17,8 +18,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from services.gateway import anthropic, openapi
 from services.gateway import metrics as m
-from services.gateway import openapi
 from services.gateway.auth import Auth
 from services.gateway.core import ApiError, error_body, parse_json
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
@@ -26,6 +27,11 @@ from services.gateway.service import GatewayService
 from shared.protocol.errors import StrataError
 
 log = logging.getLogger(__name__)
+
+try:
+    VERSION = importlib.metadata.version("strata")
+except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
+    VERSION = "0.1.0"
 
 
 def error_response(err: StrataError) -> JSONResponse:
@@ -71,9 +77,9 @@ class _RequireKey:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and self.auth.enabled and scope["path"] not in OPEN_PATHS:
-            header = next(
-                (v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None
-            )
+            # OpenAI clients send ``Authorization: Bearer``, Anthropic's ``x-api-key``
+            found = {k: v.decode("latin-1") for k, v in scope["headers"]}
+            header = found.get(b"authorization", found.get(b"x-api-key"))
             try:
                 self.auth.check_key(header)
             except StrataError as exc:
@@ -188,7 +194,55 @@ def build_app(service: GatewayService) -> FastAPI:
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
         """vLLM's detokenize: token ids -> text."""
-        return service.detokenize(await read_json(request))
+        return await service.detokenize(await read_json(request))
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        """vLLM's ``/version``: the server's version."""
+        return {"version": VERSION}
+
+    def key_of(request: Request) -> str | None:
+        return request.headers.get("authorization") or request.headers.get("x-api-key")
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        """Anthropic's Messages API over the chat path (`services.gateway.anthropic`)."""
+        try:
+            req = anthropic.parse_messages(await read_json(request))
+            run = await _race(
+                service.open(
+                    "chat",
+                    anthropic.to_chat(req),
+                    dict(request.headers),
+                    key_of(request),
+                    request.headers.get("x-request-id", ""),
+                ),
+                request,
+            )
+        except StrataError as exc:
+            return anthropic_error(exc)
+        if req.stream:
+            return StreamingResponse(
+                _anthropic_events(run, req),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
+        try:
+            return JSONResponse(anthropic.message(await _race(run.complete(), request), req))
+        except StrataError as exc:
+            return anthropic_error(exc)
+        finally:
+            run.close()
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> Response:
+        """Anthropic's token count of a Messages request (the chat template's prompt)."""
+        try:
+            req = anthropic.parse_count_tokens(await read_json(request))
+            body = {"model": req.model, "messages": anthropic.chat_messages(req)}
+            return JSONResponse({"input_tokens": (await service.tokenize(body))["count"]})
+        except StrataError as exc:
+            return anthropic_error(exc)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -234,6 +288,41 @@ def build_app(service: GatewayService) -> FastAPI:
 
 
 _DONE = b"data: [DONE]\n\n"
+
+
+def anthropic_error(err: StrataError) -> JSONResponse:
+    retry = error_response(err).headers.get("Retry-After")
+    headers = {"Retry-After": retry} if retry else {}
+    return JSONResponse(anthropic.error_body(err), err.http_status, headers)
+
+
+async def _anthropic_events(run, req: anthropic.MessagesRequest):
+    """The run's chat chunks as Messages SSE events; an error mid-stream is an ``error``
+    event; the run is closed however the stream ends (a disconnect closes the generator)."""
+    prompt = sum(len(p.prompt_token_ids) for p in run.prepared)
+    events = anthropic.EventStream(req, run.request_id, prompt)
+    try:
+        for ev in events.start():
+            yield _event(*ev)
+        try:
+            async for chunk in run.events():
+                for ev in events.feed(chunk):
+                    yield _event(*ev)
+        except StrataError as exc:
+            yield _event("error", anthropic.error_body(exc))
+            return
+        for ev in events.end():
+            yield _event(*ev)
+    finally:
+        run.close()
+
+
+def _event(kind: str, data: dict[str, Any]) -> bytes:
+    return (
+        f"event: {kind}\ndata: ".encode()
+        + json.dumps(data, separators=(",", ":")).encode()
+        + b"\n\n"
+    )
 
 
 class _SSEResponse(StreamingResponse):

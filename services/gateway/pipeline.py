@@ -62,6 +62,7 @@ class Prepared:
     sampling: SamplingParams
     images: list[ImageRef] = field(default_factory=list)
     block_hashes: list[str] = field(default_factory=list)
+    prompt_text: str = ""  # the (rendered, truncated) prompt as text: completions' echo
 
 
 class Pipeline:
@@ -125,17 +126,29 @@ class Pipeline:
         self, spec: GenerateSpec, prompt: object, images: list[bytes], rid: str
     ) -> Prepared:
         """Tokenize and vision-encode at the same time, then build sampling and block hashes."""
+        r = spec.request
+        common = dict(
+            request_id=rid,
+            truncate_prompt_tokens=r.truncate_prompt_tokens,
+            bad_words=list(r.bad_words or []),
+        )
+        if r.add_special_tokens is not None:
+            common["add_special_tokens"] = r.add_special_tokens
         if spec.kind == "chat":
             from services.gateway.schemas import dump_messages, dump_tools
 
             tok_req = TokenizeRequest(
-                request_id=rid,
-                messages=dump_messages(spec.request),
-                add_generation_prompt=spec.request.add_generation_prompt,
-                tools=dump_tools(spec.request),
+                messages=dump_messages(r),
+                add_generation_prompt=r.add_generation_prompt,
+                continue_final_message=r.continue_final_message,
+                chat_template_kwargs=r.chat_template_kwargs,
+                tools=dump_tools(r),
+                **common,
             )
+        elif isinstance(prompt, list):
+            tok_req = TokenizeRequest(prompt_token_ids=prompt, **common)
         else:
-            tok_req = TokenizeRequest(request_id=rid, prompt=str(prompt))
+            tok_req = TokenizeRequest(prompt=str(prompt), **common)
 
         async def timed(coro):
             t0 = time.perf_counter()
@@ -178,6 +191,8 @@ class Pipeline:
             self.cfg,
             self.degrade_level,
             self.degrade_rules,
+            tok.bad_words_ids,
+            tok.vocab_size,
         )
         hashes = block_hashes(
             tok.token_ids,
@@ -186,7 +201,7 @@ class Pipeline:
             tok.kv_dtype or "float32",
             tok.block_size,
         )
-        return Prepared(tok.token_ids, sampling, refs, hashes)
+        return Prepared(tok.token_ids, sampling, refs, hashes, tok.text)
 
     async def cancel(
         self, rid: str, reason: str = "client disconnected", attempt: int | None = None

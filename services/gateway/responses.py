@@ -74,31 +74,59 @@ class Formatter:
         self.token_str = token_str
         self.top_n = logprobs
         self.tool_format: str | None = None  # set: chat output is parsed for tool calls
+        self.token_ids = False  # vLLM return_token_ids: prompt and output token ids too
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def role_chunk(self, index: int) -> dict[str, Any]:
-        """First chat chunk of a choice: the assistant role with empty content."""
+    def role_chunk(self, index: int, prompt_ids: list[int] | None = None) -> dict[str, Any]:
+        """First chat chunk of a choice: the assistant role with empty content (and, with
+        ``token_ids`` on, the prompt's token ids, as vLLM sends them)."""
         choice = {
             "index": index,
             "delta": {"role": "assistant", "content": ""},
             "logprobs": None,
             "finish_reason": None,
         }
-        return {**self._head("chat.completion.chunk"), "choices": [choice]}
+        out = {**self._head("chat.completion.chunk"), "choices": [choice]}
+        if self.token_ids:
+            choice["token_ids"] = []
+            out["prompt_token_ids"] = prompt_ids or []
+        return out
+
+    def prompt_chunk(self, index: int, echo: str, prompt_ids: list[int]) -> dict[str, Any]:
+        """First completion chunk of a choice when it echoes the prompt or returns token ids:
+        the prompt text (echo) and the prompt's token ids (return_token_ids)."""
+        choice: dict[str, Any] = {
+            "index": index,
+            "text": echo,
+            "logprobs": None,
+            "finish_reason": None,
+        }
+        if self.token_ids:
+            choice["prompt_token_ids"] = prompt_ids
+            choice["token_ids"] = []
+        return {**self._head("text_completion"), "choices": [choice]}
 
     def chunk(self, index: int, c: TokenChunk, text_offset: int = 0) -> dict[str, Any]:
         lps = self._logprobs(c.token_ids, c.logprobs or [], text_offset)
+        ids = {"token_ids": list(c.token_ids)} if self.token_ids else {}
         if self.kind == "chat":
             choice = {
                 "index": index,
                 "delta": {"content": c.text} if c.text else {},
                 "logprobs": lps,
                 "finish_reason": c.finish_reason,
+                **ids,
             }
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": index, "text": c.text, "logprobs": lps, "finish_reason": c.finish_reason}
+        choice = {
+            "index": index,
+            "text": c.text,
+            "logprobs": lps,
+            "finish_reason": c.finish_reason,
+            **ids,
+        }
         return {**self._head("text_completion"), "choices": [choice]}
 
     def tool_call_chunks(self, index: int, k: int, call: dict[str, Any]) -> list[dict[str, Any]]:
@@ -136,11 +164,18 @@ class Formatter:
         return {**self._head(obj), "choices": [], "usage": use}
 
     def final(
-        self, choices: list[ChoiceState], prompt_lens: list[int], echo: list[str] | None = None
+        self,
+        choices: list[ChoiceState],
+        prompt_lens: list[int],
+        echo: list[str] | None = None,
+        prompt_ids: list[list[int]] | None = None,
     ) -> dict[str, Any]:
+        """The whole response; ``echo`` and ``prompt_ids`` are per choice (the text ``echo``
+        prepends; with ``token_ids`` on, each choice's prompt ids)."""
         out = []
         for c in sorted(choices, key=lambda c: c.index):
-            text = "".join(c.text)
+            prefix = echo[c.index] if echo else ""
+            text = prefix + "".join(c.text)
             lps = self._logprobs(c.token_ids, c.logprobs, 0) if self.top_n is not None else None
             if self.kind == "chat" and self.tool_format:
                 content, calls = parse_tool_calls(text, self.tool_format)
@@ -162,17 +197,27 @@ class Formatter:
                     }
                 )
             else:
-                prefix = echo[c.index] if echo else ""
                 out.append(
                     {
                         "index": c.index,
-                        "text": prefix + text,
+                        "text": text,
                         "logprobs": lps,
                         "finish_reason": c.finish_reason,
                     }
                 )
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
-        return {**self._head(obj), "choices": out, "usage": usage(choices, prompt_lens)}
+        resp = {**self._head(obj), "choices": out, "usage": usage(choices, prompt_lens)}
+        if (
+            self.token_ids
+        ):  # vLLM: chat has the prompt's ids on the response, completions per choice
+            ordered = sorted(choices, key=lambda c: c.index)
+            for choice, c in zip(out, ordered, strict=True):
+                if self.kind != "chat":
+                    choice["prompt_token_ids"] = (prompt_ids or [])[c.index]
+                choice["token_ids"] = list(c.token_ids)
+            if self.kind == "chat":
+                resp["prompt_token_ids"] = (prompt_ids or [[]])[0]
+        return resp
 
     def _logprobs(self, ids: list[int], lps: list[dict[int, float]], text_offset: int) -> Any:
         if self.top_n is None or not lps:

@@ -95,6 +95,7 @@ class StructuredOutputs(_Body):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: with include_usage, usage on every chunk
 
 
 class _Sampling(_Body):
@@ -122,6 +123,16 @@ class _Sampling(_Body):
     skip_special_tokens: bool = True
     logit_bias: dict[str, float] | None = Field(None, max_length=1024)
     best_of: int | None = Field(None, ge=1)
+    include_stop_str_in_output: bool = False
+    return_token_ids: bool = False  # prompt_token_ids / token_ids on the response
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=_I32)  # keep the last k; -1 all
+    spaces_between_special_tokens: bool = True
+    bad_words: list[Annotated[str, Field(min_length=1, max_length=256)]] | None = Field(
+        None, max_length=256
+    )
+    allowed_token_ids: list[TokenId] | None = Field(None, max_length=1 << 17)
+    add_special_tokens: bool | None = None  # default: the tokenizer's own post-processing off
+    prompt_logprobs: int | None = None  # refused with a 400: the engine does not return them
     # Structured outputs (docs/STRUCTURED.md): OpenAI's response_format or one vLLM extra
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -142,13 +153,17 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    echo: bool = False  # vLLM: a last assistant message is prepended to the output
     tools: list[Tool] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str]
+    # text, token ids, several texts or several token-id lists (one prompt each)
+    prompt: str | list[TokenId] | list[list[TokenId]] | list[str]
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
 
@@ -160,6 +175,8 @@ class TokenizeBody(_Body):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
     tools: list[Tool] | None = None
     return_token_strs: bool = False

@@ -35,7 +35,12 @@ from shared.protocol import subjects
 from shared.protocol.codec import decode
 from shared.protocol.errors import StrataError
 from shared.protocol.stream import Cancel, TokenChunk
-from shared.protocol.tok import TokenizeReply, TokenizeRequest
+from shared.protocol.tok import (
+    DetokenizeReply,
+    DetokenizeRequest,
+    TokenizeReply,
+    TokenizeRequest,
+)
 
 _CANCELLED = object()  # queue item: the request was cancelled on the bus
 _CLOSED = object()  # queue item: close() was called
@@ -66,7 +71,7 @@ class GatewayService:
         self.auth = auth
         self.token_str = token_str
         self.readiness = readiness
-        self.tokenizer = tokenizer  # the checkpoint's (``/detokenize``); None without one
+        self.tokenizer = tokenizer  # the checkpoint's; None without one (detokenize: the service)
         self.grammars = grammars  # validates constraints here; None: the engine does
         self.tool_format = tool_format
 
@@ -105,6 +110,7 @@ class GatewayService:
         fmt = Formatter(kind, rid, self.served_model, self.token_str, spec.logprobs)
         if kind == "chat" and parses_tools(spec.request):
             fmt.tool_format = spec.tool_format
+        fmt.token_ids = spec.request.return_token_ids
         run = Run(self.pipeline, spec, rid, prepared, fmt, arrival)
         run.start()  # no await after this: the caller owns the run (and closes it)
         return run
@@ -128,6 +134,12 @@ class GatewayService:
         if (req.prompt is None) == (req.messages is None):
             raise ApiError("bad_request", "give exactly one of 'prompt' or 'messages'")
         chat = req.messages is not None
+        if chat and req.continue_final_message and req.add_generation_prompt:
+            raise ApiError(
+                "bad_request",
+                "cannot set both continue_final_message and add_generation_prompt to true",
+                param="continue_final_message",
+            )
         special = req.add_special_tokens if req.add_special_tokens is not None else not chat
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         msgs = dump_messages(req) if chat else None  # type: ignore[arg-type]
@@ -136,6 +148,8 @@ class GatewayService:
             prompt=req.prompt,
             messages=msgs,
             add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            chat_template_kwargs=req.chat_template_kwargs,
             add_special_tokens=special,
             tools=tools,
         )
@@ -150,24 +164,26 @@ class GatewayService:
             "token_strs": strs,
         }
 
-    def detokenize(self, body: dict[str, Any]) -> dict[str, Any]:
-        """vLLM's ``/detokenize``: ``{prompt}`` for ``tokens`` (the gateway's own tokenizer)."""
+    async def detokenize(self, body: dict[str, Any]) -> dict[str, Any]:
+        """vLLM's ``/detokenize``: ``{prompt}`` for ``tokens``, from the tokenizer service."""
         try:
             req = DetokenizeBody.model_validate(body)
         except ValidationError as exc:
             raise validation_error(exc) from None
         self._check_model(req.model)
-        if self.tokenizer is None:
-            raise ApiError("unavailable", "detokenize needs the gateway's --model checkpoint")
-        vocab = self.tokenizer.vocab_size
-        bad = [t for t in req.tokens if t >= vocab]
-        if bad:
-            raise ApiError(
-                "bad_request",
-                f"token id {bad[0]} is not in the vocabulary (size {vocab})",
-                param="tokens",
+        try:
+            reply = await bus.request(
+                self.pipeline.nc,
+                subjects.TOK_DECODE,
+                DetokenizeRequest(request_id=uuid.uuid4().hex, token_ids=req.tokens),
+                DetokenizeReply,
+                self.cfg.bus_timeout,
             )
-        return {"prompt": self.tokenizer.decode(req.tokens)}
+        except StrataError as exc:
+            if exc.code == "bad_request":
+                raise ApiError("bad_request", exc.message, param="tokens") from None
+            raise
+        return {"prompt": reply.text}
 
 
 class Run:
@@ -346,20 +362,43 @@ class Run:
         Batches let the SSE writer send what is ready in one write."""
         if not self._began:
             self._began = True
+            ids = self._choice_prompt_ids()
+            echo = self._echo()
             if self.spec.kind == "chat":
-                return [self.fmt.role_chunk(i) for i in range(len(self.choices))]
+                out = [self.fmt.role_chunk(i, ids[i]) for i in range(len(self.choices))]
+                for i in range(len(self.choices)) if echo and echo[0] else ():
+                    text = TokenChunk(request_id=self.request_id, index=0, text=echo[i])
+                    out.append(self.fmt.chunk(i, text))
+                return out
+            if echo is not None or self.fmt.token_ids:
+                return [
+                    self.fmt.prompt_chunk(i, echo[i] if echo else "", ids[i])
+                    for i in range(len(self.choices))
+                ]
         if self._ended:
             return None
         got = await self._take(timeout)
         out = []
+        opts = self.spec.request.stream_options
+        continuous = self.spec.include_usage and opts is not None and opts.continuous_usage_stats
+        if continuous:  # vLLM: each chunk carries the usage as of that chunk
+            prompt = sum(self._prompt_lens())
+            done = sum(len(c.token_ids) for c in self.choices)
+            done -= sum(len(c.token_ids) for _, c in got or ())
         for i, c in got or ():
             if not c.token_ids and not c.text and c.finish_reason is None:
                 continue
             if self._tools is not None:
-                out += self._tool_chunks(i, c)
+                made = self._tool_chunks(i, c)
             else:
-                out.append(self.fmt.chunk(i, c, self._offsets[i]))
+                made = [self.fmt.chunk(i, c, self._offsets[i])]
             self._offsets[i] += len(c.text)
+            if continuous:
+                done += len(c.token_ids)
+                use = {"prompt_tokens": prompt, "completion_tokens": done}
+                for ev in made:
+                    ev["usage"] = {**use, "total_tokens": prompt + done}
+            out += made
         if self._done:
             self._ended = True
             if self.spec.include_usage and self._finished():
@@ -396,8 +435,25 @@ class Run:
     async def complete(self) -> dict[str, Any]:
         while await self._take() is not None:
             pass
-        echo = None
+        return self.fmt.final(
+            self.choices, self._prompt_lens(), self._echo(), self._choice_prompt_ids()
+        )
+
+    def _choice_prompt_ids(self) -> list[list[int]]:
+        return [self.prepared[i // self.spec.n].prompt_token_ids for i in range(len(self.choices))]
+
+    def _echo(self) -> list[str] | None:
+        """Per choice, the text ``echo`` prepends (None: no echo): completions, the prompt;
+        chat (vLLM), the last message's content when it is the assistant's."""
         req = self.spec.request
-        if self.spec.kind == "completion" and getattr(req, "echo", False):
-            echo = [str(self.spec.prompts[i // self.spec.n]) for i in range(len(self.choices))]
-        return self.fmt.final(self.choices, self._prompt_lens(), echo)
+        if not req.echo:
+            return None
+        if self.spec.kind == "completion":
+            return [self.prepared[i // self.spec.n].prompt_text for i in range(len(self.choices))]
+        last = req.messages[-1]
+        if last.role != "assistant":
+            return None
+        content = last.content
+        if isinstance(content, list):
+            content = "".join(p.text or "" for p in content if p.type != "image_url")
+        return [content or ""] * len(self.choices)

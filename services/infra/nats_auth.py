@@ -44,6 +44,7 @@ _TABLE: dict[str, tuple[list[str], list[str]]] = {
     "gateway": (
         [
             s.TOK_ENCODE,
+            s.TOK_DECODE,
             s.TOK_PING,
             s.VISION_ENCODE,
             s.VISION_PING,
@@ -55,7 +56,7 @@ _TABLE: dict[str, tuple[list[str], list[str]]] = {
         ],
         [s.API_GENERATE, s.API_CANCEL, s.SCHED_STATE, f"{_P}.req.*.*"],
     ),
-    "tokenizer": ([], [s.TOK_ENCODE, s.TOK_PING]),
+    "tokenizer": ([], [s.TOK_ENCODE, s.TOK_DECODE, s.TOK_PING]),
     "vision": ([], [s.VISION_ENCODE, s.VISION_PING]),
     "scheduler": (
         [

@@ -13,7 +13,7 @@ from shared.config import ServiceConfig
 from shared.logs import setup_logging
 from shared.model.validate import validate_checkpoint
 from shared.protocol import subjects
-from shared.protocol.tok import TokenizeReply, TokenizeRequest
+from shared.protocol.tok import DetokenizeReply, DetokenizeRequest, TokenizeReply, TokenizeRequest
 from shared.service import announce_ready, run
 
 log = logging.getLogger(__name__)
@@ -28,12 +28,19 @@ class TokenizerConfig(ServiceConfig):
 
 
 async def serve_tokenizer(nc, core: TokenizerCore):
-    """Subscribe the core on `strata.tok.encode` in queue group "tokenizer"; returns the sub."""
+    """Subscribe the core on `strata.tok.encode` and `strata.tok.decode` in queue group
+    "tokenizer"; returns the encode subscription."""
 
     async def handle(req: TokenizeRequest) -> TokenizeReply:
         # Tokenizing is CPU work; a thread keeps the loop free for other requests.
         return await asyncio.to_thread(core.encode, req)
 
+    async def handle_decode(req: DetokenizeRequest) -> DetokenizeReply:
+        return await asyncio.to_thread(core.decode, req)
+
+    await bus.serve(
+        nc, subjects.TOK_DECODE, DetokenizeRequest, handle_decode, queue=subjects.QUEUE_TOKENIZER
+    )
     return await bus.serve(
         nc, subjects.TOK_ENCODE, TokenizeRequest, handle, queue=subjects.QUEUE_TOKENIZER
     )

@@ -16,7 +16,13 @@ from shared.model.loader import model_fingerprint
 from shared.model.tokenizer import Tokenizer
 from shared.protocol.dtypes import dtype_name
 from shared.protocol.errors import StrataError
-from shared.protocol.tok import ImageSpan, TokenizeReply, TokenizeRequest
+from shared.protocol.tok import (
+    DetokenizeReply,
+    DetokenizeRequest,
+    ImageSpan,
+    TokenizeReply,
+    TokenizeRequest,
+)
 
 _IMAGE_PART_TYPES = ("image", "image_url", "input_image")
 _TEXT_PART_TYPES = ("text", "input_text")
@@ -48,21 +54,29 @@ class TokenizerCore:
 
     def encode(self, req: TokenizeRequest) -> TokenizeReply:
         started = time.time()
-        if (req.messages is None) == (req.prompt is None):
-            raise StrataError("bad_request", "give exactly one of 'messages' or 'prompt'")
+        given = [x is not None for x in (req.messages, req.prompt, req.prompt_token_ids)]
+        if sum(given) != 1:
+            raise StrataError(
+                "bad_request", "give exactly one of 'messages', 'prompt' or 'prompt_token_ids'"
+            )
+        n_images = 0
         if req.messages is not None:
             if not req.messages:
                 raise StrataError("bad_request", "messages must not be empty")
             messages, n_images = self._flatten(req.messages)
-            try:
-                text = self.tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=req.add_generation_prompt, tools=req.tools
-                )
-            except Exception as exc:  # jinja raises many types; a template error is the client's
-                raise StrataError("bad_request", f"chat template failed: {exc}") from None
+            text = self._render(messages, req)
             ids = self.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+        elif req.prompt_token_ids is not None:
+            ids = list(req.prompt_token_ids)
+            vocab = self.tokenizer.vocab_size
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise StrataError(
+                    "bad_request", f"prompt: token id {bad} is not in the vocabulary (size {vocab})"
+                )
+            text = self.tokenizer.decode(ids, skip_special_tokens=False)
         else:
-            text, n_images = req.prompt or "", 0
+            text = req.prompt or ""
             ids = self.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
         spans: list[tuple[int, int]] = []
         if self.image_token_id is not None and self.config.num_image_tokens:
@@ -77,6 +91,22 @@ class TokenizerCore:
                 )
         elif n_images:
             raise StrataError("bad_request", "this model does not accept images")
+        k = req.truncate_prompt_tokens
+        if k is not None and (k == 0 or k < -1 or k > self.max_model_len):
+            raise StrataError(
+                "bad_request",
+                f"truncate_prompt_tokens must be -1 or in [1, {self.max_model_len}] "
+                "(the context length)",
+            )
+        k = self.max_model_len if k == -1 else k
+        if k is not None and k < len(ids):
+            cut = len(ids) - k  # keep the last k tokens (vLLM): an image may not be cut
+            if any(o < cut for o, _ in spans):
+                raise StrataError(
+                    "bad_request", "truncate_prompt_tokens would cut an image out of the prompt"
+                )
+            ids, spans = ids[cut:], [(o - cut, n) for o, n in spans]
+            text = self.tokenizer.decode(ids, skip_special_tokens=False)
         return TokenizeReply(
             token_ids=ids,
             image_spans=[ImageSpan(offset=o, length=n) for o, n in spans],
@@ -86,9 +116,64 @@ class TokenizerCore:
             block_size=self.block_size,
             max_model_len=self.max_model_len,
             eos_token_ids=self.eos_token_ids,
+            vocab_size=self.tokenizer.vocab_size,
+            bad_words_ids=self.bad_words_ids(req.bad_words),
             started_at=started,
             finished_at=time.time(),
         )
+
+    def _render(self, messages: list[dict[str, Any]], req: TokenizeRequest) -> str:
+        """The chat template's text: ``chat_template_kwargs`` are extra template variables;
+        ``continue_final_message`` renders without the generation prompt and cuts the text
+        right after the last message's content, leaving it open for the model to continue."""
+        extra = dict(req.chat_template_kwargs or {})
+        reserved = {"messages", "add_generation_prompt", "tools"} & set(extra)
+        if reserved:
+            raise StrataError(
+                "bad_request",
+                f"chat_template_kwargs may not set {sorted(reserved)} (they have their own fields)",
+            )
+        gen = req.add_generation_prompt and not req.continue_final_message
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=gen, tools=req.tools, **extra
+            )
+        except Exception as exc:  # jinja raises many types; a template error is the client's
+            raise StrataError("bad_request", f"chat template failed: {exc}") from None
+        if req.continue_final_message:
+            last = messages[-1]["content"].strip()
+            at = text.rfind(last) if last else -1
+            if at < 0:
+                raise StrataError(
+                    "bad_request",
+                    "continue_final_message: the last message's content is not in the "
+                    "rendered chat template",
+                )
+            text = text[: at + len(last)]
+        return text
+
+    def bad_words_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word as tokens, as vLLM does: the word itself, and with a leading space
+        when that is a different first token of the same length (the word inside a text)."""
+        out: list[list[int]] = []
+        for w in words:
+            plain = self.tokenizer.encode(w.lstrip(), add_special_tokens=False)
+            if plain:
+                out.append(plain)
+            spaced = self.tokenizer.encode(" " + w.lstrip(), add_special_tokens=False)
+            if spaced and (not plain or (spaced[0] != plain[0] and len(spaced) == len(plain))):
+                out.append(spaced)
+        return out
+
+    def decode(self, req: DetokenizeRequest) -> DetokenizeReply:
+        vocab = self.tokenizer.vocab_size
+        bad = next((t for t in req.token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise StrataError(
+                "bad_request", f"tokens: token id {bad} is not in the vocabulary (size {vocab})"
+            )
+        text = self.tokenizer.decode(req.token_ids, skip_special_tokens=req.skip_special_tokens)
+        return DetokenizeReply(text=text)
 
     def _flatten(self, messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
         """OpenAI content parts -> one string per message; image parts -> the image token."""

@@ -12,9 +12,10 @@ class TextTracker:
     start a stop string; :meth:`flush` releases them when the request ends for another reason.
     """
 
-    def __init__(self, detokenizer, stop: Sequence[str] = ()):
+    def __init__(self, detokenizer, stop: Sequence[str] = (), include_stop: bool = False):
         self.detok = detokenizer
         self.stop = list(stop)
+        self.include_stop = include_stop  # vLLM include_stop_str_in_output: keep the stop text
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.text = ""
         self.emitted = 0
@@ -24,9 +25,11 @@ class TextTracker:
         self.text += self.detok.add(token_id)
         if self.stop:
             lo = max(0, self.emitted - self.hold)
-            hits = [i for i in (self.text.find(s, lo) for s in self.stop) if i >= 0]
+            hits = [(i, len(s)) for i, s in ((self.text.find(s, lo), s) for s in self.stop)]
+            hits = [h for h in hits if h[0] >= 0]
             if hits:
-                end = min(hits)
+                at, size = min(hits)  # the earliest stop string (at a tie the shorter, whole first)
+                end = at + size if self.include_stop else at
                 delta = self.text[self.emitted : end] if end > self.emitted else ""
                 self.text = self.text[:end]
                 self.emitted = len(self.text)

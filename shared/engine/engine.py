@@ -170,7 +170,7 @@ class LLMEngine:
         detok = IncrementalDetokenizer(
             self.tokenizer, list(seq.token_ids), skip_special_tokens=seq.params.skip_special_tokens
         )
-        tracker = TextTracker(detok, seq.params.stop)
+        tracker = TextTracker(detok, seq.params.stop, seq.params.include_stop_str_in_output)
         tracker.prime(seq.token_ids[seq.num_prompt_tokens :])  # resumed outputs (failover)
         self.trackers[seq.request_id] = tracker
 
@@ -407,7 +407,10 @@ class LLMEngine:
                 if hit:
                     del seq.token_ids[before + n + 1 :]
                     new = new[: n + 1]
-                    self.scheduler.finish(seq, "stop")
+                    if seq.is_finished:  # max_tokens (a prefill's 1) ended it on this token
+                        seq.finish_reason = "stop"
+                    else:
+                        self.scheduler.finish(seq, "stop")
                     break
             if seq.is_finished:
                 held = tracker.flush()

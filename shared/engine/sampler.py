@@ -49,6 +49,70 @@ class SampleResult:
     logprobs: list[dict[int, float] | None]  # chosen token first, then the top-n
 
 
+def bad_word_bans(rows: Sequence[SampleRow]) -> tuple[list[int], list[int]]:
+    """(row, token) pairs that vLLM's ``bad_words`` bans now: a bad word's last id, when the
+    row's outputs end with the ids before it (a one-id word is always banned)."""
+    ban_rows: list[int] = []
+    ban_ids: list[int] = []
+    for i, r in enumerate(rows):
+        words = r.params.bad_words_ids
+        if not words:
+            continue
+        outs = list(r.token_ids[r.num_prompt_tokens :])
+        for w in words:
+            k = len(w) - 1
+            if k <= len(outs) and (k == 0 or outs[-k:] == list(w[:-1])):
+                ban_rows.append(i)
+                ban_ids.append(w[-1])
+    return ban_rows, ban_ids
+
+
+def _flat(pairs: list[tuple[int, Sequence[int]]]) -> tuple[list[int], list[int]]:
+    rows = [i for i, ids in pairs for _ in ids]
+    return rows, [t for _, ids in pairs for t in ids]
+
+
+def adjust_logits(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+    """``logits`` (a copy when anything applies) with each row's logit_bias added, every id
+    outside its allowed_token_ids and every id its bad_words ban now set to -inf: one indexed
+    write per kind for the whole batch. Ids beyond the logits' width are ignored."""
+    biased = [(i, r.params.logit_bias) for i, r in enumerate(rows) if r.params.logit_bias]
+    allowed = [
+        (i, r.params.allowed_token_ids)
+        for i, r in enumerate(rows)
+        if r.params.allowed_token_ids is not None
+    ]
+    ban_rows, ban_ids = bad_word_bans(rows)
+    if not (biased or allowed or ban_rows):
+        return logits
+    logits = logits.clone()
+    dev, width = logits.device, logits.shape[-1]
+
+    def index(rs: list[int], ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        r_t = torch.tensor(rs, dtype=torch.long, device=dev)
+        t_t = torch.tensor(ids, dtype=torch.long, device=dev)
+        ok = t_t < width
+        return r_t[ok], t_t[ok]
+
+    if biased:
+        rs, ids = _flat([(i, list(b)) for i, b in biased])
+        vals = torch.tensor([v for _, b in biased for v in b.values()], device=dev)
+        r_t, t_t = index(rs, ids)
+        vals = vals[torch.tensor(ids, device=dev) < width]
+        logits.index_put_((r_t, t_t), vals, accumulate=True)
+    if allowed:
+        keep = torch.zeros_like(logits, dtype=torch.bool)
+        r_t, t_t = index(*_flat(allowed))
+        keep[r_t, t_t] = True
+        masked = torch.zeros(len(rows), dtype=torch.bool, device=dev)
+        masked[torch.tensor([i for i, _ in allowed], device=dev)] = True
+        logits.masked_fill_(masked[:, None] & ~keep, float("-inf"))
+    if ban_rows:
+        r_t, t_t = index(ban_rows, ban_ids)
+        logits[r_t, t_t] = float("-inf")
+    return logits
+
+
 class Sampler:
     def __init__(self, eos_token_ids: Sequence[int] = (), generator: torch.Generator | None = None):
         self.eos_token_ids = list(eos_token_ids)
@@ -66,17 +130,10 @@ class Sampler:
         those of the model (before bias and mask)."""
         logits = logits.float()
         raw = logits
-        biased = [i for i, r in enumerate(rows) if r.params.logit_bias]
-        if biased or (bitmask is not None and mask_rows):
-            logits = logits.clone()
-            for i in biased:
-                bias = rows[i].params.logit_bias or {}
-                ids = torch.tensor(list(bias), device=logits.device)
-                ids_ok = ids < logits.shape[-1]
-                vals = torch.tensor(list(bias.values()), device=logits.device)
-                logits[i, ids[ids_ok]] += vals[ids_ok]
-            if bitmask is not None and mask_rows:
-                apply_bitmask(logits, bitmask, list(mask_rows))
+        logits = adjust_logits(logits, rows)
+        if bitmask is not None and mask_rows:
+            logits = logits.clone() if logits is raw else logits
+            apply_bitmask(logits, bitmask, list(mask_rows))
         out = [0] * len(rows)
         plain = [i for i, r in enumerate(rows) if self._is_plain_greedy(r)]
         if plain:

@@ -54,6 +54,7 @@ def eligible(seq: Sequence) -> bool:
         and p.speculation
         and p.structured is None  # drafts are not checked against a grammar: no speculation
         and p.logprobs is None
+        and not p.masked  # drafts are verified against the unmasked argmax
         and p.repetition_penalty == 1.0
         and p.presence_penalty == 0.0
         and p.frequency_penalty == 0.0

@@ -54,6 +54,17 @@ class SamplingParams(BaseModel):
     logit_bias: dict[int, float] | None = Field(
         None, description="OpenAI logit_bias: added to these token ids' logits (-100..100)."
     )
+    allowed_token_ids: list[int] | None = Field(
+        None, description="vLLM: only these ids may be sampled (every other logit is -inf)."
+    )
+    bad_words_ids: list[list[int]] = Field(
+        default_factory=list,
+        description="vLLM bad_words as token sequences: a sequence's last id is banned when "
+        "the outputs end with the ids before it (a one-id sequence is always banned).",
+    )
+    include_stop_str_in_output: bool = Field(
+        False, description="A stop string that ends the output stays in its text."
+    )
 
     @model_validator(mode="after")
     def _check(self) -> SamplingParams:
@@ -65,7 +76,17 @@ class SamplingParams(BaseModel):
             raise ValueError("stop strings must be non-empty")
         if self.logit_bias and any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
             raise ValueError("logit_bias values must be in [-100, 100]")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ValueError("allowed_token_ids must not be empty")
+        if any(not w for w in self.bad_words_ids):
+            raise ValueError("bad_words_ids entries must be non-empty")
         return self
+
+    @property
+    def masked(self) -> bool:
+        """Logits are changed before picking (bias, allowed ids, bad words): a greedy draft
+        checked against the raw argmax would not honour it."""
+        return bool(self.logit_bias or self.allowed_token_ids is not None or self.bad_words_ids)
 
     def resumed(self, sent: int) -> SamplingParams:
         """These params for a stream resumed after ``sent`` outputs that the engine takes as part

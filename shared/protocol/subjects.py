@@ -10,6 +10,7 @@ API_MODELS = f"{PREFIX}.api.v1.models"
 API_CANCEL = f"{PREFIX}.api.v1.cancel"  # every gateway: api.ApiCancel for a request it runs
 
 TOK_ENCODE = f"{PREFIX}.tok.encode"  # queue group "tokenizer"
+TOK_DECODE = f"{PREFIX}.tok.decode"  # queue group "tokenizer": tok.DetokenizeRequest -> Reply
 VISION_ENCODE = f"{PREFIX}.vision.encode"  # queue group "vision"
 SCHED_ROUTE = f"{PREFIX}.sched.route"  # queue group "scheduler"
 SCHED_STATE = f"{PREFIX}.sched.state"  # scheduler -> everyone: degradation level, down instances

@@ -12,6 +12,7 @@ import time
 from shared import bus
 from shared.protocol import subjects
 from shared.protocol.codec import decode, encode
+from shared.protocol.errors import StrataError
 from shared.protocol.sched import (
     InstanceInfo,
     InstancesReply,
@@ -21,7 +22,13 @@ from shared.protocol.sched import (
     routed_submit,
 )
 from shared.protocol.stream import Cancel, TokenChunk, Usage
-from shared.protocol.tok import ImageSpan, TokenizeReply, TokenizeRequest
+from shared.protocol.tok import (
+    DetokenizeReply,
+    DetokenizeRequest,
+    ImageSpan,
+    TokenizeReply,
+    TokenizeRequest,
+)
 from shared.protocol.vision import ImageInfo, VisionEncodeReply, VisionEncodeRequest
 from shared.protocol.work import DecodeWork, SubmitAck
 
@@ -38,6 +45,7 @@ class Peers:
         self.alive: list[str] = []
         self.routes: list[RouteRequest] = []
         self.items: list[DecodeWork] = []
+        self.tok_reqs: list[TokenizeRequest] = []
         self.cancels: list[str] = []
         self.windows: dict[str, tuple[float, float]] = {}
         self.subs = []
@@ -58,6 +66,7 @@ class Peers:
         nc, s = self.nc, self.role_subs.setdefault(role, [])
         if role == "tokenizer":
             s.append(await bus.serve(nc, subjects.TOK_ENCODE, TokenizeRequest, self.tok))
+            s.append(await bus.serve(nc, subjects.TOK_DECODE, DetokenizeRequest, self.detok))
             s.append(await bus.serve_ping(nc, subjects.TOK_PING, "tokenizer", "tok"))
         elif role == "vision":
             s.append(await bus.serve(nc, subjects.VISION_ENCODE, VisionEncodeRequest, self.vis))
@@ -100,10 +109,15 @@ class Peers:
 
     async def tok(self, req: TokenizeRequest) -> TokenizeReply:
         t0 = time.time()
+        self.tok_reqs.append(req)
         await asyncio.sleep(self.delay)
         ids, spans = [], []
         if req.prompt is not None:
             ids = [ord(c) % 500 for c in req.prompt]
+        if req.prompt_token_ids is not None:  # checked against the vocabulary, as the real one
+            if any(t >= 500 for t in req.prompt_token_ids):
+                raise StrataError("bad_request", "prompt: token id is not in the vocabulary")
+            ids = list(req.prompt_token_ids)
         for msg in req.messages or []:
             content = msg["content"]
             parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
@@ -114,14 +128,24 @@ class Peers:
                 else:
                     ids += [ord(c) % 500 for c in p["text"]]
         self.windows["tok"] = (t0, time.time())
+        if req.truncate_prompt_tokens is not None and req.truncate_prompt_tokens > 0:
+            ids = ids[-req.truncate_prompt_tokens :]
         return TokenizeReply(
             token_ids=ids,
+            text="".join(chr(t) for t in ids) if req.messages is None else "",
+            vocab_size=500,
+            bad_words_ids=[[ord(c) % 500 for c in w] for w in req.bad_words],
             image_spans=spans,
             model_fingerprint="fp",
             kv_dtype="float32",
             block_size=4,
             max_model_len=self.max_model_len,
         )
+
+    async def detok(self, req: DetokenizeRequest) -> DetokenizeReply:
+        if any(t >= 500 for t in req.token_ids):
+            raise StrataError("bad_request", "tokens: token id is not in the vocabulary (size 500)")
+        return DetokenizeReply(text="".join(chr(t) for t in req.token_ids))
 
     async def vis(self, req: VisionEncodeRequest) -> VisionEncodeReply:
         t0 = time.time()

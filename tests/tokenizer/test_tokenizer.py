@@ -99,5 +99,105 @@ async def test_service_over_nats(nc, core):
                 nc, subjects.TOK_ENCODE, TokenizeRequest(request_id="x"), TokenizeReply, timeout=10
             )
         assert ei.value.code == "bad_request"
+        from shared.protocol.tok import DetokenizeReply, DetokenizeRequest
+
+        ids = core.tokenizer.encode("blue shirt")
+        dreq = DetokenizeRequest(request_id="d", token_ids=ids)
+        drep = await bus.request(nc, subjects.TOK_DECODE, dreq, DetokenizeReply, timeout=10)
+        assert drep.text == "blue shirt"
     finally:
         await sub.unsubscribe()
+
+
+THINKING_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] }}"
+    "{{ '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
+    "{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def thinking_core(model_dir, tmp_path_factory):
+    """The default model with a Qwen3-like template that reads ``enable_thinking``."""
+    import json
+    import shutil
+
+    out = tmp_path_factory.mktemp("thinking") / "m"
+    shutil.copytree(model_dir, out)
+    cfg = json.loads((out / "tokenizer_config.json").read_text())
+    (out / "tokenizer_config.json").write_text(
+        json.dumps({**cfg, "chat_template": THINKING_TEMPLATE})
+    )
+    return TokenizerCore(out)
+
+
+def test_chat_template_kwargs_reach_the_template(thinking_core):
+    msgs = [{"role": "user", "content": "hi"}]
+    plain = thinking_core.encode(TokenizeRequest(request_id="r", messages=msgs))
+    off = thinking_core.encode(
+        TokenizeRequest(
+            request_id="r", messages=msgs, chat_template_kwargs={"enable_thinking": False}
+        )
+    )
+    assert plain.text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert off.text == plain.text + "<think></think>"
+    assert off.token_ids == thinking_core.tokenizer.encode(off.text)
+    with pytest.raises(StrataError, match="add_generation_prompt"):
+        thinking_core.encode(
+            TokenizeRequest(
+                request_id="r", messages=msgs, chat_template_kwargs={"add_generation_prompt": 1}
+            )
+        )
+
+
+def test_continue_final_message_leaves_the_last_message_open(core):
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer is"}]
+    done = core.encode(TokenizeRequest(request_id="r", messages=msgs, add_generation_prompt=False))
+    cont = core.encode(
+        TokenizeRequest(
+            request_id="r", messages=msgs, add_generation_prompt=False, continue_final_message=True
+        )
+    )
+    assert done.text.endswith("The answer is<|im_end|>\n")
+    assert cont.text == done.text[: -len("<|im_end|>\n")]
+    assert cont.token_ids == core.tokenizer.encode(cont.text)
+
+
+def test_token_id_prompts_truncation_and_bad_words(core):
+    ids = core.tokenizer.encode("the blue shirt is in stock")
+    rep = core.encode(TokenizeRequest(request_id="r", prompt_token_ids=ids))
+    assert rep.token_ids == ids and rep.text == "the blue shirt is in stock"
+    assert rep.vocab_size == core.tokenizer.vocab_size > 0
+    with pytest.raises(StrataError, match="not in the vocabulary"):
+        core.encode(TokenizeRequest(request_id="r", prompt_token_ids=[rep.vocab_size]))
+    cut = core.encode(
+        TokenizeRequest(request_id="r", prompt_token_ids=ids, truncate_prompt_tokens=2)
+    )
+    assert cut.token_ids == ids[-2:] and cut.text == core.tokenizer.decode(ids[-2:])
+    text = core.encode(
+        TokenizeRequest(request_id="r", prompt="the blue shirt", truncate_prompt_tokens=1)
+    )
+    assert text.token_ids == core.tokenizer.encode("the blue shirt")[-1:]
+    whole = core.encode(TokenizeRequest(request_id="r", prompt="ab", truncate_prompt_tokens=-1))
+    assert whole.token_ids == core.tokenizer.encode("ab")
+    for bad in (0, -2, core.max_model_len + 1):
+        with pytest.raises(StrataError, match="truncate_prompt_tokens"):
+            core.encode(TokenizeRequest(request_id="r", prompt="ab", truncate_prompt_tokens=bad))
+    words = core.encode(TokenizeRequest(request_id="r", prompt="x", bad_words=["shirt"]))
+    plain, spaced = core.tokenizer.encode("shirt"), core.tokenizer.encode(" shirt")
+    want = [plain] + ([spaced] if spaced[0] != plain[0] and len(spaced) == len(plain) else [])
+    assert words.bad_words_ids == want
+
+
+def test_decode(core):
+    from shared.protocol.tok import DetokenizeRequest
+
+    ids = core.tokenizer.encode("<|im_start|>blue shirt")
+    rep = core.decode(DetokenizeRequest(request_id="r", token_ids=ids))
+    assert rep.text == "<|im_start|>blue shirt"
+    skip = core.decode(DetokenizeRequest(request_id="r", token_ids=ids, skip_special_tokens=True))
+    assert skip.text == "blue shirt"
+    with pytest.raises(StrataError, match="not in the vocabulary"):
+        core.decode(DetokenizeRequest(request_id="r", token_ids=[10**6]))

@@ -1,0 +1,270 @@
+"""Anthropic's Messages API (``POST /v1/messages``, ``/v1/messages/count_tokens``) over the chat
+path: pure translation, no I/O.
+
+`to_chat` validates an Anthropic body and turns it into an OpenAI chat body (the system prompt
+first; ``stop_sequences`` become ``stop`` with ``include_stop_str_in_output``, so the output
+says which one ended it); `message` builds the response object from the chat response and
+`EventStream` turns OpenAI chunks into the Messages streaming events (message_start,
+content_block_start, content_block_delta, content_block_stop, message_delta, message_stop).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, ValidationError
+
+from services.gateway.core import ApiError, validation_error
+from services.gateway.schemas import _Body
+from shared.protocol.errors import StrataError
+
+
+class ImageSource(_Body):
+    type: Literal["base64", "url"]
+    media_type: str | None = None
+    data: str | None = Field(None, max_length=64 << 20)
+    url: str | None = None
+
+
+class ContentBlock(_Body):
+    type: Literal["text", "image"]
+    text: str | None = None
+    source: ImageSource | None = None
+    cache_control: dict[str, Any] | None = None  # a prompt-caching hint: Strata caches anyway
+
+
+class AnthropicMessage(_Body):
+    role: Literal["user", "assistant"]
+    content: str | list[ContentBlock]
+
+
+class AnthropicMetadata(_Body):
+    user_id: str | None = None
+
+
+class MessagesRequest(_Body):
+    """The fields of Anthropic's ``POST /v1/messages`` that Strata serves (docs/api.md)."""
+
+    model: str = Field(..., min_length=1, max_length=256)
+    messages: list[AnthropicMessage] = Field(..., min_length=1)
+    max_tokens: int = Field(..., ge=1)
+    system: str | list[ContentBlock] | None = None
+    stop_sequences: list[str] | None = Field(None, max_length=16)
+    temperature: float | None = Field(None, ge=0.0, le=1.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)
+    stream: bool = False
+    metadata: AnthropicMetadata | None = None
+
+
+class CountTokensRequest(_Body):
+    model: str = Field(..., min_length=1, max_length=256)
+    messages: list[AnthropicMessage] = Field(..., min_length=1)
+    system: str | list[ContentBlock] | None = None
+
+
+def _parse(model: type[BaseModel], body: dict[str, Any]) -> Any:
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+def _content(blocks: str | list[ContentBlock]) -> str | list[dict[str, Any]]:
+    if isinstance(blocks, str):
+        return blocks
+    parts: list[dict[str, Any]] = []
+    for b in blocks:
+        if b.type == "text":
+            parts.append({"type": "text", "text": b.text or ""})
+        else:
+            src = b.source
+            if src is None or (src.type == "base64" and not (src.data and src.media_type)):
+                raise ApiError(
+                    "bad_request",
+                    "an image block needs source {type: base64, media_type, data} or a url",
+                    param="messages",
+                )
+            url = src.url if src.type == "url" else f"data:{src.media_type};base64,{src.data}"
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+    return parts
+
+
+def _system(system: str | list[ContentBlock] | None) -> list[dict[str, Any]]:
+    if not system:
+        return []
+    text = system if isinstance(system, str) else "".join(b.text or "" for b in system)
+    return [{"role": "system", "content": text}]
+
+
+def chat_messages(req: MessagesRequest | CountTokensRequest) -> list[dict[str, Any]]:
+    """The conversation as OpenAI chat messages, the system prompt first."""
+    return _system(req.system) + [
+        {"role": m.role, "content": _content(m.content)} for m in req.messages
+    ]
+
+
+def parse_messages(body: dict[str, Any]) -> MessagesRequest:
+    req = _parse(MessagesRequest, body)
+    if any(s == "" for s in req.stop_sequences or ()):
+        raise ApiError("bad_request", "stop_sequences must be non-empty", param="stop_sequences")
+    return req
+
+
+def parse_count_tokens(body: dict[str, Any]) -> CountTokensRequest:
+    return _parse(CountTokensRequest, body)
+
+
+def to_chat(req: MessagesRequest) -> dict[str, Any]:
+    """The OpenAI chat body that serves ``req``; a last assistant message is continued, as
+    Anthropic does with a prefilled response."""
+    msgs = chat_messages(req)
+    body: dict[str, Any] = {
+        "model": req.model,
+        "messages": msgs,
+        "max_tokens": req.max_tokens,
+        "stream": req.stream,
+    }
+    if req.messages[-1].role == "assistant":
+        body.update(add_generation_prompt=False, continue_final_message=True)
+    if req.stream:
+        body["stream_options"] = {"include_usage": True}
+    if req.stop_sequences:
+        body.update(stop=list(req.stop_sequences), include_stop_str_in_output=True)
+    for name in ("temperature", "top_p", "top_k"):
+        if getattr(req, name) is not None:
+            body[name] = getattr(req, name)
+    if req.metadata and req.metadata.user_id:
+        body["user"] = req.metadata.user_id
+    return body
+
+
+def split_stop(text: str, finish: str | None, stops: list[str]) -> tuple[str, str, str | None]:
+    """(text without the stop sequence, stop_reason, stop_sequence) of a finished output."""
+    if finish == "length":
+        return text, "max_tokens", None
+    for s in sorted(stops, key=len, reverse=True):
+        if finish == "stop" and text.endswith(s):
+            return text[: -len(s)], "stop_sequence", s
+    return text, "end_turn", None
+
+
+def message(resp: dict[str, Any], req: MessagesRequest) -> dict[str, Any]:
+    """The Messages response for a finished chat response."""
+    choice = resp["choices"][0]
+    text, reason, seq = split_stop(
+        choice["message"]["content"] or "", choice["finish_reason"], req.stop_sequences or []
+    )
+    use = resp.get("usage") or {}
+    return {
+        "id": "msg_" + resp["id"].removeprefix("chatcmpl-"),
+        "type": "message",
+        "role": "assistant",
+        "model": req.model,
+        "content": [{"type": "text", "text": text}],
+        "stop_reason": reason,
+        "stop_sequence": seq,
+        "usage": {
+            "input_tokens": use.get("prompt_tokens", 0),
+            "output_tokens": use.get("completion_tokens", 0),
+        },
+    }
+
+
+class EventStream:
+    """OpenAI chat chunks in, Messages stream events ``(event type, data)`` out. Text that may
+    be the start of a stop sequence is held back until the output ends, so a stop sequence
+    (kept in the chat output by ``include_stop_str_in_output``) never reaches the client."""
+
+    def __init__(self, req: MessagesRequest, request_id: str, input_tokens: int):
+        self.req = req
+        self.id = "msg_" + request_id
+        self.input_tokens = input_tokens
+        self.stops = list(req.stop_sequences or [])
+        self.hold = max((len(s) for s in self.stops), default=0)
+        self.pending = ""
+        self.output_tokens = 0
+        self.finish: str | None = None
+
+    def start(self) -> list[tuple[str, dict[str, Any]]]:
+        msg = {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.req.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": self.input_tokens, "output_tokens": 0},
+        }
+        return [
+            ("message_start", {"type": "message_start", "message": msg}),
+            (
+                "content_block_start",
+                {
+                    "type": "content_block_start",
+                    "index": 0,
+                    "content_block": {"type": "text", "text": ""},
+                },
+            ),
+        ]
+
+    def _delta(self, text: str) -> list[tuple[str, dict[str, Any]]]:
+        if not text:
+            return []
+        data = {
+            "type": "content_block_delta",
+            "index": 0,
+            "delta": {"type": "text_delta", "text": text},
+        }
+        return [("content_block_delta", data)]
+
+    def feed(self, chunk: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+        if chunk.get("usage"):
+            self.output_tokens = chunk["usage"].get("completion_tokens", self.output_tokens)
+        out: list[tuple[str, dict[str, Any]]] = []
+        for c in chunk.get("choices", ()):
+            self.pending += c.get("delta", {}).get("content") or ""
+            if c.get("finish_reason"):
+                self.finish = c["finish_reason"]
+            if self.hold and len(self.pending) > self.hold and self.finish is None:
+                cut = len(self.pending) - self.hold
+                out += self._delta(self.pending[:cut])
+                self.pending = self.pending[cut:]
+            elif not self.hold:
+                out += self._delta(self.pending)
+                self.pending = ""
+        return out
+
+    def end(self) -> list[tuple[str, dict[str, Any]]]:
+        text, reason, seq = split_stop(self.pending, self.finish, self.stops)
+        return [
+            *self._delta(text),
+            ("content_block_stop", {"type": "content_block_stop", "index": 0}),
+            (
+                "message_delta",
+                {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": reason, "stop_sequence": seq},
+                    "usage": {"output_tokens": self.output_tokens},
+                },
+            ),
+            ("message_stop", {"type": "message_stop"}),
+        ]
+
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+def error_body(err: StrataError) -> dict[str, Any]:
+    """Anthropic's error shape: ``{"type": "error", "error": {"type", "message"}}``."""
+    kind = _ERROR_TYPES.get(err.http_status, "api_error")
+    return {"type": "error", "error": {"type": kind, "message": err.message}}

@@ -1,0 +1,312 @@
+"""vLLM's extra request fields and endpoints at the gateway (real nats-server, fake peers: the
+tokenizer maps a character to ``ord(c) % 500``, decode emits token ``100 + i``, text ``t<i> ``):
+what reaches the tokenizer and the engine, the response shapes, and the 400s."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from services.gateway.config import GatewayConfig
+from services.gateway.core import build_spec
+from shared.protocol import subjects
+from shared.protocol.api import GenerateEvent, GenerateRequest
+from shared.protocol.codec import decode, encode
+from tests.gateway.harness import gateway
+from tests.gateway.test_rest import sse_events
+
+MSGS = [{"role": "user", "content": "hi"}]
+CHAT = {"model": "tiny", "messages": MSGS, "max_tokens": 2}
+CMPL = {"model": "tiny", "prompt": "ab", "max_tokens": 2}
+
+
+async def test_fields_reach_tokenizer_and_engine(nats_url):
+    async with gateway(nats_url) as (url, peers, _):
+        async with httpx.AsyncClient(base_url=url) as c:
+            body = {
+                **CHAT,
+                "messages": [*MSGS, {"role": "assistant", "content": "ok"}],
+                "add_generation_prompt": False,
+                "continue_final_message": True,
+                "chat_template_kwargs": {"enable_thinking": False},
+                "truncate_prompt_tokens": 3,
+                "bad_words": ["xy"],
+                "allowed_token_ids": [5, 7],
+                "include_stop_str_in_output": True,
+                "stop": ["END"],
+                "min_tokens": 1,
+                "repetition_penalty": 1.2,
+                "logit_bias": {"9": -5},
+                "skip_special_tokens": False,
+                "spaces_between_special_tokens": False,
+                "add_special_tokens": True,
+            }
+            r = await c.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            tok = peers.tok_reqs[-1]
+            assert tok.continue_final_message and not tok.add_generation_prompt
+            assert tok.chat_template_kwargs == {"enable_thinking": False}
+            assert tok.truncate_prompt_tokens == 3 and tok.bad_words == ["xy"]
+            assert tok.add_special_tokens
+            item = peers.items[-1]
+            assert item.prompt_token_ids == [ord("o"), ord("k"), 104, 105, ord("o"), ord("k")][-3:]
+            sp = item.sampling
+            assert sp.bad_words_ids == [[ord("x"), ord("y")]]
+            assert sp.allowed_token_ids == [5, 7] and sp.include_stop_str_in_output
+            assert sp.min_tokens == 1 and sp.repetition_penalty == 1.2
+            assert sp.logit_bias == {9: -5.0} and not sp.skip_special_tokens
+
+
+async def test_return_token_ids_chat_and_completions(nats_url):
+    async with gateway(nats_url) as (url, _, _s):
+        async with httpx.AsyncClient(base_url=url) as c:
+            r = await c.post("/v1/chat/completions", json={**CHAT, "return_token_ids": True})
+            body = r.json()
+            assert body["prompt_token_ids"] == [104, 105]
+            assert body["choices"][0]["token_ids"] == [100, 101]
+            r = await c.post("/v1/chat/completions", json={**CHAT, "stream": True})
+            assert "token_ids" not in r.text  # off by default
+            r = await c.post(
+                "/v1/chat/completions", json={**CHAT, "return_token_ids": True, "stream": True}
+            )
+            evs = sse_events(r.text)
+            assert evs[0]["prompt_token_ids"] == [104, 105]
+            assert sum((e["choices"][0].get("token_ids", []) for e in evs), []) == [100, 101]
+            r = await c.post(
+                "/v1/completions",
+                json={**CMPL, "prompt": [[3, 4], [5, 6, 7]], "return_token_ids": True},
+            )
+            ch = r.json()["choices"]
+            assert [x["prompt_token_ids"] for x in ch] == [[3, 4], [5, 6, 7]]
+            assert [x["token_ids"] for x in ch] == [[100, 101], [100, 101]]
+            r = await c.post(
+                "/v1/completions",
+                json={**CMPL, "return_token_ids": True, "stream": True, "echo": True},
+            )
+            evs = sse_events(r.text)
+            first = evs[0]["choices"][0]
+            assert first["text"] == "ab" and first["prompt_token_ids"] == [97, 98]
+            assert "".join(e["choices"][0]["text"] for e in evs) == "abt0 t1 "
+
+
+async def test_token_id_and_string_list_prompts_and_echo(nats_url):
+    async with gateway(nats_url) as (url, peers, _):
+        async with httpx.AsyncClient(base_url=url) as c:
+            r = await c.post("/v1/completions", json={**CMPL, "prompt": [104, 105], "echo": True})
+            assert r.status_code == 200, r.text
+            assert peers.items[-1].prompt_token_ids == [104, 105]
+            assert r.json()["choices"][0]["text"] == "hit0 t1 "  # echo: the ids' text
+            r = await c.post("/v1/completions", json={**CMPL, "prompt": ["ab", "cd"], "n": 2})
+            assert len(r.json()["choices"]) == 4
+            assert sorted(tuple(i.prompt_token_ids) for i in peers.items[-4:]) == [
+                (97, 98),
+                (97, 98),
+                (99, 100),
+                (99, 100),
+            ]
+            r = await c.post(
+                "/v1/completions", json={**CMPL, "prompt": "ab", "echo": True, "stream": True}
+            )
+            assert "".join(e["choices"][0]["text"] for e in sse_events(r.text)) == "abt0 t1 "
+
+
+@pytest.mark.parametrize(
+    "kind,extra,param,says",
+    [
+        ("chat", {"continue_final_message": True}, "continue_final_message", "both"),
+        ("chat", {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "-1"),
+        ("chat", {"truncate_prompt_tokens": -2}, "truncate_prompt_tokens", "greater"),
+        ("chat", {"allowed_token_ids": []}, "allowed_token_ids", "empty"),
+        ("chat", {"allowed_token_ids": [-1]}, "allowed_token_ids.0", "greater"),
+        ("chat", {"bad_words": [""]}, "bad_words.0", "at least 1"),
+        ("chat", {"prompt_logprobs": 1}, "prompt_logprobs", "not supported"),
+        ("chat", {"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs", "may not"),
+        ("chat", {"suffix": "x"}, "suffix", "unknown field"),
+        ("chat", {"use_beam_search": True}, "use_beam_search", "unknown field"),
+        ("completion", {"prompt": [[]]}, "prompt", "must not be empty"),
+        ("completion", {"prompt": [1, "a"]}, "prompt", "invalid field"),
+    ],
+)
+def test_bad_fields_are_400s_naming_the_field(kind, extra, param, says):
+    from services.gateway.core import ApiError
+
+    base = CHAT if kind == "chat" else CMPL
+    cfg = GatewayConfig.load([], role="gateway", model_name="tiny")
+    with pytest.raises(ApiError) as ei:
+        build_spec(kind, {**base, **extra}, cfg, "tiny")
+    assert ei.value.http_status == 400
+    assert (ei.value.param or "").startswith(param), ei.value.param
+    assert says in ei.value.message
+
+
+async def test_allowed_token_ids_outside_the_vocabulary(nats_url):
+    async with gateway(nats_url) as (url, _, _s):
+        async with httpx.AsyncClient(base_url=url) as c:
+            r = await c.post("/v1/chat/completions", json={**CHAT, "allowed_token_ids": [500]})
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["param"] == "allowed_token_ids"
+            assert "not in the vocabulary (size 500)" in err["message"]
+
+
+async def test_version_tokenize_detokenize_and_their_auth(nats_url, tmp_path):
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"keys": {"sk-a": {"models": ["tiny"]}}}))
+    async with gateway(nats_url, api_key_file=str(keys)) as (url, peers, _):
+        async with httpx.AsyncClient(base_url=url) as c:
+            for method, path, body in (
+                ("GET", "/version", None),
+                ("POST", "/tokenize", {"prompt": "ab"}),
+                ("POST", "/detokenize", {"tokens": [97]}),
+            ):
+                r = await c.request(method, path, json=body)
+                assert r.status_code == 401, path
+            c.headers["Authorization"] = "Bearer sk-a"
+            v = (await c.get("/version")).json()
+            assert list(v) == ["version"] and v["version"]
+            t = (await c.post("/tokenize", json={"model": "tiny", "prompt": "ab"})).json()
+            assert t == {"count": 2, "max_model_len": 64, "tokens": [97, 98], "token_strs": None}
+            r = await c.post(
+                "/tokenize",
+                json={
+                    "messages": [*MSGS, {"role": "assistant", "content": "so"}],
+                    "add_generation_prompt": False,
+                    "continue_final_message": True,
+                    "chat_template_kwargs": {"enable_thinking": True},
+                },
+            )
+            assert r.status_code == 200 and r.json()["tokens"] == [104, 105, 115, 111]
+            tok = peers.tok_reqs[-1]
+            assert tok.continue_final_message and tok.chat_template_kwargs == {
+                "enable_thinking": True
+            }
+            r = await c.post("/tokenize", json={"messages": MSGS, "continue_final_message": True})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+            d = await c.post("/detokenize", json={"model": "tiny", "tokens": [104, 105]})
+            assert d.json() == {"prompt": "hi"}  # from the tokenizer service over NATS
+            d = await c.post("/detokenize", json={"tokens": [600]})
+            assert d.status_code == 400 and d.json()["error"]["param"] == "tokens"
+            await peers.stop_role("tokenizer")  # no tokenizer: 503, not the gateway's own
+            d = await c.post("/detokenize", json={"tokens": [104]})
+            assert d.status_code == 503
+
+
+async def test_nats_api_carries_the_same_fields(nats_url, nc):
+    async with gateway(nats_url) as (_, peers, _s):
+        body = {**CMPL, "prompt": [104, 105], "return_token_ids": True, "bad_words": ["a"]}
+        rep = await nc.request(
+            subjects.API_GENERATE,
+            encode(GenerateRequest(kind="completion", body=body)),
+            timeout=10,
+        )
+        ev = decode(rep.data, GenerateEvent)
+        assert ev.done and ev.error is None, ev
+        ch = ev.data["choices"][0]
+        assert ch["prompt_token_ids"] == [104, 105] and ch["token_ids"] == [100, 101]
+        assert peers.items[-1].sampling.bad_words_ids == [[97]]
+        bad = {**CHAT, "continue_final_message": True}
+        rep = await nc.request(
+            subjects.API_GENERATE, encode(GenerateRequest(kind="chat", body=bad)), timeout=10
+        )
+        ev = decode(rep.data, GenerateEvent)
+        assert ev.status == 400 and ev.data["error"]["param"] == "continue_final_message"
+
+
+def _doc_rows() -> list[tuple[list[str], str, str]]:
+    """(field names, endpoint, Strata column) of every request-field row of docs/api.md."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text()
+    body = text.split("## Request fields", 1)[1].split("## Anthropic", 1)[0]
+    rows = []
+    for line in body.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 3 or not cells[0].startswith("`"):
+            continue
+        names = [n for n in re.findall(r"`([a-z_]+)`", cells[0])]
+        rows.append((names, cells[1], cells[-1]))
+    return rows
+
+
+def test_docs_api_md_is_true_to_the_validator():
+    """Every field docs/api.md calls refused is a 400 naming it on its endpoint(s); every other
+    field it lists is in the schema."""
+    from services.gateway.core import ApiError
+    from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
+
+    cfg = GatewayConfig.load([], role="gateway", model_name="tiny")
+    rows = _doc_rows()
+    assert len(rows) >= 30
+    for names, endpoint, strata in rows:
+        kinds = {"chat": ["chat"], "completions": ["completion"]}.get(
+            endpoint, ["chat", "completion"]
+        )
+        for kind in kinds:
+            schema = ChatCompletionRequest if kind == "chat" else CompletionRequest
+            base = CHAT if kind == "chat" else CMPL
+            for name in names:
+                if name in ("model", "messages", "prompt") or (
+                    endpoint == "both / chat" and kind != "chat"
+                ):
+                    continue
+                if strata.startswith("refused"):
+                    with pytest.raises(ApiError) as ei:
+                        build_spec(kind, {**base, name: 1}, cfg, "tiny")
+                    assert ei.value.param == name, (kind, name)
+                else:
+                    assert name in schema.model_fields, (kind, name)
+
+
+async def test_nats_api_streams_token_ids_and_echo(nats_url, nc):
+    import asyncio
+
+    async with gateway(nats_url):
+        got: list[GenerateEvent] = []
+        done = asyncio.Event()
+
+        async def on_ev(msg):
+            got.append(decode(msg.data, GenerateEvent))
+            if got[-1].done:
+                done.set()
+
+        sub = await nc.subscribe("_INBOX.api.vllm-extras", cb=on_ev)
+        body = {**CMPL, "stream": True, "echo": True, "return_token_ids": True}
+        req = GenerateRequest(kind="completion", body=body, stream_subject="_INBOX.api.vllm-extras")
+        await nc.publish(subjects.API_GENERATE, encode(req))
+        await asyncio.wait_for(done.wait(), 10)
+        await sub.unsubscribe()
+        choices = [e.data["choices"][0] for e in got if e.data and e.data.get("choices")]
+        assert choices[0]["text"] == "ab" and choices[0]["prompt_token_ids"] == [97, 98]
+        assert "".join(c["text"] for c in choices) == "abt0 t1 "
+        assert sum((c["token_ids"] for c in choices), []) == [100, 101]
+
+
+async def test_chat_echo_prepends_a_last_assistant_message(nats_url):
+    async with gateway(nats_url) as (url, _, _s):
+        async with httpx.AsyncClient(base_url=url) as c:
+            msgs = [*MSGS, {"role": "assistant", "content": "So: "}]
+            body = {**CHAT, "messages": msgs, "echo": True, "add_generation_prompt": False}
+            r = await c.post("/v1/chat/completions", json={**body, "continue_final_message": True})
+            assert r.json()["choices"][0]["message"]["content"] == "So: t0 t1 "
+            r = await c.post("/v1/chat/completions", json={**body, "stream": True})
+            evs = sse_events(r.text)
+            parts = [e["choices"][0]["delta"].get("content", "") for e in evs]
+            assert parts[:2] == ["", "So: "] and "".join(parts) == "So: t0 t1 "
+            r = await c.post("/v1/chat/completions", json={**CHAT, "echo": True})
+            assert r.json()["choices"][0]["message"]["content"] == "t0 t1 "  # last is the user's
+
+
+async def test_continuous_usage_stats_put_usage_on_every_chunk(nats_url):
+    async with gateway(nats_url) as (url, _, _s):
+        async with httpx.AsyncClient(base_url=url) as c:
+            opts = {"include_usage": True, "continuous_usage_stats": True}
+            body = {**CMPL, "max_tokens": 3, "stream": True, "stream_options": opts}
+            evs = sse_events((await c.post("/v1/completions", json=body)).text)
+            done = [e["usage"]["completion_tokens"] for e in evs if e["choices"]]
+            assert done == [1, 2, 3] and evs[-1]["choices"] == []
+            assert all(e["usage"]["prompt_tokens"] == 2 for e in evs)
+            body["stream_options"] = {"include_usage": True}
+            evs = sse_events((await c.post("/v1/completions", json=body)).text)
+            assert [("usage" in e) for e in evs] == [False, False, False, True]
