@@ -13,10 +13,15 @@ from typing import Any
 
 import torch
 
-from shared.model.archs import LLAVA_ARCHITECTURE, TEXT_ARCHITECTURES, architecture_of
+from shared.model.archs import (
+    LLAVA_ARCHITECTURE,
+    TEXT_ARCHITECTURES,
+    architecture_of,
+    sliding_window_of,
+)
 from shared.model.archs import TEXT_FAMILIES as _TEXT_FAMILIES
 from shared.model.errors import CheckpointError
-from shared.model.validate import declared_dtype, read_config_json
+from shared.model.validate import check_decoder, declared_dtype, read_config_json
 from shared.protocol.dtypes import torch_dtype
 
 
@@ -88,10 +93,25 @@ class ModelConfig:
     image_token_id: int | None = None
     num_image_tokens: int = 0  # tokens per image after placeholder expansion; 0 for text-only
     image_size: int = 0  # vision input resolution; 0 for text-only
+    num_experts: int = 0  # routed experts per MoE layer (0: dense model)
+    num_experts_per_tok: int = 0  # top-k experts each token is routed to
+    moe_intermediate_size: int = 0  # hidden width of one expert's gated MLP
+    norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1
+    moe_layers: tuple[int, ...] = ()  # indices of the layers whose MLP is the sparse MoE block
+    sliding_window: int | None = None  # attention window some layer applies (None: full)
 
     @property
     def is_multimodal(self) -> bool:
         return self.vision is not None
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence (prompt + output tokens) Strata serves: the position limit, capped
+        at the sliding window (the paged attention attends to the full context, which equals the
+        window's attention exactly while no sequence is longer than it)."""
+        return min(
+            self.max_position_embeddings, self.sliding_window or self.max_position_embeddings
+        )
 
 
 def parse_dtype(value: Any, default: torch.dtype = torch.float32) -> torch.dtype:
@@ -139,8 +159,11 @@ def _text_fields(cfg: dict, source: str) -> dict[str, Any]:
     theta, scaling = _rope(cfg)
     if scaling and scaling["rope_type"] not in ("llama3", "linear"):
         raise CheckpointError(f"{source}: unsupported rope_type {scaling['rope_type']!r}")
-    bias = bool(cfg.get("attention_bias", False))
+    bias = bool(cfg.get("attention_bias", False)) and model_type != "mixtral"
+    check_decoder(cfg, source)
     return dict(
+        **_moe_fields(cfg),
+        sliding_window=sliding_window_of(cfg),
         text_model_type=model_type,
         vocab_size=int(cfg.get("vocab_size", 32000)),
         hidden_size=hidden,
@@ -156,10 +179,45 @@ def _text_fields(cfg: dict, source: str) -> dict[str, Any]:
             cfg.get("max_position_embeddings", defaults["max_position_embeddings"])
         ),
         attention_bias=True if model_type == "qwen2" else bias,
-        o_proj_bias=bias if model_type in ("llama", "qwen3") else False,
+        o_proj_bias=bias if model_type in ("llama", "qwen3", "qwen3_moe") else False,
         mlp_bias=bool(cfg.get("mlp_bias", False)),
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         hidden_act=str(cfg.get("hidden_act", "silu")),
+    )
+
+
+def _moe_fields(cfg: dict) -> dict[str, Any]:
+    """Expert settings as transformers reads them (dense models: all zero). Qwen3-MoE: a layer
+    ``i`` is sparse unless listed in ``mlp_only_layers`` and when ``(i + 1) %
+    decoder_sparse_step == 0``; Mixtral: every layer, top-k always renormalised."""
+    model_type = cfg.get("model_type")
+    if model_type not in ("qwen3_moe", "mixtral"):
+        return {}
+    n_layers = int(cfg.get("num_hidden_layers", 32))
+    experts = int(
+        cfg.get(
+            "num_experts", cfg.get("num_local_experts", 128 if model_type == "qwen3_moe" else 8)
+        )
+    )
+    if model_type == "mixtral":
+        return dict(
+            num_experts=experts,
+            num_experts_per_tok=int(cfg.get("num_experts_per_tok", 2)),
+            moe_intermediate_size=int(cfg.get("intermediate_size", 14336)),
+            norm_topk_prob=True,
+            moe_layers=tuple(range(n_layers)),
+        )
+    step = int(cfg.get("decoder_sparse_step", 1))
+    dense = {int(i) for i in cfg.get("mlp_only_layers") or ()}
+    sparse = tuple(
+        i for i in range(n_layers) if i not in dense and experts > 0 and (i + 1) % step == 0
+    )
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=int(cfg.get("num_experts_per_tok", 8)),
+        moe_intermediate_size=int(cfg.get("moe_intermediate_size", 768)),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        moe_layers=sparse,
     )
 
 
