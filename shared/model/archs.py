@@ -15,7 +15,15 @@ TEXT_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         "Qwen3MoeForCausalLM",
         {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768},
     ),
-    "mixtral": ("MixtralForCausalLM", {"rms_norm_eps": 1e-5, "max_position_embeddings": 131072}),
+    "mixtral": (
+        "MixtralForCausalLM",
+        {
+            "rms_norm_eps": 1e-5,
+            "max_position_embeddings": 131072,
+            "intermediate_size": 14336,
+            "rope_theta": 1e6,
+        },
+    ),
 }
 TEXT_ARCHITECTURES = {arch: mt for mt, (arch, _) in TEXT_FAMILIES.items()}
 LLAVA_ARCHITECTURE = "LlavaForConditionalGeneration"

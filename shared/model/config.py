@@ -131,14 +131,14 @@ def _eos_tuple(value: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
-def _rope(cfg: dict) -> tuple[float, dict | None]:
+def _rope(cfg: dict, default_theta: float = 10000.0) -> tuple[float, dict | None]:
     """Return (theta, scaling) from either the 4.x or the 5.x layout."""
     params = cfg.get("rope_parameters")
     if isinstance(params, dict):
-        theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        theta = float(params.get("rope_theta", cfg.get("rope_theta", default_theta)))
         scaling = {k: v for k, v in params.items() if k != "rope_theta"}
     else:
-        theta = float(cfg.get("rope_theta", 10000.0))
+        theta = float(cfg.get("rope_theta", default_theta))
         scaling = dict(cfg.get("rope_scaling") or {})
     if "type" in scaling and "rope_type" not in scaling:
         scaling["rope_type"] = scaling.pop("type")
@@ -156,7 +156,7 @@ def _text_fields(cfg: dict, source: str) -> dict[str, Any]:
     heads = int(cfg.get("num_attention_heads", 32))
     kv_heads = cfg.get("num_key_value_heads") or heads
     head_dim = cfg.get("head_dim") or hidden // heads
-    theta, scaling = _rope(cfg)
+    theta, scaling = _rope(cfg, defaults.get("rope_theta", 10000.0))
     if scaling and scaling["rope_type"] not in ("llama3", "linear"):
         raise CheckpointError(f"{source}: unsupported rope_type {scaling['rope_type']!r}")
     bias = bool(cfg.get("attention_bias", False)) and model_type != "mixtral"
@@ -167,7 +167,9 @@ def _text_fields(cfg: dict, source: str) -> dict[str, Any]:
         text_model_type=model_type,
         vocab_size=int(cfg.get("vocab_size", 32000)),
         hidden_size=hidden,
-        intermediate_size=int(cfg.get("intermediate_size", 11008)),
+        intermediate_size=int(
+            cfg.get("intermediate_size", defaults.get("intermediate_size", 11008))
+        ),
         num_layers=int(cfg.get("num_hidden_layers", 32)),
         num_heads=heads,
         num_kv_heads=int(kv_heads),
@@ -203,7 +205,9 @@ def _moe_fields(cfg: dict) -> dict[str, Any]:
         return dict(
             num_experts=experts,
             num_experts_per_tok=int(cfg.get("num_experts_per_tok", 2)),
-            moe_intermediate_size=int(cfg.get("intermediate_size", 14336)),
+            moe_intermediate_size=int(
+                cfg.get("intermediate_size", _TEXT_FAMILIES[model_type][1]["intermediate_size"])
+            ),
             norm_topk_prob=True,
             moe_layers=tuple(range(n_layers)),
         )
