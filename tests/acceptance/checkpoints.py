@@ -106,17 +106,45 @@ def _text_config(kind: str, tok) -> object:
             **_rope(1e6),
             **common,
         )
+    if kind == "qwen3_moe":  # 8 experts top-2, raw top-k weights, layer 1 dense, q/k norm
+        return transformers.Qwen3MoeConfig(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            norm_topk_prob=False,
+            mlp_only_layers=[1],
+            tie_word_embeddings=False,
+            **_rope(1e6),
+            **common,
+        )
+    if kind == "mixtral":  # 4 experts top-2 (renormalised), GQA 4:1
+        return transformers.MixtralConfig(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            tie_word_embeddings=False,
+            **_rope(1e6),
+            **common,
+        )
     raise ValueError(kind)
 
 
 def build_text(kind: str, path: Path) -> Checkpoint:
-    """``kind``: llama | qwen2 | qwen3 (shapes above)."""
+    """``kind``: llama | qwen2 | qwen3 | qwen3_moe | mixtral (shapes above)."""
     tok = hf_tokenizer()
     cfg = _text_config(kind, tok)
     cls = {
         "llama": transformers.LlamaForCausalLM,
         "qwen2": transformers.Qwen2ForCausalLM,
         "qwen3": transformers.Qwen3ForCausalLM,
+        "qwen3_moe": transformers.Qwen3MoeForCausalLM,
+        "mixtral": transformers.MixtralForCausalLM,
     }[kind]
     torch.manual_seed(0)
     model = cls(cfg).eval()
