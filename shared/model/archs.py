@@ -24,6 +24,11 @@ TEXT_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             "rope_theta": 1e6,
         },
     ),
+    # Phi-3: q/k/v and gate/up stored fused (qkv_proj, gate_up_proj), split by the loader
+    "phi3": (
+        "Phi3ForCausalLM",
+        {"rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "intermediate_size": 8192},
+    ),
 }
 TEXT_ARCHITECTURES = {arch: mt for mt, (arch, _) in TEXT_FAMILIES.items()}
 LLAVA_ARCHITECTURE = "LlavaForConditionalGeneration"
@@ -53,12 +58,12 @@ def sliding_window_of(cfg: dict) -> int | None:
     """The attention window (in tokens) some layer of the decoder config ``cfg`` applies, as
     transformers reads it; None when every layer attends to the full context.
 
-    Mistral / Mixtral: ``sliding_window`` (null: none). Qwen2 / Qwen3 / Qwen3-MoE: only with
+    Mistral / Mixtral / Phi-3: ``sliding_window`` (null: none). Qwen2 / Qwen3 / Qwen3-MoE: only with
     ``use_sliding_window``; Qwen2 / Qwen3 window the layers from ``max_window_layers`` on (or
     those ``layer_types`` marks ``sliding_attention``). Llama has no window."""
     mt = cfg.get("model_type", "llama")
     window = cfg.get("sliding_window")
-    if window is None or mt not in ("mistral", "mixtral", *_QWEN):
+    if window is None or mt not in ("mistral", "mixtral", "phi3", *_QWEN):
         return None
     if mt in _QWEN and not cfg.get("use_sliding_window", False):
         return None

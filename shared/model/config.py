@@ -159,6 +159,14 @@ def _text_fields(cfg: dict, source: str) -> dict[str, Any]:
     theta, scaling = _rope(cfg, defaults.get("rope_theta", 10000.0))
     if scaling and scaling["rope_type"] not in ("llama3", "linear"):
         raise CheckpointError(f"{source}: unsupported rope_type {scaling['rope_type']!r}")
+    partial = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor")
+    partial = cfg.get("partial_rotary_factor", 1.0) if partial is None else partial
+    if float(partial) != 1.0:
+        raise CheckpointError(
+            f"{source}: partial_rotary_factor {partial} is not supported (RoPE on the whole head)"
+        )
+    if scaling:
+        scaling.pop("partial_rotary_factor", None)
     bias = bool(cfg.get("attention_bias", False)) and model_type != "mixtral"
     check_decoder(cfg, source)
     return dict(

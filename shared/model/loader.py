@@ -102,6 +102,43 @@ def _tied_names(model: nn.Module) -> set[str]:
     return tied
 
 
+def _fused_parts(name: str, config: ModelConfig) -> list[tuple[str, int]] | None:
+    """A fused projection some checkpoints store (Phi-3's ``self_attn.qkv_proj`` and
+    ``mlp.gate_up_proj``) as ``(our parameter, rows)`` pieces in order; None for any other."""
+    for fused, parts in (
+        (
+            "self_attn.qkv_proj.weight",
+            (
+                ("q_proj", config.num_heads * config.head_dim),
+                ("k_proj", config.num_kv_heads * config.head_dim),
+                ("v_proj", config.num_kv_heads * config.head_dim),
+            ),
+        ),
+        (
+            "mlp.gate_up_proj.weight",
+            (("gate_proj", config.intermediate_size), ("up_proj", config.intermediate_size)),
+        ),
+    ):
+        if name.endswith("." + fused):
+            pre = name[: -len(fused)] + fused.split(".")[0] + "."
+            return [(f"{pre}{part}.weight", rows) for part, rows in parts]
+    return None
+
+
+def _copy_split(f, key: str, file: Path, parts, params) -> list[str]:
+    """Copy fused tensor ``key`` row block by row block into ``parts``' parameters."""
+    shape = tuple(f.get_slice(key).get_shape())
+    want = (sum(r for _, r in parts), *params[parts[0][0]].shape[1:])
+    if shape != want:
+        raise CheckpointError(f"{file}: tensor {key!r} has shape {shape}, expected {want}")
+    t, row = f.get_tensor(key), 0
+    with torch.no_grad():
+        for name, rows in parts:
+            params[name].copy_(t[row : row + rows])
+            row += rows
+    return [name for name, _ in parts]
+
+
 def _expected(params: dict[str, nn.Parameter], tied: set[str], config: ModelConfig) -> set[str]:
     """Tensor names the checkpoint must provide: a stacked expert weight counts as found when
     its own name is there (transformers 5.x fused layout) or every per-expert piece is."""
@@ -128,6 +165,11 @@ def _load_weights(model: nn.Module, config: ModelConfig, path: Path) -> list[Pat
         with handle as f:
             for key in f.keys():
                 name = _our_name(key, config)
+                split = _fused_parts(name, config)
+                if split is not None and all(n in expected for n, _ in split):
+                    for n in _copy_split(f, key, file, split, params):
+                        found[n] = file
+                    continue
                 piece = expert_slice(name, config.moe_intermediate_size)
                 if piece is not None and name in expected:  # one expert's gate, up or down
                     pname, e, rows, _ = piece

@@ -132,11 +132,20 @@ def _text_config(kind: str, tok) -> object:
             **_rope(1e6),
             **common,
         )
+    if kind == "phi3":  # fused qkv_proj and gate_up_proj in the checkpoint, GQA 4:2
+        return transformers.Phi3Config(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            **_rope(1e4),
+            **common,
+        )
     raise ValueError(kind)
 
 
 def build_text(kind: str, path: Path) -> Checkpoint:
-    """``kind``: llama | qwen2 | qwen3 | qwen3_moe | mixtral (shapes above)."""
+    """``kind``: llama | qwen2 | qwen3 | qwen3_moe | mixtral | phi3 (shapes above)."""
     tok = hf_tokenizer()
     cfg = _text_config(kind, tok)
     cls = {
@@ -145,6 +154,7 @@ def build_text(kind: str, path: Path) -> Checkpoint:
         "qwen3": transformers.Qwen3ForCausalLM,
         "qwen3_moe": transformers.Qwen3MoeForCausalLM,
         "mixtral": transformers.MixtralForCausalLM,
+        "phi3": transformers.Phi3ForCausalLM,
     }[kind]
     torch.manual_seed(0)
     model = cls(cfg).eval()

@@ -101,6 +101,7 @@ WINDOWS = {
         {"model_type": "qwen3_moe", "use_sliding_window": True, "sliding_window": 96},
         96,
     ),
+    "phi3": ({"model_type": "phi3", "sliding_window": 2047}, 2047),
     "llama has none": ({"model_type": "llama", "sliding_window": 64}, None),
 }
 
@@ -163,3 +164,15 @@ def test_moe_architectures_pass_validate_and_others_are_refused_naming_them(tmp_
     (d / "config.json").write_text(json.dumps({"architectures": ["DeepseekV3ForCausalLM"]}))
     with pytest.raises(CheckpointError, match=r"Qwen3MoeForCausalLM, MixtralForCausalLM"):
         validate_checkpoint(d)
+
+
+def test_phi3_rope_it_cannot_apply_is_one_line():
+    base = {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3"}
+    partial = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}
+    with pytest.raises(CheckpointError, match="partial_rotary_factor 0.75 is not supported"):
+        config_from_dict(base | {"rope_parameters": partial})
+    longrope = {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}
+    with pytest.raises(CheckpointError, match="unsupported rope_type 'longrope'"):
+        config_from_dict(base | {"rope_scaling": longrope})
+    c = config_from_dict(base | {"rope_parameters": partial | {"partial_rotary_factor": 1.0}})
+    assert c.rope_scaling is None and c.intermediate_size == 8192

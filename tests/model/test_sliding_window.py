@@ -20,6 +20,7 @@ CASES = {
     "mistral": ("Mistral", dict(sliding_window=WINDOW)),
     # Qwen2: only layers from max_window_layers on are windowed
     "qwen2": ("Qwen2", dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),
+    "phi3": ("Phi3", dict(sliding_window=WINDOW, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
 }
 
 

@@ -1,4 +1,4 @@
-"""Strata's Llama/Qwen2/Qwen3 against transformers on random tiny checkpoints."""
+"""Strata's Llama/Qwen2/Qwen3/Phi-3 against transformers on random tiny checkpoints."""
 
 import pytest
 import torch
@@ -24,6 +24,17 @@ CASES = {
     # Qwen2: qkv bias, MQA-ish 4:1, tied embeddings
     "qwen2": dict(
         cls="Qwen2", kw=dict(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True)
+    ),
+    # Phi-3: q/k/v and gate/up stored fused (qkv_proj, gate_up_proj), split by the loader
+    "phi3": dict(
+        cls="Phi3",
+        kw=dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
     ),
     # Llama 3 style: llama3 rope scaling, attention/mlp bias, MHA, head_dim 8
     "llama3": dict(

@@ -1,5 +1,5 @@
-"""Llama-family decoders (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral) over the paged KV
-cache.
+"""Llama-family decoders (Llama, Mistral, Qwen2, Qwen3, Phi-3, Qwen3-MoE, Mixtral) over the
+paged KV cache.
 
 One class covers the family; ``ModelConfig`` flags select qkv bias (Qwen2), q/k norm (Qwen3),
 RoPE scaling, tied embeddings and which layers' MLP is a sparse MoE block (`shared.model.moe`).
