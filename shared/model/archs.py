@@ -29,6 +29,19 @@ TEXT_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         "Phi3ForCausalLM",
         {"rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "intermediate_size": 8192},
     ),
+    # Gemma-2: (1 + w) RMSNorm, sqrt(hidden) embedding scale, pre/post feed-forward norms,
+    # soft-capped attention scores and logits; every other layer windowed (layer_types)
+    "gemma2": (
+        "Gemma2ForCausalLM",
+        {
+            "rms_norm_eps": 1e-6,
+            "max_position_embeddings": 8192,
+            "intermediate_size": 9216,
+            "head_dim": 256,
+            "tie_word_embeddings": True,
+            "hidden_act": "gelu_pytorch_tanh",
+        },
+    ),
 }
 TEXT_ARCHITECTURES = {arch: mt for mt, (arch, _) in TEXT_FAMILIES.items()}
 LLAVA_ARCHITECTURE = "LlavaForConditionalGeneration"
@@ -52,24 +65,32 @@ def architecture_of(cfg: dict) -> str | None:
 # refused (a context that short serves no real prompt).
 MIN_WINDOW_LEN = 32
 _QWEN = ("qwen2", "qwen3", "qwen3_moe")
+# transformers' default when config.json has no sliding_window key
+_DEFAULT_WINDOW = {"mistral": 4096, "gemma2": 4096, **dict.fromkeys(_QWEN, 4096)}
 
 
 def sliding_window_of(cfg: dict) -> int | None:
     """The attention window (in tokens) some layer of the decoder config ``cfg`` applies, as
     transformers reads it; None when every layer attends to the full context.
 
-    Mistral / Mixtral / Phi-3: ``sliding_window`` (null: none). Qwen2 / Qwen3 / Qwen3-MoE: only with
+    Mistral / Mixtral / Phi-3: ``sliding_window`` (null: none); Gemma-2 the layers
+    ``layer_types`` marks (default: every other one). Qwen2 / Qwen3 / Qwen3-MoE: only with
     ``use_sliding_window``; Qwen2 / Qwen3 window the layers from ``max_window_layers`` on (or
     those ``layer_types`` marks ``sliding_attention``). Llama has no window."""
     mt = cfg.get("model_type", "llama")
-    window = cfg.get("sliding_window")
-    if window is None or mt not in ("mistral", "mixtral", "phi3", *_QWEN):
+    window = cfg.get("sliding_window", _DEFAULT_WINDOW.get(mt))
+    if window is None or mt not in ("mistral", "mixtral", "phi3", "gemma2", *_QWEN):
         return None
     if mt in _QWEN and not cfg.get("use_sliding_window", False):
         return None
     types = cfg.get("layer_types")
-    if mt in ("qwen2", "qwen3"):
-        if types is None:
+    if mt == "gemma2" and types is None:  # transformers' default: layers 0, 2, 4... windowed
+        types = [
+            "sliding_attention" if (i + 1) % 2 else "full"
+            for i in range(cfg.get("num_hidden_layers", 26))
+        ]
+    if mt in ("qwen2", "qwen3", "gemma2"):
+        if types is None:  # Qwen2 / Qwen3
             n, first = cfg.get("num_hidden_layers", 32), cfg.get("max_window_layers", 28)
             types = ["sliding_attention" if i >= first else "full" for i in range(n)]
         if "sliding_attention" not in types:

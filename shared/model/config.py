@@ -99,6 +99,9 @@ class ModelConfig:
     norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1
     moe_layers: tuple[int, ...] = ()  # indices of the layers whose MLP is the sparse MoE block
     sliding_window: int | None = None  # attention window some layer applies (None: full)
+    attn_logit_softcapping: float | None = None  # Gemma-2: scores -> cap * tanh(scores / cap)
+    final_logit_softcapping: float | None = None  # Gemma-2: logits -> cap * tanh(logits / cap)
+    query_pre_attn_scalar: float | None = None  # Gemma-2: attention scale is its -1/2 power
 
     @property
     def is_multimodal(self) -> bool:
@@ -155,7 +158,7 @@ def _text_fields(cfg: dict, source: str) -> dict[str, Any]:
     hidden = int(cfg.get("hidden_size", 4096))
     heads = int(cfg.get("num_attention_heads", 32))
     kv_heads = cfg.get("num_key_value_heads") or heads
-    head_dim = cfg.get("head_dim") or hidden // heads
+    head_dim = cfg.get("head_dim") or defaults.get("head_dim") or hidden // heads
     theta, scaling = _rope(cfg, defaults.get("rope_theta", 10000.0))
     if scaling and scaling["rope_type"] not in ("llama3", "linear"):
         raise CheckpointError(f"{source}: unsupported rope_type {scaling['rope_type']!r}")
@@ -171,6 +174,7 @@ def _text_fields(cfg: dict, source: str) -> dict[str, Any]:
     check_decoder(cfg, source)
     return dict(
         **_moe_fields(cfg),
+        **_gemma2_fields(cfg, source),
         sliding_window=sliding_window_of(cfg),
         text_model_type=model_type,
         vocab_size=int(cfg.get("vocab_size", 32000)),
@@ -192,7 +196,26 @@ def _text_fields(cfg: dict, source: str) -> dict[str, Any]:
         o_proj_bias=bias if model_type in ("llama", "qwen3", "qwen3_moe") else False,
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         qk_norm=model_type in ("qwen3", "qwen3_moe"),
-        hidden_act=str(cfg.get("hidden_act", "silu")),
+        hidden_act=str(
+            cfg.get("hidden_activation")
+            or cfg.get("hidden_act", defaults.get("hidden_act", "silu"))
+        ),
+    )
+
+
+def _gemma2_fields(cfg: dict, source: str) -> dict[str, Any]:
+    """Gemma-2's soft-capping and attention scale (other models: none)."""
+    if cfg.get("model_type") != "gemma2":
+        return {}
+    if cfg.get("use_bidirectional_attention"):
+        raise CheckpointError(f"{source}: use_bidirectional_attention is not supported")
+    caps = {
+        k: cfg.get(k, d)
+        for k, d in (("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0))
+    }
+    return dict(
+        **{k: None if v is None else float(v) for k, v in caps.items()},
+        query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)),
     )
 
 
@@ -312,7 +335,12 @@ def config_from_dict(cfg: dict, source: str = "config.json") -> ModelConfig:
         architecture=arch,
         model_type=cfg.get("model_type", fields["text_model_type"]),
         **fields,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(
+            cfg.get(
+                "tie_word_embeddings",
+                _TEXT_FAMILIES[fields["text_model_type"]][1].get("tie_word_embeddings", False),
+            )
+        ),
         dtype=parse_dtype(declared_dtype(cfg)),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=_eos_tuple(cfg.get("eos_token_id")),

@@ -141,11 +141,21 @@ def _text_config(kind: str, tok) -> object:
             **_rope(1e4),
             **common,
         )
+    if kind == "gemma2":  # soft-capping, (1 + w) and sandwich norms, tied, head_dim 16
+        return transformers.Gemma2Config(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            **_rope(1e4),
+            **common,
+        )
     raise ValueError(kind)
 
 
 def build_text(kind: str, path: Path) -> Checkpoint:
-    """``kind``: llama | qwen2 | qwen3 | qwen3_moe | mixtral | phi3 (shapes above)."""
+    """``kind``: llama | qwen2 | qwen3 | qwen3_moe | mixtral | phi3 | gemma2 (shapes above)."""
     tok = hf_tokenizer()
     cfg = _text_config(kind, tok)
     cls = {
@@ -155,6 +165,7 @@ def build_text(kind: str, path: Path) -> Checkpoint:
         "qwen3_moe": transformers.Qwen3MoeForCausalLM,
         "mixtral": transformers.MixtralForCausalLM,
         "phi3": transformers.Phi3ForCausalLM,
+        "gemma2": transformers.Gemma2ForCausalLM,
     }[kind]
     torch.manual_seed(0)
     model = cls(cfg).eval()

@@ -25,9 +25,10 @@ LOGPROB_TOL = 2e-3
 
 
 # Each costs one cluster start (~10 s on a 2-core box): Qwen3-MoE (routed and dense layers) and
-# Mixtral are the MoE ones, Phi-3 the one with fused projections in the checkpoint.
+# Mixtral are the MoE ones, Phi-3 has fused projections in the checkpoint, Gemma-2 soft-capping.
 @pytest.fixture(
-    scope="module", params=["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "phi3", "llava"]
+    scope="module",
+    params=["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "phi3", "gemma2", "llava"],
 )
 def served(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(request.param)

@@ -102,6 +102,11 @@ WINDOWS = {
         96,
     ),
     "phi3": ({"model_type": "phi3", "sliding_window": 2047}, 2047),
+    "gemma2 every other layer": ({"model_type": "gemma2", "sliding_window": 64}, 64),
+    "gemma2 all full": (
+        {"model_type": "gemma2", "sliding_window": 64, "layer_types": ["full_attention"] * 2},
+        None,
+    ),
     "llama has none": ({"model_type": "llama", "sliding_window": 64}, None),
 }
 
@@ -176,3 +181,16 @@ def test_phi3_rope_it_cannot_apply_is_one_line():
         config_from_dict(base | {"rope_scaling": longrope})
     c = config_from_dict(base | {"rope_parameters": partial | {"partial_rotary_factor": 1.0}})
     assert c.rope_scaling is None and c.intermediate_size == 8192
+
+
+def test_gemma2_fields_and_defaults():
+    c = config_from_dict({"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2"})
+    assert (c.attn_logit_softcapping, c.final_logit_softcapping) == (50.0, 30.0)
+    assert c.query_pre_attn_scalar == 256 and c.head_dim == 256 and c.tie_word_embeddings
+    assert c.hidden_act == "gelu_pytorch_tanh" and c.max_model_len == 4096  # window 4096 < 8192
+    off = {"model_type": "gemma2", "attn_logit_softcapping": None, "sliding_window": None}
+    c = config_from_dict(off | {"hidden_activation": "gelu", "tie_word_embeddings": False})
+    assert c.attn_logit_softcapping is None and c.max_model_len == 8192
+    assert c.hidden_act == "gelu" and not c.tie_word_embeddings
+    with pytest.raises(CheckpointError, match="use_bidirectional_attention is not supported"):
+        config_from_dict({"model_type": "gemma2", "use_bidirectional_attention": True})

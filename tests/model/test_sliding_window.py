@@ -21,6 +21,8 @@ CASES = {
     # Qwen2: only layers from max_window_layers on are windowed
     "qwen2": ("Qwen2", dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),
     "phi3": ("Phi3", dict(sliding_window=WINDOW, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # Gemma-2: every other layer windowed (default layer_types), soft-capped attention
+    "gemma2": ("Gemma2", dict(sliding_window=WINDOW, head_dim=16, query_pre_attn_scalar=16)),
 }
 
 

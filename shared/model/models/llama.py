@@ -100,20 +100,23 @@ class DecoderLayer(nn.Module):
 class DecoderStack(nn.Module):
     """Embedding, layers and final norm (transformers' ``model.*`` prefix)."""
 
-    def __init__(self, c: ModelConfig):
+    def __init__(self, c: ModelConfig, layer=DecoderLayer, norm=RMSNorm):
         super().__init__()
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_layers))
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.layers = nn.ModuleList(layer(c, i) for i in range(c.num_layers))
+        self.norm = norm(c.hidden_size, c.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
     """Paged-KV causal LM; see ``shared/model/api.py`` for the batch contract."""
 
+    layer_class: type[nn.Module] = DecoderLayer  # a subclass's decoder layer and norm
+    norm_class: type[nn.Module] = RMSNorm
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.model = DecoderStack(config)
+        self.model = DecoderStack(config, self.layer_class, self.norm_class)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.num_layers = config.num_layers
         self.num_kv_heads = config.num_kv_heads
