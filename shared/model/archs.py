@@ -45,6 +45,8 @@ TEXT_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 TEXT_ARCHITECTURES = {arch: mt for mt, (arch, _) in TEXT_FAMILIES.items()}
 LLAVA_ARCHITECTURE = "LlavaForConditionalGeneration"
+# decoders a LLaVA may hold (its language model is the Llama-family class; Gemma-2 is not)
+LLAVA_TEXT_TYPES = tuple(mt for mt in TEXT_FAMILIES if mt != "gemma2")
 SUPPORTED = (*TEXT_ARCHITECTURES, LLAVA_ARCHITECTURE)
 
 

@@ -15,6 +15,7 @@ import torch
 
 from shared.model.archs import (
     LLAVA_ARCHITECTURE,
+    LLAVA_TEXT_TYPES,
     TEXT_ARCHITECTURES,
     architecture_of,
     sliding_window_of,
@@ -313,6 +314,10 @@ def config_from_dict(cfg: dict, source: str = "config.json") -> ModelConfig:
         raise CheckpointError(f"{source}: unknown architecture {arch!r}")
     if arch == LLAVA_ARCHITECTURE:
         text = dict(cfg.get("text_config") or {"model_type": "llama"})
+        if text.get("model_type", "llama") not in LLAVA_TEXT_TYPES:
+            raise CheckpointError(
+                f"{source}: unsupported LLaVA text model_type {text.get('model_type')!r}"
+            )
         fields = _text_fields(text, source)
         vision = _vision_config(cfg)
         image_token_id = cfg.get("image_token_index", cfg.get("image_token_id", 32000))

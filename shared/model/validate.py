@@ -16,9 +16,9 @@ from pathlib import Path
 
 from shared.model.archs import (
     LLAVA_ARCHITECTURE,
+    LLAVA_TEXT_TYPES,
     MIN_WINDOW_LEN,
     SUPPORTED,
-    TEXT_FAMILIES,
     architecture_of,
     decoder_config,
     sliding_window_of,
@@ -80,10 +80,10 @@ def check_architecture(cfg: dict, file: Path) -> str:
     if arch == LLAVA_ARCHITECTURE:
         text = cfg.get("text_config") or {}
         mt = text.get("model_type", "llama") if isinstance(text, dict) else None
-        if mt not in TEXT_FAMILIES:
+        if mt not in LLAVA_TEXT_TYPES:
             raise CheckpointError(
                 f"{file}: unsupported LLaVA text model_type {mt!r} "
-                f"(Strata serves {', '.join(TEXT_FAMILIES)})"
+                f"(Strata serves {', '.join(LLAVA_TEXT_TYPES)})"
             )
     return arch
 

@@ -194,3 +194,15 @@ def test_gemma2_fields_and_defaults():
     assert c.hidden_act == "gelu" and not c.tie_word_embeddings
     with pytest.raises(CheckpointError, match="use_bidirectional_attention is not supported"):
         config_from_dict({"model_type": "gemma2", "use_bidirectional_attention": True})
+
+
+def test_a_llava_around_gemma2_is_refused_in_one_line(tmp_path):
+    """LLaVA's language model is the Llama-family class; Gemma-2's layers are not."""
+    llava = {"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava"}
+    bad = llava | {"text_config": {"model_type": "gemma2"}}
+    with pytest.raises(CheckpointError, match="unsupported LLaVA text model_type 'gemma2'"):
+        validate_checkpoint(_checkpoint(tmp_path, bad))
+    with pytest.raises(CheckpointError, match="unsupported LLaVA text model_type 'gemma2'"):
+        config_from_dict(bad)
+    moe = llava | {"text_config": {"model_type": "qwen3_moe", "num_experts": 4}}
+    assert config_from_dict(moe).num_experts == 4
