@@ -45,7 +45,11 @@ class Experts(nn.Module):
     def gemms(self, e: int) -> tuple[Gemm, Gemm]:
         """Expert ``e``'s (gate_up, down) GEMMs, packed again when a weight changed."""
         g = self._gemms
-        if g is None or not g[e][0].current(self.gate_up_proj[e], None):
+        if (
+            g is None
+            or not g[e][0].current(self.gate_up_proj[e], None)
+            or not g[e][1].current(self.down_proj[e], None)
+        ):
             g = self._gemms = [
                 (Gemm(self.gate_up_proj[i], None), Gemm(self.down_proj[i], None))
                 for i in range(self.gate_up_proj.shape[0])
