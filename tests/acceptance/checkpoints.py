@@ -22,6 +22,7 @@ from shared.model.default_model import CHAT_TEMPLATE, train_tokenizer
 transformers = __import__("pytest").importorskip("transformers")
 
 VOCAB = 4096  # the trained tokenizer's size (special tokens included), a multiple of 64
+WINDOW = 64  # the sliding window of the mistral_window checkpoint
 IMAGE_TOKEN = "<image>"
 _CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 _CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
@@ -141,6 +142,16 @@ def _text_config(kind: str, tok) -> object:
             **_rope(1e4),
             **common,
         )
+    if kind == "mistral_window":  # a sliding window (64) far under max_position_embeddings
+        return transformers.MistralConfig(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            sliding_window=WINDOW,
+            tie_word_embeddings=False,
+            **_rope(1e4),
+            **common,
+        )
     if kind == "gemma2":  # soft-capping, (1 + w) and sandwich norms, tied, head_dim 16
         return transformers.Gemma2Config(
             hidden_size=64,
@@ -155,7 +166,8 @@ def _text_config(kind: str, tok) -> object:
 
 
 def build_text(kind: str, path: Path) -> Checkpoint:
-    """``kind``: llama | qwen2 | qwen3 | qwen3_moe | mixtral | phi3 | gemma2 (shapes above)."""
+    """``kind``: llama | qwen2 | qwen3 | qwen3_moe | mixtral | phi3 | gemma2 | mistral_window
+    (shapes above)."""
     tok = hf_tokenizer()
     cfg = _text_config(kind, tok)
     cls = {
@@ -166,6 +178,7 @@ def build_text(kind: str, path: Path) -> Checkpoint:
         "mixtral": transformers.MixtralForCausalLM,
         "phi3": transformers.Phi3ForCausalLM,
         "gemma2": transformers.Gemma2ForCausalLM,
+        "mistral_window": transformers.MistralForCausalLM,
     }[kind]
     torch.manual_seed(0)
     model = cls(cfg).eval()
