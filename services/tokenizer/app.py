@@ -48,8 +48,10 @@ async def serve_tokenizer(nc, core: TokenizerCore):
 
 def main(argv: list[str]) -> None:
     cfg = TokenizerConfig.load(argv, role="tokenizer")
-    validate_checkpoint(cfg.model)  # a bad checkpoint: one line (CheckpointError), before NATS
+    info = validate_checkpoint(cfg.model)  # a bad checkpoint: one line (CheckpointError)
     setup_logging("tokenizer", cfg.instance_id, cfg.log_level)
+    if info.context_note:  # the gateway refuses longer requests with this length
+        log.warning(info.context_note)
 
     async def amain(stop: asyncio.Event) -> None:
         core = TokenizerCore(cfg.model, cfg.dtype, cfg.block_size)

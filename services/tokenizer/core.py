@@ -39,7 +39,7 @@ class TokenizerCore:
         self.kv_dtype = dtype_name(torch_dtype)
         self.fingerprint = model_fingerprint(path, self.config.architecture, torch_dtype)
         self.block_size = block_size
-        self.max_model_len = self.config.max_position_embeddings
+        self.max_model_len = self.config.max_model_len
         self.image_token_id = self.config.image_token_id
         if self.image_token_id is None:
             self.image_token_id = self.tokenizer.image_token_id

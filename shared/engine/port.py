@@ -62,7 +62,7 @@ class EnginePort:
         spt = 0.0
         if warm_up_tokens > 0:
             cfg = loaded_model.config
-            n = min(warm_up_tokens, cfg.max_position_embeddings - 1)
+            n = min(warm_up_tokens, cfg.max_model_len - 1)
             ids = [(i * 7919) % cfg.vocab_size for i in range(n)]
             t0 = time.perf_counter()
             engine.generate([ids], SamplingParams(max_tokens=1, temperature=0.0))

@@ -65,12 +65,16 @@ def quantize_model_(model: nn.Module, skip: tuple[str, ...] = ("lm_head",)) -> i
     """Replace every ``nn.Linear`` (except names containing ``skip``) in place; returns the count.
 
     The LM head stays in full precision by default: it decides the argmax and, when tied, shares
-    its weight with the embedding.
+    its weight with the embedding. So does a MoE router (the ``gate`` beside ``experts``): a
+    rounded router logit flips which experts a token reaches. Stacked expert weights are not
+    ``nn.Linear`` and stay as they are.
     """
     n = 0
     for name, mod in list(model.named_modules()):
         for child_name, child in list(mod.named_children()):
             full = f"{name}.{child_name}" if name else child_name
+            if child_name == "gate" and hasattr(mod, "experts"):
+                continue
             if isinstance(child, nn.Linear) and not any(s in full for s in skip):
                 setattr(mod, child_name, Int8Linear(child))
                 n += 1

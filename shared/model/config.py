@@ -13,10 +13,17 @@ from typing import Any
 
 import torch
 
-from shared.model.archs import LLAVA_ARCHITECTURE, TEXT_ARCHITECTURES, architecture_of
+from shared.model.archs import (
+    LLAVA_ARCHITECTURE,
+    LLAVA_TEXT_TYPES,
+    TEXT_ARCHITECTURES,
+    architecture_of,
+    sliding_window_of,
+)
 from shared.model.archs import TEXT_FAMILIES as _TEXT_FAMILIES
+from shared.model.config_fields import gemma2_fields, moe_fields
 from shared.model.errors import CheckpointError
-from shared.model.validate import declared_dtype, read_config_json
+from shared.model.validate import check_decoder, declared_dtype, read_config_json
 from shared.protocol.dtypes import torch_dtype
 
 
@@ -88,10 +95,28 @@ class ModelConfig:
     image_token_id: int | None = None
     num_image_tokens: int = 0  # tokens per image after placeholder expansion; 0 for text-only
     image_size: int = 0  # vision input resolution; 0 for text-only
+    num_experts: int = 0  # routed experts per MoE layer (0: dense model)
+    num_experts_per_tok: int = 0  # top-k experts each token is routed to
+    moe_intermediate_size: int = 0  # hidden width of one expert's gated MLP
+    norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1
+    moe_layers: tuple[int, ...] = ()  # indices of the layers whose MLP is the sparse MoE block
+    sliding_window: int | None = None  # attention window some layer applies (None: full)
+    attn_logit_softcapping: float | None = None  # Gemma-2: scores -> cap * tanh(scores / cap)
+    final_logit_softcapping: float | None = None  # Gemma-2: logits -> cap * tanh(logits / cap)
+    query_pre_attn_scalar: float | None = None  # Gemma-2: attention scale is its -1/2 power
 
     @property
     def is_multimodal(self) -> bool:
         return self.vision is not None
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence (prompt + output tokens) Strata serves: the position limit, capped
+        at the sliding window (the paged attention attends to the full context, which equals the
+        window's attention exactly while no sequence is longer than it)."""
+        return min(
+            self.max_position_embeddings, self.sliding_window or self.max_position_embeddings
+        )
 
 
 def parse_dtype(value: Any, default: torch.dtype = torch.float32) -> torch.dtype:
@@ -111,14 +136,14 @@ def _eos_tuple(value: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
-def _rope(cfg: dict) -> tuple[float, dict | None]:
+def _rope(cfg: dict, default_theta: float = 10000.0) -> tuple[float, dict | None]:
     """Return (theta, scaling) from either the 4.x or the 5.x layout."""
     params = cfg.get("rope_parameters")
     if isinstance(params, dict):
-        theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        theta = float(params.get("rope_theta", cfg.get("rope_theta", default_theta)))
         scaling = {k: v for k, v in params.items() if k != "rope_theta"}
     else:
-        theta = float(cfg.get("rope_theta", 10000.0))
+        theta = float(cfg.get("rope_theta", default_theta))
         scaling = dict(cfg.get("rope_scaling") or {})
     if "type" in scaling and "rope_type" not in scaling:
         scaling["rope_type"] = scaling.pop("type")
@@ -135,16 +160,30 @@ def _text_fields(cfg: dict, source: str) -> dict[str, Any]:
     hidden = int(cfg.get("hidden_size", 4096))
     heads = int(cfg.get("num_attention_heads", 32))
     kv_heads = cfg.get("num_key_value_heads") or heads
-    head_dim = cfg.get("head_dim") or hidden // heads
-    theta, scaling = _rope(cfg)
+    head_dim = cfg.get("head_dim") or defaults.get("head_dim") or hidden // heads
+    theta, scaling = _rope(cfg, defaults.get("rope_theta", 10000.0))
     if scaling and scaling["rope_type"] not in ("llama3", "linear"):
         raise CheckpointError(f"{source}: unsupported rope_type {scaling['rope_type']!r}")
-    bias = bool(cfg.get("attention_bias", False))
+    partial = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor")
+    partial = cfg.get("partial_rotary_factor", 1.0) if partial is None else partial
+    if float(partial) != 1.0:
+        raise CheckpointError(
+            f"{source}: partial_rotary_factor {partial} is not supported (RoPE on the whole head)"
+        )
+    if scaling:
+        scaling.pop("partial_rotary_factor", None)
+    bias = bool(cfg.get("attention_bias", False)) and model_type != "mixtral"
+    check_decoder(cfg, source)
     return dict(
+        **moe_fields(cfg),
+        **gemma2_fields(cfg, source),
+        sliding_window=sliding_window_of(cfg),
         text_model_type=model_type,
         vocab_size=int(cfg.get("vocab_size", 32000)),
         hidden_size=hidden,
-        intermediate_size=int(cfg.get("intermediate_size", 11008)),
+        intermediate_size=int(
+            cfg.get("intermediate_size", defaults.get("intermediate_size", 11008))
+        ),
         num_layers=int(cfg.get("num_hidden_layers", 32)),
         num_heads=heads,
         num_kv_heads=int(kv_heads),
@@ -156,10 +195,13 @@ def _text_fields(cfg: dict, source: str) -> dict[str, Any]:
             cfg.get("max_position_embeddings", defaults["max_position_embeddings"])
         ),
         attention_bias=True if model_type == "qwen2" else bias,
-        o_proj_bias=bias if model_type in ("llama", "qwen3") else False,
+        o_proj_bias=bias if model_type in ("llama", "qwen3", "qwen3_moe") else False,
         mlp_bias=bool(cfg.get("mlp_bias", False)),
-        qk_norm=model_type == "qwen3",
-        hidden_act=str(cfg.get("hidden_act", "silu")),
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        hidden_act=str(
+            cfg.get("hidden_activation")
+            or cfg.get("hidden_act", defaults.get("hidden_act", "silu"))
+        ),
     )
 
 
@@ -220,6 +262,10 @@ def config_from_dict(cfg: dict, source: str = "config.json") -> ModelConfig:
         raise CheckpointError(f"{source}: unknown architecture {arch!r}")
     if arch == LLAVA_ARCHITECTURE:
         text = dict(cfg.get("text_config") or {"model_type": "llama"})
+        if text.get("model_type", "llama") not in LLAVA_TEXT_TYPES:
+            raise CheckpointError(
+                f"{source}: unsupported LLaVA text model_type {text.get('model_type')!r}"
+            )
         fields = _text_fields(text, source)
         vision = _vision_config(cfg)
         image_token_id = cfg.get("image_token_index", cfg.get("image_token_id", 32000))
@@ -242,7 +288,12 @@ def config_from_dict(cfg: dict, source: str = "config.json") -> ModelConfig:
         architecture=arch,
         model_type=cfg.get("model_type", fields["text_model_type"]),
         **fields,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(
+            cfg.get(
+                "tie_word_embeddings",
+                _TEXT_FAMILIES[fields["text_model_type"]][1].get("tie_word_embeddings", False),
+            )
+        ),
         dtype=parse_dtype(declared_dtype(cfg)),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=_eos_tuple(cfg.get("eos_token_id")),

@@ -18,6 +18,7 @@ from torch import nn
 from shared.config import RuntimeSettings
 from shared.model import cpu_kernels
 from shared.model.attention import AttentionPlan, paged_attention
+from shared.model.softcap import softcap_attention
 
 ACTIVATIONS = {
     "silu": F.silu,
@@ -240,10 +241,13 @@ class Attention(nn.Module):
         o_bias: bool = False,
         qk_norm: bool = False,
         eps: float = 1e-6,
+        softcap: float | None = None,
+        scale: float | None = None,
     ):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
+        self.softcap = softcap  # Gemma-2's attention score cap (`shared.model.softcap`)
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=qkv_bias)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
@@ -293,7 +297,12 @@ class Attention(nn.Module):
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = paged_attention(q, k, v, k_cache, v_cache, slot_mapping, plan, self.scale)
+        if self.softcap is not None:
+            o = softcap_attention(
+                q, k, v, k_cache, v_cache, slot_mapping, plan, self.scale, self.softcap
+            )
+        else:
+            o = paged_attention(q, k, v, k_cache, v_cache, slot_mapping, plan, self.scale)
         return project(self.o_proj, o.reshape(t, self.num_heads * self.head_dim))
 
     def _fused_qkv(self) -> Gemm | None:

@@ -25,6 +25,7 @@ from torch import nn
 from shared.model.config import LLAVA_ARCHITECTURE, ModelConfig, load_config
 from shared.model.errors import CheckpointError
 from shared.model.models import model_class
+from shared.model.moe import checkpoint_name, expected_parts, expert_slice
 from shared.model.validate import INDEX as _INDEX
 from shared.model.validate import checkpoint_files
 
@@ -77,6 +78,8 @@ def weights_digest(files: list[Path]) -> str:
 
 
 def _our_name(name: str, config: ModelConfig) -> str:
+    if config.num_experts:
+        name = checkpoint_name(name)
     if config.architecture == LLAVA_ARCHITECTURE:
         for old, new in _LLAVA_RENAMES:
             if name.startswith(old):
@@ -99,11 +102,58 @@ def _tied_names(model: nn.Module) -> set[str]:
     return tied
 
 
+def _fused_parts(name: str, config: ModelConfig) -> list[tuple[str, int]] | None:
+    """A fused projection some checkpoints store (Phi-3's ``self_attn.qkv_proj`` and
+    ``mlp.gate_up_proj``) as ``(our parameter, rows)`` pieces in order; None for any other."""
+    for fused, parts in (
+        (
+            "self_attn.qkv_proj.weight",
+            (
+                ("q_proj", config.num_heads * config.head_dim),
+                ("k_proj", config.num_kv_heads * config.head_dim),
+                ("v_proj", config.num_kv_heads * config.head_dim),
+            ),
+        ),
+        (
+            "mlp.gate_up_proj.weight",
+            (("gate_proj", config.intermediate_size), ("up_proj", config.intermediate_size)),
+        ),
+    ):
+        if name.endswith("." + fused):
+            pre = name[: -len(fused)] + fused.split(".")[0] + "."
+            return [(f"{pre}{part}.weight", rows) for part, rows in parts]
+    return None
+
+
+def _copy_split(f, key: str, file: Path, parts, params) -> list[str]:
+    """Copy fused tensor ``key`` row block by row block into ``parts``' parameters."""
+    shape = tuple(f.get_slice(key).get_shape())
+    want = (sum(r for _, r in parts), *params[parts[0][0]].shape[1:])
+    if shape != want:
+        raise CheckpointError(f"{file}: tensor {key!r} has shape {shape}, expected {want}")
+    t, row = f.get_tensor(key), 0
+    with torch.no_grad():
+        for name, rows in parts:
+            params[name].copy_(t[row : row + rows])
+            row += rows
+    return [name for name, _ in parts]
+
+
+def _expected(params: dict[str, nn.Parameter], tied: set[str], config: ModelConfig) -> set[str]:
+    """Tensor names the checkpoint must provide: a stacked expert weight counts as found when
+    its own name is there (transformers 5.x fused layout) or every per-expert piece is."""
+    out = set()
+    for n in params:
+        if n not in tied:
+            out.update(expected_parts(n, config.num_experts) or [n])
+    return out
+
+
 def _load_weights(model: nn.Module, config: ModelConfig, path: Path) -> list[Path]:
     files, weight_map = checkpoint_files(path)
     tied = _tied_names(model)
     params = dict(model.named_parameters(remove_duplicate=False))
-    expected = {n for n in params if n not in tied}
+    expected = _expected(params, tied, config)
     found: dict[str, Path] = {}
     for file in files:
         if not file.exists():
@@ -115,17 +165,28 @@ def _load_weights(model: nn.Module, config: ModelConfig, path: Path) -> list[Pat
         with handle as f:
             for key in f.keys():
                 name = _our_name(key, config)
-                if name not in expected:
+                split = _fused_parts(name, config)
+                if split is not None and all(n in expected for n, _ in split):
+                    for n in _copy_split(f, key, file, split, params):
+                        found[n] = file
+                    continue
+                piece = expert_slice(name, config.moe_intermediate_size)
+                if piece is not None and name in expected:  # one expert's gate, up or down
+                    pname, e, rows, _ = piece
+                    target = params[pname][e][rows]
+                elif name in params and name not in tied:
+                    target = params[name]
+                else:
                     continue  # e.g. a SigLIP pooling head or an untied duplicate we do not use
-                param = params[name]
                 shape = tuple(f.get_slice(key).get_shape())
-                if shape != tuple(param.shape):
+                if shape != tuple(target.shape):
                     raise CheckpointError(
-                        f"{file}: tensor {key!r} has shape {shape}, expected {tuple(param.shape)}"
+                        f"{file}: tensor {key!r} has shape {shape}, expected {tuple(target.shape)}"
                     )
                 with torch.no_grad():
-                    param.copy_(f.get_tensor(key))
-                found[name] = file
+                    target.copy_(f.get_tensor(key))
+                for part in expected_parts(name, config.num_experts) or [name]:
+                    found[part] = file
     missing = sorted(expected - found.keys())
     if missing:
         where = path / _INDEX if weight_map is not None else files[0]

@@ -14,7 +14,15 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.model.archs import LLAVA_ARCHITECTURE, SUPPORTED, TEXT_FAMILIES, architecture_of
+from shared.model.archs import (
+    LLAVA_ARCHITECTURE,
+    LLAVA_TEXT_TYPES,
+    MIN_WINDOW_LEN,
+    SUPPORTED,
+    architecture_of,
+    decoder_config,
+    sliding_window_of,
+)
 from shared.model.errors import CheckpointError
 
 INDEX = "model.safetensors.index.json"
@@ -31,6 +39,7 @@ class CheckpointInfo:
     architecture: str
     multimodal: bool  # takes images (LLaVA): the cluster needs a vision encoder for them
     weight_files: tuple[Path, ...]
+    context_note: str | None = None  # one line when the served context is capped (see below)
 
 
 def declared_dtype(cfg: dict) -> object:
@@ -71,12 +80,41 @@ def check_architecture(cfg: dict, file: Path) -> str:
     if arch == LLAVA_ARCHITECTURE:
         text = cfg.get("text_config") or {}
         mt = text.get("model_type", "llama") if isinstance(text, dict) else None
-        if mt not in TEXT_FAMILIES:
+        if mt not in LLAVA_TEXT_TYPES:
             raise CheckpointError(
                 f"{file}: unsupported LLaVA text model_type {mt!r} "
-                f"(Strata serves {', '.join(TEXT_FAMILIES)})"
+                f"(Strata serves {', '.join(LLAVA_TEXT_TYPES)})"
             )
     return arch
+
+
+def check_decoder(cfg: dict, file: Path | str) -> str | None:
+    """Settings of the decoder config ``cfg`` Strata cannot serve raise `CheckpointError`: a
+    router top-k above the expert count, a sliding window under `MIN_WINDOW_LEN`. Returns one
+    line when the served context is capped at the sliding window, else None."""
+    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    top_k = cfg.get("num_experts_per_tok")
+    if cfg.get("model_type") in ("qwen3_moe", "mixtral") and experts is not None and top_k:
+        if int(top_k) > int(experts):
+            raise CheckpointError(
+                f"{file}: num_experts_per_tok {top_k} exceeds the {experts} experts per layer; "
+                "fix config.json"
+            )
+    window = sliding_window_of(cfg)
+    if window is None:
+        return None
+    limit = int(cfg.get("max_position_embeddings") or window)
+    if window < MIN_WINDOW_LEN:
+        raise CheckpointError(
+            f"{file}: sliding_window {window} is under {MIN_WINDOW_LEN} tokens; Strata attends "
+            "to the full context and caps it at the window, which leaves no usable length"
+        )
+    if window >= limit:
+        return None
+    return (
+        f"{file}: sliding_window {window} < max_position_embeddings {limit}: serving a context "
+        f"of {window} tokens (full attention over at most the window equals windowed attention)"
+    )
 
 
 def checkpoint_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
@@ -134,6 +172,7 @@ def validate_checkpoint(path: str | Path) -> CheckpointInfo:
     file = p / "config.json"
     cfg = read_config_json(file)
     arch = check_architecture(cfg, file)
+    note = check_decoder(decoder_config(cfg), file)
     files, _ = checkpoint_files(p)
     for f in files:
         check_safetensors_header(f)
@@ -142,7 +181,7 @@ def validate_checkpoint(path: str | Path) -> CheckpointInfo:
             f"{p}: no {TOKENIZER_FILE} (Strata needs the fast tokenizer file; "
             "save it with tokenizer.save_pretrained(dir))"
         )
-    return CheckpointInfo(p, arch, arch == LLAVA_ARCHITECTURE, tuple(files))
+    return CheckpointInfo(p, arch, arch == LLAVA_ARCHITECTURE, tuple(files), note)
 
 
 def takes_images(path: str | Path) -> bool:

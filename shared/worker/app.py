@@ -98,7 +98,7 @@ async def start_worker(
             capacity={
                 "kv_blocks": rt.port.stats().kv_blocks_total,
                 "max_num_seqs": cfg.max_num_seqs,
-                "max_model_len": m.max_position_embeddings,
+                "max_model_len": m.max_model_len,
             },
         ),
         replicas=cfg.js_replicas,

@@ -145,7 +145,7 @@ def kv_budget_for(cfg, loaded) -> tuple[int, str]:
     return resolve_kv_bytes(
         cfg.kv_cache_bytes,
         token_bytes,
-        cfg.max_num_seqs * loaded.config.max_position_embeddings,
+        cfg.max_num_seqs * loaded.config.max_model_len,
         device=cfg.device,
         fraction=cfg.kv_memory_fraction,
         host_engines=cfg.host_engines,

@@ -151,7 +151,7 @@ class ModelRuntime:
             waiting_tokens=self.port.queued_tokens(),
             prefill_tokens_per_s=1.0 / self.cost.prefill_s_per_token,
             decode_tokens_per_s=self.decode_rate.per_second(),
-            max_model_len=self.loaded.config.max_position_embeddings,
+            max_model_len=self.loaded.config.max_model_len,
             block_size=self.cfg.block_size,
             connected=connected,
         )

@@ -22,6 +22,7 @@ from shared.model.default_model import CHAT_TEMPLATE, train_tokenizer
 transformers = __import__("pytest").importorskip("transformers")
 
 VOCAB = 4096  # the trained tokenizer's size (special tokens included), a multiple of 64
+WINDOW = 64  # the sliding window of the mistral_window checkpoint
 IMAGE_TOKEN = "<image>"
 _CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 _CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
@@ -106,17 +107,78 @@ def _text_config(kind: str, tok) -> object:
             **_rope(1e6),
             **common,
         )
+    if kind == "qwen3_moe":  # 8 experts top-2, raw top-k weights, layer 1 dense, q/k norm
+        return transformers.Qwen3MoeConfig(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            norm_topk_prob=False,
+            mlp_only_layers=[1],
+            tie_word_embeddings=False,
+            **_rope(1e6),
+            **common,
+        )
+    if kind == "mixtral":  # 4 experts top-2 (renormalised), GQA 4:1
+        return transformers.MixtralConfig(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            tie_word_embeddings=False,
+            **_rope(1e6),
+            **common,
+        )
+    if kind == "phi3":  # fused qkv_proj and gate_up_proj in the checkpoint, GQA 4:2
+        return transformers.Phi3Config(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            **_rope(1e4),
+            **common,
+        )
+    if kind == "mistral_window":  # a sliding window (64) far under max_position_embeddings
+        return transformers.MistralConfig(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            sliding_window=WINDOW,
+            tie_word_embeddings=False,
+            **_rope(1e4),
+            **common,
+        )
+    if kind == "gemma2":  # soft-capping, (1 + w) and sandwich norms, tied, head_dim 16
+        return transformers.Gemma2Config(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            **_rope(1e4),
+            **common,
+        )
     raise ValueError(kind)
 
 
 def build_text(kind: str, path: Path) -> Checkpoint:
-    """``kind``: llama | qwen2 | qwen3 (shapes above)."""
+    """``kind``: llama | qwen2 | qwen3 | qwen3_moe | mixtral | phi3 | gemma2 | mistral_window
+    (shapes above)."""
     tok = hf_tokenizer()
     cfg = _text_config(kind, tok)
     cls = {
         "llama": transformers.LlamaForCausalLM,
         "qwen2": transformers.Qwen2ForCausalLM,
         "qwen3": transformers.Qwen3ForCausalLM,
+        "qwen3_moe": transformers.Qwen3MoeForCausalLM,
+        "mixtral": transformers.MixtralForCausalLM,
+        "phi3": transformers.Phi3ForCausalLM,
+        "gemma2": transformers.Gemma2ForCausalLM,
+        "mistral_window": transformers.MistralForCausalLM,
     }[kind]
     torch.manual_seed(0)
     model = cls(cfg).eval()

@@ -1,5 +1,5 @@
 """The user's first hour: ``strata up --model DIR`` on checkpoints that today's transformers saves
-(text and LLaVA, several shapes), with no other flag, served through the official ``openai``
+(text, MoE and LLaVA, several shapes), with no other flag, served through the official ``openai``
 client. Streamed and non-streamed chat and completions equal transformers' greedy tokens — text
 and per-token log-probabilities — through the whole default cluster (gateway, tokenizer, vision
 when the model has a tower, scheduler, prefill, decode, kvstore, MinIO)."""
@@ -24,7 +24,12 @@ PROMPT = "The gateway streams tokens"
 LOGPROB_TOL = 2e-3
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "llava"])
+# Each costs one cluster start (10-25 s on a 2-core box): Qwen3-MoE (routed and dense layers)
+# and Mixtral are the MoE ones, Gemma-2 its own model class (soft-capping). Phi-3 differs from
+# Llama only in how the loader splits its fused tensors: tests/model covers it.
+@pytest.fixture(
+    scope="module", params=["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma2", "llava"]
+)
 def served(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(request.param)
     path = tmp / "checkpoint"

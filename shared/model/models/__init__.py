@@ -9,6 +9,7 @@ from torch import nn
 from shared.model.config import LLAVA_ARCHITECTURE, TEXT_ARCHITECTURES, ModelConfig
 
 _REGISTRY = {arch: "shared.model.models.llama:LlamaForCausalLM" for arch in TEXT_ARCHITECTURES}
+_REGISTRY["Gemma2ForCausalLM"] = "shared.model.models.gemma2:Gemma2ForCausalLM"
 _REGISTRY[LLAVA_ARCHITECTURE] = "shared.model.models.llava:LlavaForConditionalGeneration"
 
 

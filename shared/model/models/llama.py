@@ -1,7 +1,9 @@
-"""Llama-family decoders (Llama, Mistral, Qwen2, Qwen3) over the paged KV cache.
+"""Llama-family decoders (Llama, Mistral, Qwen2, Qwen3, Phi-3, Qwen3-MoE, Mixtral) over the
+paged KV cache.
 
 One class covers the family; ``ModelConfig`` flags select qkv bias (Qwen2), q/k norm (Qwen3),
-RoPE scaling and tied embeddings. Module names mirror transformers so checkpoints load by name.
+RoPE scaling, tied embeddings and which layers' MLP is a sparse MoE block (`shared.model.moe`).
+Module names mirror transformers so checkpoints load by name.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from shared.model.api import AttentionMetadata, KVCache, LayerCallback
 from shared.model.attention import AttentionPlan
 from shared.model.config import ModelConfig
 from shared.model.layers import MLP, Attention, RMSNorm, Rotary, native_linear, project
+from shared.model.moe import SparseMoE
 
 # Each decoder layer in one native call on CPU float32 (`cpu_kernels.decoder_layer`) instead of
 # ~30 torch ops and kernel calls with Python between them; STRATA_CPU_LAYER=0 turns it off.
@@ -24,7 +27,7 @@ NATIVE_LAYER = RuntimeSettings.from_env().cpu_layer
 class DecoderLayer(nn.Module):
     """Pre-norm block: ``h += attn(norm(h)); h += mlp(norm(h))``."""
 
-    def __init__(self, c: ModelConfig):
+    def __init__(self, c: ModelConfig, index: int = 0):
         super().__init__()
         self.self_attn = Attention(
             c.hidden_size,
@@ -36,7 +39,15 @@ class DecoderLayer(nn.Module):
             qk_norm=c.qk_norm,
             eps=c.rms_norm_eps,
         )
-        self.mlp = MLP(c.hidden_size, c.intermediate_size, c.hidden_act, bias=c.mlp_bias)
+        if index in c.moe_layers:
+            self.mlp: MLP | SparseMoE = SparseMoE(c, index)
+        else:
+            self.mlp = MLP(c.hidden_size, c.intermediate_size, c.hidden_act, bias=c.mlp_bias)
+        # why `native` returns None for this layer (None: it may run natively); layer.c has no
+        # router, so a sparse MoE layer (and with it the whole model) runs op by op
+        self.native_reason: str | None = None
+        if isinstance(self.mlp, SparseMoE):
+            self.native_reason = "a sparse MoE MLP (grouped experts run op by op)"
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
@@ -47,11 +58,15 @@ class DecoderLayer(nn.Module):
 
     def native(self) -> cpu_kernels.NativeLayer | None:
         """This layer for `cpu_kernels.decoder_layer`: every projection a plain linear on the
-        native GEMM, SiLU gating; rebuilt when a weight changes, ``None`` when it cannot run."""
+        native GEMM, SiLU gating; rebuilt when a weight changes, ``None`` when it cannot run
+        (`native_reason` then says why)."""
         a, m = self.self_attn, self.mlp
+        if isinstance(m, SparseMoE):
+            return None
         parts = (a.native_qkv(), native_linear(a.o_proj), m.native_gate_up())
         parts += (native_linear(m.down_proj),)
         if any(p is None for p in parts):
+            self.native_reason = "a projection that is not a plain float32 linear"
             self.__dict__["_native"] = None
             return None
         norms = (self.input_layernorm, self.post_attention_layernorm, a.q_norm, a.k_norm)
@@ -85,20 +100,23 @@ class DecoderLayer(nn.Module):
 class DecoderStack(nn.Module):
     """Embedding, layers and final norm (transformers' ``model.*`` prefix)."""
 
-    def __init__(self, c: ModelConfig):
+    def __init__(self, c: ModelConfig, layer=DecoderLayer, norm=RMSNorm):
         super().__init__()
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.layers = nn.ModuleList(layer(c, i) for i in range(c.num_layers))
+        self.norm = norm(c.hidden_size, c.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
     """Paged-KV causal LM; see ``shared/model/api.py`` for the batch contract."""
 
+    layer_class: type[nn.Module] = DecoderLayer  # a subclass's decoder layer and norm
+    norm_class: type[nn.Module] = RMSNorm
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.model = DecoderStack(config)
+        self.model = DecoderStack(config, self.layer_class, self.norm_class)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.num_layers = config.num_layers
         self.num_kv_heads = config.num_kv_heads
@@ -169,8 +187,14 @@ class LlamaForCausalLM(nn.Module):
             return None
         if not (kv_cache.k.is_contiguous() and kv_cache.v.is_contiguous()):
             return None
-        layers = [layer.native() for layer in self.model.layers]
-        if not layers or any(n is None for n in layers):
+        if self.config.moe_layers:  # layer.c has no router (see DecoderLayer.native_reason)
+            return None
+        layers = []
+        for layer in self.model.layers:
+            layers.append(layer.native())
+            if layers[-1] is None:
+                return None  # layer.native_reason says why
+        if not layers:
             return None
         decode = None
         if plan.decodes:

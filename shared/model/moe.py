@@ -1,0 +1,144 @@
+"""Sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral) with a grouped expert forward.
+
+Routing follows transformers: router logits ``x @ gate.T``, softmax in float32, top-k, the top-k
+probabilities renormalised to sum to 1 when ``norm_topk_prob`` (always for Mixtral), cast to the
+activation dtype. The experts run grouped: the ``T x k`` (token, expert) pairs are sorted by
+expert once, and each expert that received tokens runs one fused gate/up GEMM and one down GEMM
+over all of its rows; the weighted rows are summed back per token with one ``index_add_``.
+
+Expert weights are held as transformers 5.x holds them in memory: ``experts.gate_up_proj``
+``[E, 2I, H]`` (gate rows first) and ``experts.down_proj`` ``[E, H, I]``. The loader fills them
+from that fused layout or from the per-expert tensors ``save_pretrained`` writes
+(`expert_slice`).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from prometheus_client import Counter
+from torch import nn
+
+from shared.model.layers import Gemm, activation, project
+
+# Rows each expert received, per layer: proves the grouped path ran and is the load signal an
+# expert-placement balancer (EPLB) reads.
+EXPERT_TOKENS = Counter(
+    "strata_moe_expert_tokens_total", "Token rows routed to each expert", ["layer", "expert"]
+)
+# GEMMs the grouped expert forward ran (two per active expert per layer call).
+EXPERT_GEMMS = Counter("strata_moe_expert_gemms_total", "Expert GEMMs run (grouped MoE)")
+
+
+class Experts(nn.Module):
+    """``E`` gated MLPs stored stacked; ``forward`` runs the rows already grouped by expert."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, act: str):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.intermediate = intermediate
+        self.act = activation(act)
+        self._gemms: list[tuple[Gemm, Gemm]] | None = None  # per expert, packed on first use
+
+    def gemms(self, e: int) -> tuple[Gemm, Gemm]:
+        """Expert ``e``'s (gate_up, down) GEMMs, packed again when a weight changed."""
+        g = self._gemms
+        if (
+            g is None
+            or not g[e][0].current(self.gate_up_proj[e], None)
+            or not g[e][1].current(self.down_proj[e], None)
+        ):
+            g = self._gemms = [
+                (Gemm(self.gate_up_proj[i], None), Gemm(self.down_proj[i], None))
+                for i in range(self.gate_up_proj.shape[0])
+            ]
+        return g[e]
+
+
+class SparseMoE(nn.Module):
+    """Router + experts (transformers' ``mlp.gate`` / ``mlp.experts`` names)."""
+
+    def __init__(self, c, layer: int):
+        super().__init__()
+        self.gate = nn.Linear(c.hidden_size, c.num_experts, bias=False)
+        self.experts = Experts(c.num_experts, c.hidden_size, c.moe_intermediate_size, c.hidden_act)
+        self.top_k, self.norm_topk_prob = c.num_experts_per_tok, c.norm_topk_prob
+        self.layer = layer
+        self._counters = [EXPERT_TOKENS.labels(str(layer), str(e)) for e in range(c.num_experts)]
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(weights [T, k] in x's dtype, expert ids [T, k])``."""
+        probs = torch.softmax(project(self.gate, x).float(), dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x)
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
+        counts = torch.bincount(flat, minlength=len(self._counters)).tolist()
+        rows = order // self.top_k
+        xs = x.index_select(0, rows)
+        ws = weights.reshape(-1, 1).index_select(0, order)
+        ys = torch.empty_like(xs)
+        n_i, start, gemms = self.experts.intermediate, 0, 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            gate_up, down = self.experts.gemms(e)
+            gu = gate_up(xs[start : start + n])  # one GEMM over every row routed to e
+            h = self.experts.act(gu[:, :n_i]).mul_(gu[:, n_i:])
+            torch.mul(down(h), ws[start : start + n], out=ys[start : start + n])
+            self._counters[e].inc(n)
+            start, gemms = start + n, gemms + 2
+        EXPERT_GEMMS.inc(gemms)
+        return torch.zeros_like(x).index_add_(0, rows, ys)
+
+
+# Per-expert tensor names `save_pretrained` writes (and older hub checkpoints hold): Qwen3-MoE
+# ``mlp.experts.N.{gate,up,down}_proj.weight``, Mixtral ``block_sparse_moe.experts.N.w{1,3,2}``.
+_PER_EXPERT = re.compile(
+    r"^(?P<pre>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<part>gate_proj|up_proj|down_proj)\.weight$"
+)
+_PART = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+_MIXTRAL_EXPERT = re.compile(r"(\.experts\.\d+)\.(w1|w2|w3)\.weight$")
+
+
+def checkpoint_name(name: str) -> str:
+    """A checkpoint tensor name in Qwen3-MoE's spelling, ours: Mixtral's ``block_sparse_moe.``
+    is ``mlp.`` and its expert ``w1`` / ``w3`` / ``w2`` are ``gate_proj`` / ``up_proj`` /
+    ``down_proj``."""
+    name = name.replace(".block_sparse_moe.", ".mlp.")
+    return _MIXTRAL_EXPERT.sub(lambda m: f"{m[1]}.{_PART[m[2]]}.weight", name)
+
+
+def expert_slice(name: str, intermediate: int) -> tuple[str, int, slice, str] | None:
+    """Where a per-expert tensor (named as `checkpoint_name` returns) goes: ``(stacked parameter, expert, row slice, part)``; None
+    when ``name`` is not one."""
+    m = _PER_EXPERT.match(name)
+    if m is None:
+        return None
+    part, e = m["part"], int(m["e"])
+    if part == "down_proj":
+        return f"{m['pre']}.down_proj", e, slice(None), part
+    rows = slice(0, intermediate) if part == "gate_proj" else slice(intermediate, 2 * intermediate)
+    return f"{m['pre']}.gate_up_proj", e, rows, part
+
+
+def expected_parts(param: str, num_experts: int) -> list[str] | None:
+    """The per-expert pieces that together fill stacked parameter ``param`` (for the missing
+    tensor check); None when ``param`` is not a stacked expert weight."""
+    if param.endswith(".experts.gate_up_proj"):
+        parts = ("gate_proj", "up_proj")
+    elif param.endswith(".experts.down_proj"):
+        parts = ("down_proj",)
+    else:
+        return None
+    pre = param.rsplit(".", 1)[0]
+    return [f"{pre}.{e}.{p}.weight" for e in range(num_experts) for p in parts]

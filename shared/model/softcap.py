@@ -1,0 +1,59 @@
+"""Paged attention with soft-capped scores (Gemma-2): ``s -> cap * tanh(s / cap)`` before the
+softmax, as transformers' eager attention computes it.
+
+Neither SDPA nor the native kernels take a cap, so every sequence of the batch runs plain torch
+ops over its gathered context: ``q @ k^T * scale``, the cap, the offset causal mask, softmax in
+float32, ``@ v``. The per-sequence list comes from the same `AttentionPlan` the other paths use.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shared.model.attention import AttentionPlan, _context
+
+
+def _sequences(plan: AttentionPlan) -> list[tuple[int, int, int, torch.Tensor | None]]:
+    """``(first row, end row, context length, context blocks or None)`` per sequence; None
+    blocks: a fresh prefill, whose context is its own new K/V."""
+    if plan.fresh_uniform is not None:
+        b, t = plan.fresh_uniform
+        return [(i * t, (i + 1) * t, t, None) for i in range(b)]
+    seqs = [(d.token, d.token + 1, d.context_len, d.blocks) for d in plan.decodes]
+    return seqs + [(s.start, s.end, s.context_len, s.blocks) for s in plan.spans]
+
+
+def softcap_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    plan: AttentionPlan,
+    scale: float,
+    cap: float,
+) -> torch.Tensor:
+    """`paged_attention`'s contract (writes the new K/V, returns ``[T, H, D]``) with the scores
+    soft-capped at ``cap``."""
+    heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
+    group = heads // kv_heads
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    out = torch.empty_like(q)
+    for start, end, ctx, blocks in _sequences(plan):
+        if blocks is None:
+            ks, vs = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
+        else:
+            ks, vs = _context(k_cache, blocks, ctx), _context(v_cache, blocks, ctx)
+        ks = ks.repeat_interleave(group, dim=0)  # transformers' repeat_kv: head h reads h // g
+        vs = vs.repeat_interleave(group, dim=0)
+        scores = torch.matmul(q[start:end].transpose(0, 1), ks.transpose(1, 2)) * scale
+        scores = torch.tanh(scores / cap) * cap
+        n = end - start
+        qpos = torch.arange(ctx - n, ctx, device=q.device)
+        allowed = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out[start:end] = torch.matmul(probs, vs).transpose(0, 1)
+    return out
