@@ -167,6 +167,8 @@ class SchedulerCore:
             raise StrataError("unavailable", "no decode instance is available")
         view = self.request_view(req, now)
         d = self.policy.choose(view, state)
+        if d.path:
+            metrics.PREFILL_PATHS.labels(policy=self.policy.name, path=d.path).inc()
         if d.reject:
             raise StrataError(
                 "overloaded",

@@ -5,6 +5,11 @@ from __future__ import annotations
 from prometheus_client import Counter, Gauge, Histogram
 
 DECISIONS = Counter("strata_scheduler_decisions_total", "Routing decisions", ["policy", "outcome"])
+PREFILL_PATHS = Counter(
+    "strata_scheduler_prefill_path_total",
+    "Routed requests by where their prompt prefills and why (the policy's RouteDecision.path)",
+    ["policy", "path"],
+)
 DECISION_LATENCY = Histogram(
     "strata_scheduler_decision_seconds",
     "Time to make one routing decision",

@@ -111,6 +111,7 @@ class RouteDecision:
     reject: bool = False
     retry_after_s: float = 0.0
     reason: str = ""
+    path: str = ""  # why the prompt prefills where it does: a `PREFILL_PATHS` key
 
 
 @dataclass(frozen=True)

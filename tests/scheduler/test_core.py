@@ -35,6 +35,7 @@ def core(**kw) -> SchedulerCore:
             grpc_addr="h:2",
             kv_blocks_total=100,
             kv_blocks_free=100,
+            prefill_tokens_per_s=1000.0,  # the same hardware as p0 (every instance reports it)
         ),
         now=0.0,
     )
@@ -124,3 +125,17 @@ def test_slo_rejection_and_unavailable():
 def test_bad_config_fails_fast():
     with pytest.raises(SystemExit, match="STRATA_POLICY"):
         SchedulerConfig.load(["--policy", "fastest"], role="scheduler")
+
+
+def test_each_route_counts_its_prefill_path():
+    from prometheus_client import REGISTRY
+
+    def count(path):
+        labels = {"policy": "prefix_aware", "path": path}
+        return REGISTRY.get_sample_value("strata_scheduler_prefill_path_total", labels) or 0.0
+
+    c = core(policy="prefix_aware")
+    before = count("remote"), count("short_uncached")
+    c.route(req(n=2000))
+    c.route(req(n=100))
+    assert (count("remote"), count("short_uncached")) == (before[0] + 1, before[1] + 1)

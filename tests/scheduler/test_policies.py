@@ -201,3 +201,31 @@ def test_hot_prefix_stays_on_its_holders_until_they_pass_the_load_bound():
     off = make_policy("prefix_aware", COST, short_prompt_tokens=0, affinity_load_bound=0)
     st = ClusterState(prefill=[P("p0", waiting=3500), P("p1")], decode=[D("d0")])
     assert off.choose(R(4000, cached=hot), st).prefill_instance == "p1"
+
+
+def test_per_request_disaggregation_by_predicted_ttft():
+    """A long uncached prompt goes to decode only when the remote path's time to a continuing
+    stream (prefill's TTFT + the KV push) is worse than decode's own TTFT by more than the time
+    that prefill takes decode away from its streams; each choice names its path."""
+    pol = make_policy("prefix_aware", COST, short_prompt_tokens=512)
+    d0 = InstanceView("d0", "decode", kv_blocks_total=0, prefill_tokens_per_s=1000.0)
+
+    def route(waiting, dec=d0):
+        d = pol.choose(R(2000), ClusterState(prefill=[P("p0", waiting=waiting)], decode=[dec]))
+        return d.prefill_instance, d.path, round(d.predicted_ttft_s, 3)
+
+    # idle prefill: remote 2.0 s + 0.005 s push vs decode's 2.0 s: decode's 2 s is not worth it
+    assert route(0) == ("p0", "remote", 2.0)
+    # prefill 1.9 s queued: 3.905 s vs 2.0 s, a 1.905 s gain < the 2 s decode would spend
+    assert route(1900) == ("p0", "remote", 3.9)
+    # 2.1 s queued: the gain (2.105 s) outweighs decode's 2 s: decode prefills
+    assert route(2100) == ("", "decode_faster", 2.0)
+    # a busy decode instance (40 of 64 running) never takes the prompt
+    busy = InstanceView(
+        "d0", "decode", kv_blocks_total=0, prefill_tokens_per_s=1000.0, num_running=40
+    )
+    assert route(9000, busy)[:2] == ("p0", "decode_busy")
+    # a decode instance that reports no rate is not moved to on a guess
+    assert route(9000, D("d0", total=0))[:2] == ("p0", "remote")
+    assert pol.choose(R(300), ClusterState([P("p0")], [d0])).path == "short_uncached"
+    assert pol.choose(R(3000), ClusterState([], [d0])).path == "no_prefill"

@@ -28,9 +28,11 @@ def test_policies_on_trace_prefix():
     rr, pa = res["round_robin"], res["prefix_aware"]
     assert rr.requests == pa.requests == 400
     assert rr.rejected == pa.rejected == 0
-    # Write-through pool: every policy reuses the same prefix (own cache first, then the pool's
-    # continuation); prefix_aware finds more of it locally and is faster.
-    assert pa.hit_rate + pa.pool_hit_rate == pytest.approx(rr.hit_rate + rr.pool_hit_rate)
+    # Write-through pool: every policy reuses about the same prefix (own cache first, then the
+    # pool's continuation; a prompt prefilled on decode weighs loading at decode's rate);
+    # prefix_aware finds more of it locally and is faster.
+    reuse = rr.hit_rate + rr.pool_hit_rate
+    assert pa.hit_rate + pa.pool_hit_rate == pytest.approx(reuse, rel=0.01)
     assert 0.05 < pa.hit_rate + pa.pool_hit_rate < 0.6
     assert pa.hit_rate > rr.hit_rate and rr.pool_hit_rate > pa.pool_hit_rate > 0
     assert pa.ttft_p50 < rr.ttft_p50

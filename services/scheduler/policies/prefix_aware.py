@@ -18,8 +18,15 @@ columns plus a Python step per instance that holds the prefix.
 Decode: the instance holding most of the prompt's prefix (cache affinity), unless its load exceeds
 the least loaded one by more than ``affinity_imbalance``; instances without room for the request's
 KV are skipped while any other has room.
-Conditional disaggregation: when the prompt left uncached on the chosen decode instance is shorter
-than ``short_prompt_tokens`` and that instance is not busy, it prefills the prompt itself.
+Per-request disaggregation: the chosen decode instance prefills the prompt itself when it is not
+busy and either the prompt left uncached there is shorter than ``short_prompt_tokens`` (cheap
+enough to run beside its decodes) or the remote path's predicted time to a continuing stream (the
+best prefill instance's TTFT plus pushing the prompt's KV to decode) exceeds the decode instance's own predicted
+TTFT by more than the time that prefill would take the decode instance away from its streams
+(its uncached tokens at decode's measured prefill rate; an instance that reports none is not
+moved to by this rule): a congested prefill fleet, or a prefix decode
+already holds, keeps the prompt on decode; otherwise it is disaggregated. The reason is
+`RouteDecision.path` (`PREFILL_PATHS`), counted by the scheduler per route.
 Length-aware: prompts of ``long_prompt_tokens`` or more go to prefill instances reserved for them
 (``InstanceView.reserved_long``); other prompts avoid those instances while any other exists.
 SLO early rejection: when even the best prediction breaks the request's TTFT SLO, reject with a
@@ -41,6 +48,15 @@ from services.scheduler.types import (
     RequestView,
     RouteDecision,
 )
+
+PREFILL_PATHS = {
+    "no_prefill": "no prefill instance: decode prefills",
+    "short_uncached": "decode prefills: short uncached prompt",
+    "decode_faster": "decode prefills: remote TTFT worse by more than the decode time it costs",
+    "decode_busy": "disaggregated: decode instance busy",
+    "remote": "disaggregated: remote prefill predicted no worse, counting decode's time",
+}
+"""`RouteDecision.path` values of `PrefixAware` and what each means."""
 
 
 @dataclass(frozen=True)
@@ -180,21 +196,32 @@ class PrefixAware:
         dec, dec_load = self.choose_decode(request, state.decode, state.decode_table)
         self_ttft, self_cached = predicted_ttft(request, dec, self.cost)
         uncached_on_decode = request.num_prompt_tokens - self_cached
-        if not state.prefill or (
-            uncached_on_decode < self.opt.short_prompt_tokens
-            and dec_load < self.opt.self_prefill_max_load
-        ):
-            why = "no prefill instance" if not state.prefill else "short uncached prompt"
+
+        def on_decode(path: str) -> RouteDecision:
             return self._admit(
                 request,
                 RouteDecision(
                     decode_instance=dec.instance_id,
                     cached_tokens=self_cached,
                     predicted_ttft_s=self_ttft,
-                    reason=f"decode prefills: {why}",
+                    reason=PREFILL_PATHS[path],
+                    path=path,
                 ),
             )
+
+        if not state.prefill:
+            return on_decode("no_prefill")
+        busy = dec_load >= self.opt.self_prefill_max_load
+        if not busy and uncached_on_decode < self.opt.short_prompt_tokens:
+            return on_decode("short_uncached")
         pre, ttft, cached = self.choose_prefill(request, state.prefill, state.prefill_table)
+        # prefill emits the first token itself; its KV then moves to decode before the second
+        transfer_s = request.num_prompt_tokens / self.cost.transfer_tokens_per_s
+        decode_time = uncached_on_decode / self.cost.prefill_rate(dec)
+        measured = dec.prefill_tokens_per_s > 0  # a guessed decode rate moves no long prompt
+        if measured and not busy and ttft + transfer_s - self_ttft > decode_time:
+            return on_decode("decode_faster")
+        path = "decode_busy" if busy else "remote"
         return self._admit(
             request,
             RouteDecision(
@@ -203,6 +230,7 @@ class PrefixAware:
                 cached_tokens=cached,
                 predicted_ttft_s=ttft,
                 reason=self.last_reason,
+                path=path,
             ),
         )
 
@@ -218,5 +246,6 @@ class PrefixAware:
                 reject=True,
                 retry_after_s=retry,
                 reason=f"predicted ttft {d.predicted_ttft_s:.3f}s > slo {slo:.3f}s",
+                path=d.path,
             )
         return d
