@@ -3,10 +3,9 @@ started through the same entry point as `strata up`."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
+from loadtests.simulator.realcluster import start_cluster as retrying_start
 from services.cluster_config import ensure_model
 from services.launcher import Cluster
 
@@ -17,6 +16,6 @@ def default_model_dir() -> str:
 
 
 def start_cluster(model_dir: str, **overrides) -> Cluster:
-    overrides.setdefault("ready_timeout", 240.0)
-    overrides.setdefault("die_with_parent", True)
-    return Cluster(model_dir, log_stream=open(os.devnull, "w"), **overrides).start()
+    """`Cluster(...).start()`, again when a port picked free was taken meanwhile (CI saw a
+    kvstore's gRPC port taken by another process between picking and binding)."""
+    return retrying_start(model_dir, **overrides)
