@@ -38,6 +38,13 @@ class TPGroup:
         dist.all_reduce(x, group=self.group)
         return x
 
+    def broadcast(self, obj):
+        """Rank 0's ``obj`` on every rank (a pickled object: the engine's prepared batch, or
+        ``None`` to stop the followers)."""
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
 
 class RowParallelLinear(nn.Module):
     """``all_reduce(x_shard @ w_shard.T) + b``: the input-dim slice of a linear on this rank."""
