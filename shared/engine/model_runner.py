@@ -164,7 +164,25 @@ class ModelRunner:
     def execute(
         self, batch: PreparedBatch, layer_callback: LayerCallback | None = None
     ) -> torch.Tensor:
-        """Forward the flat batch; float32 logits for ``batch.logits_indices`` rows."""
+        """Forward the flat batch; float32 logits for ``batch.logits_indices`` rows.
+
+        Under tensor parallelism (a model cut by `shared.model.parallel.shard_model`) rank 0
+        first hands the batch to the other ranks, which run it in `follow`."""
+        tp = getattr(self.model, "tp", None)
+        if tp is not None and tp.rank == 0:
+            tp.broadcast(batch)
+        return self._forward(batch, layer_callback)
+
+    def follow(self) -> int:
+        """A rank > 0's loop: run each batch rank 0 broadcasts until it sends ``None``; returns
+        how many batches ran."""
+        tp, n = self.model.tp, 0
+        while (batch := tp.broadcast(None)) is not None:
+            self._forward(batch)
+            n += 1
+        return n
+
+    def _forward(self, batch: PreparedBatch, layer_callback: LayerCallback | None = None):
         hidden = self.model.forward(
             batch.input_ids,
             batch.positions,

@@ -63,6 +63,8 @@ class DecoderLayer(nn.Module):
         a, m = self.self_attn, self.mlp
         if isinstance(m, SparseMoE):
             return None
+        if getattr(a.o_proj, "all_reduces", False):  # tensor parallel: reason set by the shard
+            return None
         parts = (a.native_qkv(), native_linear(a.o_proj), m.native_gate_up())
         parts += (native_linear(m.down_proj),)
         if any(p is None for p in parts):

@@ -1,0 +1,112 @@
+"""Tensor parallelism for the Llama family: attention heads and MLP columns over N ranks.
+
+Each rank keeps the q/k/v rows of its heads, the matching o_proj columns, its gate/up rows and
+the matching down_proj columns; o_proj and down_proj outputs are summed over ranks with one
+all-reduce each (bias added once, on rank 0). Embeddings, norms and lm_head are replicated.
+The same code runs on gloo (CPU) and NCCL (CUDA): only the process group differs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from prometheus_client import Counter
+from torch import nn
+from torch.nn import functional as F
+
+from shared.model.errors import CheckpointError
+
+ALLREDUCE_BYTES = Counter("strata_tp_allreduce_bytes_total", "Bytes all-reduced by this TP rank")
+
+
+@dataclass
+class TPGroup:
+    """One rank's view of a tensor-parallel group; counts the bytes it all-reduces."""
+
+    rank: int
+    world_size: int
+    group: dist.ProcessGroup | None = None  # None: the default group
+    allreduce_bytes: int = field(default=0)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the ranks in place; returns it."""
+        n = x.numel() * x.element_size()
+        self.allreduce_bytes += n
+        ALLREDUCE_BYTES.inc(n)
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def broadcast(self, obj):
+        """Rank 0's ``obj`` on every rank (a pickled object: the engine's prepared batch, or
+        ``None`` to stop the followers)."""
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+
+class RowParallelLinear(nn.Module):
+    """``all_reduce(x_shard @ w_shard.T) + b``: the input-dim slice of a linear on this rank."""
+
+    all_reduces = True  # DecoderLayer.native: layer.c has no collective inside it
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, tp: TPGroup):
+        super().__init__()
+        self.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.clone(), requires_grad=False)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.tp.all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+
+def _rows(m: nn.Linear, lo: int, hi: int) -> None:
+    m.weight = nn.Parameter(m.weight.data[lo:hi].clone(), requires_grad=False)
+    if m.bias is not None:
+        m.bias = nn.Parameter(m.bias.data[lo:hi].clone(), requires_grad=False)
+    m.out_features = hi - lo
+
+
+def _row_parallel(m: nn.Linear, lo: int, hi: int, tp: TPGroup) -> RowParallelLinear:
+    return RowParallelLinear(m.weight.data[:, lo:hi], m.bias, tp)
+
+
+def check_divisible(num_heads: int, num_kv_heads: int, world_size: int) -> None:
+    """One clear error when the heads cannot be split evenly over ``world_size`` ranks."""
+    if num_heads % world_size or num_kv_heads % world_size:
+        raise CheckpointError(
+            f"tensor parallel size {world_size} must divide num_heads ({num_heads}) and "
+            f"num_kv_heads ({num_kv_heads})"
+        )
+
+
+def shard_model(model: nn.Module, tp: TPGroup) -> nn.Module:
+    """Cut a loaded Llama-family model down to rank ``tp.rank``'s shard, in place."""
+    c = model.config
+    if c.moe_layers:
+        raise CheckpointError("tensor parallelism does not shard MoE experts yet")
+    n, r = tp.world_size, tp.rank
+    check_divisible(c.num_heads, c.num_kv_heads, n)
+    if c.intermediate_size % n:
+        raise CheckpointError(
+            f"tensor parallel size {n} must divide intermediate_size ({c.intermediate_size})"
+        )
+    nh, nkv, d, ff = c.num_heads // n, c.num_kv_heads // n, c.head_dim, c.intermediate_size // n
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        _rows(a.q_proj, r * nh * d, (r + 1) * nh * d)
+        _rows(a.k_proj, r * nkv * d, (r + 1) * nkv * d)
+        _rows(a.v_proj, r * nkv * d, (r + 1) * nkv * d)
+        a.o_proj = _row_parallel(a.o_proj, r * nh * d, (r + 1) * nh * d, tp)
+        a.num_heads, a.num_kv_heads, a._qkv = nh, nkv, None
+        _rows(m.gate_proj, r * ff, (r + 1) * ff)
+        _rows(m.up_proj, r * ff, (r + 1) * ff)
+        m.down_proj = _row_parallel(m.down_proj, r * ff, (r + 1) * ff, tp)
+        m._gate_up = None
+        # layer.c has no collective between attention and MLP: the layer runs op by op
+        layer.native_reason = "tensor parallel (an all-reduce after o_proj and down_proj)"
+    model.num_kv_heads = nkv
+    model.tp = tp
+    return model
