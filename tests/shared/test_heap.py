@@ -69,10 +69,15 @@ def test_collections_are_timed_per_generation(generation):
     heap.watch_gc_pauses()  # idempotent: one callback
     assert gc.callbacks.count(heap._on_gc) == 1
     sample = heap.GC_PAUSE.labels(str(generation))
-    before = sample._sum.get(), _count(generation)
-    gc.collect(generation)
-    assert _count(generation) == before[1] + 1
-    assert sample._sum.get() > before[0]
+    gc.disable()  # no automatic collection (another thread's allocations) between the reads
+    try:
+        before = sample._sum.get(), _count(generation)
+        gc.collect(generation)
+        after = sample._sum.get(), _count(generation)
+    finally:
+        gc.enable()
+    assert after[1] == before[1] + 1
+    assert after[0] > before[0]
 
 
 def _count(generation: int) -> float:
