@@ -1,14 +1,24 @@
 #!/usr/bin/env bash
-# Idempotent set-up on a fresh Debian machine or a cached one:
-#   .venv (python >= 3.11) with the project installed editable (+test, +bench extras),
-#   MinIO built into .cache/bin/minio when none is found, the default model in the cache, and
-#   (as root) Docker, debootstrap, Docker Compose and the images of the live compose test,
-#   and helm with the MinIO chart for tests/compose/test_helm.py.
+# Idempotent set-up on a fresh Debian machine or a cached one: `bash scripts/setup.sh [--compose]`
+#   always: .venv (python >= 3.11) with the project installed editable (+test, +bench extras),
+#     MinIO built into .cache/bin/minio when none is found, the default model in the cache
+#     (all that `strata up` runs: scripts/up.sh calls it this way);
+#   --compose (scripts/test.sh): also (as root) Docker, debootstrap, Docker Compose and the
+#     images of the live compose test, and helm with the MinIO chart for tests/compose/test_helm.py.
 # Needs no network beyond the package registries (PyPI, the Go module proxy, Debian).
 # Env: STRATA_PYTHON (interpreter to use), STRATA_CACHE (cache dir, default .cache),
 #      PIP_CACHE_DIR (default $STRATA_CACHE/pip), STRATA_MINIO_BIN (an existing minio binary),
-#      STRATA_SKIP_MODEL=1 (do not build the default model), STRATA_SKIP_COMPOSE=1 (no Docker).
+#      STRATA_SKIP_MODEL=1 (do not build the default model), STRATA_SKIP_COMPOSE=1 (with
+#      --compose: no Docker, helm only).
 set -euo pipefail
+
+COMPOSE=0
+for arg in "$@"; do
+  case "$arg" in
+    --compose) COMPOSE=1 ;;
+    *) echo "[setup] unknown argument $arg (usage: scripts/setup.sh [--compose])" >&2; exit 2 ;;
+  esac
+done
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -47,20 +57,30 @@ if [ ! -x "$PY" ] || ! py_ok "$PY"; then
   fi
 fi
 
-# ---- 1b. iproute2 (`ip netns`) for the multi-host tests, when root -----------------------------
-if ! command -v ip >/dev/null && [ "$(id -u)" = 0 ]; then
+# ---- 1b. iproute2 (`ip netns`) for the multi-host tests, with --compose and root --------------
+if [ "$COMPOSE" = 1 ] && ! command -v ip >/dev/null && [ "$(id -u)" = 0 ]; then
   apt_install iproute2 || log "no iproute2: tests/multihost will skip"
 fi
 
 # ---- 2. the project and its dependencies ------------------------------------------------------
 # Skip pip entirely when pyproject.toml is unchanged since the last successful install; otherwise
 # pip keeps what is already satisfied (torch from PyPI is a multi-GB build: never reinstalled).
+# The first run (scripts/up.sh) installs what `strata up` runs; --compose (scripts/test.sh) adds
+# the test and bench extras. The stamp names the extras, so a full install satisfies both.
 STAMP="$VENV/.strata-installed"
-WANT="$(sha256sum pyproject.toml | cut -d' ' -f1)"
-if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ] || ! "$PY" -c 'import services, torch, nats' 2>/dev/null; then
-  log "installing the project: pip install -e .[test,bench] (pip cache: $PIP_CACHE_DIR)"
-  "$PY" -m pip install --progress-bar on -e ".[test,bench]"
-  echo "$WANT" > "$STAMP"
+HASH="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+# (A stamp of the hash alone is an older set-up's full install.)
+HAVE="$(cat "$STAMP" 2>/dev/null || true)"
+if [ "$COMPOSE" = 1 ]; then SPEC=".[test,bench]"; else SPEC="."; fi
+case "$HAVE" in
+  "$HASH" | "$HASH .[test,bench]") FRESH=1 ;;
+  "$HASH .") FRESH=$((1 - COMPOSE)) ;;
+  *) FRESH=0 ;;
+esac
+if [ "$FRESH" = 0 ] || ! "$PY" -c 'import services, torch, nats' 2>/dev/null; then
+  log "installing the project: pip install -e $SPEC (pip cache: $PIP_CACHE_DIR)"
+  "$PY" -m pip install --progress-bar on -e "$SPEC"
+  echo "$HASH $SPEC" > "$STAMP"
 else
   log "python packages up to date"
 fi
@@ -101,7 +121,9 @@ log "minio: $MINIO"
 # lacks what the compose file uses: configs with content, !reset in the test's override).
 # STRATA_SKIP_COMPOSE=1 skips this section (the live compose test then fails and says why).
 COMPOSE_VERSION="2.40.3"  # also tests/compose/docker_env.py
-if [ "${STRATA_SKIP_COMPOSE:-0}" = 1 ]; then
+if [ "$COMPOSE" = 0 ]; then
+  log "no Docker, Compose images or helm (the first run needs none; scripts/setup.sh --compose adds them)"
+elif [ "${STRATA_SKIP_COMPOSE:-0}" = 1 ]; then
   log "STRATA_SKIP_COMPOSE=1: no Docker set-up (tests/compose/test_compose_live.py will fail)"
 elif [ "$(id -u)" != 0 ]; then
   log "not root: no Docker set-up (tests/compose/test_compose_live.py needs root and will fail)"
@@ -145,20 +167,22 @@ export_go_env() {
   export GOPATH="$CACHE/go" GOMODCACHE="$CACHE/go/mod" GOCACHE="$CACHE/go/build" \
     GOTOOLCHAIN=auto GOFLAGS=-modcacherw CGO_ENABLED=0
 }
-if [ "$("$CACHE/bin/helm" version --short 2>/dev/null)" != "$HELM_VERSION" ]; then
-  if ! find_go; then log "helm not built and Go cannot be installed"; exit 1; fi
-  log "building helm $HELM_VERSION from its Go module (first time only: 3-5 minutes on 2 cores)"
-  (export_go_env && GOBIN="$CACHE/bin" "$GO" install \
-    -ldflags "-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION" \
-    "helm.sh/helm/v3/cmd/helm@$HELM_VERSION") || { log "helm build failed"; exit 1; }
+if [ "$COMPOSE" = 1 ]; then
+  if [ "$("$CACHE/bin/helm" version --short 2>/dev/null)" != "$HELM_VERSION" ]; then
+    if ! find_go; then log "helm not built and Go cannot be installed"; exit 1; fi
+    log "building helm $HELM_VERSION from its Go module (first time only: 3-5 minutes on 2 cores)"
+    (export_go_env && GOBIN="$CACHE/bin" "$GO" install \
+      -ldflags "-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION" \
+      "helm.sh/helm/v3/cmd/helm@$HELM_VERSION") || { log "helm build failed"; exit 1; }
+  fi
+  if [ ! -f "$CACHE/go/mod/github.com/minio/minio@$MINIO_VERSION/helm/minio/Chart.yaml" ]; then
+    if ! find_go; then log "the MinIO chart is missing and Go cannot be installed"; exit 1; fi
+    log "downloading the MinIO module (its helm/minio chart) into the Go module cache"
+    (export_go_env && "$GO" mod download "github.com/minio/minio@$MINIO_VERSION") \
+      || { log "MinIO module download failed"; exit 1; }
+  fi
+  log "helm: $CACHE/bin/helm ($HELM_VERSION), MinIO chart in the Go module cache"
 fi
-if [ ! -f "$CACHE/go/mod/github.com/minio/minio@$MINIO_VERSION/helm/minio/Chart.yaml" ]; then
-  if ! find_go; then log "the MinIO chart is missing and Go cannot be installed"; exit 1; fi
-  log "downloading the MinIO module (its helm/minio chart) into the Go module cache"
-  (export_go_env && "$GO" mod download "github.com/minio/minio@$MINIO_VERSION") \
-    || { log "MinIO module download failed"; exit 1; }
-fi
-log "helm: $CACHE/bin/helm ($HELM_VERSION), MinIO chart in the Go module cache"
 
 # ---- 4. the built-in default model ------------------------------------------------------------
 if [ "${STRATA_SKIP_MODEL:-0}" != 1 ]; then

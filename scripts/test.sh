@@ -6,7 +6,7 @@
 #      STRATA_SKIP_SETUP=1 (skip scripts/setup.sh when you know it is done).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-[ "${STRATA_SKIP_SETUP:-0}" = 1 ] || bash "$ROOT/scripts/setup.sh"
+[ "${STRATA_SKIP_SETUP:-0}" = 1 ] || bash "$ROOT/scripts/setup.sh" --compose
 cd "$ROOT"
 PY="$ROOT/.venv/bin/python"
 log() { if [ -t 2 ]; then printf '\033[1m[test]\033[0m %s\n' "$*" >&2; else printf '[test] %s\n' "$*" >&2; fi; }

@@ -85,7 +85,7 @@ def compose_binary() -> str:
             if res.returncode == 0 and version.split(".")[0] == "2":
                 return cand
     raise DockerEnvError(
-        f"Docker Compose v2 not found (run scripts/setup.sh: it builds v{COMPOSE_VERSION} into "
+        f"Docker Compose v2 not found (run scripts/setup.sh --compose: it builds v{COMPOSE_VERSION} into "
         "the cache)"
     )
 
@@ -124,7 +124,7 @@ class Dockerd:
         for tool in ("dockerd", "docker"):
             if not shutil.which(tool):
                 raise DockerEnvError(
-                    f"{tool} not found (run scripts/setup.sh: it installs docker.io)"
+                    f"{tool} not found (run scripts/setup.sh --compose: it installs docker.io)"
                 )
         os.makedirs(self.data_root, exist_ok=True)
         self._stop_stale()
@@ -230,7 +230,9 @@ def ensure_base(d: Dockerd) -> None:
     if res.returncode == 0 and res.stdout.strip() == want:
         return
     if not shutil.which("debootstrap"):
-        raise DockerEnvError("debootstrap not found (run scripts/setup.sh: it installs it)")
+        raise DockerEnvError(
+            "debootstrap not found (run scripts/setup.sh --compose: it installs it)"
+        )
     rootfs = tempfile.mkdtemp(prefix="rootfs-", dir=d.root)
     try:
         log(f"debootstrap --variant=minbase bookworm (+ {want}) from {DEBIAN_MIRROR}")

@@ -5,7 +5,7 @@ A streamed chat through the official openai client equals the native cluster's (
 processes, same default model) token for token; a container whose main process is killed comes
 back by its restart policy and serves again; `compose down -v` and the daemon's stop follow even
 on failure. A machine that cannot run it fails with one line naming the fix (never a skip):
-scripts/setup.sh installs docker.io, debootstrap and Docker Compose and builds the images."""
+scripts/setup.sh --compose installs docker.io, debootstrap and Docker Compose and builds the images."""
 
 from __future__ import annotations
 

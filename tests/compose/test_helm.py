@@ -35,7 +35,9 @@ def helm_binary() -> str:
     path = os.path.join(cache_dir(), "bin", "helm")
     res = subprocess.run([path, "version", "--short"], capture_output=True, text=True)
     if not os.access(path, os.X_OK) or not res.stdout.startswith(HELM_VERSION):
-        pytest.fail(f"helm {HELM_VERSION} not in {path}: run scripts/setup.sh (it builds it)")
+        pytest.fail(
+            f"helm {HELM_VERSION} not in {path}: run scripts/setup.sh --compose (it builds it)"
+        )
     return path
 
 
@@ -44,7 +46,9 @@ def minio_chart() -> str:
         cache_dir(), "go", "mod", "github.com", "minio", f"minio@{MINIO_VERSION}", "helm", "minio"
     )
     if not os.path.isfile(os.path.join(chart, "Chart.yaml")):
-        pytest.fail(f"the MinIO chart is not in {chart}: run scripts/setup.sh (it downloads it)")
+        pytest.fail(
+            f"the MinIO chart is not in {chart}: run scripts/setup.sh --compose (it downloads it)"
+        )
     return chart
 
 
