@@ -1,5 +1,5 @@
-"""The repository stands alone: no tracked file refers to a folder beside the clone or to a path
-of one machine, and the tests that read vendored data pass in a copy with nothing beside it."""
+"""The repository stands alone: no tracked file refers to a folder beside the clone, to a path
+of one machine or to a package registry's host, and the tests that read vendored data pass in a copy with nothing beside it."""
 
 from __future__ import annotations
 
@@ -21,6 +21,48 @@ _OUTSIDE = [
     "/" + r"(?:work|home|root|Users)/[A-Za-z0-9_.-]+",  # absolute paths of one machine
 ]
 OUTSIDE = re.compile("|".join(_OUTSIDE))
+
+# Package registries' and mirrors' hosts: the mirror comes from the builder's environment (pip's
+# index settings, apt's sources, GOPROXY, build arguments), never from a tracked file.
+_D = "."  # joined below, so that this file names no host either
+REGISTRY_HOSTS = [
+    _D.join(parts)
+    for parts in (
+        ("pypi", "org"),
+        ("files", "pythonhosted", "org"),
+        ("download", "pytorch", "org"),
+        ("deb", "debian", "org"),
+        ("security", "debian", "org"),
+        ("archive", "ubuntu", "com"),
+        ("registry", "npmjs", "org"),
+        ("proxy", "golang", "org"),
+        ("sum", "golang", "org"),
+        ("crates", "io"),
+        ("static", "crates", "io"),
+        ("repo", "maven", "apache", "org"),
+        ("repo1", "maven", "org"),
+        ("registry-1", "docker", "io"),
+        ("index", "docker", "io"),
+        ("ghcr", "io"),
+        ("quay", "io"),
+        ("dl", "min", "io"),
+        ("charts", "min", "io"),
+        ("conda", "anaconda", "org"),
+    )
+]
+# docker.io is also Debian's package name for Docker (`apt-get install docker.io`): only a host
+# use counts, as in an image reference (the host, a slash, the image) or a URL.
+_DOCKER_IO = _D.join(("docker", "io"))
+REGISTRY = re.compile(
+    r"(?<![\w.-])(?:"
+    + "|".join(re.escape(h) for h in REGISTRY_HOSTS)
+    + r")(?![\w-])"
+    + r"|://"
+    + re.escape(_DOCKER_IO)
+    + r"|(?<![\w.-])"
+    + re.escape(_DOCKER_IO)
+    + r"/"
+)
 
 
 def tracked_files() -> list[str]:
@@ -48,6 +90,39 @@ def test_no_tracked_file_names_a_path_outside_the_repo(files):
             if OUTSIDE.search(line):
                 hits.append(f"{rel}:{n}: {line.strip()[:120]}")
     assert not hits, "tracked lines refer to a folder outside the repo:\n" + "\n".join(hits)
+
+
+def test_no_tracked_file_names_a_package_registry_host(files):
+    hits = []
+    for rel in files:
+        path = ROOT / rel
+        if not path.is_file():
+            continue
+        data = path.read_bytes()
+        if b"\0" in data[:8192]:
+            continue
+        for n, line in enumerate(data.decode("utf-8", "replace").splitlines(), 1):
+            if REGISTRY.search(line):
+                hits.append(f"{rel}:{n}: {line.strip()[:120]}")
+    assert not hits, "tracked lines name a package registry's host:\n" + "\n".join(hits)
+
+
+@pytest.mark.parametrize(
+    ("line", "hit"),
+    [
+        ("ARG TORCH_INDEX=https://" + REGISTRY_HOSTS[2] + "/whl/cpu", True),
+        ("pip install --index-url https://" + REGISTRY_HOSTS[0] + "/simple torch", True),
+        ("DEBIAN_MIRROR = 'http://" + REGISTRY_HOSTS[3] + "/debian'", True),
+        ("image: " + _DOCKER_IO + "/library/nats:2.10", True),
+        ("helm repo add minio https://" + REGISTRY_HOSTS[-2] + "/", True),
+        ("apt-get install " + _DOCKER_IO + " debootstrap", False),  # Debian's package name
+        ('missing="$missing ' + _DOCKER_IO + '"', False),
+        ("see the " + REGISTRY_HOSTS[0].split(".")[0] + " docs", False),
+    ],
+)
+def test_the_registry_pattern(line, hit):
+    """The pattern catches a host wherever it names one and spares Debian's docker.io package."""
+    assert bool(REGISTRY.search(line)) is hit, line
 
 
 def test_vendored_trace_ships_with_its_license(files):

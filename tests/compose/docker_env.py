@@ -7,7 +7,8 @@ images once with ``python -m tests.compose.docker_env prepare``).
   networks are the ones created here and by compose) and ``--ip=127.0.0.1`` (a published port
   without an address binds loopback only).
 - ``strata-base:bookworm``: ``debootstrap --variant=minbase bookworm`` with Python 3.11, gcc and
-  wget from Debian, imported with ``docker import``.
+  wget from Debian (the mirror of ``STRATA_DEBIAN_MIRROR``, else the one this machine's apt
+  uses; no default host), imported with ``docker import``.
 - Python packages: downloaded on the host by the host's pip (which has whatever CA bundle the
   machine needs) into ``<cache>/compose/wheels-<hash>``, the exact versions of this venv, and
   served to the build by an HTTP server container on an internal build network. The image
@@ -58,11 +59,55 @@ NATS_IMAGE = "strata-nats:local"
 MINIO_IMAGE = "strata-minio:local"
 BUILD_NET = "strata-build"
 WHEEL_SERVER = "strata-wheels"
-DEBIAN_MIRROR = os.environ.get("STRATA_DEBIAN_MIRROR", "http://deb.debian.org/debian")
+APT_SOURCES = ("/etc/apt/sources.list.d", "/etc/apt/sources.list")
 
 
 class DockerEnvError(RuntimeError):
     """The environment cannot run the compose cluster; the message is one line with the fix."""
+
+
+def apt_mirrors(paths: tuple[str, ...] | None = None) -> list[str]:
+    """The Debian mirrors this machine's apt uses: ``URIs:`` of deb822 ``.sources`` files and
+    the URL of one-line ``deb URL suite ...`` entries, in file order (the security archive,
+    which debootstrap cannot bootstrap from, left out)."""
+    files: list[str] = []
+    for path in APT_SOURCES if paths is None else paths:
+        if os.path.isdir(path):
+            files += [os.path.join(path, n) for n in sorted(os.listdir(path))]
+        elif os.path.isfile(path):
+            files.append(path)
+    found: list[str] = []
+    for path in files:
+        if not path.endswith((".list", ".sources")):
+            continue
+        with open(path, errors="replace") as f:
+            for line in f:
+                words = line.split("#", 1)[0].split()
+                if words[:1] == ["URIs:"]:
+                    urls = words[1:]
+                elif words[:1] == ["deb"]:
+                    urls = [w for w in words[1:] if "://" in w][:1]
+                else:
+                    continue
+                for url in urls:
+                    url = url.rstrip("/")
+                    if not url.endswith("-security") and url not in found:
+                        found.append(url)
+    return found
+
+
+def debian_mirror() -> str:
+    """The mirror debootstrap uses: ``STRATA_DEBIAN_MIRROR``, else this machine's apt mirror.
+    No default host: the repository names none."""
+    mirror = os.environ.get("STRATA_DEBIAN_MIRROR", "").strip()
+    if mirror:
+        return mirror
+    mirrors = apt_mirrors()
+    if not mirrors:
+        raise DockerEnvError(
+            "no Debian mirror: set STRATA_DEBIAN_MIRROR (this machine's apt names none)"
+        )
+    return mirrors[0]
 
 
 def log(msg: str) -> None:
@@ -233,13 +278,14 @@ def ensure_base(d: Dockerd) -> None:
         raise DockerEnvError(
             "debootstrap not found (run scripts/setup.sh --compose: it installs it)"
         )
+    mirror = debian_mirror()
     rootfs = tempfile.mkdtemp(prefix="rootfs-", dir=d.root)
     try:
-        log(f"debootstrap --variant=minbase bookworm (+ {want}) from {DEBIAN_MIRROR}")
+        log(f"debootstrap --variant=minbase bookworm (+ {want}) from {mirror}")
         t0 = time.monotonic()
         res = subprocess.run(
             ["debootstrap", "--variant=minbase", f"--include={','.join(BASE_PACKAGES)}",
-             "bookworm", rootfs, DEBIAN_MIRROR],
+             "bookworm", rootfs, mirror],
             capture_output=True, text=True,
         )  # fmt: skip
         if res.returncode != 0:

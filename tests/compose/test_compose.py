@@ -333,3 +333,42 @@ def test_nats_has_a_user_per_role_and_no_anonymous_access(compose, tmp_path):
         )
         out = res.stdout + res.stderr
         assert res.returncode == 0 and "is valid" in out and "Usage" not in out, (node, out)
+
+
+def test_the_image_build_takes_its_indexes_from_the_builder():
+    """PIP_INDEX and TORCH_INDEX default to nothing (no host in the file); set, pip uses them."""
+    lines = dockerfile_lines("Dockerfile")
+    for arg in ("PIP_INDEX", "TORCH_INDEX", "WHEELS_URL"):
+        assert f"ARG {arg}=" in lines, arg
+    assert not any(ln.startswith("ARG") and "://" in ln for ln in lines)
+    runs = " ".join(lines)
+    assert 'index="--index-url $PIP_INDEX"' in runs and "pip install $index -r" in runs
+    assert 'pip install --index-url "$TORCH_INDEX" torch' in runs
+
+
+def test_the_debian_mirror_is_the_machines_apt_mirror(tmp_path, monkeypatch):
+    """The live test's debootstrap takes STRATA_DEBIAN_MIRROR, else this machine's apt mirror
+    (deb822 and one-line sources; the security archive skipped); with neither, one line."""
+    from tests.compose import docker_env
+
+    d = tmp_path / "sources.list.d"
+    d.mkdir()
+    (d / "debian.sources").write_text(
+        "Types: deb\n# http://old.example/debian\nURIs: http://mirror.example/debian/\n"
+        "Suites: bookworm\n\nTypes: deb\nURIs: http://mirror.example/debian-security\n"
+    )
+    (d / "extra.list").write_text("deb [arch=amd64] http://other.example/debian bookworm main\n")
+    (d / "notes.txt").write_text("URIs: http://ignored.example/\n")
+    assert docker_env.apt_mirrors((str(d),)) == [
+        "http://mirror.example/debian",
+        "http://other.example/debian",
+    ]
+    monkeypatch.setattr(docker_env, "APT_SOURCES", (str(d),))
+    monkeypatch.delenv("STRATA_DEBIAN_MIRROR", raising=False)
+    assert docker_env.debian_mirror() == "http://mirror.example/debian"
+    monkeypatch.setenv("STRATA_DEBIAN_MIRROR", "http://set.example/debian")
+    assert docker_env.debian_mirror() == "http://set.example/debian"
+    monkeypatch.delenv("STRATA_DEBIAN_MIRROR")
+    monkeypatch.setattr(docker_env, "APT_SOURCES", (str(tmp_path / "none"),))
+    with pytest.raises(docker_env.DockerEnvError, match="set STRATA_DEBIAN_MIRROR"):
+        docker_env.debian_mirror()
