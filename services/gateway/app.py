@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import ipaddress
 import logging
 import socket
 import ssl
@@ -76,6 +77,26 @@ def bind_http(host: str, port: int) -> socket.socket:
     return sock
 
 
+def check_public_bind(cfg: GatewayConfig) -> None:
+    """A `StartupError` when the gateway would listen beyond loopback with no API key: anyone
+    who reaches the address could use the cluster."""
+    if cfg.api_keys or cfg.api_key_file or is_loopback(cfg.host):
+        return
+    raise StartupError(
+        f"gateway bind {cfg.host} is not loopback and no API key is set; set STRATA_API_KEYS "
+        "(--api-keys) or STRATA_API_KEY_FILE (--api-key-file), or bind 127.0.0.1"
+    )
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to any interface
+
+
 def needs_vision(cfg: GatewayConfig) -> bool:
     """Readiness waits for a vision encoder only when the model takes images and the gateway
     accepts them (``max_images`` > 0; `strata up --vision 0` sets it to 0)."""
@@ -117,6 +138,7 @@ def main(argv: list[str]) -> None:
     cfg = GatewayConfig.load(argv, role="gateway")
     setup_logging("gateway", cfg.instance_id, cfg.log_level)
 
+    check_public_bind(cfg)
     sock = bind_http(cfg.host, cfg.port)  # a busy port fails before anything else starts
 
     async def amain(stop: asyncio.Event) -> None:

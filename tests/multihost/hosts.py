@@ -21,6 +21,8 @@ from tests.multihost.netns import Net
 NATS_HOST = 1
 METRICS_PORT = 9100
 GATEWAY_PORT = 8000
+# The gateway binds a non-loopback address here, which it refuses without an API key.
+API_KEY = "multihost-test-key"
 
 
 class Service:
@@ -93,6 +95,7 @@ class Deployment:
         )
         if role == "gateway":
             e.update(STRATA_HOST=addr, STRATA_PORT=str(GATEWAY_PORT), STRATA_MAX_IMAGES="0")
+            e.update(STRATA_API_KEYS=API_KEY)
         if role in ("prefill", "decode") and self.kvstore_addrs:
             e["STRATA_KVSTORE_ADDRS"] = ",".join(self.kvstore_addrs)
         e.update(self.env)

@@ -17,7 +17,7 @@ import pytest
 
 from services.cluster_config import ensure_model
 from tests.cluster.test_decode_failover import prompts, reference, stream_one
-from tests.multihost.hosts import Deployment
+from tests.multihost.hosts import API_KEY, Deployment
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -48,7 +48,8 @@ def deploy(net, model_dir: str, tmp_path, decode_hosts: dict[str, int]) -> Deplo
 
 async def run_streams(d: Deployment, msgs, on_way=None) -> list:
     progress = [0] * len(msgs)
-    async with httpx.AsyncClient(timeout=180.0) as cl:
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    async with httpx.AsyncClient(timeout=180.0, headers=auth) as cl:
         model = (await cl.get(d.gateway_url + "/v1/models")).json()["data"][0]["id"]
         tasks = [
             asyncio.create_task(stream_one(cl, d.gateway_url, model, m, progress, i))
