@@ -4,7 +4,9 @@ strata serve <role> [flags...]     run one service in this process (flags: see -
 strata up [--model DIR] [...]      the whole cluster on this machine, Ctrl-C stops it
 strata model build-default [DIR]   write the built-in default model (default: the cache)
 strata model build-benchmark [DIR] write the standard benchmark model
-strata nats-credentials [FILE]     NATS passwords per role for compose (default compose/.env)
+strata compose-secrets [FILE]      compose's secrets, generated once (default compose/.env)
+strata compose-minio-setup         (in compose) the kvstore's bucket-limited MinIO user
+strata nats-credentials FILE       NATS passwords per role only (the k8s Secret strata-nats)
 """
 
 from __future__ import annotations
@@ -287,21 +289,43 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(up(rest))
     if cmd == "model":
         sys.exit(model_cmd(rest))
+    if cmd == "compose-secrets":
+        sys.exit(compose_secrets_cmd(rest))
     if cmd == "nats-credentials":
         sys.exit(nats_credentials_cmd(rest))
-    say(f"unknown command {cmd!r}; commands: serve, up, model, nats-credentials")
+    if cmd == "compose-minio-setup":
+        sys.exit(compose_minio_setup_cmd())
+    say(
+        f"unknown command {cmd!r}; commands: serve, up, model, compose-secrets, compose-minio-setup"
+    )
     sys.exit(2)
 
 
-def nats_credentials_cmd(argv: list[str]) -> int:
-    """Random NATS passwords for compose/docker-compose.yml's users (kept if already there)."""
-    p = argparse.ArgumentParser(prog="strata nats-credentials")
+def compose_secrets_cmd(argv: list[str]) -> int:
+    """Random secrets for compose/docker-compose.yml (kept if already there)."""
+    p = argparse.ArgumentParser(prog="strata compose-secrets")
     p.add_argument(
         "file",
         nargs="?",
         default=os.path.join(_root(), "compose", ".env"),
         help="env file docker compose reads (default: compose/.env), mode 0600",
     )
+    a = p.parse_args(argv)
+    from services.infra.compose_secrets import SECRET_VARS, write_env_file
+
+    write_env_file(a.file)
+    say(
+        f"compose secrets in {a.file} (0600): NATS passwords per role, "
+        + ", ".join(SECRET_VARS)
+        + "; external NATS API clients log in as 'api' with STRATA_NATS_PASSWORD_API"
+    )
+    return 0
+
+
+def nats_credentials_cmd(argv: list[str]) -> int:
+    """The NATS passwords alone (the k8s Secret strata-nats); compose needs compose-secrets."""
+    p = argparse.ArgumentParser(prog="strata nats-credentials")
+    p.add_argument("file", help="env file to write, mode 0600 (existing passwords kept)")
     a = p.parse_args(argv)
     from services.infra.nats_auth import write_env_file
 
@@ -310,6 +334,19 @@ def nats_credentials_cmd(argv: list[str]) -> int:
         f"NATS passwords for {', '.join(users)} in {a.file} (0600); external NATS API clients "
         f"log in as 'api' with STRATA_NATS_PASSWORD_API"
     )
+    return 0
+
+
+def compose_minio_setup_cmd() -> int:
+    """compose's minio-setup container: the kvstore's bucket-limited MinIO user."""
+    from services.infra.compose_secrets import SetupError, provision_from_env
+
+    try:
+        user = provision_from_env()
+    except SetupError as exc:
+        print(f"{FATAL_LINE} minio-setup: {exc}", file=sys.stderr, flush=True)
+        return 1
+    say(f"MinIO user {user} limited to the KV bucket")
     return 0
 
 

@@ -87,6 +87,43 @@ def bucket_policy(bucket: str) -> dict:
     }
 
 
+def provision_kv_user(
+    endpoint: str, creds: MinioCredentials, bucket: str = KV_BUCKET, timeout: float = 30.0
+) -> None:
+    """With the root account of ``creds``: create ``bucket``, the policy `bucket_policy` and
+    the user ``creds.kv_user`` holding only that policy (idempotent; a rerun resets the user's
+    password to ``creds.kv_password``). Retries while MinIO is still starting, up to
+    ``timeout`` seconds."""
+    import urllib3
+    from minio import Minio, MinioAdmin
+    from minio.credentials import StaticProvider
+    from minio.error import MinioAdminException, S3Error
+
+    root = StaticProvider(creds.root_user, creds.root_password)
+    # No retries inside urllib3: right after start MinIO answers 503 "server not initialized"
+    # with a Retry-After that urllib3 would sleep out (60 s); the loop below retries at once.
+    http = urllib3.PoolManager(
+        timeout=urllib3.Timeout(connect=5.0, read=30.0), retries=urllib3.Retry(total=0)
+    )
+    client = Minio(endpoint, credentials=root, secure=False, http_client=http)
+    admin = MinioAdmin(endpoint=endpoint, credentials=root, secure=False, http_client=http)
+    # Right after start (above all on a restart over an existing data dir) MinIO may still be
+    # loading its IAM state: a just-added policy can be "not found" for a moment. Retry.
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if not client.bucket_exists(bucket):
+                client.make_bucket(bucket)
+            admin.policy_add(KV_POLICY, policy=bucket_policy(bucket))
+            admin.user_add(creds.kv_user, creds.kv_password)
+            admin.policy_set(KV_POLICY, user=creds.kv_user)
+            return
+        except (MinioAdminException, S3Error, urllib3.exceptions.HTTPError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
 MINIO_VERSION = "v0.0.0-20260212201848-7aac2a2c5b7c"
 """The MinIO module version built when none is found: the same pin as scripts/setup.sh
 (tests/infra/test_servers.py keeps the two equal); never @latest."""
@@ -215,34 +252,7 @@ class MinioServer(KVUser):
 
     def _provision(self) -> None:
         """Create the KV bucket and the kvstore's user limited to it (idempotent)."""
-        import urllib3
-        from minio import Minio, MinioAdmin
-        from minio.credentials import StaticProvider
-        from minio.error import MinioAdminException, S3Error
-
-        root = StaticProvider(self.access_key, self.secret_key)
-        # No retries inside urllib3: right after start MinIO answers 503 "server not initialized"
-        # with a Retry-After that urllib3 would sleep out (60 s); the loop below retries at once.
-        http = urllib3.PoolManager(
-            timeout=urllib3.Timeout(connect=5.0, read=30.0), retries=urllib3.Retry(total=0)
-        )
-        client = Minio(self.endpoint, credentials=root, secure=False, http_client=http)
-        admin = MinioAdmin(endpoint=self.endpoint, credentials=root, secure=False, http_client=http)
-        # Right after start (above all on a restart over an existing data dir) MinIO may still be
-        # loading its IAM state: a just-added policy can be "not found" for a moment. Retry.
-        deadline = time.monotonic() + 30.0
-        while True:
-            try:
-                if not client.bucket_exists(self.kv_bucket):
-                    client.make_bucket(self.kv_bucket)
-                admin.policy_add(KV_POLICY, policy=bucket_policy(self.kv_bucket))
-                admin.user_add(self.kv_access_key, self.kv_secret_key)
-                admin.policy_set(KV_POLICY, user=self.kv_access_key)
-                return
-            except (MinioAdminException, S3Error, urllib3.exceptions.HTTPError):
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
+        provision_kv_user(self.endpoint, self._creds(), self.kv_bucket)
 
     def stop(self) -> None:
         if self.proc is not None:

@@ -146,7 +146,7 @@ def ensure_credentials(cred_dir: str, users: tuple[str, ...] = USERS) -> dict[st
 
 # ---- docker compose: the same users, passwords from compose/.env ----
 
-COMPOSE_MISSING = "run: strata nats-credentials compose/.env"
+COMPOSE_MISSING = "run: strata compose-secrets compose/.env"
 
 
 def compose_password_var(user: str) -> str:

@@ -28,6 +28,7 @@ SERVICE_SETTINGS = {
     "MINIO_ENDPOINT",
     "MINIO_ACCESS_KEY",
     "MINIO_SECRET_KEY",
+    "API_KEYS",
     "KVSTORE_ADDRS",
     "NATS_USER",
     "NATS_PASSWORD",
@@ -114,6 +115,15 @@ def test_env_names_real_settings_and_unique_instances(compose):
     assert len(ids) == len(set(ids)) == len(ROLES)
 
 
+def secret_var(value: str) -> str:
+    """``${STRATA_X:?run: ...}`` -> ``STRATA_X``; anything else is a value in the file."""
+    m = re.fullmatch(
+        r"\$\{(STRATA_[A-Z_]+):\?" + re.escape(nats_auth.COMPOSE_MISSING) + r"\}", value
+    )
+    assert m, f"not a secret from compose/.env: {value!r}"
+    return m.group(1)
+
+
 def test_model_processes_get_threads_and_grpc(compose):
     s = compose["services"]
     for role in ("vision", "prefill", "decode"):
@@ -124,27 +134,65 @@ def test_model_processes_get_threads_and_grpc(compose):
         assert s[role]["environment"]["STRATA_KVSTORE_ADDRS"] == "kvstore:50051"
     kv = s["kvstore"]["environment"]
     assert kv["STRATA_MINIO_ENDPOINT"].split(",") == [f"{n}:9000" for n in minio_nodes(compose)]
+    setup = s["minio-setup"]["environment"]
     for node in minio_nodes(compose):
         minio = s[node]["environment"]
-        assert (kv["STRATA_MINIO_ACCESS_KEY"], kv["STRATA_MINIO_SECRET_KEY"]) == (
+        assert secret_var(minio["MINIO_ROOT_PASSWORD"]) == "STRATA_MINIO_ROOT_PASSWORD"
+        # the kvstore is not root: its own user, which minio-setup makes with the root account
+        assert kv["STRATA_MINIO_ACCESS_KEY"] != minio["MINIO_ROOT_USER"]
+        assert (setup["MINIO_ROOT_USER"], setup["MINIO_ROOT_PASSWORD"]) == (
             minio["MINIO_ROOT_USER"],
             minio["MINIO_ROOT_PASSWORD"],
         )
+    assert secret_var(kv["STRATA_MINIO_SECRET_KEY"]) == "STRATA_MINIO_KV_PASSWORD"
+    assert (setup["STRATA_MINIO_ACCESS_KEY"], setup["STRATA_MINIO_SECRET_KEY"]) == (
+        kv["STRATA_MINIO_ACCESS_KEY"],
+        kv["STRATA_MINIO_SECRET_KEY"],
+    )
+    assert setup["STRATA_MINIO_ENDPOINT"] == kv["STRATA_MINIO_ENDPOINT"]
+    assert s["minio-setup"]["command"] == ["strata", "compose-minio-setup"]
+    assert s["kvstore"]["depends_on"]["minio-setup"] == {
+        "condition": "service_completed_successfully"
+    }
 
 
-def test_ports_are_well_formed_and_gateway_is_published(compose):
-    published = {}
-    for name, svc in compose["services"].items():
-        for p in svc.get("ports", []):
-            m = re.fullmatch(r"(\d+):(\d+)", p)
-            assert m, f"{name}: bad port mapping {p!r}"
-            assert m.group(1) not in published, f"host port {m.group(1)} published twice"
-            published[m.group(1)] = name
-    gw = compose["services"]["gateway"]
-    assert gw["ports"] == [f"{gw['environment']['STRATA_PORT']}:8000"]
-    assert gw["environment"]["STRATA_HOST"] == "0.0.0.0"
+def test_only_the_gateway_is_published_on_loopback_and_asks_for_a_key(compose):
+    """By default nothing but the gateway is published, on 127.0.0.1; a public bind is the
+    operator's STRATA_GATEWAY_BIND and the API key is required either way (the gateway refuses
+    a non-loopback bind without one). Grafana (monitoring profile) is on loopback too."""
+    s = compose["services"]
+    published = {n: svc["ports"] for n, svc in s.items() if svc.get("ports")}
+    assert set(published) == {"gateway", "grafana"}, published
+    assert s["grafana"]["profiles"] == ["monitoring"]
+    assert published["grafana"] == ["127.0.0.1:3000:3000"]
+    gw = s["gateway"]
+    assert gw["ports"] == ["${STRATA_GATEWAY_BIND:-127.0.0.1}:${STRATA_GATEWAY_PORT:-8000}:8000"]
+    assert gw["environment"]["STRATA_PORT"] == "8000"
+    assert gw["environment"]["STRATA_HOST"] == "0.0.0.0"  # inside its container
+    assert secret_var(gw["environment"]["STRATA_API_KEYS"]) == "STRATA_API_KEY"
     assert "/health" in " ".join(gw["healthcheck"]["test"])
-    assert published["4222"] == "nats-0" and published["9000"] == "minio-1"
+    prom = yaml.safe_load(compose["configs"]["prometheus"]["content"])
+    (http_job,) = [j for j in prom["scrape_configs"] if j["job_name"] == "strata-gateway-http"]
+    assert secret_var(http_job["authorization"]["credentials"]) == "STRATA_API_KEY"
+
+
+def test_no_fixed_credentials_in_the_file(compose):
+    """Every password-like value is a ``${STRATA_...:?}`` reference to compose/.env."""
+    secretish = re.compile(r"PASSWORD|SECRET|API_KEYS?$|_KEY$")
+    for svc in compose["services"].values():
+        for key, value in svc.get("environment", {}).items():
+            if secretish.search(key) and key != "STRATA_MINIO_ACCESS_KEY":
+                secret_var(value)  # asserts
+    with open(os.path.join(COMPOSE, "docker-compose.yml")) as f:
+        text = f.read()
+    assert "strata-secret-key" not in text
+
+
+def test_grafana_has_no_anonymous_admin(compose):
+    env = compose["services"]["grafana"]["environment"]
+    assert env.get("GF_AUTH_ANONYMOUS_ORG_ROLE", "Viewer") == "Viewer"
+    assert env["GF_AUTH_DISABLE_LOGIN_FORM"] == "true" and env["GF_AUTH_BASIC_ENABLED"] == "false"
+    assert not any("ADMIN" in k for k in env)
 
 
 def test_depends_on_points_at_existing_services(compose):
@@ -154,14 +202,18 @@ def test_depends_on_points_at_existing_services(compose):
         for dep, cond in deps.items():
             assert dep in services, f"{name} depends on missing {dep}"
             assert dep != name
-            assert cond["condition"] in ("service_started", "service_healthy")
+            assert cond["condition"] in (
+                "service_started",
+                "service_healthy",
+                "service_completed_successfully",
+            )
             if cond["condition"] == "service_healthy":
                 assert "healthcheck" in services[dep], f"{dep} has no healthcheck"
         if role_of(svc):
             for node in nats_nodes(compose):
                 assert deps[node]["condition"] == "service_healthy", (name, node)
     for node in minio_nodes(compose):
-        assert services["kvstore"]["depends_on"][node]["condition"] == "service_healthy"
+        assert services["minio-setup"]["depends_on"][node]["condition"] == "service_healthy"
 
 
 def test_infra_and_optional_monitoring(compose):
@@ -205,11 +257,81 @@ def test_nats_is_a_three_node_jetstream_cluster(compose):
         assert "-js" in argv and flag(argv, "-sd") == "/data"
         names.add(flag(argv, "--server_name"))
         clusters.add(flag(argv, "--cluster_name"))
-        assert flag(argv, "--cluster") == "nats://0.0.0.0:6222"
+        route_auth = f"route:${{STRATA_NATS_ROUTE_PASSWORD:?{nats_auth.COMPOSE_MISSING}}}@"
+        assert flag(argv, "--cluster") == f"nats://{route_auth}0.0.0.0:6222"
         routes = flag(argv, "--routes").split(",")
-        assert sorted(routes) == [f"nats://{n}:6222" for n in nodes]
+        assert sorted(routes) == [f"nats://{route_auth}{n}:6222" for n in nodes]
         assert s[node]["healthcheck"]["test"][0] == "CMD"
     assert names == set(nodes) and len(clusters) == 1
+
+
+ROUTE_VAR = f"${{STRATA_NATS_ROUTE_PASSWORD:?{nats_auth.COMPOSE_MISSING}}}"
+
+
+def node_argv(compose: dict, node: str, tmp, ports: dict[str, tuple[int, int, int]], pw: str):
+    """A node's compose command line on loopback: client, cluster and monitoring ports from
+    ``ports`` (by node name), the route password ``pw``, its store and config under ``tmp``."""
+    argv = [a.replace(ROUTE_VAR, pw) for a in compose["services"][node]["command"]]
+    for name, (_, cluster, _) in ports.items():
+        argv = [a.replace(f"@{name}:6222", f"@127.0.0.1:{cluster}") for a in argv]
+    client, cluster, mon = ports[node]
+    argv = [a.replace("0.0.0.0:6222", f"127.0.0.1:{cluster}") for a in argv]
+    argv[argv.index("-m") + 1] = str(mon)
+    argv[argv.index("-sd") + 1] = str(tmp / node)
+    conf = tmp / "plain.conf"
+    conf.write_text(f"max_payload: {MAX_PAYLOAD}\n")
+    argv[argv.index("-c") + 1] = str(conf)
+    return [nats_binary(), *argv, "-a", "127.0.0.1", "-p", str(client)]
+
+
+def test_nats_routes_need_the_route_password(compose, tmp_path):
+    """Two nodes started from the file's own command lines: with the route password they form
+    a cluster; a node that dials with another password is refused (no route either way)."""
+    import json
+    import time
+    import urllib.request
+
+    from services.infra.procs import free_port
+
+    def stop(p: subprocess.Popen) -> None:
+        p.kill()  # no lame-duck wait: nothing here outlives the test
+        p.wait(10)
+
+    ports = {n: (free_port(), free_port(), free_port()) for n in nats_nodes(compose)}
+
+    def routes(node: str) -> int:
+        url = f"http://127.0.0.1:{ports[node][2]}/routez"
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return json.load(r)["num_routes"]
+
+    def settle(node: str, done, secs: float) -> int:
+        """Route connections of ``node`` once ``done(n)``, else the last count after ``secs``
+        (a route is a pool of connections: nats-server opens several per peer)."""
+        deadline, n = time.monotonic() + secs, -1
+        while time.monotonic() < deadline:
+            try:
+                n = routes(node)
+            except OSError:
+                n = -1
+            if done(n):
+                return n
+            time.sleep(0.2)
+        return n
+
+    procs = []
+    try:
+        for node, pw in (("nats-0", "right-pw"), ("nats-1", "wrong-pw")):
+            argv = node_argv(compose, node, tmp_path, ports, pw)
+            procs.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+        assert settle("nats-0", lambda n: n == 0, 1.0) == 0
+        assert settle("nats-0", lambda n: n > 0, 4.0) == 0, "a wrong route password was accepted"
+        stop(procs.pop())
+        argv = node_argv(compose, "nats-1", tmp_path, ports, "right-pw")
+        procs.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+        assert settle("nats-0", lambda n: n > 0, 15.0) > 0, "the right password formed no route"
+    finally:
+        for p in procs:
+            stop(p)
 
 
 def test_minio_is_distributed_over_four_drives(compose):
@@ -325,7 +447,7 @@ def test_nats_has_a_user_per_role_and_no_anonymous_access(compose, tmp_path):
     for node in nodes:
         # Each node's own command line with the config at its place: nats-server answers an
         # unknown flag with its usage (exit 0), so the verdict is the "is valid" line.
-        argv = list(s[node]["command"])
+        argv = [a.replace(ROUTE_VAR, "route-pw") for a in s[node]["command"]]
         argv[argv.index("-c") + 1] = str(tmp_path / "nats.conf")
         argv[argv.index("-sd") + 1] = str(tmp_path / node)
         res = subprocess.run(

@@ -1,6 +1,8 @@
 """compose/docker-compose.yml run for real: a private dockerd (Debian's docker.io) with the
 images built locally (tests/compose/docker_env.py: a debootstrap base, NATS and MinIO from the
-binaries `strata up` runs), the whole cluster up with the gateway published on 127.0.0.1 only.
+binaries `strata up` runs), the shipped file run unmodified (its secrets from `strata
+compose-secrets`, the gateway's host port chosen by STRATA_GATEWAY_PORT): only the gateway is
+published, on 127.0.0.1, and it asks for the API key; the kvstore's MinIO user is not root.
 A streamed chat through the official openai client equals the native cluster's (`strata up`'s
 processes, same default model) token for token; a container whose main process is killed comes
 back by its restart policy and serves again; `compose down -v` and the daemon's stop follow even
@@ -20,7 +22,8 @@ import openai
 import pytest
 
 from services.cluster_config import ensure_model
-from services.infra import nats_auth
+from services.infra import compose_secrets
+from services.infra.procs import free_port
 from tests.compose.docker_env import (
     COMPOSE_FILE,
     Dockerd,
@@ -37,19 +40,11 @@ pytestmark = [pytest.mark.compose_live, pytest.mark.timeout(1800)]
 N = 16
 CHAT = [{"role": "user", "content": "Tell me about the tiers of a KV cache."}]
 THREADS = 2  # STRATA_TORCH_THREADS of the compose model services; the native cluster the same
-INFRA = ("nats-0", "nats-1", "nats-2", "minio-1", "minio-2")
-# Besides the image variables (image_env), the test's only change to the file: nothing published
-# but the gateway, on loopback, on a port the daemon picks (the daemon runs with --ip=127.0.0.1).
-OVERRIDE = (
-    "services:\n"
-    + "".join(f"  {s}:\n    ports: !reset []\n" for s in INFRA)
-    + ('  gateway:\n    ports: !override ["127.0.0.1::8000"]\n')
-)
 
 
-def stream_chat(base_url: str) -> tuple[str, list[str], int]:
+def stream_chat(base_url: str, api_key: str = "unused") -> tuple[str, list[str], int]:
     """Streamed greedy chat: (text, token strings from the log-probabilities, usage tokens)."""
-    client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key=api_key, max_retries=0, timeout=60)
     stream = client.chat.completions.create(
         model=client.models.list().data[0].id,
         messages=CHAT,
@@ -117,17 +112,15 @@ class Compose:
     def __init__(self, d: Dockerd, tmp) -> None:
         self.d = d
         self.env_file = str(tmp / "compose.env")
-        nats_auth.write_env_file(self.env_file)  # the passwords, as `strata nats-credentials`
-        self.override = str(tmp / "override.yml")
-        with open(self.override, "w") as f:
-            f.write(OVERRIDE)
+        self.secrets = compose_secrets.write_env_file(self.env_file)  # `strata compose-secrets`
+        self.api_key = self.secrets["STRATA_API_KEY"]
+        self.port = free_port()  # the shipped default is 8000, which this machine may use
         self.bin = compose_binary()
 
     def __call__(self, *args: str, timeout: float = 300, check: bool = True):
         res = subprocess.run(
-            [self.bin, "-f", COMPOSE_FILE, "-f", self.override, "--env-file", self.env_file,
-             *args],
-            env=dict(self.d.env, **image_env()),
+            [self.bin, "-f", COMPOSE_FILE, "--env-file", self.env_file, *args],
+            env=dict(self.d.env, **image_env(), STRATA_GATEWAY_PORT=str(self.port)),
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -188,7 +181,21 @@ def test_only_the_gateway_is_published_and_only_on_loopback(cluster, dockerd):
             published[service] = res.stdout.split()
     assert list(published) == ["gateway"], published
     assert all(b.startswith("8000/tcp=127.0.0.1") for b in published["gateway"]), published
-    gateway_url(cluster)
+    assert gateway_url(cluster) == f"http://127.0.0.1:{cluster.port}"
+
+
+def test_the_gateway_asks_for_the_key(cluster):
+    with pytest.raises(openai.AuthenticationError):
+        stream_chat(gateway_url(cluster), api_key="not-the-key")
+
+
+def test_the_kvstore_is_not_minio_root(cluster):
+    show = "import os; print(os.environ['{}'])"
+    kv = cluster("exec", "-T", "kvstore", "python", "-c", show.format("STRATA_MINIO_ACCESS_KEY"))
+    root = cluster("exec", "-T", "minio-1", "sh", "-c", "echo $MINIO_ROOT_USER")
+    assert kv.stdout.strip() == "strata-kvstore" and root.stdout.strip() == "strata-root"
+    setup = cluster("ps", "-a", "--format", "{{.Service}} {{.State}} {{.ExitCode}}", "minio-setup")
+    assert setup.stdout.split() == ["minio-setup", "exited", "0"], setup.stdout
 
 
 def test_the_image_serves_the_same_default_model(cluster, model_dir):
@@ -200,7 +207,7 @@ def test_the_image_serves_the_same_default_model(cluster, model_dir):
 
 
 def test_streamed_chat_equals_the_native_cluster(cluster, native):
-    text, tokens, usage = stream_chat(gateway_url(cluster))
+    text, tokens, usage = stream_chat(gateway_url(cluster), cluster.api_key)
     assert usage == N and len(tokens) == N, (usage, tokens)
     assert (text, tokens) == native[:2]
     assert native[2] == N
@@ -231,7 +238,7 @@ def test_a_crashed_container_is_restarted_and_serves_again(cluster, dockerd, nat
     deadline = time.monotonic() + 60
     while True:  # the scheduler routes to the restarted instance once its registration lands
         try:
-            got = stream_chat(gateway_url(cluster))
+            got = stream_chat(gateway_url(cluster), cluster.api_key)
             break
         except openai.APIError as exc:
             assert time.monotonic() < deadline, f"no answer after the restart: {exc}"

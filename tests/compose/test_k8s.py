@@ -199,6 +199,9 @@ def test_gateway_probes_hit_its_open_health_endpoints(docs):
     env = {e["name"]: e.get("value") for e in c["env"]}
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert ports["http"] == int(env["STRATA_PORT"]) and env["STRATA_HOST"] == "0.0.0.0"
+    # a public bind needs an API key (the gateway refuses to start without one)
+    key = {e["name"]: e for e in c["env"]}["STRATA_API_KEYS"]["valueFrom"]["secretKeyRef"]
+    assert key == {"name": "strata-gateway", "key": "apiKey"}
     # The app's routes (building it only registers them; nothing is served or called).
     cfg = GatewayConfig.load([], role="gateway")
     app = build_app(types.SimpleNamespace(cfg=cfg, auth=None))
@@ -329,12 +332,15 @@ def test_readme_creates_every_secret_the_manifests_reference(docs, readme, nats_
         ref = e["valueFrom"]["secretKeyRef"]
         refs.add((ref["name"], ref["key"]))
     refs |= {("strata-minio", "rootUser"), ("strata-minio", "rootPassword")}  # existingSecret
-    assert {name for name, _ in refs} == {"strata-nats", "strata-minio"}
+    assert {name for name, _ in refs} == {"strata-nats", "strata-minio", "strata-gateway"}
     creates = [ln for ln in commands(readme) if "kubectl create secret generic" in ln]
     (nats_cmd,) = [ln for ln in creates if "generic strata-nats " in ln]
     assert "--from-env-file" in nats_cmd  # `strata nats-credentials` writes every key
     assert "strata nats-credentials" in readme
     (minio_cmd,) = [ln for ln in creates if "generic strata-minio " in ln]
+    (gateway_cmd,) = [ln for ln in creates if "generic strata-gateway " in ln]
     for name, key in refs:
         if name == "strata-minio":
             assert f"--from-literal={key}=" in minio_cmd, key
+        if name == "strata-gateway":
+            assert f"--from-literal={key}=" in gateway_cmd, key
