@@ -259,6 +259,11 @@ def chart_install(readme: str, chart: str, values: str) -> str:
 def test_nats_values_make_a_three_node_jetstream_cluster(nats_values, common, readme):
     cfg = nats_values["config"]
     assert cfg["cluster"]["enabled"] is True and cfg["cluster"]["replicas"] == 3
+    # routes authenticate; the password comes from a generated file, never from the values
+    assert cfg["cluster"]["routeURLs"] == {"user": "route"}
+    (install,) = [ln for ln in commands(readme) if ln.startswith("helm install nats ")]
+    assert "--set-file config.cluster.routeURLs.password=nats-route.password" in install
+    assert any("openssl rand" in ln and "> nats-route.password" in ln for ln in commands(readme))
     js = cfg["jetstream"]
     assert js["enabled"] is True and js["fileStore"]["enabled"] is True
     assert js["fileStore"]["pvc"]["enabled"] is True
