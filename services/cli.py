@@ -343,8 +343,9 @@ def compose_minio_setup_cmd() -> int:
 
     try:
         user = provision_from_env()
-    except SetupError as exc:
-        print(f"{FATAL_LINE} minio-setup: {exc}", file=sys.stderr, flush=True)
+    except (SetupError, ConfigError) as exc:
+        msg = str(exc.code if isinstance(exc, ConfigError) else exc)
+        print(f"{FATAL_LINE} minio-setup: {msg}", file=sys.stderr, flush=True)
         return 1
     say(f"MinIO user {user} limited to the KV bucket")
     return 0

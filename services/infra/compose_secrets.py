@@ -55,29 +55,34 @@ class SetupError(RuntimeError):
     """minio-setup cannot run: one line naming the missing setting."""
 
 
-def provision_from_env(environ: dict[str, str] | None = None) -> str:
-    """In the ``minio-setup`` container: with the root account, create the KV bucket and the
-    kvstore's user (``STRATA_MINIO_ACCESS_KEY`` / ``STRATA_MINIO_SECRET_KEY``) holding only the
-    bucket's policy. Returns the user name."""
-    env = os.environ if environ is None else environ
-    names = (
-        "STRATA_MINIO_ENDPOINT",
-        "MINIO_ROOT_USER",
-        "MINIO_ROOT_PASSWORD",
-        "STRATA_MINIO_ACCESS_KEY",
-        "STRATA_MINIO_SECRET_KEY",
-    )
-    missing = [n for n in names if not env.get(n)]
+def provision_from_env() -> str:
+    """In the ``minio-setup`` container: with the root account (``MINIO_ROOT_USER`` /
+    ``MINIO_ROOT_PASSWORD``, as the MinIO containers get it), create the KV bucket and the
+    kvstore's user (its settings ``STRATA_MINIO_ACCESS_KEY`` / ``STRATA_MINIO_SECRET_KEY``,
+    ``STRATA_MINIO_ENDPOINT``, ``STRATA_MINIO_BUCKET``) holding only the bucket's policy.
+    Returns the user name."""
+    from services.kvstore.config import KVStoreConfig
+
+    cfg = KVStoreConfig.load([], role="minio-setup")
+    root_user = os.environ.get("MINIO_ROOT_USER", "")
+    root_password = os.environ.get("MINIO_ROOT_PASSWORD", "")
+    given = {
+        "STRATA_MINIO_ENDPOINT": bool(cfg.minio_endpoint),
+        "MINIO_ROOT_USER": bool(root_user),
+        "MINIO_ROOT_PASSWORD": bool(root_password),
+        "STRATA_MINIO_ACCESS_KEY": bool(cfg.minio_access_key),
+        "STRATA_MINIO_SECRET_KEY": bool(cfg.minio_secret_key),
+    }
+    missing = [name for name, ok in given.items() if not ok]
     if missing:
         raise SetupError(f"minio-setup needs {', '.join(missing)}")
-    endpoint = env["STRATA_MINIO_ENDPOINT"].split(",")[0].strip()
     creds = MinioCredentials(
-        root_user=env["MINIO_ROOT_USER"],
-        root_password=env["MINIO_ROOT_PASSWORD"],
-        kv_user=env["STRATA_MINIO_ACCESS_KEY"],
-        kv_password=env["STRATA_MINIO_SECRET_KEY"],
+        root_user=root_user,
+        root_password=root_password,
+        kv_user=cfg.minio_access_key,
+        kv_password=cfg.minio_secret_key,
     )
     if creds.kv_user == creds.root_user:
         raise SetupError("the kvstore's MinIO user must not be the root user")
-    provision_kv_user(endpoint, creds, env.get("STRATA_MINIO_BUCKET") or KV_BUCKET, timeout=120.0)
+    provision_kv_user(cfg.minio_endpoint[0], creds, cfg.minio_bucket or KV_BUCKET, timeout=120.0)
     return creds.kv_user
