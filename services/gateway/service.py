@@ -414,7 +414,7 @@ class Run:
         events = ts.feed(c.text) + (ts.finish() if c.finish_reason is not None else [])
         content = "".join(e for kind, e in events if kind == "content")
         out = []
-        if content or c.logprobs:
+        if content or c.logprobs or c.prompt_logprobs:
             plain = c.model_copy(update={"text": content, "finish_reason": None})
             out.append(self.fmt.chunk(i, plain, self._offsets[i]))
         for kind, call in events:
