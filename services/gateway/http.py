@@ -266,6 +266,8 @@ def build_app(service: GatewayService) -> FastAPI:
         try:
             req = anthropic.parse_count_tokens(await read_json(request))
             body = {"model": req.model, "messages": anthropic.chat_messages(req)}
+            if req.tools:  # the template renders them into the prompt
+                body["tools"] = anthropic.chat_tools(req)["tools"]
             return JSONResponse({"input_tokens": (await service.tokenize(body))["count"]})
         except StrataError as exc:
             return anthropic_error(exc)
