@@ -396,6 +396,7 @@ def sampling_for(
             logprobs=spec.logprobs,
             prompt_logprobs=r.prompt_logprobs,
             skip_special_tokens=r.skip_special_tokens,
+            spaces_between_special_tokens=r.spaces_between_special_tokens,
             structured=spec.constraint,
             logit_bias={int(k): v for k, v in r.logit_bias.items()} if r.logit_bias else None,
             allowed_token_ids=list(r.allowed_token_ids) if r.allowed_token_ids else None,

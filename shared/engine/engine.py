@@ -169,7 +169,10 @@ class LLMEngine:
         from shared.model.tokenizer import IncrementalDetokenizer
 
         detok = IncrementalDetokenizer(
-            self.tokenizer, list(seq.token_ids), skip_special_tokens=seq.params.skip_special_tokens
+            self.tokenizer,
+            list(seq.token_ids),
+            skip_special_tokens=seq.params.skip_special_tokens,
+            spaces_between_special_tokens=seq.params.spaces_between_special_tokens,
         )
         tracker = TextTracker(detok, seq.params.stop, seq.params.include_stop_str_in_output)
         tracker.prime(seq.token_ids[seq.num_prompt_tokens :])  # resumed outputs (failover)

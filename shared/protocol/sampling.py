@@ -52,6 +52,11 @@ class SamplingParams(BaseModel):
         "and the top-n alternatives, from the prefill logits (the prefix cache is skipped).",
     )
     skip_special_tokens: bool = Field(True, description="Detokenizer drops special tokens.")
+    spaces_between_special_tokens: bool = Field(
+        True,
+        description="vLLM: False makes an added token right after another its bare content "
+        "(no space a decoder puts between them); only with skip_special_tokens False.",
+    )
     speculation: bool = Field(
         True, description="Draft tokens allowed (the scheduler turns this off from level 1)."
     )

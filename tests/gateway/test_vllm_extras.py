@@ -57,6 +57,7 @@ async def test_fields_reach_tokenizer_and_engine(nats_url):
             assert sp.allowed_token_ids == [5, 7] and sp.include_stop_str_in_output
             assert sp.min_tokens == 1 and sp.repetition_penalty == 1.2
             assert sp.logit_bias == {9: -5.0} and not sp.skip_special_tokens
+            assert not sp.spaces_between_special_tokens
 
 
 async def test_return_token_ids_chat_and_completions(nats_url):
