@@ -81,6 +81,8 @@ class DecodeService(RequestTasks):
                     token_ids=out.new_token_ids,
                     text=out.text_delta,
                     logprobs=out.new_logprobs,
+                    prompt_logprobs=out.prompt_logprobs,
+                    prompt_ranks=out.prompt_ranks,
                     finish_reason=out.finish_reason if out.finished else None,
                     usage=usage,
                     instance_id=self.instance_id,
@@ -148,7 +150,7 @@ class DecodeService(RequestTasks):
                 count_fallback("pool_miss")
             else:
                 pooled = True
-        elif pool is not None:
+        elif pool is not None and item.sampling.prompt_logprobs is None:
             # This instance computes the context itself (the colocated shape, a failed push, a
             # failover): the prefix the pool holds beyond engine memory is loaded first when
             # the cost model says loading beats recomputing (a restart, an evicted prefix, or

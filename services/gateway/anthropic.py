@@ -10,6 +10,7 @@ content_block_start, content_block_delta, content_block_stop, message_delta, mes
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError
@@ -26,11 +27,37 @@ class ImageSource(_Body):
     url: str | None = None
 
 
+class ResultBlock(_Body):
+    type: Literal["text"]
+    text: str
+    cache_control: dict[str, Any] | None = None
+
+
 class ContentBlock(_Body):
-    type: Literal["text", "image"]
+    type: Literal["text", "image", "tool_use", "tool_result"]
     text: str | None = None
     source: ImageSource | None = None
     cache_control: dict[str, Any] | None = None  # a prompt-caching hint: Strata caches anyway
+    id: str | None = Field(None, max_length=256)  # tool_use
+    name: str | None = Field(None, max_length=256)
+    input: dict[str, Any] | None = None
+    tool_use_id: str | None = Field(None, max_length=256)  # tool_result
+    content: str | list[ResultBlock] | None = None
+    is_error: bool | None = None
+
+
+class AnthropicTool(_Body):
+    type: Literal["custom"] | None = None
+    name: str = Field(..., pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    input_schema: dict[str, Any]
+    cache_control: dict[str, Any] | None = None
+
+
+class AnthropicToolChoice(_Body):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
 
 
 class AnthropicMessage(_Body):
@@ -55,12 +82,16 @@ class MessagesRequest(_Body):
     top_k: int | None = Field(None, ge=0)
     stream: bool = False
     metadata: AnthropicMetadata | None = None
+    tools: list[AnthropicTool] | None = Field(None, max_length=128)
+    tool_choice: AnthropicToolChoice | None = None
 
 
 class CountTokensRequest(_Body):
     model: str = Field(..., min_length=1, max_length=256)
     messages: list[AnthropicMessage] = Field(..., min_length=1)
     system: str | list[ContentBlock] | None = None
+    tools: list[AnthropicTool] | None = Field(None, max_length=128)
+    tool_choice: AnthropicToolChoice | None = None
 
 
 def _parse(model: type[BaseModel], body: dict[str, Any]) -> Any:
@@ -70,9 +101,7 @@ def _parse(model: type[BaseModel], body: dict[str, Any]) -> Any:
         raise validation_error(exc) from None
 
 
-def _content(blocks: str | list[ContentBlock]) -> str | list[dict[str, Any]]:
-    if isinstance(blocks, str):
-        return blocks
+def _content(blocks: list[ContentBlock]) -> list[dict[str, Any]]:
     parts: list[dict[str, Any]] = []
     for b in blocks:
         if b.type == "text":
@@ -97,11 +126,88 @@ def _system(system: str | list[ContentBlock] | None) -> list[dict[str, Any]]:
     return [{"role": "system", "content": text}]
 
 
+def _bad(k: int, why: str) -> ApiError:
+    return ApiError("bad_request", f"messages[{k}]: {why}", param="messages")
+
+
+def _turns(k: int, m: AnthropicMessage) -> list[dict[str, Any]]:
+    """One Anthropic message as chat messages: an assistant's ``tool_use`` blocks become its
+    ``tool_calls``; a user's ``tool_result`` blocks become ``tool`` messages (before the rest of
+    that user turn)."""
+    if isinstance(m.content, str):
+        return [{"role": m.role, "content": m.content}]
+    uses = [b for b in m.content if b.type == "tool_use"]
+    results = [b for b in m.content if b.type == "tool_result"]
+    rest = [b for b in m.content if b.type in ("text", "image")]
+    if uses and m.role != "assistant":
+        raise _bad(k, "tool_use blocks belong to assistant messages")
+    if results and m.role != "user":
+        raise _bad(k, "tool_result blocks belong to user messages")
+    out: list[dict[str, Any]] = []
+    for b in results:
+        if not b.tool_use_id:
+            raise _bad(k, "a tool_result block needs tool_use_id")
+        text = b.content if isinstance(b.content, str) else "".join(r.text for r in b.content or [])
+        out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": text})
+    msg: dict[str, Any] = {"role": m.role, "content": _content(rest)}
+    if uses:
+        for b in uses:
+            if not (b.id and b.name and b.input is not None):
+                raise _bad(k, "a tool_use block needs id, name and input")
+        msg["content"] = "".join(p.get("text", "") for p in msg["content"]) or None
+        msg["tool_calls"] = [
+            {
+                "id": b.id,
+                "type": "function",
+                "function": {"name": b.name, "arguments": json.dumps(b.input)},
+            }
+            for b in uses
+        ]
+    if rest or uses or not results:
+        out.append(msg)
+    return out
+
+
 def chat_messages(req: MessagesRequest | CountTokensRequest) -> list[dict[str, Any]]:
     """The conversation as OpenAI chat messages, the system prompt first."""
-    return _system(req.system) + [
-        {"role": m.role, "content": _content(m.content)} for m in req.messages
-    ]
+    msgs = _system(req.system)
+    for k, m in enumerate(req.messages):
+        msgs += _turns(k, m)
+    return msgs
+
+
+def chat_tools(req: MessagesRequest | CountTokensRequest) -> dict[str, Any]:
+    """``tools`` / ``tool_choice`` / ``parallel_tool_calls`` of the chat body."""
+    if not req.tools:
+        if req.tool_choice is not None and req.tool_choice.type != "none":
+            raise ApiError("bad_request", "tool_choice needs tools", param="tool_choice")
+        return {}
+    out: dict[str, Any] = {
+        "tools": [
+            {
+                "type": "function",
+                "function": {
+                    "name": t.name,
+                    "parameters": t.input_schema,
+                    **({"description": t.description} if t.description else {}),
+                },
+            }
+            for t in req.tools
+        ]
+    }
+    tc = req.tool_choice
+    if tc is not None:
+        if tc.type == "tool":
+            if not tc.name:
+                raise ApiError(
+                    "bad_request", "tool_choice type 'tool' needs a name", param="tool_choice"
+                )
+            out["tool_choice"] = {"type": "function", "function": {"name": tc.name}}
+        else:
+            out["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[tc.type]
+        if tc.disable_parallel_tool_use:
+            out["parallel_tool_calls"] = False
+    return out
 
 
 def parse_messages(body: dict[str, Any]) -> MessagesRequest:
@@ -136,7 +242,18 @@ def to_chat(req: MessagesRequest) -> dict[str, Any]:
             body[name] = getattr(req, name)
     if req.metadata and req.metadata.user_id:
         body["user"] = req.metadata.user_id
+    body.update(chat_tools(req))
     return body
+
+
+def tool_use_block(call: dict[str, Any]) -> dict[str, Any]:
+    """A chat tool call as a ``tool_use`` content block (arguments parsed back to an object)."""
+    f = call["function"]
+    try:
+        args = json.loads(f["arguments"] or "{}")
+    except json.JSONDecodeError:
+        args = {}
+    return {"type": "tool_use", "id": call["id"], "name": f["name"], "input": args}
 
 
 def split_stop(text: str, finish: str | None, stops: list[str]) -> tuple[str, str, str | None]:
@@ -156,12 +273,17 @@ def message(resp: dict[str, Any], req: MessagesRequest) -> dict[str, Any]:
         choice["message"]["content"] or "", choice["finish_reason"], req.stop_sequences or []
     )
     use = resp.get("usage") or {}
+    calls = choice["message"].get("tool_calls") or []
+    content = [{"type": "text", "text": text}] if text or not calls else []
+    content += [tool_use_block(c) for c in calls]
+    if calls and reason != "max_tokens":
+        reason, seq = "tool_use", None
     return {
         "id": "msg_" + resp["id"].removeprefix("chatcmpl-"),
         "type": "message",
         "role": "assistant",
         "model": req.model,
-        "content": [{"type": "text", "text": text}],
+        "content": content,
         "stop_reason": reason,
         "stop_sequence": seq,
         "usage": {
@@ -185,6 +307,9 @@ class EventStream:
         self.pending = ""
         self.output_tokens = 0
         self.finish: str | None = None
+        self.text_open = True  # block 0 (text) is open until a tool_use block follows it
+        self.blocks = 1  # content blocks started so far
+        self.calls = 0  # tool_use blocks
 
     def start(self) -> list[tuple[str, dict[str, Any]]]:
         msg = {
@@ -225,6 +350,8 @@ class EventStream:
         out: list[tuple[str, dict[str, Any]]] = []
         for c in chunk.get("choices", ()):
             self.pending += c.get("delta", {}).get("content") or ""
+            for frag in c.get("delta", {}).get("tool_calls") or ():
+                out += self._tool(frag)
             if c.get("finish_reason"):
                 self.finish = c["finish_reason"]
             if self.hold and len(self.pending) > self.hold and self.finish is None:
@@ -236,11 +363,42 @@ class EventStream:
                 self.pending = ""
         return out
 
+    def _tool(self, frag: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+        """A chat tool-call fragment (`Run._tool_chunks` sends each call whole: the head with id
+        and name, then the arguments) as a ``tool_use`` block: start, input_json_delta, stop."""
+        out: list[tuple[str, dict[str, Any]]] = []
+        if self.text_open:  # the text before a call is final: nothing held back can be a stop
+            out += self._delta(self.pending)
+            self.pending = ""
+            out.append(("content_block_stop", {"type": "content_block_stop", "index": 0}))
+            self.text_open = False
+        if "id" in frag:
+            block = {
+                "type": "tool_use",
+                "id": frag["id"],
+                "name": frag["function"]["name"],
+                "input": {},
+            }
+            start = {"type": "content_block_start", "index": self.blocks, "content_block": block}
+            self.calls += 1
+            return [*out, ("content_block_start", start)]
+        k = self.blocks
+        self.blocks += 1
+        delta = {"type": "input_json_delta", "partial_json": frag["function"]["arguments"]}
+        return [
+            *out,
+            ("content_block_delta", {"type": "content_block_delta", "index": k, "delta": delta}),
+            ("content_block_stop", {"type": "content_block_stop", "index": k}),
+        ]
+
     def end(self) -> list[tuple[str, dict[str, Any]]]:
         text, reason, seq = split_stop(self.pending, self.finish, self.stops)
+        if self.calls and reason != "max_tokens":
+            reason, seq = "tool_use", None
+        closing = [("content_block_stop", {"type": "content_block_stop", "index": 0})]
         return [
             *self._delta(text),
-            ("content_block_stop", {"type": "content_block_stop", "index": 0}),
+            *(closing if self.text_open else []),
             (
                 "message_delta",
                 {

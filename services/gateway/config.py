@@ -17,6 +17,14 @@ class GatewayConfig(ServiceConfig):
     # auth
     api_keys: list[str] = Field([], description="Comma-separated API keys allowed for every model")
     api_key_file: str = Field("", description="JSON/YAML file: key -> {models, rpm, tpm}")
+    prefilter_lists: list[str] = Field(
+        [],
+        description="Pre-filter pattern lists 'refuse:CODE:PATH' or 'mask:CODE:PATH' "
+        "(comma-separated; one UTF-8 pattern a line, reloaded when the file changes)",
+    )
+    prefilter_reload_s: float = Field(
+        1.0, gt=0, description="Seconds between checks of the pattern files for changes"
+    )
     # limits
     max_body_bytes: int = Field(8 << 20, ge=1024, description="Largest accepted request body")
     max_tokens_limit: int = Field(4096, ge=1, description="Largest max_tokens a request may ask")

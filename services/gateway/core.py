@@ -226,12 +226,6 @@ def build_spec(
 
 def _check_vllm_extras(req: ChatCompletionRequest | CompletionRequest) -> None:
     """vLLM's extra fields that the schema alone cannot check (each 400 names its field)."""
-    if req.prompt_logprobs is not None:
-        raise ApiError(
-            "bad_request",
-            "prompt_logprobs is not supported: the engine does not return prompt-token logprobs",
-            param="prompt_logprobs",
-        )
     if req.truncate_prompt_tokens == 0:
         raise ApiError(
             "bad_request",
@@ -353,6 +347,15 @@ def sampling_for(
             f"prompt has {prompt_len} tokens; this model's context length is {max_model_len}",
             param="messages" if spec.kind == "chat" else "prompt",
         )
+    n_plp = r.prompt_logprobs
+    if n_plp is not None and prompt_len * _prompt_logprob_bytes(n_plp) > _PROMPT_LOGPROBS_BYTES:
+        most = _PROMPT_LOGPROBS_BYTES // _prompt_logprob_bytes(n_plp)
+        raise ApiError(
+            "bad_request",
+            f"prompt_logprobs={n_plp} on a {prompt_len}-token prompt is more than one bus "
+            f"message carries: at most {most} prompt tokens with this many alternatives",
+            param="prompt_logprobs",
+        )
     room = (max_model_len - prompt_len) if max_model_len else cfg.max_tokens_limit
     asked = _max_tokens(r)
     if degrade_level >= 1 and spec.slo_class == "batch":  # level 1 trims batch work first
@@ -391,7 +394,9 @@ def sampling_for(
             stop_token_ids=list(r.stop_token_ids or []),
             ignore_eos=r.ignore_eos,
             logprobs=spec.logprobs,
+            prompt_logprobs=r.prompt_logprobs,
             skip_special_tokens=r.skip_special_tokens,
+            spaces_between_special_tokens=r.spaces_between_special_tokens,
             structured=spec.constraint,
             logit_bias={int(k): v for k, v in r.logit_bias.items()} if r.logit_bias else None,
             allowed_token_ids=list(r.allowed_token_ids) if r.allowed_token_ids else None,
@@ -400,6 +405,15 @@ def sampling_for(
         )
     except ValidationError as exc:
         raise validation_error(exc) from None
+
+
+# prompt_logprobs ride the first token's bus message (8 MiB at most, services/infra): a token
+# costs about 14 msgpack bytes per {id: logprob} pair plus its rank
+_PROMPT_LOGPROBS_BYTES = 6 << 20
+
+
+def _prompt_logprob_bytes(n: int) -> int:
+    return (n + 1) * 14 + 4
 
 
 def block_hashes(

@@ -18,7 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from services.gateway import anthropic, openapi
+from services.gateway import anthropic, openapi, responses_api
 from services.gateway import metrics as m
 from services.gateway.auth import Auth
 from services.gateway.core import ApiError, error_body, parse_json
@@ -234,12 +234,40 @@ def build_app(service: GatewayService) -> FastAPI:
         finally:
             run.close()
 
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        """OpenAI's Responses API, stateless, over the chat path (`responses_api`)."""
+        req = responses_api.parse_request(await read_json(request))
+        run = await _race(
+            service.open(
+                "chat",
+                responses_api.to_chat(req),
+                dict(request.headers),
+                key_of(request),
+                request.headers.get("x-request-id", ""),
+            ),
+            request,
+        )
+        if req.stream:
+            return StreamingResponse(
+                _response_events(run, req),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
+        try:
+            chat = await _race(run.complete(), request)
+            return JSONResponse(responses_api.response(chat, req, run.request_id))
+        finally:
+            run.close()
+
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:
         """Anthropic's token count of a Messages request (the chat template's prompt)."""
         try:
             req = anthropic.parse_count_tokens(await read_json(request))
             body = {"model": req.model, "messages": anthropic.chat_messages(req)}
+            if req.tools:  # the template renders them into the prompt
+                body["tools"] = anthropic.chat_tools(req)["tools"]
             return JSONResponse({"input_tokens": (await service.tokenize(body))["count"]})
         except StrataError as exc:
             return anthropic_error(exc)
@@ -313,6 +341,27 @@ async def _anthropic_events(run, req: anthropic.MessagesRequest):
             return
         for ev in events.end():
             yield _event(*ev)
+    finally:
+        run.close()
+
+
+async def _response_events(run, req: responses_api.ResponsesRequest):
+    """The run's chat chunks as Responses SSE events; an error mid-stream is an ``error``
+    event; the run is closed however the stream ends."""
+    events = responses_api.ResponseEvents(req, run.request_id)
+    try:
+        for ev in events.start():
+            yield responses_api.event_bytes(ev)
+        try:
+            async for chunk in run.events():
+                for ev in events.feed(chunk):
+                    yield responses_api.event_bytes(ev)
+        except StrataError as exc:
+            err = {"type": "error", "code": exc.code, "message": exc.message, "param": None}
+            yield responses_api.event_bytes({**err, "sequence_number": events.seq})
+            return
+        for ev in events.end():
+            yield responses_api.event_bytes(ev)
     finally:
         run.close()
 

@@ -28,8 +28,12 @@ class ChoiceState:
     finish_reason: str | None = None
     cached_tokens: int = 0
     completion_tokens: int | None = None
+    prompt_logprobs: list[dict[int, float]] | None = None  # vLLM prompt_logprobs (1st chunk)
+    prompt_ranks: list[int] = field(default_factory=list)
 
     def add(self, c: TokenChunk) -> None:
+        if c.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs, self.prompt_ranks = c.prompt_logprobs, c.prompt_ranks or []
         self.text.append(c.text)
         self.token_ids.extend(c.token_ids)
         self.logprobs.extend(c.logprobs or [])
@@ -111,6 +115,9 @@ class Formatter:
     def chunk(self, index: int, c: TokenChunk, text_offset: int = 0) -> dict[str, Any]:
         lps = self._logprobs(c.token_ids, c.logprobs or [], text_offset)
         ids = {"token_ids": list(c.token_ids)} if self.token_ids else {}
+        plp = None
+        if c.prompt_logprobs is not None:
+            plp = self.prompt_logprobs(c.prompt_logprobs, c.prompt_ranks or [])
         if self.kind == "chat":
             choice = {
                 "index": index,
@@ -119,7 +126,10 @@ class Formatter:
                 "finish_reason": c.finish_reason,
                 **ids,
             }
-            return {**self._head("chat.completion.chunk"), "choices": [choice]}
+            out = {**self._head("chat.completion.chunk"), "choices": [choice]}
+            if plp is not None:  # chat: on the response (here: the chunk), as vLLM has it
+                out["prompt_logprobs"] = plp
+            return out
         choice = {
             "index": index,
             "text": c.text,
@@ -127,7 +137,32 @@ class Formatter:
             "finish_reason": c.finish_reason,
             **ids,
         }
+        if plp is not None:  # completions: on the choice
+            choice["prompt_logprobs"] = plp
         return {**self._head("text_completion"), "choices": [choice]}
+
+    def prompt_logprobs(
+        self, lps: list[dict[int, float]], ranks: list[int]
+    ) -> list[dict[str, dict[str, Any]] | None]:
+        """vLLM's shape: None for the first prompt token, then per token ``{"<id>": {logprob,
+        rank, decoded_token}}`` for the prompt token (its rank in the vocabulary; each entry's
+        first key) and its top-n alternatives (ranked 1..n)."""
+        out: list[dict[str, dict[str, Any]] | None] = [None]
+        for d, rank in zip(lps, ranks, strict=True):
+            chosen = next(iter(d))
+            order = sorted(d.items(), key=lambda kv: -kv[1])  # the prompt token sorts last
+            rank_of = {t: r for r, (t, _) in enumerate(order, 1)}  # when not in the top-n
+            out.append(
+                {
+                    str(t): {
+                        "logprob": v,
+                        "rank": rank if t == chosen else rank_of[t],
+                        "decoded_token": self.token_str(t),
+                    }
+                    for t, v in d.items()
+                }
+            )
+        return out
 
     def tool_call_chunks(self, index: int, k: int, call: dict[str, Any]) -> list[dict[str, Any]]:
         """Call ``k`` of a choice as OpenAI stream fragments: id, type and name with empty
@@ -207,6 +242,19 @@ class Formatter:
                 )
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
         resp = {**self._head(obj), "choices": out, "usage": usage(choices, prompt_lens)}
+        ordered = sorted(choices, key=lambda c: c.index)
+        plps = [
+            None
+            if c.prompt_logprobs is None
+            else self.prompt_logprobs(c.prompt_logprobs, c.prompt_ranks)
+            for c in ordered
+        ]
+        if any(p is not None for p in plps):  # vLLM: chat on the response, completions per choice
+            if self.kind == "chat":
+                resp["prompt_logprobs"] = plps[0]
+            else:
+                for choice, p in zip(out, plps, strict=True):
+                    choice["prompt_logprobs"] = p
         if (
             self.token_ids
         ):  # vLLM: chat has the prompt's ids on the response, completions per choice

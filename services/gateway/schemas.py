@@ -132,7 +132,8 @@ class _Sampling(_Body):
     )
     allowed_token_ids: list[TokenId] | None = Field(None, max_length=1 << 17)
     add_special_tokens: bool | None = None  # default: the tokenizer's own post-processing off
-    prompt_logprobs: int | None = None  # refused with a 400: the engine does not return them
+    # each prompt token's logprob and rank, plus the top-n (the engine skips the prefix cache)
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
     # Structured outputs (docs/STRUCTURED.md): OpenAI's response_format or one vLLM extra
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None

@@ -25,6 +25,7 @@ from services.gateway.constraints import check_constraint
 from services.gateway.core import ApiError, GenerateSpec, admit, build_spec, validation_error
 from services.gateway.images import load_image
 from services.gateway.pipeline import Pipeline, Prepared
+from services.gateway.prefilter import PatternFileError, Prefilter
 from services.gateway.readiness import Readiness
 from services.gateway.responses import ChoiceState, Formatter, usage
 from services.gateway.schemas import DetokenizeBody, TokenizeBody, dump_messages
@@ -41,6 +42,7 @@ from shared.protocol.tok import (
     TokenizeReply,
     TokenizeRequest,
 )
+from shared.service import StartupError
 
 _CANCELLED = object()  # queue item: the request was cancelled on the bus
 _CLOSED = object()  # queue item: close() was called
@@ -74,6 +76,10 @@ class GatewayService:
         self.tokenizer = tokenizer  # the checkpoint's; None without one (detokenize: the service)
         self.grammars = grammars  # validates constraints here; None: the engine does
         self.tool_format = tool_format
+        try:
+            self.prefilter = Prefilter.from_specs(cfg.prefilter_lists, cfg.prefilter_reload_s)
+        except PatternFileError as exc:
+            raise StartupError(f"STRATA_PREFILTER_LISTS: {exc}") from None
 
     async def open(
         self,
@@ -86,6 +92,8 @@ class GatewayService:
         arrival = time.perf_counter()
         model = body.get("model") if isinstance(body.get("model"), str) else ""
         policy = self.auth.authenticate(api_key, model)
+        if self.prefilter is not None:  # before tokenization: a refused prompt costs no GPU work
+            body = self.prefilter.body(body)
         spec = build_spec(kind, body, self.cfg, self.served_model, headers, self.tool_format)
         if spec.constraint is not None and self.grammars is not None:
             await asyncio.to_thread(
@@ -112,6 +120,8 @@ class GatewayService:
             fmt.tool_format = spec.tool_format
         fmt.token_ids = spec.request.return_token_ids
         run = Run(self.pipeline, spec, rid, prepared, fmt, arrival)
+        if self.prefilter is not None:
+            run.masks = [self.prefilter.output() for _ in run.choices]
         run.start()  # no await after this: the caller owns the run (and closes it)
         return run
 
@@ -225,6 +235,7 @@ class Run:
         self._began = False  # next_events returned its first batch
         self._ended = False  # next_events returned its last batch
         self._offsets = [0] * len(self.choices)  # text offset per choice (logprobs)
+        self.masks: list | None = None  # per choice, the pre-filter's output mask
         tf = fmt.tool_format  # tool calls parsed out of each choice's stream
         self._tools = [ToolStream(tf) for _ in self.choices] if tf else None
 
@@ -325,6 +336,9 @@ class Run:
             elif self._last is not None and item.token_ids:
                 m.ITL.observe(now - self._last)
             self._last = now
+            if self.masks is not None:
+                final = item.finish_reason is not None
+                item = item.model_copy(update={"text": self.masks[i].feed(item.text, final)})
             self.choices[i].add(item)
             out.append((i, item))
 
@@ -414,7 +428,7 @@ class Run:
         events = ts.feed(c.text) + (ts.finish() if c.finish_reason is not None else [])
         content = "".join(e for kind, e in events if kind == "content")
         out = []
-        if content or c.logprobs:
+        if content or c.logprobs or c.prompt_logprobs:
             plain = c.model_copy(update={"text": content, "finish_reason": None})
             out.append(self.fmt.chunk(i, plain, self._offsets[i]))
         for kind, call in events:

@@ -55,7 +55,8 @@ class PrefillService(RequestTasks):
             mm = await fetch_mm_inputs(item.images, self.rt.loaded.model.dtype)
             context = list(item.prompt_token_ids) + list(item.output_token_ids)
             hashes, tiers = [], []
-            if self.pool is not None:
+            if self.pool is not None and item.sampling.prompt_logprobs is None:
+                # (prompt logprobs need every prompt token computed: nothing to load for them)
                 hashes, tiers, _, _ = await self.pool.load_prefix(context, mm)
             params = item.sampling.model_copy(update={"max_tokens": 1, "min_tokens": 0})
             direct = not (item.transfer_mode == "pool" and self.pool is not None)
@@ -157,6 +158,8 @@ class PrefillService(RequestTasks):
             token_ids=out.new_token_ids[:1],
             text=out.text_delta if done else out.handoff_text,
             logprobs=out.new_logprobs,
+            prompt_logprobs=out.prompt_logprobs,
+            prompt_ranks=out.prompt_ranks,
             finish_reason=("stop" if out.finish_reason == "stop" else "length") if done else None,
             usage=usage,
             instance_id=self.instance_id,

@@ -137,6 +137,7 @@ class LLMEngine:
         seq = self._new_seq(request_id, prompt_token_ids, params, priority, mm_inputs, hold_kv)
         seq.token_ids += list(output_token_ids)
         seq.num_resumed_outputs = len(output_token_ids)
+        seq.prompt_lps_sent = bool(output_token_ids)  # a resume: sent with its first token
         self._track(seq)
         self.scheduler.add(seq)
 
@@ -168,7 +169,10 @@ class LLMEngine:
         from shared.model.tokenizer import IncrementalDetokenizer
 
         detok = IncrementalDetokenizer(
-            self.tokenizer, list(seq.token_ids), skip_special_tokens=seq.params.skip_special_tokens
+            self.tokenizer,
+            list(seq.token_ids),
+            skip_special_tokens=seq.params.skip_special_tokens,
+            spaces_between_special_tokens=seq.params.spaces_between_special_tokens,
         )
         tracker = TextTracker(detok, seq.params.stop, seq.params.include_stop_str_in_output)
         tracker.prime(seq.token_ids[seq.num_prompt_tokens :])  # resumed outputs (failover)
@@ -210,6 +214,7 @@ class LLMEngine:
             self.bm.free(r.block_table)
             raise
         seq.block_table = r.block_table
+        seq.prompt_lps_sent = True  # prompt logprobs come from where the prompt was computed
         seq.num_computed_tokens = r.num_tokens
         seq.num_cached_tokens = r.num_cached
         self._track(seq)
@@ -306,6 +311,8 @@ class LLMEngine:
         finally:
             self._flight = None
             self.scheduler.end_flight()
+        if batch.prompt_out is not None:
+            _keep_prompt_logprobs(sched, batch)
         touched = self._update(sched, sampled, lps)
         self._steps += 1
         if ahead is not None and all(
@@ -418,6 +425,12 @@ class LLMEngine:
         if lps is not None:
             lps = lps[: len(new)]
         out = self._output(seq, new, lps, text, seq.is_finished, held)
+        if seq.params.prompt_logprobs is not None and not seq.prompt_lps_sent and new:
+            seq.prompt_lps_sent = True  # with the first output; a recompute does not redo them
+            got = [seq.prompt_lps[p] for p in range(1, seq.num_prompt_tokens)]
+            out.prompt_logprobs = [d for d, _ in got]
+            out.prompt_ranks = [r for _, r in got]
+            seq.prompt_lps.clear()
         if seq.is_finished:
             self.trackers.pop(seq.request_id, None)
             if not seq.hold_kv:
@@ -484,3 +497,19 @@ class LLMEngine:
             spec_draft_tokens=self._spec[0],
             spec_accepted_tokens=self._spec[1],
         )
+
+
+def _keep_prompt_logprobs(sched: SchedulerOutput, batch) -> None:
+    """File a step's prompt logprobs (``ModelRunner._prompt_logprobs``) under each sequence's
+    prompt positions: ``{prompt token: logprob, then its top-n}`` and the prompt token's rank."""
+    for (i, first, count), (lp, ids, ranks) in zip(
+        batch.prompt_rows, batch.prompt_out, strict=True
+    ):
+        seq = sched.scheduled[i].seq
+        n = seq.params.prompt_logprobs or 0
+        lp, ids, ranks = lp[:, : n + 1].tolist(), ids[:, : n + 1].tolist(), ranks.tolist()
+        for j in range(count):
+            d: dict[int, float] = {}
+            for t, v in zip(ids[j], lp[j], strict=True):
+                d.setdefault(t, v)
+            seq.prompt_lps[first + j] = (d, ranks[j])

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,8 +28,17 @@ class PreparedBatch:
     inputs_embeds: torch.Tensor | None
     logits_indices: torch.Tensor  # flat-batch rows whose logits are needed
     logit_rows: list[int]  # per scheduled seq: how many of those rows are its (0 = none)
+    # prompt_logprobs: (scheduled index, first position, count) of prompt rows whose next
+    # prompt token's logprob is wanted; their flat rows and target ids below.
+    prompt_rows: list[tuple[int, int, int]] = field(default_factory=list)
+    prompt_index: torch.Tensor | None = None
+    prompt_targets: torch.Tensor | None = None
+    prompt_top: int = 0  # the largest top-n among those sequences
+    # per prompt_rows entry, after execute: (logprobs [count, 1 + top], ids, ranks [count])
+    prompt_out: list | None = None
 
 
+_PROMPT_SLICE = 256  # prompt rows per logits matrix when prompt logprobs are computed
 _PY_SLOTS = 64  # new tokens of a sequence up to which positions and slots are worked out in Python
 
 
@@ -75,7 +84,11 @@ class ModelRunner:
         logits_idx: list[int] = []
         logit_rows: list[int] = []
         splices: list[tuple[int, torch.Tensor]] = []
-        for sch in out.scheduled:
+        prompt_rows: list[tuple[int, int, int]] = []
+        p_idx: list[int] = []
+        p_tgt: list[int] = []
+        top = 0
+        for i, sch in enumerate(out.scheduled):
             seq, start, n = sch.seq, sch.start, sch.num_new_tokens
             toks = seq.token_ids[start:] + seq.draft_token_ids[: sch.num_draft_tokens]
             toks = toks[:n]
@@ -95,6 +108,13 @@ class ModelRunner:
             k = sch.num_draft_tokens + 1 if sch.samples else 0
             logits_idx += range(base + n - k, base + n)
             logit_rows.append(k)
+            want = seq.params.prompt_logprobs
+            last = min(start + n, seq.num_prompt_tokens - 1)  # rows that predict a prompt token
+            if want is not None and not seq.prompt_lps_sent and last > start:
+                prompt_rows.append((i, start + 1, last - start))
+                p_idx += range(base, base + last - start)
+                p_tgt += seq.token_ids[start + 1 : last + 1]
+                top = max(top, want)
             for m in seq.mm_inputs:
                 lo, hi = max(start, m.offset), min(start + n, m.offset + m.length)
                 if lo < hi:
@@ -115,7 +135,7 @@ class ModelRunner:
             embeds = self.model.embed_tokens(input_ids).clone()
             for at, e in splices:
                 embeds[at : at + e.shape[0]] = e.to(embeds.device, embeds.dtype)
-        return PreparedBatch(
+        batch = PreparedBatch(
             input_ids,
             torch.tensor(pos, dtype=torch.long, device=dev),
             meta,
@@ -123,6 +143,11 @@ class ModelRunner:
             torch.tensor(logits_idx, dtype=torch.long, device=dev),
             logit_rows,
         )
+        if prompt_rows:
+            batch.prompt_rows, batch.prompt_top = prompt_rows, top
+            batch.prompt_index = torch.tensor(p_idx, dtype=torch.long, device=dev)
+            batch.prompt_targets = torch.tensor(p_tgt, dtype=torch.long, device=dev)
+        return batch
 
     def prepare_decode_ahead(self, out: SchedulerOutput) -> PreparedBatch:
         """Inputs of a pure-decode step scheduled before the previous step's tokens exist: each
@@ -171,7 +196,7 @@ class ModelRunner:
         tp = getattr(self.model, "tp", None)
         if tp is not None and tp.rank == 0:
             tp.broadcast(batch)
-        return self._forward(batch, layer_callback)
+        return self._forward(batch, layer_callback, prompt=True)
 
     def follow(self) -> int:
         """A rank > 0's loop: run each batch rank 0 broadcasts until it sends ``None``; returns
@@ -182,7 +207,12 @@ class ModelRunner:
             n += 1
         return n
 
-    def _forward(self, batch: PreparedBatch, layer_callback: LayerCallback | None = None):
+    def _forward(
+        self,
+        batch: PreparedBatch,
+        layer_callback: LayerCallback | None = None,
+        prompt: bool = False,
+    ):
         hidden = self.model.forward(
             batch.input_ids,
             batch.positions,
@@ -191,9 +221,33 @@ class ModelRunner:
             inputs_embeds=batch.inputs_embeds,
             layer_callback=layer_callback,
         )
+        if prompt and batch.prompt_rows:
+            batch.prompt_out = self._prompt_logprobs(hidden, batch)
         if batch.logits_indices.numel() == 0:
             return hidden.new_empty((0, 0), dtype=torch.float32)
         return self.model.compute_logits(hidden[batch.logits_indices])
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, batch: PreparedBatch) -> list:
+        """Per ``batch.prompt_rows`` entry: the log-softmax of each row's logits at the next
+        prompt token (column 0) and at the top-n (columns 1..), their ids, and the prompt
+        token's rank (1 = most likely). Logits are made ``_PROMPT_SLICE`` rows at a time, so a
+        long prompt chunk never holds a whole ``[tokens, vocab]`` matrix."""
+        lps, ids, ranks = [], [], []
+        for a in range(0, batch.prompt_index.numel(), _PROMPT_SLICE):
+            rows = batch.prompt_index[a : a + _PROMPT_SLICE]
+            tgt = batch.prompt_targets[a : a + _PROMPT_SLICE, None]
+            logp = torch.log_softmax(self.model.compute_logits(hidden[rows]).float(), dim=-1)
+            chosen = logp.gather(1, tgt)
+            top_v, top_i = logp.topk(batch.prompt_top, dim=-1)
+            lps.append(torch.cat([chosen, top_v], dim=1))
+            ids.append(torch.cat([tgt, top_i], dim=1))
+            ranks.append((logp > chosen).sum(dim=1) + 1)
+        lp, tid, rk = (torch.cat(x).cpu() for x in (lps, ids, ranks))
+        out, at = [], 0
+        for _, _, count in batch.prompt_rows:
+            out.append((lp[at : at + count], tid[at : at + count], rk[at : at + count]))
+            at += count
+        return out
 
     # ----- raw KV access (swap, eviction, disaggregation) ----------------------------------
     def read_blocks(self, block_ids: Seq[int], layers: range | None = None) -> torch.Tensor:

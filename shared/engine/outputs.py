@@ -21,6 +21,10 @@ class RequestOutput:
     # character, a possible stop-string prefix). A stage that hands the request on (prefill)
     # publishes `handoff_text`: whoever continues emits this text once it is complete.
     held_text: str = ""
+    # prompt_logprobs (on the first output only): per prompt token from the 2nd on,
+    # {token_id: logprob} with the prompt token first, then the top-n; and that token's rank.
+    prompt_logprobs: list[dict[int, float]] | None = None
+    prompt_ranks: list[int] | None = None
 
     @property
     def handoff_text(self) -> str:

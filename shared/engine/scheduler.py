@@ -215,7 +215,9 @@ class Scheduler:
         """Try to start a waiting or swapped sequence within the remaining budget."""
         swapped = seq.status == SequenceStatus.SWAPPED
         cached: list[int] = []
-        if not swapped:
+        # prompt_logprobs need every prompt token's logits: no prefix reuse until they are out
+        # (vLLM skips the prefix cache for such requests too)
+        if not swapped and (seq.params.prompt_logprobs is None or seq.prompt_lps_sent):
             hashes = seq.update_block_hashes(self.salt, self.bm.block_size)
             usable = (seq.num_tokens - 1) // self.bm.block_size  # always compute the last token
             cached = self.bm.find_cached_prefix(hashes[:usable])

@@ -64,6 +64,10 @@ class Sequence:
     # Grammar state of a structured request (`shared.engine.structured.Constraint`), built at
     # its first sampling by replaying the outputs so far.
     constraint: Any = None
+    # prompt_logprobs: position p (1..) -> ({token: logprob}, rank of prompt token p), filled
+    # chunk by chunk; handed out once, with the first output (``prompt_lps_sent``).
+    prompt_lps: dict[int, tuple[dict[int, float], int]] = field(default_factory=dict)
+    prompt_lps_sent: bool = False
 
     def __post_init__(self) -> None:
         self.num_resumed_outputs = len(self.token_ids) - self.num_prompt_tokens

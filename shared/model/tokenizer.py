@@ -125,6 +125,7 @@ class Tokenizer:
         self.clean_up_spaces = bool(config.get("clean_up_tokenization_spaces", False))
         added = tok.get_added_tokens_decoder()
         self.special_token_ids: set[int] = {i for i, t in added.items() if t.special}
+        self.added_tokens: dict[int, str] = {i: t.content for i, t in added.items()}
         self.eos_token_ids: set[int] = set(extra_eos_ids)
         eos = self.special_tokens.get("eos_token")
         if eos is not None and tok.token_to_id(eos) is not None:
@@ -211,6 +212,7 @@ class IncrementalDetokenizer:
         tokenizer: Tokenizer,
         prompt_ids: list[int] | None = None,
         skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
     ):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
@@ -219,6 +221,13 @@ class IncrementalDetokenizer:
         self._prefix = 0  # window start: ids before it are settled text
         self._read = 0  # ids before it have been emitted
         self.text = ""
+        # vLLM's spaces_between_special_tokens=False (with special tokens kept): an added token
+        # right after another is its bare content, without the space a decoder may put before
+        # it. ``_shift``: how much longer ``text`` is than the plain decode of ``ids``.
+        added = getattr(tokenizer, "added_tokens", None) or {}
+        self._added = added if not (spaces_between_special_tokens or skip_special_tokens) else {}
+        self._last_added = False
+        self._shift = 0
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -228,15 +237,20 @@ class IncrementalDetokenizer:
         self.ids.append(int(token_id))
         prefix_text = self._decode(self.ids[self._prefix : self._read])
         full = self._decode(self.ids[self._prefix :])
+        bare = self._added.get(int(token_id))
+        after_added, self._last_added = self._last_added, bare is not None
         if full.endswith("\ufffd") or len(full) <= len(prefix_text):
             return ""
         delta = full[len(prefix_text) :]
         self._prefix, self._read = self._read, len(self.ids)
+        if bare is not None and after_added and delta != bare:
+            self._shift += len(bare) - len(delta)
+            delta = bare
         self.text += delta
         return delta
 
     def flush(self) -> str:
         """Emit whatever is held back (call when generation ends)."""
-        rest = self._decode(self.ids)[len(self.text) :]
+        rest = self._decode(self.ids)[len(self.text) - self._shift :]
         self.text += rest
         return rest

@@ -44,7 +44,19 @@ class SamplingParams(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list, description="Extra stop ids.")
     ignore_eos: bool = Field(False, description="Do not stop at the model's EOS ids.")
     logprobs: int | None = Field(None, ge=0, le=20, description="None off, 0 chosen, n top-n.")
+    prompt_logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=20,
+        description="vLLM prompt_logprobs: None off; n: each prompt token's logprob (and rank) "
+        "and the top-n alternatives, from the prefill logits (the prefix cache is skipped).",
+    )
     skip_special_tokens: bool = Field(True, description="Detokenizer drops special tokens.")
+    spaces_between_special_tokens: bool = Field(
+        True,
+        description="vLLM: False makes an added token right after another its bare content "
+        "(no space a decoder puts between them); only with skip_special_tokens False.",
+    )
     speculation: bool = Field(
         True, description="Draft tokens allowed (the scheduler turns this off from level 1)."
     )

@@ -24,6 +24,10 @@ class TokenChunk(Msg):
     text: str = ""
     # Per token: {token_id: logprob} with the chosen token first, then the top-n alternatives.
     logprobs: list[dict[int, float]] | None = None
+    # vLLM prompt_logprobs, on a request's first chunk only: per prompt token from the 2nd on,
+    # {token_id: logprob} with the prompt token first, then the top-n; and that token's rank.
+    prompt_logprobs: list[dict[int, float]] | None = None
+    prompt_ranks: list[int] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     usage: Usage | None = None
     error: ErrorInfo | None = None

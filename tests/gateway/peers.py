@@ -50,6 +50,7 @@ class Peers:
         self.windows: dict[str, tuple[float, float]] = {}
         self.subs = []
         self.role_subs: dict[str, list] = {}
+        self.script: list[str] | None = None  # texts decode emits instead of "t<i> " (then stops)
 
     async def start(self, roles: tuple[str, ...] = ROLES) -> Peers:
         for role in roles:
@@ -119,7 +120,7 @@ class Peers:
                 raise StrataError("bad_request", "prompt: token id is not in the vocabulary")
             ids = list(req.prompt_token_ids)
         for msg in req.messages or []:
-            content = msg["content"]
+            content = msg.get("content") or ""
             parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
             for p in parts:
                 if p["type"] == "image":
@@ -188,6 +189,9 @@ class Peers:
         if b["resend"] and start:  # a resumed instance that repeats what was already sent
             start = max(0, start - 2)
         n = item.sampling.max_tokens
+        script = self.script
+        if script is not None:
+            n = min(n, len(script))
         for i in range(start, n):
             if b["stall_after"] is not None and i >= b["stall_after"]:
                 return
@@ -195,13 +199,15 @@ class Peers:
                 await asyncio.sleep(b["gap"])
             last = i == n - 1
             lp = [{100 + i: -0.5, 7: -1.5}] if item.sampling.logprobs is not None else None
+            text = f"t{i} " if script is None else script[i]
+            ended = "stop" if script is not None and n == len(script) else "length"
             chunk = TokenChunk(
                 request_id=item.request_id,
                 index=i,
                 token_ids=[100 + i],
-                text=f"t{i} ",
+                text=text,
                 logprobs=lp,
-                finish_reason="length" if last else None,
+                finish_reason=ended if last else None,
                 usage=Usage(
                     prompt_tokens=len(item.prompt_token_ids), completion_tokens=n, cached_tokens=4
                 )

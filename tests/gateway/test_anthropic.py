@@ -1,6 +1,6 @@
 """Anthropic's Messages API over the chat path: the pure translation (exact events for given
-chunks) and the routes against fake peers with plain httpx (the ``anthropic`` SDK is not a
-dependency), checked against the documented event shapes."""
+chunks) and the routes against fake peers with plain httpx, checked against the documented
+event shapes (tests/gateway/test_anthropic_tools.py drives them with the official SDK)."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def test_to_chat_maps_system_stops_and_a_prefilled_answer():
         ({"max_tokens": None}, "max_tokens"),
         ({"messages": []}, "messages"),
         ({"temperature": 1.5}, "temperature"),
-        ({"tools": []}, "tools"),
+        ({"thinking": {"type": "enabled"}}, "thinking"),
         ({"stop_sequences": [""]}, "stop_sequences"),
         ({"messages": [{"role": "system", "content": "x"}]}, "messages.0.role"),
     ],

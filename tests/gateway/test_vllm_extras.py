@@ -57,6 +57,7 @@ async def test_fields_reach_tokenizer_and_engine(nats_url):
             assert sp.allowed_token_ids == [5, 7] and sp.include_stop_str_in_output
             assert sp.min_tokens == 1 and sp.repetition_penalty == 1.2
             assert sp.logit_bias == {9: -5.0} and not sp.skip_special_tokens
+            assert not sp.spaces_between_special_tokens
 
 
 async def test_return_token_ids_chat_and_completions(nats_url):
@@ -121,7 +122,8 @@ async def test_token_id_and_string_list_prompts_and_echo(nats_url):
         ("chat", {"allowed_token_ids": []}, "allowed_token_ids", "empty"),
         ("chat", {"allowed_token_ids": [-1]}, "allowed_token_ids.0", "greater"),
         ("chat", {"bad_words": [""]}, "bad_words.0", "at least 1"),
-        ("chat", {"prompt_logprobs": 1}, "prompt_logprobs", "not supported"),
+        ("chat", {"prompt_logprobs": 21}, "prompt_logprobs", "less than or equal to 20"),
+        ("completion", {"prompt_logprobs": -1}, "prompt_logprobs", "greater"),
         ("chat", {"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs", "may not"),
         ("chat", {"suffix": "x"}, "suffix", "unknown field"),
         ("chat", {"use_beam_search": True}, "use_beam_search", "unknown field"),
@@ -310,3 +312,17 @@ async def test_continuous_usage_stats_put_usage_on_every_chunk(nats_url):
             body["stream_options"] = {"include_usage": True}
             evs = sse_events((await c.post("/v1/completions", json=body)).text)
             assert [("usage" in e) for e in evs] == [False, False, False, True]
+
+
+def test_prompt_logprobs_reach_the_engine_and_are_bounded_by_the_bus():
+    from services.gateway.core import ApiError, sampling_for
+
+    cfg = GatewayConfig.load([], role="gateway", model_name="tiny")
+    spec = build_spec("completion", {**CMPL, "prompt_logprobs": 20}, cfg, "tiny")
+    assert sampling_for(spec, 1000, 0, cfg).prompt_logprobs == 20
+    assert (
+        sampling_for(build_spec("completion", CMPL, cfg, "tiny"), 9, 0, cfg).prompt_logprobs is None
+    )
+    with pytest.raises(ApiError) as ei:  # 21 pairs of ~14 bytes per token > 6 MiB
+        sampling_for(spec, 30000, 0, cfg)
+    assert ei.value.param == "prompt_logprobs" and "at most 21112 prompt tokens" in ei.value.message

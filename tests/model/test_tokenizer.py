@@ -126,3 +126,30 @@ def test_streaming_detokenization(default_model_dir, skip):
     assert None not in ids
     det = IncrementalDetokenizer(tok, [])
     assert [det.add(i) for i in ids] == ["", "", "", "😀"]
+
+
+def test_spaces_between_special_tokens_as_vllm(tmp_path):
+    """A tokenizer without a decoder joins tokens with spaces (as a WordPiece / Metaspace one may
+    around added tokens): vLLM's ``spaces_between_special_tokens=False`` makes an added token
+    right after another its bare content; the default, or skipping specials, changes nothing."""
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTok
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+
+    hf = HFTok(WordLevel({"hi": 0, "there": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    hf.pre_tokenizer = WhitespaceSplit()
+    hf.add_special_tokens([AddedToken("<a>", special=True), AddedToken("<b>", special=True)])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer.from_dir(tmp_path)
+    a, b = tok.token_to_id("<a>"), tok.token_to_id("<b>")
+    ids = [0, a, b, a, 1]
+
+    def text(**kw) -> str:
+        det = IncrementalDetokenizer(tok, [], **kw)
+        return "".join(det.add(i) for i in ids) + det.flush()
+
+    assert text(skip_special_tokens=False) == "hi <a> <b> <a> there" == tok.decode(ids, False)
+    squeezed = text(skip_special_tokens=False, spaces_between_special_tokens=False)
+    assert squeezed == "hi <a><b><a> there"
+    assert text(spaces_between_special_tokens=False) == text() == "hi there"
