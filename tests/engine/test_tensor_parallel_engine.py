@@ -48,6 +48,10 @@ def _rank(rank, port, path, out):
             got = {"batches": engine.runner.follow()}
         engine.close()
         torch.save(dict(got=got, kv=tuple(engine.runner.kv.k.shape)), f"{out}/{rank}.pt")
+        # both ranks past their last collective before either tears the group down: rank 0
+        # leaving while rank 1 still reads the final broadcast aborted rank 0 under CI load
+        # ("terminate called without an active exception")
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -51,6 +51,7 @@ def _rank(rank, port, path, out):
             ),
             f"{out}/{rank}.pt",
         )
+        dist.barrier()  # no rank tears the group down while the other is in a collective
     finally:
         dist.destroy_process_group()
 
