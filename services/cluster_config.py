@@ -97,6 +97,17 @@ class ClusterConfig(BaseModel):
         description="Per-role NATS users and permissions (anonymous "
         "clients refused); credentials in <data-dir>/nats/credentials",
     )
+    kv_tls: bool = Field(
+        True,
+        description="Mutual TLS on every gRPC channel of the KV plane (prefill, decode, "
+        "kvstore, vision), with a CA and per-service certificates made in <data-dir>/pki",
+    )
+    rotate_certs: bool = Field(
+        False, description="With kv_tls: issue new service certificates (same CA) at start"
+    )
+    rotate_ca: bool = Field(
+        False, description="With kv_tls: make a new CA and re-issue every service certificate"
+    )
     nats_tls_cert: str = Field("", description="nats-server TLS certificate ('' = no TLS)")
     nats_tls_key: str = Field("", description="nats-server TLS key")
     nats_tls_ca: str = Field("", description="CA of the server certificate, given to clients")

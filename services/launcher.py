@@ -32,6 +32,7 @@ from services.cluster_config import (
 )
 from services.infra.gateway_tls import local_context
 from services.infra.joined import JoinedMinio, JoinedNats
+from services.infra.kv_pki import ServiceCert, ensure_pki
 from services.infra.minio_server import MinioServer
 from services.infra.nats_auth import password_file
 from services.infra.nats_server import NatsServer
@@ -101,6 +102,7 @@ class Cluster:
         self.watchdog: Watchdog | None = None
         self.launcher_metrics_port = 0
         self.dtype = self.cfg.dtype  # what the model processes run: `serving_dtype` at start
+        self.certs: dict[str, ServiceCert] = {}  # KV-plane mTLS: one per process, "client" too
 
     # ---- addresses ----
     @property
@@ -182,6 +184,7 @@ class Cluster:
             self.sup.sink.write("strata", why)
         self._kvstore_addrs = [f"{self.cfg.host}:{free_port()}" for _ in range(counts["kvstore"])]
         counts["gateway"] = 1
+        self._kv_tls([f"{r}-{i}" for r in ROLES for i in range(counts[r])])
         for role in ROLES:  # all at once: each needs only NATS to become ready
             for i in range(counts[role]):
                 self.start_service(role, index=i, wait=False)
@@ -189,6 +192,48 @@ class Cluster:
         self.wait_healthy(self.cfg.ready_timeout)
         if self.cfg.restart:
             self._start_watchdog()
+
+    @property
+    def pki_dir(self) -> str:
+        return os.path.join(self.data_dir, "pki")
+
+    def _kv_tls(self, names: list[str]) -> None:
+        """Make or reuse the KV plane's CA and one certificate per process (`kv_pki`), or say
+        loudly why the gRPC channels stay plaintext."""
+        say = self.sup.sink.write
+        if any(k.startswith("STRATA_GRPC_TLS_") for k in self.cfg.env):
+            say("strata", "KV plane: TLS from the STRATA_GRPC_TLS_* settings given with --env")
+            return
+        if not self.cfg.kv_tls:
+            say(
+                "strata",
+                "WARNING: KV plane without TLS (--no-kv-tls): anything that reaches a gRPC "
+                "port can read and write KV blocks; use it only on a network you trust",
+            )
+            return
+        if self.cfg.nats_url:
+            say(
+                "strata",
+                "WARNING: KV plane without TLS: joining another host's cluster needs one CA "
+                "for all hosts; give each host's processes STRATA_GRPC_TLS_CERT/KEY/CA and "
+                "STRATA_GRPC_TLS_VERIFY_CLIENTS=true with --env",
+            )
+            return
+        self.certs = ensure_pki(
+            self.pki_dir,
+            [*names, "client"],
+            [self.cfg.host],
+            rotate=self.cfg.rotate_certs,
+            rotate_ca=self.cfg.rotate_ca,
+        )
+        say("strata", f"KV plane: mutual TLS, CA and service certificates in {self.pki_dir}")
+
+    def client_tls(self):
+        """`GrpcTls` for a tool or test dialing this cluster's KV plane (plaintext if off)."""
+        from shared.kvtransfer.tls import GrpcTls
+
+        c = self.certs.get("client")
+        return GrpcTls.from_files(c.cert, c.key, c.ca) if c else GrpcTls()
 
     def _start_watchdog(self) -> None:
         units: list = []  # a joined NATS or MinIO is supervised by whoever started it
@@ -310,6 +355,9 @@ class Cluster:
                 )
             if not self.cfg.vision:  # text only: refuse images, readiness needs no vision
                 e["STRATA_MAX_IMAGES"] = "0"
+        if self.certs:
+            cert = self.certs.get(name) or ensure_pki(self.pki_dir, [name], [self.cfg.host])[name]
+            e.update(cert.env())
         e.update(self.cfg.env)
         e.update(env or {})
         argv = [
