@@ -1,6 +1,7 @@
 """Chaos and bus fuzz on one real supervised cluster (`Cluster(restart=True)`: every role, the
-tiny default model, one prefill and one decode instance, kvstore + MinIO, NATS without users so
-the fuzzer may publish everywhere).
+tiny default model, one prefill and one decode instance, kvstore + MinIO) in the secured
+deployment: NATS users per role, the KV plane on mutual TLS, the gateway behind an API key. The
+fuzzer publishes each subject as the NATS user allowed to (a compromised service of that role).
 
 `test_bus_fuzz` sends random, truncated, wrong-shape and oversized payloads on every subject
 family: every request subject answers a typed ``bad_request`` error, the consumers count what
@@ -27,6 +28,7 @@ import msgpack
 import pytest
 import torch
 
+from services.infra import nats_auth
 from shared.protocol import subjects
 from shared.protocol.api import GenerateEvent, GenerateRequest
 from shared.protocol.codec import decode, encode
@@ -47,6 +49,8 @@ STREAMS = 4
 MAX_TOKENS = 200
 RECOVERY_DEADLINE = 150.0  # seconds from the kill to a served request (generous: a loaded box)
 CLIENT_TIMEOUT = 90.0  # a stream still open after this is a hang
+API_KEY = "sk-chaos-test"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MEASURED: dict[str, tuple[float, float]] = {}  # victim -> (served again, restarted), s
 
 # What an in-flight stream may do when this process dies: "complete" (token-identical to the
@@ -75,9 +79,9 @@ def cluster(default_model_dir):
         minio=True,
         torch_threads=1,
         restart=True,
-        nats_auth=False,
-        env={"STRATA_STALL_TIMEOUT": "10"},
+        env={"STRATA_STALL_TIMEOUT": "10", "STRATA_API_KEYS": API_KEY},
     )
+    assert c.certs and c.cfg.nats_auth, "the chaos test runs the secured deployment"
     try:
         yield c
     finally:
@@ -93,7 +97,8 @@ def cluster(default_model_dir):
 
 
 def model_name(c) -> str:
-    return httpx.get(c.gateway_url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    r = httpx.get(c.gateway_url + "/v1/models", timeout=10, headers=AUTH)
+    return r.json()["data"][0]["id"]
 
 
 def prompts() -> list[list[dict]]:
@@ -176,6 +181,40 @@ PUBLISHED = {  # subjects nobody replies on: the consumer counts and drops what 
 }
 
 
+PUBLISHER = {  # subject family -> the NATS user allowed to publish it
+    "strata.tok.": "gateway",
+    "strata.vision.": "gateway",
+    "strata.sched.route": "gateway",
+    "strata.sched.instances": "gateway",
+    "strata.req.": "gateway",
+    "strata.prefill.": "scheduler",
+    "strata.decode.": "scheduler",
+    "strata.sched.state": "scheduler",
+    "strata.api.": "api",
+    "strata.kv.events.": "decode",
+    "strata.load.": "decode",
+}
+
+
+def _matches(pattern: str, subject: str) -> bool:
+    """NATS subject matching: ``*`` is one token, ``>`` the rest."""
+    p, t = pattern.split("."), subject.split(".")
+    for i, tok in enumerate(p):
+        if tok == ">":
+            return len(t) > i
+        if i >= len(t) or (tok != "*" and tok != t[i]):
+            return False
+    return len(p) == len(t)
+
+
+def publisher(subject: str) -> str:
+    """The user that publishes ``subject``, checked against the server's permission table."""
+    user = next(u for p, u in PUBLISHER.items() if subject.startswith(p))
+    allowed = nats_auth.permissions(user)["publish"]["allow"]
+    assert any(_matches(a, subject) for a in allowed), (user, subject)
+    return user
+
+
 def test_bus_fuzz(cluster, default_model_dir):
     from shared.bus import connect
 
@@ -183,10 +222,14 @@ def test_bus_fuzz(cluster, default_model_dir):
     sched_bad = "strata_scheduler_bad_messages_total"
 
     async def run() -> dict[str, list[str]]:
-        nc = await connect(cluster.nats_url, "fuzzer")
+        users = {
+            u: await connect(cluster.nats_url, f"fuzzer-{u}", cluster.nats_credentials(u))
+            for u in set(PUBLISHER.values())
+        }
         answers: dict[str, list[str]] = {}
         try:
             for subject, valid in valid_messages().items():
+                nc = users[publisher(subject)]
                 for what, data in garbage(valid, rng):
                     reply = await nc.request(subject, data, timeout=30)
                     if subject == subjects.API_GENERATE:
@@ -200,11 +243,13 @@ def test_bus_fuzz(cluster, default_model_dir):
                         code = err.value.code
                     answers.setdefault(subject, []).append(f"{what}:{code}")
             for subject, valid in PUBLISHED.items():
+                nc = users[publisher(subject)]
                 for _, data in garbage(valid, rng):
                     await nc.publish(subject, data)
-            await nc.flush()
+                await nc.flush()
         finally:
-            await nc.drain()
+            for nc in users.values():
+                await nc.drain()
         return answers
 
     before = sum(scrape(cluster, "scheduler-0", sched_bad).values())
@@ -220,6 +265,7 @@ def test_bus_fuzz(cluster, default_model_dir):
     r = httpx.post(
         cluster.gateway_url + "/v1/completions",
         timeout=30,
+        headers=AUTH,
         json={"model": model_name(cluster), "prompt": "ok", "max_tokens": 2},
     )
     assert r.status_code == 200, r.text  # still serving
@@ -268,7 +314,7 @@ async def stream_one(
 
 async def until_served(url: str, model: str, deadline: float) -> float:
     """Poll with small requests until one is answered 200; returns the time it was."""
-    async with httpx.AsyncClient(timeout=10.0) as cl:
+    async with httpx.AsyncClient(timeout=10.0, headers=AUTH) as cl:
         while time.monotonic() < deadline:
             try:
                 r = await cl.post(
@@ -307,7 +353,7 @@ def test_chaos(cluster, expected, victim):
     async def run() -> tuple[list[tuple[str, object]], float, int]:
         progress = [0] * STREAMS
         limits = httpx.Limits(max_connections=STREAMS + 2)
-        async with httpx.AsyncClient(timeout=CLIENT_TIMEOUT, limits=limits) as cl:
+        async with httpx.AsyncClient(timeout=CLIENT_TIMEOUT, limits=limits, headers=AUTH) as cl:
             tasks = [
                 asyncio.create_task(stream_one(cl, c.gateway_url, model, m, progress, i))
                 for i, m in enumerate(prompts())
