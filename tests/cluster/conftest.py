@@ -18,7 +18,12 @@ from shared.protocol import subjects
 from shared.protocol.codec import decode
 from shared.protocol.sched import SchedulerState
 
-__all__ = ["start_cluster", "scrape", "StateWatcher"]
+__all__ = ["start_cluster", "scrape", "StateWatcher", "API_KEY", "AUTH"]
+
+API_KEY = "sk-fault-tests"
+"""The gateway key of the fault tests' clusters: they run the secured deployment (NATS users,
+KV mTLS by default, and this key on the gateway)."""
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 @pytest.fixture(scope="session")

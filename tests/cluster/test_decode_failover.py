@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import httpx
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 from services.launcher import Cluster
-from tests.cluster.conftest import scrape, start_cluster
+from tests.cluster.conftest import API_KEY, AUTH, scrape, start_cluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -83,10 +84,19 @@ def failover_cluster(model_dir: str) -> Iterator[tuple[Cluster, str]]:
         vision=0,
         minio=False,
         torch_threads=1,
-        env={"STRATA_STALL_TIMEOUT": "10"},
+        env={"STRATA_STALL_TIMEOUT": "10", "STRATA_API_KEYS": API_KEY},
     )
     try:
-        yield c, httpx.get(c.gateway_url + "/v1/models").json()["data"][0]["id"]
+        live = 0.0
+        for _ in range(200):  # the scheduler has both decode instances' load reports
+            live = scrape(c, "scheduler-0", "strata_scheduler_live_instances").get(
+                '{role="decode"}', 0.0
+            )
+            if live >= 2:
+                break
+            time.sleep(0.1)
+        assert live >= 2, f"the scheduler sees {live} decode instances"
+        yield c, httpx.get(c.gateway_url + "/v1/models", headers=AUTH).json()["data"][0]["id"]
     finally:
         c.stop()
 
@@ -119,7 +129,7 @@ async def kill_decode_0_under_streams(
     ``progress[i]`` is at least ``min_progress`` (so decode-0 holds live streams) and ``until()``
     holds (called in a thread), or a stream has ended; asserts that at least half the streams
     were still live then; their results."""
-    async with httpx.AsyncClient(timeout=180.0, **client_kwargs) as cl:
+    async with httpx.AsyncClient(timeout=180.0, headers=AUTH, **client_kwargs) as cl:
         tasks = [asyncio.create_task(stream(cl, i)) for i in range(n)]
         while not any(t.done() for t in tasks) and (
             min(progress) < min_progress or not await asyncio.to_thread(until)
@@ -157,6 +167,10 @@ async def stream_one(
     return parts
 
 
+def running(c: Cluster, name: str) -> float:
+    return sum(scrape(c, name, "strata:engine_num_requests_running").values())
+
+
 def test_kill_decode_during_20_streams_all_complete_identically(default_model_dir):
     msgs = prompts()
     expected = reference(default_model_dir, msgs)
@@ -170,6 +184,7 @@ def test_kill_decode_during_20_streams_all_complete_identically(default_model_di
                 progress,
                 min_progress=2,
                 poll_s=0.05,
+                until=lambda: running(c, "decode-0") >= 1,  # it holds streams when killed
                 limits=httpx.Limits(max_connections=STREAMS),
             )
         )
@@ -198,10 +213,14 @@ def test_colocated_failover_continues_from_pool_kv(default_model_dir):
         kvstore=1,
         vision=0,
         torch_threads=1,
-        env={"STRATA_STALL_TIMEOUT": "10", "STRATA_KV_POOL_LOAD": "always"},
+        env={
+            "STRATA_STALL_TIMEOUT": "10",
+            "STRATA_KV_POOL_LOAD": "always",
+            "STRATA_API_KEYS": API_KEY,
+        },
     )
     try:
-        model = httpx.get(c.gateway_url + "/v1/models").json()["data"][0]["id"]
+        model = httpx.get(c.gateway_url + "/v1/models", headers=AUTH).json()["data"][0]["id"]
         progress = [0] * n
 
         def written() -> float:

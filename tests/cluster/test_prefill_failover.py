@@ -17,7 +17,7 @@ import pytest
 
 from loadtests.loadgen.workload import words
 from services.cluster_config import ensure_model
-from tests.cluster.conftest import scrape, start_cluster
+from tests.cluster.conftest import API_KEY, AUTH, scrape, start_cluster
 from tests.cluster.test_busy_liveness import stream_one
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -40,10 +40,11 @@ def test_kill_prefill_mid_prompt_requests_finish_on_decode_and_failover_names_pr
             "STRATA_LOAD_INTERVAL": "0.1",
             "STRATA_DOWN_AFTER": "3",
             "STRATA_STATE_INTERVAL": "0.1",
+            "STRATA_API_KEYS": API_KEY,
         },
     )
     try:
-        model = httpx.get(c.gateway_url + "/v1/models").json()["data"][0]["id"]
+        model = httpx.get(c.gateway_url + "/v1/models", headers=AUTH).json()["data"][0]["id"]
         rng = random.Random(11)
         prompts = [" ".join(words(rng, PROMPT_WORDS)) for _ in range(REQUESTS)]
 
@@ -53,7 +54,7 @@ def test_kill_prefill_mid_prompt_requests_finish_on_decode_and_failover_names_pr
 
         async def run() -> list[dict]:
             async with httpx.AsyncClient(
-                timeout=240.0, limits=httpx.Limits(max_connections=REQUESTS)
+                timeout=240.0, limits=httpx.Limits(max_connections=REQUESTS), headers=AUTH
             ) as cl:
                 tasks = [
                     asyncio.create_task(stream_one(cl, c.gateway_url, model, p)) for p in prompts

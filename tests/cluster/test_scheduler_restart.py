@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from loadtests.loadgen.workload import words
-from tests.cluster.conftest import scrape, start_cluster
+from tests.cluster.conftest import API_KEY, AUTH, scrape, start_cluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -35,6 +35,7 @@ def complete(url: str, model: str, prompt: str) -> int:
     r = httpx.post(
         url + "/v1/completions",
         timeout=60.0,
+        headers=AUTH,
         json={"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0.0},
     )
     assert r.status_code == 200, r.text
@@ -68,6 +69,7 @@ def test_scheduler_restart_rebuilds_index_by_replay_and_keeps_routing(default_mo
         minio=False,
         torch_threads=1,
         data_dir=os.environ.get("STRATA_TEST_KEEP_DIR", ""),
+        env={"STRATA_API_KEYS": API_KEY},
         role_args={
             "scheduler": [
                 "--policy",
@@ -81,7 +83,7 @@ def test_scheduler_restart_rebuilds_index_by_replay_and_keeps_routing(default_mo
     )
     try:
         url = c.gateway_url
-        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        model = httpx.get(url + "/v1/models", headers=AUTH).json()["data"][0]["id"]
         rng = random.Random(0)
         # Two tenants; new prefixes go to the least-filled cache, so they land on different
         # prefill instances. Then each tenant's next request hits its own instance.
@@ -103,6 +105,7 @@ def test_scheduler_restart_rebuilds_index_by_replay_and_keeps_routing(default_mo
                 r = httpx.post(
                     url + "/v1/completions",
                     timeout=60.0,
+                    headers=AUTH,
                     json={
                         "model": model,
                         "prompt": tenant_prompt(t, lrng),

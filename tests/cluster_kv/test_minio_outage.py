@@ -11,6 +11,7 @@ import threading
 import openai
 import pytest
 
+from tests.cluster.conftest import API_KEY
 from tests.cluster_kv.conftest import (
     SHARED_PREFIX,
     kv_bytes_per_token,
@@ -27,7 +28,7 @@ WORDS = "tier block hash chunk object spill restore prefix pool cache token laye
 
 
 def client_of(cluster) -> tuple[openai.OpenAI, str]:
-    client = openai.OpenAI(base_url=cluster.gateway_url + "/v1", api_key="x", max_retries=0)
+    client = openai.OpenAI(base_url=cluster.gateway_url + "/v1", api_key=API_KEY, max_retries=0)
     return client, client.models.list().data[0].id
 
 
@@ -68,7 +69,8 @@ class Load:
 
 
 def test_minio_down_under_load_then_back(model_dir):
-    c = start_cluster(model_dir)
+    secured = {"STRATA_LAYERWISE_TRANSFER": "true", "STRATA_API_KEYS": API_KEY}
+    c = start_cluster(model_dir, env=secured)  # NATS users, KV mTLS and an API key
     try:
         client, model = client_of(c)
         known = SHARED_PREFIX + "What survives a MinIO outage?"
