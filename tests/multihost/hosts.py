@@ -1,4 +1,5 @@
-"""Strata services on namespace hosts: nats-server on host 1, each role started with
+"""Strata services on namespace hosts, secured as deployed (NATS users per role, KV mTLS, an
+API key on the gateway): nats-server on host 1, each role started with
 ``ip netns exec <ns> python -m services.cli serve <role>`` and the STRATA_* env a remote
 deployment uses (every address routable: gRPC, HTTP and /metrics bind the host's own address,
 which is also what they advertise). Nothing here assumes 127.0.0.1."""
@@ -12,7 +13,9 @@ import threading
 import time
 import urllib.request
 
-from services.infra.nats_server import nats_binary
+from services.infra import nats_auth
+from services.infra.kv_pki import ensure_pki
+from services.infra.nats_server import MAX_PAYLOAD, nats_binary
 from services.infra.procs import repo_root
 from services.shape import SERVICE_THREAD_ENV
 from shared.service import FATAL_LINE, READY_LINE
@@ -61,6 +64,16 @@ class Deployment:
         self.services: dict[str, Service] = {}
         self.hosts: dict[str, int] = {}
         self.nats_url = f"nats://{net.addr(NATS_HOST)}:4222"
+        # The secured deployment: NATS users per role (as `strata up` makes them), and the KV
+        # plane on mutual TLS with a certificate per service naming its host's address.
+        self.cred_dir = str(tmp_path / "nats-credentials")
+        self.passwords = nats_auth.ensure_credentials(self.cred_dir)
+        conf = tmp_path / "nats.conf"
+        conf.write_text(
+            f"max_payload: {MAX_PAYLOAD}\n" + nats_auth.authorization_block(self.passwords)
+        )
+        conf.chmod(0o600)
+        self.pki_dir = str(tmp_path / "pki")
         log = open(tmp_path / "nats.log", "wb")  # noqa: SIM115 - lives as long as the server
         net.popen(
             NATS_HOST,
@@ -73,6 +86,8 @@ class Deployment:
                 "4222",
                 "-sd",
                 str(tmp_path / "js"),
+                "-c",
+                str(conf),
             ],
             stdout=log,
             stderr=log,
@@ -92,7 +107,10 @@ class Deployment:
             STRATA_METRICS_PORT=str(METRICS_PORT + len(self.services)),
             STRATA_TORCH_THREADS="1",
             PYTHONPATH=repo_root(),
+            STRATA_NATS_USER=role,
+            STRATA_NATS_PASSWORD_FILE=nats_auth.password_file(self.cred_dir, role),
         )
+        e.update(ensure_pki(self.pki_dir, [name], [addr])[name].env())
         if role == "gateway":
             e.update(STRATA_HOST=addr, STRATA_PORT=str(GATEWAY_PORT), STRATA_MAX_IMAGES="0")
             e.update(STRATA_API_KEYS=API_KEY)
