@@ -1,4 +1,5 @@
-"""A 3-node NATS cluster with JetStream across three namespace hosts: the KV-event stream and
+"""A 3-node NATS cluster with JetStream across three namespace hosts, secured as deployed (per-role
+users and permissions, authenticated routes): the KV-event stream and
 the registry are R3 (``js_replicas=3``); the scheduler's followers (`follow_kv_events`,
 `watch_registry`) run on a fourth host, connected through the seed list of all three servers.
 Killing a node under a steady publisher loses no event (publishes retried with a message id,
@@ -13,15 +14,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import secrets
 import signal
 import time
 
 import pytest
 
+from services.infra import nats_auth
 from services.infra.nats_server import nats_binary
 from services.scheduler.app import follow_kv_events, watch_registry
 from shared import bus
 from shared.kv_events_stream import ensure_kv_events_stream
+from shared.nats_auth import NatsAuth
 from shared.protocol import subjects
 from shared.protocol.sched import InstanceRecord
 from shared.registry import read_registry, register_instance
@@ -36,18 +40,28 @@ EVENTS = 120
 
 
 def start_cluster(net: Net, tmp_path) -> dict[str, object]:
-    """nats-server ``n<i>`` on host ``i`` (client port 4222, routes on 6222); returns name->proc."""
-    procs = {}
+    """nats-server ``n<i>`` on host ``i`` (client port 4222, routes on 6222), secured as
+    deployed: the per-role users and permissions `strata up` writes, routes authenticated with
+    their own user and password; returns name->proc (and the passwords under ``"passwords"``)."""
+    procs: dict[str, object] = {}
+    passwords = nats_auth.ensure_credentials(str(tmp_path / "credentials"))
+    route_pw = secrets.token_urlsafe(24)
     for i in NATS_HOSTS:
-        routes = ", ".join(f"nats-route://{net.addr(j)}:6222" for j in NATS_HOSTS if j != i)
+        routes = ", ".join(
+            f"nats-route://route:{route_pw}@{net.addr(j)}:6222" for j in NATS_HOSTS if j != i
+        )
         conf = tmp_path / f"n{i}.conf"
         conf.write_text(
             f'server_name: n{i}\nlisten: "{net.addr(i)}:4222"\n'
             f'jetstream {{ store_dir: "{tmp_path / f"js{i}"}" }}\n'
-            f'cluster {{ name: strata, listen: "{net.addr(i)}:6222", routes: [{routes}] }}\n'
+            f'cluster {{ name: strata, listen: "{net.addr(i)}:6222", routes: [{routes}],\n'
+            f'  authorization {{ user: route, password: "{route_pw}" }} }}\n'
+            + nats_auth.authorization_block(passwords)
         )
+        conf.chmod(0o600)
         log = open(tmp_path / f"n{i}.log", "wb")  # noqa: SIM115 - lives as long as the server
         procs[f"n{i}"] = net.popen(i, [nats_binary(), "-c", str(conf)], stdout=log, stderr=log)
+    procs["passwords"] = passwords
     return procs
 
 
@@ -79,13 +93,16 @@ async def publish_retrying(js, seq: int) -> None:
 
 async def scenario(net: Net, procs: dict, victim: str) -> dict:
     seeds = ",".join(f"nats://{net.addr(i)}:4222" for i in NATS_HOSTS)
-    nc = await bus.connect(seeds, "scheduler-mh")
-    pub = await bus.connect(seeds, "decode-mh")
+    pw = procs["passwords"]  # the scheduler's user observes, decode's publishes and registers
+    nc = await bus.connect(
+        seeds, "scheduler-mh", NatsAuth(user="scheduler", password=pw["scheduler"])
+    )
+    pub = await bus.connect(seeds, "decode-mh", NatsAuth(user="decode", password=pw["decode"]))
     js, pjs = nc.jetstream(), pub.jetstream()
 
     async def stream_ready() -> bool:
         try:
-            await ensure_kv_events_stream(pjs, replicas=3)
+            await ensure_kv_events_stream(js, replicas=3)
             return True
         except Exception:  # noqa: BLE001 - the cluster is still electing its meta leader
             return False
@@ -103,7 +120,7 @@ async def scenario(net: Net, procs: dict, victim: str) -> dict:
     async def consumers() -> dict[str, str]:
         """The registry stream's consumers: name -> the node holding it."""
         with contextlib.suppress(Exception):
-            return {c.name: c.cluster.leader for c in await pjs.consumers_info(reg_stream)}
+            return {c.name: c.cluster.leader for c in await js.consumers_info(reg_stream)}
         return {}
 
     async def watcher_off_its_connections_node() -> str:
@@ -131,8 +148,8 @@ async def scenario(net: Net, procs: dict, victim: str) -> dict:
         await register_instance(
             pjs, InstanceRecord(instance_id="decode-0", role="decode", incarnation="a"), replicas=3
         )
-        info = await pjs.stream_info(subjects.KV_EVENTS_STREAM)
-        reg = await pjs.stream_info(reg_stream)
+        info = await js.stream_info(subjects.KV_EVENTS_STREAM)
+        reg = await js.stream_info(reg_stream)
         leader = info.cluster.leader
         if victim == "registry-consumer":
             leader = await watcher_off_its_connections_node()
@@ -156,8 +173,8 @@ async def scenario(net: Net, procs: dict, victim: str) -> dict:
                 f"{e}: killed {leader} ({victim}); {len(core.events)} of {EVENTS} events, "
                 f"records {sorted(core.records)}"
             ) from None
-        after = await pjs.stream_info(subjects.KV_EVENTS_STREAM)
-        records = await read_registry(pjs)
+        after = await js.stream_info(subjects.KV_EVENTS_STREAM)
+        records = await read_registry(js)
         return {
             "replicas": (info.config.num_replicas, reg.config.num_replicas),
             "peers": len(info.cluster.replicas or []),
