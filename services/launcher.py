@@ -355,6 +355,8 @@ class Cluster:
                 )
             if not self.cfg.vision:  # text only: refuse images, readiness needs no vision
                 e["STRATA_MAX_IMAGES"] = "0"
+            if self.log_dir:  # one JSON line per API request (services/gateway/audit.py)
+                e["STRATA_AUDIT_FILE"] = os.path.join(self.log_dir, f"audit-{name}.jsonl")
         if self.certs:
             cert = self.certs.get(name) or ensure_pki(self.pki_dir, [name], [self.cfg.host])[name]
             e.update(cert.env())

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import uvicorn
 
+from services.gateway.audit import AuditLog
 from services.gateway.auth import Auth
 from services.gateway.config import GatewayConfig
 from services.gateway.http import build_app
@@ -112,7 +113,7 @@ async def build_service(nc, cfg: GatewayConfig) -> GatewayService:
     await pipeline.start()
     auth = Auth.from_config(cfg.api_keys, cfg.api_key_file)
     readiness = Readiness(nc, cfg, needs_vision(cfg))
-    return GatewayService(
+    service = GatewayService(
         pipeline,
         cfg,
         served_name(cfg),
@@ -121,6 +122,12 @@ async def build_service(nc, cfg: GatewayConfig) -> GatewayService:
         readiness,
         **model_text(cfg.model),
     )
+    audit = AuditLog(cfg.audit_file, cfg.audit_prompts, cfg.instance_id, cfg.audit_stream)
+    task = asyncio.create_task(
+        audit.publish(nc.jetstream(), cfg.instance_id, cfg.audit_max_age, cfg.audit_max_bytes)
+    )
+    service.audit, service.audit_task = audit, task
+    return service
 
 
 def uvicorn_config(app, cfg: GatewayConfig, host: str, port: int) -> uvicorn.Config:
@@ -164,6 +171,7 @@ def main(argv: list[str]) -> None:
         await stop.wait()
         server.should_exit = True
         await task
+        service.close_audit()
         await nc.drain()
 
     run(amain)

@@ -25,6 +25,20 @@ class GatewayConfig(ServiceConfig):
     prefilter_reload_s: float = Field(
         1.0, gt=0, description="Seconds between checks of the pattern files for changes"
     )
+    # audit log (services/gateway/audit.py)
+    audit_file: str = Field("", description="Append one JSON line per API request here ('' = off)")
+    audit_stream: bool = Field(
+        True, description="Also publish each audit line to the JetStream stream STRATA_AUDIT"
+    )
+    audit_prompts: bool = Field(
+        False, description="Put the prompt (messages / prompt) in audit entries (opt-in)"
+    )
+    audit_max_age: float = Field(
+        7 * 86400.0, ge=0, description="Seconds STRATA_AUDIT keeps an entry (0 = no age limit)"
+    )
+    audit_max_bytes: int = Field(
+        256 << 20, ge=0, description="Bytes STRATA_AUDIT keeps, oldest dropped (0 = unbounded)"
+    )
     # limits
     max_body_bytes: int = Field(8 << 20, ge=1024, description="Largest accepted request body")
     max_tokens_limit: int = Field(4096, ge=1, description="Largest max_tokens a request may ask")

@@ -44,7 +44,9 @@ async def serve_api(nc: NATS, service: GatewayService):
                 headers["x-strata-priority"] = str(req.priority)
             if req.slo_class is not None:
                 headers["x-strata-slo-class"] = req.slo_class
-            run = await service.open(req.kind, req.body, headers, req.api_key, req.request_id)
+            run = await service.open(
+                req.kind, req.body, headers, req.api_key, req.request_id, transport="nats"
+            )
             rid = run.request_id
             running[rid] = req.api_key
             try:

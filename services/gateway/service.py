@@ -19,6 +19,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from services.gateway import metrics as m
+from services.gateway.audit import AuditEntry, AuditLog
+from services.gateway.audit import now as audit_now
 from services.gateway.auth import Auth
 from services.gateway.config import GatewayConfig
 from services.gateway.constraints import check_constraint
@@ -76,6 +78,8 @@ class GatewayService:
         self.tokenizer = tokenizer  # the checkpoint's; None without one (detokenize: the service)
         self.grammars = grammars  # validates constraints here; None: the engine does
         self.tool_format = tool_format
+        self.audit: AuditLog | None = None  # set by the app (services.gateway.audit)
+        self.audit_task: asyncio.Task | None = None  # its JetStream publisher
         try:
             self.prefilter = Prefilter.from_specs(cfg.prefilter_lists, cfg.prefilter_reload_s)
         except PatternFileError as exc:
@@ -88,10 +92,51 @@ class GatewayService:
         headers: dict[str, str],
         api_key: str | None,
         request_id: str = "",
+        *,
+        transport: str = "http",
+        identity: str = "",
     ) -> Run:
+        """Validate, authenticate and admit one request; its `Run`. Every call leaves one audit
+        entry (`services.gateway.audit`): here when refused, at `Run.close` otherwise."""
         arrival = time.perf_counter()
+        who = {"identity": identity or "unauthenticated", "transport": transport}
+        try:
+            run = await self._open(kind, body, headers, api_key, request_id, arrival, who)
+        except StrataError as exc:
+            if self.audit is not None:
+                self.audit.record(
+                    AuditEntry(
+                        ts=audit_now(),
+                        request_id=request_id,
+                        kind=kind,
+                        model=str(body.get("model") or "") if isinstance(body, dict) else "",
+                        outcome=exc.code,
+                        status=exc.http_status,
+                        latency_ms=round((time.perf_counter() - arrival) * 1e3, 3),
+                        prompt=_prompt_of(body),
+                        **who,
+                    )
+                )
+            raise
+        run.audit, run.audit_who = self.audit, who
+        return run
+
+    async def _open(
+        self,
+        kind: str,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        api_key: str | None,
+        request_id: str,
+        arrival: float,
+        who: dict[str, str],
+    ) -> Run:
         model = body.get("model") if isinstance(body.get("model"), str) else ""
         policy = self.auth.authenticate(api_key, model)
+        if policy is not None:
+            who["identity"] = policy.name
+        elif who["identity"] == "unauthenticated":
+            who["identity"] = "anonymous"  # auth is off
         if self.prefilter is not None:  # before tokenization: a refused prompt costs no GPU work
             body = self.prefilter.body(body)
         spec = build_spec(kind, body, self.cfg, self.served_model, headers, self.tool_format)
@@ -124,6 +169,13 @@ class GatewayService:
             run.masks = [self.prefilter.output() for _ in run.choices]
         run.start()  # no await after this: the caller owns the run (and closes it)
         return run
+
+    def close_audit(self) -> None:
+        """Stop the audit publisher and close the audit file (shutdown)."""
+        if self.audit_task is not None:
+            self.audit_task.cancel()
+        if self.audit is not None:
+            self.audit.close()
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model:
@@ -236,6 +288,9 @@ class Run:
         self._ended = False  # next_events returned its last batch
         self._offsets = [0] * len(self.choices)  # text offset per choice (logprobs)
         self.masks: list | None = None  # per choice, the pre-filter's output mask
+        self.audit: AuditLog | None = None  # set by GatewayService.open
+        self.audit_who: dict[str, str] = {}
+        self._error: StrataError | None = None  # what a stream ended with, for the audit
         tf = fmt.tool_format  # tool calls parsed out of each choice's stream
         self._tools = [ToolStream(tf) for _ in self.choices] if tf else None
 
@@ -281,6 +336,31 @@ class Run:
         if self._tasks:
             (m.WAITING if self.first_token_at is None else m.RUNNING).dec()
         self._record()
+        if self.audit is not None:
+            self.audit.record(self._audit_entry())
+
+    def _audit_entry(self) -> AuditEntry:
+        """This run's audit line: finish reasons, else the stream's error, else ``aborted``."""
+        reasons = sorted({c.finish_reason for c in self.choices if c.finish_reason})
+        if self._error is not None:
+            outcome, status = self._error.code, self._error.http_status
+        elif self._finished():
+            outcome, status = ",".join(r for r in reasons if r), 200
+        else:
+            outcome, status = "aborted", 499  # the client went away or cancelled
+        return AuditEntry(
+            ts=audit_now(),
+            request_id=self.request_id,
+            kind=self.fmt.kind,
+            model=self.fmt.model,
+            outcome=outcome,
+            status=status,
+            prompt_tokens=sum(self._prompt_lens()),
+            completion_tokens=sum(len(c.token_ids) for c in self.choices),
+            latency_ms=round((time.perf_counter() - self.arrival) * 1e3, 3),
+            prompt=_prompt_of(self.spec.request.model_dump(include={"messages", "prompt"})),
+            **self.audit_who,
+        )
 
     async def _take(self, timeout: float | None = None) -> list[tuple[int, TokenChunk]] | None:
         """Every chunk that is ready now, waiting for the first up to ``timeout`` (None: no
@@ -324,6 +404,8 @@ class Run:
             self._open -= 1
             self._done = self._open == 0
         elif isinstance(item, BaseException):
+            if isinstance(item, StrataError):
+                self._error = item
             self.close()
             raise item
         else:
@@ -471,3 +553,11 @@ class Run:
         if isinstance(content, list):
             content = "".join(p.text or "" for p in content if p.type != "image_url")
         return [content or ""] * len(self.choices)
+
+
+def _prompt_of(body: Any) -> Any:
+    """What the audit keeps of the prompt when the operator opts in (messages or prompt)."""
+    if not isinstance(body, dict):
+        return None
+    got = {k: body[k] for k in ("messages", "prompt", "input") if body.get(k) is not None}
+    return got or None

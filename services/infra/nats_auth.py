@@ -53,6 +53,10 @@ _TABLE: dict[str, tuple[list[str], list[str]]] = {
             s.REQ_CANCEL_ALL,
             s.work_probe("*"),
             f"{inbox_prefix(API_USER)}.>",
+            f"{_P}.audit.>",  # the audit log (services/gateway/audit.py) and its stream
+            "$JS.API.STREAM.INFO.STRATA_AUDIT",
+            "$JS.API.STREAM.CREATE.STRATA_AUDIT",
+            "$JS.API.STREAM.UPDATE.STRATA_AUDIT",
         ],
         [s.API_GENERATE, s.API_CANCEL, s.SCHED_STATE, f"{_P}.req.*.*"],
     ),

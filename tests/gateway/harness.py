@@ -47,5 +47,6 @@ async def gateway(nats_url: str, decodes=("dec-0",), peers_kw=None, roles=ROLES,
         await task
         await api_sub.unsubscribe()
         await peers.stop()
+        service.close_audit()
         await service.pipeline.stop()
         await nc.drain()

@@ -1,0 +1,158 @@
+"""The gateway's audit log: one structured line per API request, REST and NATS alike.
+
+Every request that reaches `GatewayService.open` leaves exactly one entry, whether it was
+refused there (401, 400, 429, 503: ``outcome`` is the error code) or ran (``outcome`` is the
+finish reason of its choices, ``aborted`` when the client went away or cancelled, or the error
+code a stream ended with). An entry holds who (the API key's *name*, never the key; the NATS
+identity where the request came over NATS), which model and route, the request id, prompt and
+completion token counts, the outcome, the HTTP status and the latency. The prompt is never in
+it unless the operator opts in (``STRATA_AUDIT_PROMPTS=true``).
+
+Entries go to two sinks, each optional:
+
+- a JSON-lines file (``STRATA_AUDIT_FILE``; mode 0600, appended; `strata up` writes
+  ``<data-dir>/logs/audit.jsonl``);
+- the JetStream stream ``STRATA_AUDIT`` (subjects ``strata.audit.>``; each gateway publishes on
+  ``strata.audit.<instance>``) with bounded retention (``STRATA_AUDIT_MAX_AGE`` seconds and
+  ``STRATA_AUDIT_MAX_BYTES``, oldest discarded), so every gateway's entries land in one place
+  that survives the gateways. Publishing is off the request path: entries wait in a bounded
+  queue; what does not fit is counted (``strata_audit_dropped_total``), never blocks a request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from nats.js.api import DiscardPolicy, RetentionPolicy, StreamConfig
+from nats.js.errors import NotFoundError
+from prometheus_client import Counter
+
+log = logging.getLogger(__name__)
+
+STREAM = "STRATA_AUDIT"
+SUBJECTS = "strata.audit.>"
+QUEUE_MAX = 10_000
+
+ENTRIES = Counter("strata_audit_entries_total", "Audit entries recorded", ["sink"])
+DROPPED = Counter("strata_audit_dropped_total", "Audit entries the JetStream queue could not hold")
+
+
+def subject(instance: str) -> str:
+    return f"strata.audit.{instance or 'gateway'}"
+
+
+@dataclass
+class AuditEntry:
+    """One request's audit record (the JSON line and the JetStream message body)."""
+
+    ts: float
+    request_id: str
+    identity: str
+    transport: str  # "http" or "nats"
+    kind: str  # chat, completion, responses, messages, ...
+    model: str
+    outcome: str
+    status: int
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    latency_ms: float = 0.0
+    gateway: str = ""
+    prompt: Any = field(default=None)  # only with STRATA_AUDIT_PROMPTS
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        if d["prompt"] is None:
+            del d["prompt"]
+        return json.dumps(d, separators=(",", ":"), ensure_ascii=False)
+
+
+class AuditLog:
+    """Records `AuditEntry` lines to the file and queues them for the JetStream stream."""
+
+    def __init__(
+        self, path: str = "", include_prompts: bool = False, gateway: str = "", stream: bool = True
+    ):
+        self.include_prompts = include_prompts
+        self.gateway = gateway
+        self._file = None
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            os.chmod(path, 0o600)
+            self._file = os.fdopen(fd, "a", buffering=1, encoding="utf-8")  # line-buffered
+        self._queue: asyncio.Queue[str] | None = asyncio.Queue(QUEUE_MAX) if stream else None
+
+    def record(self, entry: AuditEntry) -> None:
+        """Write one entry now (file) and queue it for the stream; never raises."""
+        entry.gateway = entry.gateway or self.gateway
+        if not self.include_prompts:
+            entry.prompt = None
+        line = entry.to_json()
+        if self._file is not None:
+            try:
+                self._file.write(line + "\n")
+                ENTRIES.labels("file").inc()
+            except OSError as exc:
+                log.warning("audit file write failed: %s", exc)
+        if self._queue is not None:
+            try:
+                self._queue.put_nowait(line)
+            except asyncio.QueueFull:
+                DROPPED.inc()
+
+    async def publish(self, js, instance: str, max_age: float, max_bytes: int) -> None:
+        """Create (or update) the stream, then publish queued entries until cancelled."""
+        if self._queue is None:
+            return
+        try:
+            await ensure_stream(js, max_age, max_bytes)
+        except Exception as exc:  # noqa: BLE001 - no JetStream, or not permitted: file only
+            log.warning(
+                "audit stream %s unavailable (%s): audit entries go to the file only", STREAM, exc
+            )
+            self._queue = None
+            return
+        subj = subject(instance)
+        while True:
+            line = await self._queue.get()
+            try:
+                await js.publish(subj, line.encode(), timeout=5)
+                ENTRIES.labels("jetstream").inc()
+            except Exception as exc:  # noqa: BLE001 - NATS down: keep the entry's file copy
+                DROPPED.inc()
+                log.warning("audit entry not published: %s", exc)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+async def ensure_stream(js, max_age: float, max_bytes: int) -> None:
+    """The ``STRATA_AUDIT`` stream with limits retention (oldest discarded past the bounds)."""
+    cfg = StreamConfig(
+        name=STREAM,
+        subjects=[SUBJECTS],
+        retention=RetentionPolicy.LIMITS,
+        discard=DiscardPolicy.OLD,
+        max_age=max_age,
+        max_bytes=max_bytes or -1,
+    )
+    try:
+        await js.stream_info(STREAM)
+        await js.update_stream(cfg)
+    except NotFoundError:
+        try:
+            await js.add_stream(cfg)
+        except Exception as exc:  # noqa: BLE001 - another gateway created it first
+            log.debug("audit stream create: %s", exc)
+
+
+def now() -> float:
+    return time.time()
