@@ -164,6 +164,11 @@ def main(argv: list[str]) -> None:
         await stop.wait()
         server.should_exit = True
         await task
+        if service.response_cache is not None:  # stored answers on their way to the kvstore
+            try:
+                await asyncio.wait_for(service.response_cache.drain(), cfg.response_cache_timeout)
+            except TimeoutError:
+                log.warning("response cache: kvstore writes still in flight at shutdown")
         await nc.drain()
 
     run(amain)
