@@ -8,12 +8,16 @@ gateway's decode emits (a later gateway's decode would answer "t0 t1 ...").
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
 import openai
 from prometheus_client import REGISTRY
 
+from shared.protocol import subjects
+from shared.protocol.api import GenerateEvent, GenerateRequest
+from shared.protocol.codec import decode, encode
 from tests.gateway.harness import gateway
 from tests.kvstore.conftest import new_bucket, start_kvstore
 
@@ -198,3 +202,45 @@ async def test_bad_cache_field_and_header_name_it(nats_url):
         r = await post(url, body(cache=True))
         assert r.status_code == 200 and r.headers["x-strata-cache"] == "disabled"
         assert json.loads(r.text)["usage"]["response_cache"] == "disabled"
+
+
+async def test_nats_api_marks_usage_and_a_cancelled_stream_is_not_stored(nats_url, nc):
+    async with gateway(nats_url, response_cache=True) as (_, peers, service):
+        for want in ("miss", "hit-hot"):
+            req = encode(GenerateRequest(body=body()))
+            ev = decode(
+                (await nc.request(subjects.API_GENERATE, req, timeout=5)).data, GenerateEvent
+            )
+            assert ev.done and ev.data["usage"]["response_cache"] == want
+        assert len(peers.items) == 1
+
+        peers.decodes["dec-0"]["gap"] = 0.1  # a slow stream, cancelled on the bus mid-way
+        got: list[GenerateEvent] = []
+        done = asyncio.Event()
+
+        async def on_ev(msg):
+            got.append(decode(msg.data, GenerateEvent))
+            if got[-1].done:
+                done.set()
+
+        sub = await nc.subscribe("my.cache.stream", cb=on_ev)
+        stream = body(max_tokens=40, stream=True)
+        for _ in range(2):  # the cancelled answer was not stored: the second one misses too
+            got.clear()
+            done.clear()
+            await nc.publish(
+                subjects.API_GENERATE,
+                encode(
+                    GenerateRequest(body=stream, stream_subject="my.cache.stream", request_id="rc")
+                ),
+            )
+            while not any(e.data and e.data.get("choices") for e in got[1:]):
+                await asyncio.sleep(0.02)
+            await nc.publish(subjects.req_cancel("rc"), b"")
+            await asyncio.wait_for(done.wait(), 5)
+            finals = [
+                e.data["choices"][0]["finish_reason"] for e in got if e.data and e.data["choices"]
+            ]
+            assert finals[-1] == "abort"
+        assert len(peers.items) == 3 and len(service.response_cache.hot) == 1
+        await sub.unsubscribe()
