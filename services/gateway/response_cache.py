@@ -171,10 +171,11 @@ class ResponseCache:
         """``(response, tier)`` with tier "hot", "warm" or "cold"; None on a miss. A failing
         kvstore is a miss (counted as an error), never an error to the client."""
         data = self.hot.get(key)
-        if data is not None:
+        hot = None if data is None else self._decode(data, key, ns)
+        if hot is not None:
             CACHE.labels("hot", "hit").inc()
-            return self._decode(data, key, ns), "hot"
-        CACHE.labels("hot", "miss").inc()
+            return hot, "hot"
+        CACHE.labels("hot", "miss" if data is None else "error").inc()
         if self.lower is None:
             return None
         try:

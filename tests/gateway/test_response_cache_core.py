@@ -114,3 +114,20 @@ def test_opt_in_field_header_and_bad_values():
     with pytest.raises(ApiError) as err:
         wanted(req, {"x-strata-cache": "yes please"})
     assert err.value.param == "cache" and "X-Strata-Cache" in err.value.message
+
+
+async def test_an_unreadable_or_misplaced_object_is_a_miss():
+    from services.gateway.config import GatewayConfig
+    from services.gateway.response_cache import ResponseCache
+
+    cache = ResponseCache(GatewayConfig(response_cache=True))
+    chunk = TokenChunk(request_id="r", index=0, text="x", finish_reason="stop")
+    good = CachedResponse(key="a" * 64, fingerprint="fp", choices=[[chunk]])
+    cache.store("resp-fp", good)
+    got = await cache.get("resp-fp", "a" * 64)
+    assert got is not None and got[0] == good and got[1] == "hot"
+    assert await cache.get("resp-other", "a" * 64) is None  # another model's namespace
+    cache.hot.put("b" * 64, encode(good))  # stored under another key
+    cache.hot.put("c" * 64, b"\xc1 not msgpack")
+    assert await cache.get("resp-fp", "b" * 64) is None
+    assert await cache.get("resp-fp", "c" * 64) is None
