@@ -244,3 +244,19 @@ async def test_nats_api_marks_usage_and_a_cancelled_stream_is_not_stored(nats_ur
             assert finals[-1] == "abort"
         assert len(peers.items) == 3 and len(service.response_cache.hot) == 1
         await sub.unsubscribe()
+
+
+async def test_completions_hit_is_formatted_for_the_request_that_hits(nats_url):
+    """What is stored is the generation: a hit with ``echo`` (formatting only, not in the key)
+    prepends the prompt to the stored text, as a live answer would."""
+    async with gateway(nats_url, response_cache=True) as (url, peers, _):
+        peers.script = SCRIPT
+        req = {"model": "tiny", "prompt": "ab", "max_tokens": 4, "temperature": 0, "cache": True}
+        async with httpx.AsyncClient(timeout=30) as c:
+            first = await c.post(url + "/v1/completions", json=req)
+            echoed = await c.post(url + "/v1/completions", json={**req, "echo": True})
+        assert first.headers["x-strata-cache"] == "miss"
+        assert first.json()["choices"][0]["text"] == "cached answer"
+        assert echoed.headers["x-strata-cache"] == "hit-hot"
+        assert echoed.json()["choices"][0]["text"] == "abcached answer"
+        assert len(peers.items) == 1
