@@ -336,7 +336,7 @@ class Cluster:
             cpus = self.shape.service_cpus
         if cpus:
             e[AFFINITY_ENV] = format_cpus(cpus)
-        if role in ("prefill", "decode") and self._kvstore_addrs:
+        if role in ("prefill", "decode", "gateway") and self._kvstore_addrs:
             e["STRATA_KVSTORE_ADDRS"] = ",".join(self._kvstore_addrs)
         if role == "kvstore":
             e["STRATA_GRPC_PORT"] = self._kvstore_addrs[index].rsplit(":", 1)[1]

@@ -172,6 +172,11 @@ def main(argv: list[str]) -> None:
         server.should_exit = True
         await task
         service.close_audit()
+        if service.response_cache is not None:  # stored answers on their way to the kvstore
+            try:
+                await asyncio.wait_for(service.response_cache.drain(), cfg.response_cache_timeout)
+            except TimeoutError:
+                log.warning("response cache: kvstore writes still in flight at shutdown")
         await nc.drain()
 
     run(amain)

@@ -81,6 +81,26 @@ class GatewayConfig(ServiceConfig):
     sse_header_hold: float = Field(
         0.05, ge=0, description="Seconds a stream's headers wait for token one (one write for both)"
     )
+    # response cache (services/gateway/response_cache.py; docs/api.md)
+    response_cache: bool = Field(
+        False,
+        description="Serve repeated deterministic requests that ask for it (body 'cache': true "
+        "or X-Strata-Cache: use) from a response cache",
+    )
+    response_cache_bytes: int = Field(
+        256 << 20, ge=0, description="Byte budget of the response cache's in-memory (hot) tier"
+    )
+    response_cache_max_entry_bytes: int = Field(
+        4 << 20, ge=1, description="Largest stored response (bigger ones are not cached)"
+    )
+    kvstore_addrs: list[str] = Field(
+        [],
+        description="Comma-separated kvstore gRPC addresses: the response cache's warm (DRAM) "
+        "and cold (MinIO) tiers ('' = in-memory tier only)",
+    )
+    response_cache_timeout: float = Field(
+        2.0, gt=0, description="Seconds a kvstore read or write of the response cache may take"
+    )
     # Degradation: the level and its rules (caps, top priority, Retry-After) come from the
     # scheduler's state (`SchedulerState.rules`); the gateway has no numbers of its own.
 

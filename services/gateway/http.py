@@ -22,6 +22,7 @@ from services.gateway import anthropic, openapi, responses_api
 from services.gateway import metrics as m
 from services.gateway.auth import Auth
 from services.gateway.core import ApiError, error_body, parse_json
+from services.gateway.response_cache_run import headers as cache_headers
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from services.gateway.service import GatewayService
 from shared.protocol.errors import StrataError
@@ -167,7 +168,8 @@ def build_app(service: GatewayService) -> FastAPI:
         )
         if not run.spec.request.stream:
             try:
-                return JSONResponse(await _race(run.complete(), request))
+                body = await _race(run.complete(), request)
+                return JSONResponse(body, headers=cache_headers(run))
             finally:
                 run.close()
         return _SSEResponse(run, cfg.sse_header_hold)
@@ -391,7 +393,9 @@ class _SSEResponse(StreamingResponse):
 
     def __init__(self, run, hold: float):
         super().__init__(
-            iter(()), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+            iter(()),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", **cache_headers(run)},
         )
         self.run = run
         self.hold = hold

@@ -63,6 +63,8 @@ class Prepared:
     images: list[ImageRef] = field(default_factory=list)
     block_hashes: list[str] = field(default_factory=list)
     prompt_text: str = ""  # the (rendered, truncated) prompt as text: completions' echo
+    fingerprint: str = ""  # the tokenizer's model fingerprint (response cache key)
+    kv_dtype: str = ""
 
 
 class Pipeline:
@@ -201,7 +203,9 @@ class Pipeline:
             tok.kv_dtype or "float32",
             tok.block_size,
         )
-        return Prepared(tok.token_ids, sampling, refs, hashes, tok.text)
+        return Prepared(
+            tok.token_ids, sampling, refs, hashes, tok.text, tok.model_fingerprint, tok.kv_dtype
+        )
 
     async def cancel(
         self, rid: str, reason: str = "client disconnected", attempt: int | None = None

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 _I32 = 2**31 - 1  # ints that reach the bus must fit msgpack and the engine's index types
 TokenId = Annotated[int, Field(ge=0, le=_I32)]
@@ -146,6 +146,8 @@ class _Sampling(_Body):
     slo_class: Literal["interactive", "batch"] | None = None
     # TTFT target in ms for the scheduler (also X-Strata-TTFT-SLO-Ms); None = the class default
     ttft_slo_ms: float | None = Field(None, gt=0, le=3_600_000)
+    # Strata extra: use the response cache (also X-Strata-Cache: use / off); docs/api.md
+    cache: StrictBool | None = None
 
 
 class ChatCompletionRequest(_Sampling):

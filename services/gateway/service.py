@@ -19,6 +19,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from services.gateway import metrics as m
+from services.gateway import response_cache
 from services.gateway.audit import AuditEntry, AuditLog
 from services.gateway.audit import now as audit_now
 from services.gateway.auth import Auth
@@ -80,6 +81,7 @@ class GatewayService:
         self.tool_format = tool_format
         self.audit: AuditLog | None = None  # set by the app (services.gateway.audit)
         self.audit_task: asyncio.Task | None = None  # its JetStream publisher
+        self.response_cache = response_cache.ResponseCache.from_config(cfg)  # None: off
         try:
             self.prefilter = Prefilter.from_specs(cfg.prefilter_lists, cfg.prefilter_reload_s)
         except PatternFileError as exc:
@@ -145,6 +147,7 @@ class GatewayService:
                 check_constraint, spec.constraint, self.grammars, spec.constraint_param
             )
         admit(spec, self.pipeline.degrade_level, self.pipeline.degrade_rules)
+        cache_wanted = response_cache.wanted(spec.request, headers)  # a bad header: 400 here
         if request_id and not _REQUEST_ID.fullmatch(request_id):
             raise StrataError(
                 "bad_request",
@@ -165,6 +168,10 @@ class GatewayService:
             fmt.tool_format = spec.tool_format
         fmt.token_ids = spec.request.return_token_ids
         run = Run(self.pipeline, spec, rid, prepared, fmt, arrival)
+        if cache_wanted:  # lazy: response_cache_run subclasses Run
+            from services.gateway.response_cache_run import cached_run
+
+            run = await cached_run(self.response_cache, run)
         if self.prefilter is not None:
             run.masks = [self.prefilter.output() for _ in run.choices]
         run.start()  # no await after this: the caller owns the run (and closes it)
@@ -307,12 +314,14 @@ class Run:
         self._tasks = [asyncio.create_task(self._pump(i)) for i in range(len(self.choices))]
         self._open = len(self._tasks)
 
+    def _source(self, i: int) -> AsyncIterator[TokenChunk]:
+        """Choice ``i``'s chunks: from the bus (a response cache hit replays stored ones)."""
+        return self.pipeline.stream(self._sub_id(i), self.prepared[i // self.spec.n], self.spec)
+
     async def _pump(self, i: int) -> None:
         q = self._q
         try:
-            async for c in self.pipeline.stream(
-                self._sub_id(i), self.prepared[i // self.spec.n], self.spec
-            ):
+            async for c in self._source(i):
                 q.put_nowait((i, c))
             q.put_nowait((i, None))
         except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer

@@ -51,6 +51,7 @@ class Peers:
         self.subs = []
         self.role_subs: dict[str, list] = {}
         self.script: list[str] | None = None  # texts decode emits instead of "t<i> " (then stops)
+        self.fingerprint = "fp"  # the model fingerprint the tokenizer reports
 
     async def start(self, roles: tuple[str, ...] = ROLES) -> Peers:
         for role in roles:
@@ -137,7 +138,7 @@ class Peers:
             vocab_size=500,
             bad_words_ids=[[ord(c) % 500 for c in w] for w in req.bad_words],
             image_spans=spans,
-            model_fingerprint="fp",
+            model_fingerprint=self.fingerprint,
             kv_dtype="float32",
             block_size=4,
             max_model_len=self.max_model_len,
