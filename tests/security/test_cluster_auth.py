@@ -147,6 +147,17 @@ def test_a_client_issued_while_the_cluster_runs(cluster):
     with pytest.raises(ConfigError, match="refused login as 'alice'"):
         asyncio.run(bus.connect(cluster.nats_url, "alice-again", auth))
     assert violations(cluster) == []
+    secrets = [auth.password]
+    for name in os.listdir(cluster.nats.cred_dir):
+        with open(os.path.join(cluster.nats.cred_dir, name)) as f:
+            secrets.append(f.read().strip())
+    texts = [cluster.http.get(cluster.gateway_url + "/metrics").text]  # the gateway's REST one
+    for d in (cluster.log_dir, cluster.nats.data_dir):  # every log, nats.conf and auth.conf
+        for name in os.listdir(d):
+            if os.path.isfile(os.path.join(d, name)):
+                with open(os.path.join(d, name), errors="replace") as f:
+                    texts.append(f.read())
+    assert len(secrets) == 9 and not [s for s in secrets for t in texts if s in t]
 
 
 async def _alice_streams(c: Cluster, auth: NatsAuth, body: dict) -> None:

@@ -162,3 +162,10 @@ async def test_revoked_client_is_refused_without_a_restart(server):
     finally:
         await carol.nc.close()
         await bob.nc.close()
+
+
+def test_the_identity_is_the_subjects_client_token():
+    assert subjects.api_client(subjects.api_generate("alice")) == "alice"
+    assert subjects.api_client(subjects.api_cancel("b-2_x")) == "b-2_x"
+    assert subjects.api_client(subjects.API_GENERATE) == "api"
+    assert subjects.api_client(subjects.API_CANCEL) == "api"
