@@ -7,6 +7,7 @@ strata model build-benchmark [DIR] write the standard benchmark model
 strata compose-secrets [FILE]      compose's secrets, generated once (default compose/.env)
 strata compose-minio-setup         (in compose) the kvstore's bucket-limited MinIO user
 strata nats-credentials FILE       NATS passwords per role only (the k8s Secret strata-nats)
+strata creds add|revoke|list NAME  NATS API clients of a (running) strata up, one user each
 """
 
 from __future__ import annotations
@@ -223,8 +224,10 @@ def _banner(cluster) -> None:
         from services.infra.nats_auth import API_USER, password_file
 
         say(
-            f"NATS API (strata.api.v1.generate): user {API_USER!r}, password in "
-            f"{password_file(cluster.nats.cred_dir, API_USER)}, reply inboxes under _INBOX.api"
+            f"NATS API (strata.api.v1.{API_USER}.generate): user {API_USER!r}, password in "
+            f"{password_file(cluster.nats.cred_dir, API_USER)}, reply inboxes under "
+            f"_INBOX.{API_USER}; one user per client: strata creds add NAME --data-dir "
+            f"{cluster.data_dir}"
         )
     if cluster.watchdog is not None:
         say(
@@ -295,8 +298,11 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(nats_credentials_cmd(rest))
     if cmd == "compose-minio-setup":
         sys.exit(compose_minio_setup_cmd())
+    if cmd == "creds":
+        sys.exit(creds_cmd(rest))
     say(
-        f"unknown command {cmd!r}; commands: serve, up, model, compose-secrets, compose-minio-setup"
+        f"unknown command {cmd!r}; commands: serve, up, model, creds, compose-secrets, "
+        "compose-minio-setup"
     )
     sys.exit(2)
 
@@ -335,6 +341,13 @@ def nats_credentials_cmd(argv: list[str]) -> int:
         f"log in as 'api' with STRATA_NATS_PASSWORD_API"
     )
     return 0
+
+
+def creds_cmd(argv: list[str]) -> int:
+    """`strata creds`: NATS API clients of `strata up --data-dir DIR` (`nats_clients.cli`)."""
+    from services.infra.nats_clients import cli
+
+    return cli(argv, default_data_dir=os.path.join(_root(), ".data"), say=say)
 
 
 def compose_minio_setup_cmd() -> int:

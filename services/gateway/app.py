@@ -23,6 +23,7 @@ from services.gateway.service import GatewayService
 from shared import bus, metrics
 from shared.logs import setup_logging
 from shared.model.validate import takes_images
+from shared.nats_auth import NatsAuth
 from shared.service import StartupError, announce_ready, run
 
 log = logging.getLogger(__name__)
@@ -157,7 +158,8 @@ def main(argv: list[str]) -> None:
         )
         service = await build_service(nc, cfg)
         services.append(service)
-        await serve_api(nc, service)
+        # Under NATS auth the caller's identity is authenticated: hold it to its own inbox.
+        await serve_api(nc, service, strict=bool(NatsAuth.from_env().user))
         metrics.serve_metrics(cfg.metrics_port, cfg.metrics_bind)
         server = uvicorn.Server(uvicorn_config(build_app(service), cfg, cfg.host, cfg.port))
         task = asyncio.create_task(server.serve(sockets=[sock]))

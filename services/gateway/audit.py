@@ -3,8 +3,8 @@
 Every request that reaches `GatewayService.open` leaves exactly one entry, whether it was
 refused there (401, 400, 429, 503: ``outcome`` is the error code) or ran (``outcome`` is the
 finish reason of its choices, ``aborted`` when the client went away or cancelled, or the error
-code a stream ended with). An entry holds who (the API key's *name*, never the key; the NATS
-identity where the request came over NATS), which model and route, the request id, prompt and
+code a stream ended with). An entry holds who (the API key's *name*, never the key; and the
+NATS client identity, the subject token nats-server authenticated, where it came over NATS), which model and route, the request id, prompt and
 completion token counts, the outcome, the HTTP status and the latency. The prompt is never in
 it unless the operator opts in (``STRATA_AUDIT_PROMPTS=true``).
 
@@ -63,6 +63,7 @@ class AuditEntry:
     completion_tokens: int = 0
     latency_ms: float = 0.0
     gateway: str = ""
+    client: str = ""  # the NATS API client identity (its subject token); "" over REST
     prompt: Any = field(default=None)  # only with STRATA_AUDIT_PROMPTS
 
     def to_json(self) -> str:

@@ -34,3 +34,8 @@ STALLS_WAITED = Counter(
     "Silent streams kept waiting: a probe found the request still worked on (not a failover)",
 )
 CANCELS = Counter("strata:request_cancelled", "Requests cancelled (client gone)")
+NATS_API_REFUSED = Counter(
+    "strata:nats_api_refused",
+    "NATS API operations refused for naming another client's request or inbox",
+    ["op"],
+)

@@ -96,12 +96,12 @@ class GatewayService:
         request_id: str = "",
         *,
         transport: str = "http",
-        identity: str = "",
+        client: str = "",
     ) -> Run:
         """Validate, authenticate and admit one request; its `Run`. Every call leaves one audit
         entry (`services.gateway.audit`): here when refused, at `Run.close` otherwise."""
         arrival = time.perf_counter()
-        who = {"identity": identity or "unauthenticated", "transport": transport}
+        who = {"identity": "unauthenticated", "transport": transport, "client": client}
         try:
             run = await self._open(kind, body, headers, api_key, request_id, arrival, who)
         except StrataError as exc:
@@ -137,8 +137,8 @@ class GatewayService:
         policy = self.auth.authenticate(api_key, model)
         if policy is not None:
             who["identity"] = policy.name
-        elif who["identity"] == "unauthenticated":
-            who["identity"] = "anonymous"  # auth is off
+        else:
+            who["identity"] = "anonymous"  # API keys are off
         if self.prefilter is not None:  # before tokenization: a refused prompt costs no GPU work
             body = self.prefilter.body(body)
         spec = build_spec(kind, body, self.cfg, self.served_model, headers, self.tool_format)

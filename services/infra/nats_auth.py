@@ -1,28 +1,42 @@
 """Per-role NATS users and their subject permissions: the server's ``authorization`` block.
 
-One user per role (``gateway``, ``scheduler``, ... and ``api`` for external clients of
-``strata.api.v1.>``), each allowed to publish and subscribe exactly the subjects its service
-uses (derived from `shared.protocol.subjects` and every ``serve``/``subscribe``/``publish``/
-``request`` call in ``services/``). Every user may subscribe only its own reply inboxes
-(``_INBOX.<user>.>``, the prefix `shared.nats_auth` gives each client) and may answer a request
-it received (``allow_responses``). JetStream API subjects go only to the roles that use them.
+One user per role (``gateway``, ``scheduler``, ...), each allowed to publish and subscribe
+exactly the subjects its service uses (derived from `shared.protocol.subjects` and every
+``serve``/``subscribe``/``publish``/``request`` call in ``services/``), and one user per NATS API
+client (``api``, built in, and those `strata creds add` makes). Every user may subscribe only its
+own reply inboxes (``_INBOX.<user>.>``, the prefix `shared.nats_auth` gives each client); roles
+may answer a request they received (``allow_responses``). JetStream API subjects go only to the
+roles that use them.
+
+A client NAME may publish only ``strata.api.v1.NAME.>`` (``api`` also the legacy
+``strata.api.v1.generate`` / ``.cancel``): the server enforces that, so the gateway takes the
+subject's NAME token as the caller's authenticated identity (`services.gateway.nats_api`). The
+gateway may publish into each client's inbox (streamed events), so its permissions list the
+clients.
 
 Pure: `permissions`, `authorization_block` and `tls_block` build text; `ensure_credentials`
-writes or reuses one 0600 password file per user in a directory.
+writes or reuses one 0600 password file per user in a directory; `hash_password` makes the
+bcrypt hash nats-server checks a password against.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
+
+import bcrypt
 
 from services.scheduler.snapshots import BUCKET as SNAPSHOT_BUCKET
 from shared.nats_auth import inbox_prefix
 from shared.protocol import subjects as s
 
-API_USER = "api"
-"""The user external NATS API clients log in as (printed in the `strata up` banner)."""
+API_USER = s.API_LEGACY_CLIENT
+"""The built-in NATS API client (printed in the `strata up` banner); `strata creds add` makes
+more, one identity each."""
+CLIENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+BCRYPT_COST = 10  # the passwords are 256-bit random: the hash hides them, cost adds nothing
 
 _P = s.PREFIX
 _JS_API = "$JS.API.>"  # the whole JetStream API: stream, consumer, KV and object store admin
@@ -52,13 +66,19 @@ _TABLE: dict[str, tuple[list[str], list[str]]] = {
             s.SCHED_INSTANCES,
             s.REQ_CANCEL_ALL,
             s.work_probe("*"),
-            f"{inbox_prefix(API_USER)}.>",
             f"{_P}.audit.>",  # the audit log (services/gateway/audit.py) and its stream
             "$JS.API.STREAM.INFO.STRATA_AUDIT",
             "$JS.API.STREAM.CREATE.STRATA_AUDIT",
             "$JS.API.STREAM.UPDATE.STRATA_AUDIT",
+        ],  # + each API client's inbox (`permissions`)
+        [
+            s.api_generate("*"),
+            s.api_cancel("*"),
+            s.API_GENERATE,
+            s.API_CANCEL,
+            s.SCHED_STATE,
+            f"{_P}.req.*.*",
         ],
-        [s.API_GENERATE, s.API_CANCEL, s.SCHED_STATE, f"{_P}.req.*.*"],
     ),
     "tokenizer": ([], [s.TOK_ENCODE, s.TOK_DECODE, s.TOK_PING]),
     "vision": ([], [s.VISION_ENCODE, s.VISION_PING]),
@@ -86,16 +106,46 @@ _TABLE: dict[str, tuple[list[str], list[str]]] = {
         [s.load_report("decode", "*"), _KV_EVENTS, _REQ_OUT, *_REGISTRY],
         [s.decode_submit("*"), s.REQ_CANCEL_ALL, s.work_probe("*")],
     ),
-    API_USER: ([f"{_P}.api.v1.>"], []),
 }
 
-USERS: tuple[str, ...] = tuple(_TABLE)
+ROLES: tuple[str, ...] = tuple(_TABLE)
+"""The service roles' users."""
+USERS: tuple[str, ...] = (*ROLES, API_USER)
 """Every user `strata up` creates: the service roles, then ``api``."""
 
 
-def permissions(user: str) -> dict[str, object]:
-    """The nats-server ``permissions`` map of ``user`` (KeyError for an unknown user)."""
+def check_client_name(name: str) -> str:
+    """``name`` if it can be a NATS API client (one subject token, not a role's or ``api``'s
+    user), else ValueError saying why."""
+    if not CLIENT_NAME.fullmatch(name):
+        raise ValueError(
+            f"client name {name[:80]!r}: use 1-64 characters from [A-Za-z0-9_-], starting "
+            "with a letter or digit (it becomes a NATS subject token)"
+        )
+    if name in USERS:
+        raise ValueError(f"client name {name!r} is reserved (a service role or the built-in api)")
+    return name
+
+
+def client_permissions(name: str) -> dict[str, object]:
+    """An API client: its own generate/cancel subjects and its own reply inboxes, nothing else
+    (no ``allow_responses``: nobody sends it requests)."""
+    pub = [f"{_P}.api.v1.{name}.>"]
+    if name == API_USER:
+        pub += [s.API_GENERATE, s.API_CANCEL]
+    return {"publish": {"allow": pub}, "subscribe": {"allow": [f"{inbox_prefix(name)}.>"]}}
+
+
+def permissions(user: str, clients: tuple[str, ...] = (API_USER,)) -> dict[str, object]:
+    """The nats-server ``permissions`` map of ``user`` when the API clients are ``clients``
+    (KeyError for a user that is neither a role nor one of them)."""
+    if user not in _TABLE:
+        if user not in clients:
+            raise KeyError(user)
+        return client_permissions(user)
     pub, sub = _TABLE[user]
+    if user == "gateway":  # streamed events go to a subject in the client's own inbox
+        pub = [*pub, *(f"{inbox_prefix(c)}.>" for c in clients)]
     return {
         "publish": {"allow": list(pub)},
         "subscribe": {"allow": [*sub, f"{inbox_prefix(user)}.>"]},
@@ -103,11 +153,20 @@ def permissions(user: str) -> dict[str, object]:
     }
 
 
+def hash_password(password: str) -> str:
+    """The bcrypt hash (``$2a$``) nats-server accepts in place of a password."""
+    salt = bcrypt.gensalt(BCRYPT_COST, prefix=b"2a")
+    return bcrypt.hashpw(password.encode(), salt).decode()
+
+
 def authorization_block(passwords: dict[str, str]) -> str:
-    """nats-server config text: one user per entry of ``passwords`` with its permissions. No
+    """nats-server config text: one user per entry of ``passwords`` (a password or its
+    `hash_password`) with its permissions; every entry that is not a role is an API client. No
     ``no_auth_user``: a client without credentials is refused."""
+    clients = tuple(u for u in passwords if u not in _TABLE)
     users = [
-        {"user": u, "password": p, "permissions": permissions(u)} for u, p in passwords.items()
+        {"user": u, "password": p, "permissions": permissions(u, clients)}
+        for u, p in passwords.items()
     ]
     # The config format accepts JSON values; json.dumps quotes `$`, `>` and `*` safely.
     lines = ",\n    ".join(json.dumps(u) for u in users)

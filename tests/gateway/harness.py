@@ -16,10 +16,15 @@ from tests.gateway.peers import ROLES, Peers
 
 
 @contextlib.asynccontextmanager
-async def gateway(nats_url: str, decodes=("dec-0",), peers_kw=None, roles=ROLES, **cfg):
-    """Yields (base URL, peers, service); ``roles``: the fake peers serving from the start."""
-    nc = await bus.connect(nats_url, "gw-test")
-    peers = await Peers(nc, **(peers_kw or {})).start(roles)
+async def gateway(
+    nats_url: str, decodes=("dec-0",), peers_kw=None, roles=ROLES, auth=None, peers_auth=None, **cfg
+):
+    """Yields (base URL, peers, service); ``roles``: the fake peers serving from the start.
+    ``auth``: the gateway logs in with it (a `NatsAuth`; then its NATS API is strict about
+    inboxes) and the peers with ``peers_auth`` on a connection of their own."""
+    nc = await bus.connect(nats_url, "gw-test", auth)
+    pnc = await bus.connect(nats_url, "peers-test", peers_auth) if peers_auth else nc
+    peers = await Peers(pnc, **(peers_kw or {})).start(roles)
     for d in decodes:
         await peers.add_decode(d)
     defaults = dict(
@@ -33,7 +38,7 @@ async def gateway(nats_url: str, decodes=("dec-0",), peers_kw=None, roles=ROLES,
     )
     conf = GatewayConfig.load([], role="gateway", **{**defaults, **cfg})
     service = await build_service(nc, conf)
-    api_sub = await serve_api(nc, service)
+    api_subs = await serve_api(nc, service, strict=auth is not None)
     server = uvicorn.Server(uvicorn_config(build_app(service), conf, "127.0.0.1", 0))
     task = asyncio.create_task(server.serve())
     while not server.started:
@@ -45,8 +50,11 @@ async def gateway(nats_url: str, decodes=("dec-0",), peers_kw=None, roles=ROLES,
     finally:
         server.should_exit = True
         await task
-        await api_sub.unsubscribe()
+        for sub in api_subs:
+            await sub.unsubscribe()
         await peers.stop()
         service.close_audit()
         await service.pipeline.stop()
         await nc.drain()
+        if pnc is not nc:
+            await pnc.drain()

@@ -61,7 +61,8 @@ async def test_one_entry_per_request_refused_or_served_rest_and_nats(nats_url, n
             assert bad_body.status_code == 400
         req = GenerateRequest(kind="chat", body=CHAT, api_key=KEY, request_id="nats-req-1")
         ev = decode(
-            (await nc.request(subjects.API_GENERATE, encode(req), timeout=10)).data, GenerateEvent
+            (await nc.request(subjects.api_generate("alice"), encode(req), timeout=10)).data,
+            GenerateEvent,
         )
         assert ev.done and ev.status == 200, ev
         got = await wait_lines(audit, 3)
@@ -77,6 +78,7 @@ async def test_one_entry_per_request_refused_or_served_rest_and_nats(nats_url, n
     assert refused["status"] == 400 and refused["identity"] == "team-a"
     via_nats = by_outcome[("nats", "length")]
     assert via_nats["request_id"] == "nats-req-1" and via_nats["identity"] == "team-a"
+    assert via_nats["client"] == "alice" and served["client"] == ""
     text = audit.read_text()
     assert KEY not in text, "an API key reached the audit log"
     assert "secret plans" not in text and "prompt" not in got[0], "prompt logged without opt-in"

@@ -17,6 +17,7 @@ import pytest
 from PIL import Image
 
 from services.cluster_config import ensure_model
+from services.infra import nats_clients
 from services.launcher import Cluster
 from shared import bus
 from shared.config import ConfigError
@@ -119,6 +120,60 @@ async def _api_user_generates(c: Cluster, body: dict) -> None:
                 GenerateRequest(body={**body, "stream": True}, stream_subject="_INBOX.api.stream-1")
             ),
         )
+        await asyncio.wait_for(done.wait(), 120)
+        assert got[-1].error is None and any(e.data and e.data.get("choices") for e in got)
+    finally:
+        await nc.drain()
+
+
+def test_a_client_issued_while_the_cluster_runs(cluster):
+    """`strata creds add` on the running cluster: the new client generates on its own subject
+    and streams into its own inbox (the gateway's permissions grew by the reload, on its open
+    connection: no violation), then `revoke` shuts it out; nothing restarted."""
+    said: list[str] = []
+    argv = ["--data-dir", cluster.data_dir]
+    assert nats_clients.cli(["add", "alice", *argv], "", say=said.append) == 0, said
+    assert "reloaded nats-server" in said[-1]
+    with open(os.path.join(cluster.nats.cred_dir, "alice.password")) as f:
+        auth = NatsAuth(user="alice", password=f.read().strip())
+    body = {
+        "model": _model(cluster),
+        "max_tokens": 4,
+        "messages": [{"role": "user", "content": "Hello"}],
+        "stream": True,
+    }
+    asyncio.run(_alice_streams(cluster, auth, body))
+    assert nats_clients.cli(["revoke", "alice", *argv], "", say=said.append) == 0, said
+    with pytest.raises(ConfigError, match="refused login as 'alice'"):
+        asyncio.run(bus.connect(cluster.nats_url, "alice-again", auth))
+    assert violations(cluster) == []
+    secrets = [auth.password]
+    for name in os.listdir(cluster.nats.cred_dir):
+        with open(os.path.join(cluster.nats.cred_dir, name)) as f:
+            secrets.append(f.read().strip())
+    texts = [cluster.http.get(cluster.gateway_url + "/metrics").text]  # the gateway's REST one
+    for d in (cluster.log_dir, cluster.nats.data_dir):  # every log, nats.conf and auth.conf
+        for name in os.listdir(d):
+            if os.path.isfile(os.path.join(d, name)):
+                with open(os.path.join(d, name), errors="replace") as f:
+                    texts.append(f.read())
+    assert len(secrets) == 9 and not [s for s in secrets for t in texts if s in t]
+
+
+async def _alice_streams(c: Cluster, auth: NatsAuth, body: dict) -> None:
+    nc = await bus.connect(c.nats_url, "alice", auth)
+    try:
+        done = asyncio.Event()
+        got: list[GenerateEvent] = []
+
+        async def on_ev(msg) -> None:
+            got.append(decode(msg.data, GenerateEvent))
+            if got[-1].done:
+                done.set()
+
+        await nc.subscribe("_INBOX.alice.s1", cb=on_ev)
+        req = GenerateRequest(body=body, stream_subject="_INBOX.alice.s1")
+        await nc.publish(subjects.api_generate("alice"), encode(req))
         await asyncio.wait_for(done.wait(), 120)
         assert got[-1].error is None and any(e.data and e.data.get("choices") for e in got)
     finally:

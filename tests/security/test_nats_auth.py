@@ -8,9 +8,11 @@ them, and a refusal is asserted by the server's message naming the subject."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import stat
 
+import bcrypt
 import nats
 import pytest
 
@@ -77,11 +79,24 @@ async def login(server: NatsServer, user: str) -> Client:
     return Client(nc, errors)
 
 
+def _users(path: str) -> list[dict]:
+    """The user entries of an ``auth.conf`` (`authorization_block` writes one JSON object a
+    line)."""
+    lines = open(path).read().splitlines()
+    return [json.loads(line.strip().rstrip(",")) for line in lines if '"user"' in line]
+
+
 def test_credentials_are_private_files_and_reused(server):
     conf = os.path.join(server.data_dir, "nats.conf")
-    text = open(conf).read()
+    users = os.path.join(server.data_dir, "auth.conf")
+    text = open(conf).read() + open(users).read()
     assert "no_auth_user" not in text and "authorization" in text
-    for path in [conf, *(nats_auth.password_file(server.cred_dir, u) for u in ROLES)]:
+    for user, password in server.passwords.items():  # bcrypt hashes only, nothing plaintext
+        assert password not in text
+        (entry,) = [u for u in _users(users) if u["user"] == user]
+        assert entry["password"].startswith("$2a$10$")
+        assert bcrypt.checkpw(password.encode(), entry["password"].encode())
+    for path in [conf, users, *(nats_auth.password_file(server.cred_dir, u) for u in ROLES)]:
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600, path
     assert stat.S_IMODE(os.stat(server.cred_dir).st_mode) == 0o700
     assert set(server.passwords) == set(ROLES) and len(set(server.passwords.values())) == 8
