@@ -45,7 +45,9 @@ class EnginePort:
         self._stop = threading.Event()
         self._wake = threading.Event()
         k = engine.runner.kv.k  # [layers, blocks, block_size, kv_heads, head_dim]
-        self.kv_spec = KVSpec(k.shape[0], k.shape[3], k.shape[4], k.shape[2], k.dtype)
+        # whole blocks: every rank's KV heads under tensor parallelism (`RawKV`)
+        heads = engine.runner.kv_heads
+        self.kv_spec = KVSpec(k.shape[0], heads, k.shape[4], k.shape[2], k.dtype)
         self.warm_up_s_per_token = 0.0
         self._thread = threading.Thread(target=self._run, name="strata-engine", daemon=True)
         self._thread.start()
