@@ -19,6 +19,7 @@ import logging
 import multiprocessing as mp
 import multiprocessing.connection
 import os
+import signal
 import socket
 import threading
 import time
@@ -100,6 +101,7 @@ class TPRanks:
         if self._stopping:
             return
         rank, p = by_sentinel[done[0]]
+        p.join(timeout=1)  # reaped: its exit code
         log.error(
             "tensor parallel rank %d of %d (pid %s) exited with code %s: stopping this instance",
             rank,
@@ -119,11 +121,12 @@ class TPRanks:
             with self.group.lock:
                 self.group.broadcast(None)
             dist.barrier()  # every rank past its last collective before the group goes
-            dist.destroy_process_group()
         except Exception as exc:  # noqa: BLE001 - the followers are killed below then
             log.warning("tensor parallel shutdown: %s", exc)
+        finally:
+            dist.destroy_process_group()
         for p in self.procs:
-            p.join(timeout=10)
+            p.join(timeout=5)
             if p.is_alive():
                 p.kill()
 
@@ -147,6 +150,10 @@ def follower_main(cfg, role: str, rank: int, port: int, parent: int) -> None:
     from shared.model.parallel import shard_model
 
     _exit_with_parent(parent)
+    # A signal to the instance's process group stops rank 0, which then releases this rank
+    # (`TPRanks.stop`); a follower that died of it first would fail rank 0's shutdown.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     setup_logging(f"{role}-tp{rank}", cfg.instance_id, cfg.log_level)
     torch.set_num_threads(rank_threads(cfg.torch_threads, cfg.tp))
     device = rank_device(cfg.device, rank)
@@ -158,7 +165,16 @@ def follower_main(cfg, role: str, rank: int, port: int, parent: int) -> None:
     loaded = load_model(cfg.model, dtype=dtype, device=device)
     shard_model(loaded.model, tp)
     runner = ModelRunner.follower(loaded.model)
-    n = runner.follow()
+    try:
+        n = runner.follow()
+    except RuntimeError as exc:  # rank 0 is gone (killed): its watch or ours says so
+        log.error("tensor parallel rank %d: rank 0 is gone (%s); exiting", rank, exc)
+        logging.shutdown()
+        os._exit(1)
     dist.barrier()
     dist.destroy_process_group()
     log.info("tensor parallel rank %d stopped after %d batches", rank, n)
+    logging.shutdown()
+    # Nothing left to clean up: skip the interpreter's teardown, where gloo's threads were
+    # seen to abort ("terminate called without an active exception") and hang the exit.
+    os._exit(0)
