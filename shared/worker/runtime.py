@@ -178,6 +178,7 @@ class ModelRuntime:
             max_model_len=self.loaded.config.max_model_len,
             block_size=self.cfg.block_size,
             connected=connected,
+            tp_size=self.cfg.tp,
         )
 
     def observe_stats(self) -> None:

@@ -151,3 +151,25 @@ def test_bad_tp_fails_with_one_line(qwen3, tp):
     assert len(lines) == 1 and lines[0].startswith("STRATA_FATAL decode:"), lines
     want = "num_kv_heads (2)" if tp == "3" else "STRATA_TP (--tp)"
     assert want in lines[0]
+
+
+def test_tp2_prefill_pushes_whole_blocks_to_tp2_decode(qwen3, tmp_path):
+    """The disaggregated shape at --tp 2: prefill reads its KV out (gathered from both ranks)
+    and pushes it after the prefill (layer-wise push is off under TP); decode writes it in
+    (scattered by KV head) and decodes the same tokens as transformers."""
+    ids = qwen3.tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    ref = qwen3.tokenizer.decode(greedy(qwen3, ids, N)[0], skip_special_tokens=True)
+    cluster = start_cluster(str(qwen3.path), prefill=1, kvstore=0, tp=2)
+    try:
+        t0 = transfer_counters(cluster)
+        r = _complete(cluster)
+        assert r.choices[0].text == ref
+        n = len(ids) * kv_bytes_per_token(str(qwen3.path))
+        assert moved_since(t0, transfer_counters(cluster)) == {
+            "sent:after_prefill": n,
+            "received:after_prefill": n,
+        }
+        assert metric(cluster, "prefill-0", "strata_tp_kv_bytes_total", op="gather") >= n
+        assert metric(cluster, "decode-0", "strata_tp_kv_bytes_total", op="scatter") == n
+    finally:
+        cluster.stop()
