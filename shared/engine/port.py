@@ -75,6 +75,15 @@ class EnginePort:
         port.warm_up_s_per_token = spt
         return port
 
+    @staticmethod
+    def follow(loaded_model) -> int:
+        """A tensor-parallel rank > 0 (its model sharded by `shard_model`): build the runner
+        rank 0's engine announces and run rank 0's batches and KV operations until it releases
+        the rank; returns how many batches ran."""
+        from shared.engine.model_runner import ModelRunner
+
+        return ModelRunner.follower(loaded_model.model).follow()
+
     # ----- requests --------------------------------------------------------------------------
     async def generate(
         self,

@@ -144,7 +144,7 @@ def _exit_with_parent(parent: int) -> None:
 
 def follower_main(cfg, role: str, rank: int, port: int, parent: int) -> None:
     """Rank ``rank`` (> 0): load, shard, follow rank 0 until it sends ``None``."""
-    from shared.engine.model_runner import ModelRunner
+    from shared.engine.port import EnginePort
     from shared.logs import setup_logging
     from shared.model.loader import load_model
     from shared.model.parallel import shard_model
@@ -164,9 +164,8 @@ def follower_main(cfg, role: str, rank: int, port: int, parent: int) -> None:
     dtype = getattr(torch, cfg.dtype) if cfg.dtype else None
     loaded = load_model(cfg.model, dtype=dtype, device=device)
     shard_model(loaded.model, tp)
-    runner = ModelRunner.follower(loaded.model)
     try:
-        n = runner.follow()
+        n = EnginePort.follow(loaded)
     except RuntimeError as exc:  # rank 0 is gone (killed): its watch or ours says so
         log.error("tensor parallel rank %d: rank 0 is gone (%s); exiting", rank, exc)
         logging.shutdown()

@@ -6,7 +6,9 @@ with a random Qwen3 (6 heads / 2 KV heads), real processes and gloo:
 * a killed follower rank stops its instance with one line naming the rank; the restart
   supervisor brings it back, and the fresh instance loads the prompt's blocks back from the
   pool, scattered by KV head over its two ranks, and answers the same;
-* ``--tp 3`` (2 KV heads) and ``--tp 0`` fail at start-up with one line and leave nothing behind.
+* ``--tp 3`` (2 KV heads), ``--tp 0`` and more ranks than GPUs fail at start-up with one line,
+  before any rank starts;
+* the disaggregated shape pushes whole blocks from a --tp 2 prefill to a --tp 2 decode.
 """
 
 from __future__ import annotations
@@ -134,12 +136,19 @@ def test_tp2_colocated_cluster_serves_pools_and_restarts_after_a_rank_kill(qwen3
         cluster.stop()
 
 
-@pytest.mark.parametrize("tp", ["3", "0"])
-def test_bad_tp_fails_with_one_line(qwen3, tp):
+@pytest.mark.parametrize(
+    "args,want",
+    [
+        (["--tp", "3"], "num_kv_heads (2)"),
+        (["--tp", "0"], "STRATA_TP (--tp)"),
+        (["--tp", "2", "--device", "cuda:64"], "needs CUDA devices up to cuda:65"),
+    ],
+)
+def test_bad_tp_fails_with_one_line(qwen3, args, want):
     env = dict(os.environ, STRATA_NATS_URL="nats://127.0.0.1:9")  # never reached
     p = subprocess.run(
         [sys.executable, "-m", "services.cli", "serve", "decode", "--model", str(qwen3.path)]
-        + ["--tp", tp],
+        + args,
         cwd=repo_root(),
         env=env,
         capture_output=True,
@@ -149,7 +158,6 @@ def test_bad_tp_fails_with_one_line(qwen3, tp):
     assert p.returncode == 1
     lines = (p.stdout + p.stderr).strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("STRATA_FATAL decode:"), lines
-    want = "num_kv_heads (2)" if tp == "3" else "STRATA_TP (--tp)"
     assert want in lines[0]
 
 
