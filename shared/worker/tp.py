@@ -84,7 +84,9 @@ class TPRanks:
         ]
         for p in self.procs:
             p.start()
-        atexit.register(self._quiet)  # before multiprocessing terminates its daemon children
+        # runs before multiprocessing's own exit handler, which would wait for the followers
+        # (they ignore SIGTERM): on any exit of rank 0 they go too
+        atexit.register(self._at_exit)
         threading.Thread(target=self._watch, name="strata-tp-watch", daemon=True).start()
         _init_group(cfg.device, 0, self.world, port)
         self.group = TPGroup(0, self.world)
@@ -92,8 +94,11 @@ class TPRanks:
             "tensor parallel: %d ranks (followers %s)", self.world, [p.pid for p in self.procs]
         )
 
-    def _quiet(self) -> None:
+    def _at_exit(self) -> None:
         self._stopping = True
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
 
     def _watch(self) -> None:
         by_sentinel = {p.sentinel: (r, p) for r, p in enumerate(self.procs, start=1)}
