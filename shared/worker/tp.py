@@ -71,6 +71,8 @@ class TPRanks:
     def __init__(self, cfg, role: str):
         self.world = cfg.tp
         self._stopping = False
+        if cfg.device.startswith("cuda"):  # NCCL's object broadcasts use the current device
+            torch.cuda.set_device(rank_device(cfg.device, 0))
         port = _free_port()
         ctx = mp.get_context("spawn")  # a fresh interpreter: no copy of this one's threads
         self.procs = [

@@ -63,11 +63,18 @@ def _rank(rank, port, path, out):
         dist.destroy_process_group()
 
 
-def test_two_rank_engine_matches_one_rank(tmp_path_factory, tmp_path):
+@pytest.mark.parametrize("kind", ["qwen3", "default"])
+def test_two_rank_engine_matches_one_rank(tmp_path_factory, tmp_path, kind):
+    """``default``: the built-in LLaVA-style model (4 heads / 2 KV heads): its language model
+    is sharded, its vision tower kept whole."""
+    from services.cluster_config import ensure_model
     from tests.model.test_text_models import _build
 
-    path = tmp_path_factory.mktemp("qwen3")
-    _build("qwen3", path)
+    if kind == "default":
+        path = ensure_model("")
+    else:
+        path = tmp_path_factory.mktemp(kind)
+        _build(kind, path)
     ref = _generate(LLMEngine(load_model(path, dtype=torch.float32), CFG))
     mp.spawn(_rank, args=(_free_port(), str(path), str(tmp_path)), nprocs=2, join=True)
     r0, r1 = (torch.load(tmp_path / f"{r}.pt") for r in (0, 1))
