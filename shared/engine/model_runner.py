@@ -215,7 +215,8 @@ class ModelRunner(RawKV):
         if tp is None or tp.rank != 0:
             return self._forward(batch, layer_callback, prompt=True)
         with tp.lock:
-            tp.broadcast(batch)
+            # on the host: a CUDA tensor would be unpickled onto rank 0's GPU on every rank
+            tp.broadcast(tp_kv.on_device(batch, torch.device("cpu")))
             tp_kv.forward_scope(True)
             try:
                 return self._forward(batch, layer_callback, prompt=True)
