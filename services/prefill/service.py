@@ -42,10 +42,7 @@ class PrefillService(RequestTasks):
         self.background: set[asyncio.Task] = set()
         self.pool = rt.pool_link()
         self.tap: LayerTap | None = None
-        if rt.cfg.layerwise_transfer and rt.cfg.tp > 1:
-            # the layer reads would run inside the forward, between its collectives
-            log.info("layer-wise KV push is off under --tp: KV is pushed after the prefill")
-        elif rt.cfg.layerwise_transfer:
+        if rt.cfg.layerwise_transfer:
             self.tap = LayerTap(asyncio.get_event_loop(), rt.port.kv_spec.num_layers)
             rt.port.set_connector(self.tap)
 

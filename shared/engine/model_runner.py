@@ -37,6 +37,8 @@ class PreparedBatch:
     prompt_top: int = 0  # the largest top-n among those sequences
     # per prompt_rows entry, after execute: (logprobs [count, 1 + top], ids, ranks [count])
     prompt_out: list | None = None
+    # tensor parallel: rank 0 runs a layer callback whose KV reads every rank joins (tp_kv)
+    layer_sync: bool = False
 
 
 _PROMPT_SLICE = 256  # prompt rows per logits matrix when prompt logprobs are computed
@@ -216,7 +218,11 @@ class ModelRunner(RawKV):
             return self._forward(batch, layer_callback, prompt=True)
         with tp.lock:
             # on the host: a CUDA tensor would be unpickled onto rank 0's GPU on every rank
-            tp.broadcast(tp_kv.on_device(batch, torch.device("cpu")))
+            sent = tp_kv.on_device(batch, torch.device("cpu"))
+            sent.layer_sync = layer_callback is not None
+            tp.broadcast(sent)
+            if layer_callback is not None:  # its KV reads (layer-wise push) run on every rank
+                layer_callback = tp_kv.layer_sync(tp, layer_callback)
             tp_kv.forward_scope(True)
             try:
                 return self._forward(batch, layer_callback, prompt=True)
@@ -231,7 +237,8 @@ class ModelRunner(RawKV):
             if isinstance(msg, tp_kv.KVOp):
                 tp_kv.follow(self, tp, msg)
                 continue
-            self._forward(tp_kv.on_device(msg, self.device))
+            sync = (lambda _: tp_kv.follow_layer(self, tp)) if msg.layer_sync else None
+            self._forward(tp_kv.on_device(msg, self.device), sync)
             n += 1
         return n
 

@@ -1,4 +1,4 @@
-"""Whole KV blocks outside the forward under tensor parallelism.
+"""Whole KV blocks in and out of the paged cache under tensor parallelism.
 
 Each rank's paged cache holds its own KV heads (`shared.model.parallel.shard_model`), but
 everything that moves KV outside the forward -- swap, evicted and computed blocks for the pool,
@@ -6,7 +6,9 @@ pool loads, reads for a push to a decode instance, pushed KV received -- works o
 (all KV heads). On rank 0 `ModelRunner`'s raw KV methods broadcast a `KVOp` on the channel the
 followers already listen on (`ModelRunner.follow`); every rank runs it on its heads, and reads
 are gathered to rank 0, writes scattered from rank 0, along the KV-head axis (the second to last
-of every KV layout). The same code runs on gloo and NCCL.
+of every KV layout). The layer-wise push reads KV inside the forward, after each layer: rank 0
+runs such a batch with ``layer_sync`` and the followers take its KV ops after the same layer
+(`layer_sync`, `follow_layer`). The same code runs on gloo and NCCL.
 """
 
 from __future__ import annotations
@@ -40,23 +42,50 @@ class KVOp:
     part_shape: tuple[int, ...] | None = None  # a write: the shape of each rank's slice
 
 
+LAYER_DONE = "layer-done"
+"""Rank 0's broadcast after its layer callback: the followers go on to the next layer."""
+
+
 def forward_scope(on: bool) -> None:
     """Mark this thread as inside a TP forward (a KV op there would interleave collectives)."""
     _in_forward.on = on
 
 
+def layer_sync(tp, callback):
+    """Rank 0's layer callback under TP (the batch was sent with ``layer_sync``): the KV reads
+    ``callback`` makes run on every rank, which wait in `follow_layer` after the same layer."""
+
+    def each(layer: int) -> None:
+        _in_forward.layer = True
+        try:
+            callback(layer)
+        finally:
+            _in_forward.layer = False
+            tp.broadcast(LAYER_DONE)
+
+    return each
+
+
+def follow_layer(runner, tp) -> None:
+    """A rank > 0 after each layer of a ``layer_sync`` batch: rank 0's KV ops until it is done."""
+    while (op := tp.broadcast(None)) != LAYER_DONE:
+        _on_rank(runner, tp, op, None)
+
+
 def run(runner, tp, name: str, args: tuple, data: torch.Tensor | None = None):
     """Rank 0: run ``name`` on every rank. A read returns the gathered whole-head tensor; a write
     scatters ``data`` (whole heads) so each rank stores its own."""
-    if getattr(_in_forward, "on", False):
-        raise RuntimeError(
-            f"KV {name} inside a tensor-parallel forward (layer-wise KV reads are off under TP)"
-        )
+    in_layer = getattr(_in_forward, "layer", False)  # rank 0 holds the lock for the forward
+    if getattr(_in_forward, "on", False) and not in_layer:
+        raise RuntimeError(f"KV {name} inside a tensor-parallel forward, outside a layer callback")
     parts = None
     if data is not None:
         data = data.to(runner.device, runner.kv.k.dtype)
         parts = [p.contiguous() for p in data.chunk(tp.world_size, dim=-2)]
     op = KVOp(name, args, None if parts is None else tuple(parts[0].shape))
+    if in_layer:
+        tp.broadcast(op)
+        return _on_rank(runner, tp, op, parts)
     with tp.lock:
         tp.broadcast(op)
         return _on_rank(runner, tp, op, parts)

@@ -8,7 +8,8 @@ with a random Qwen3 (6 heads / 2 KV heads), real processes and gloo:
   pool, scattered by KV head over its two ranks, and answers the same;
 * ``--tp 3`` (2 KV heads), ``--tp 0`` and more ranks than GPUs fail at start-up with one line,
   before any rank starts;
-* the disaggregated shape pushes whole blocks from a --tp 2 prefill to a --tp 2 decode.
+* the disaggregated shape pushes whole-head KV layer by layer from a --tp 2 prefill to a
+  --tp 2 decode.
 """
 
 from __future__ import annotations
@@ -162,9 +163,9 @@ def test_bad_tp_fails_with_one_line(qwen3, args, want):
 
 
 def test_tp2_prefill_pushes_whole_blocks_to_tp2_decode(qwen3, tmp_path):
-    """The disaggregated shape at --tp 2: prefill reads its KV out (gathered from both ranks)
-    and pushes it after the prefill (layer-wise push is off under TP); decode writes it in
-    (scattered by KV head) and decodes the same tokens as transformers."""
+    """The disaggregated shape at --tp 2: prefill reads each layer's KV out while computing
+    (gathered from both ranks inside the forward) and pushes it layer by layer; decode writes
+    it in (scattered by KV head) and decodes the same tokens as transformers."""
     ids = qwen3.tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
     ref = qwen3.tokenizer.decode(greedy(qwen3, ids, N)[0], skip_special_tokens=True)
     cluster = start_cluster(str(qwen3.path), prefill=1, kvstore=0, tp=2)
@@ -174,8 +175,8 @@ def test_tp2_prefill_pushes_whole_blocks_to_tp2_decode(qwen3, tmp_path):
         assert r.choices[0].text == ref
         n = len(ids) * kv_bytes_per_token(str(qwen3.path))
         assert moved_since(t0, transfer_counters(cluster)) == {
-            "sent:after_prefill": n,
-            "received:after_prefill": n,
+            "sent:layerwise": n,
+            "received:layerwise": n,
         }
         assert metric(cluster, "prefill-0", "strata_tp_kv_bytes_total", op="gather") >= n
         assert metric(cluster, "decode-0", "strata_tp_kv_bytes_total", op="scatter") == n
