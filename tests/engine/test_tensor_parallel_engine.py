@@ -146,3 +146,48 @@ def test_two_rank_kv_plane_moves_whole_blocks(tmp_path_factory, tmp_path):
     # rank 1 holds the second KV head of every layer's K of those blocks, and only that
     assert torch.equal(r1["k"], r0["data"][:, 0, :, :, 1:2])
     assert r0["counts"]["gather"] > 0 and r0["counts"]["scatter"] > 0
+
+
+SWAP_PROMPTS = [[(7 * i + j) % 97 + 1 for j in range(10 + i)] for i in range(3)]
+SWAP_SP = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def _swap_engine(loaded) -> LLMEngine:
+    """12 blocks of 4 tokens: three sequences of ~20 tokens cannot all fit, one is swapped."""
+    bpb = ModelRunner.bytes_per_block(loaded.model, 4, torch.float32)  # this rank's heads
+    return LLMEngine(loaded, replace(CFG, kv_cache_bytes=12 * bpb, preemption_mode="swap"))
+
+
+def _swap_rank(rank, port, path, out):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        tp = TPGroup(rank, 2)
+        loaded = load_model(path, dtype=torch.float32)
+        shard_model(loaded.model, tp)
+        if rank == 0:
+            engine = _swap_engine(loaded)
+            got = engine.generate(SWAP_PROMPTS, SWAP_SP)
+            tp.broadcast(None)
+            engine.close()
+            torch.save(dict(got=got, preemptions=engine.stats().preemptions), f"{out}/0.pt")
+        else:
+            ModelRunner.follower(loaded.model).follow()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_rank_swap_preemption_keeps_greedy(tmp_path_factory, tmp_path):
+    """Swapped-out blocks leave gathered (both ranks' heads) and come back scattered."""
+    from tests.model.test_text_models import _build
+
+    path = tmp_path_factory.mktemp("qwen3swap")
+    _build("qwen3", path)
+    one = _swap_engine(load_model(path, dtype=torch.float32))
+    ref = one.generate(SWAP_PROMPTS, SWAP_SP)
+    assert one.stats().preemptions > 0
+    mp.spawn(_swap_rank, args=(_free_port(), str(path), str(tmp_path)), nprocs=2, join=True)
+    r0 = torch.load(tmp_path / "0.pt")
+    assert r0["preemptions"] > 0
+    assert r0["got"] == ref
