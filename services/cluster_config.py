@@ -62,6 +62,14 @@ class ClusterConfig(BaseModel):
         description="torch threads per prefill/decode process (unset = its share of the "
         "cores, from the shape)",
     )
+    tp: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Tensor-parallel ranks per prefill/decode instance (each instance's process "
+        "is rank 0 and starts the others; its torch threads are split among them; on CUDA one "
+        "GPU per rank)",
+    )
     device: str = Field("cpu", description="torch device of model processes: cpu or cuda[:N]")
     dtype: Literal["", "float32", "bfloat16", "float16"] = Field(
         "",

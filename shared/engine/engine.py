@@ -59,6 +59,7 @@ class LLMEngine:
                 f"({per_block} B each)"
             )
         self.runner = ModelRunner(model, num_blocks, config.block_size, kv_dtype)
+        self.runner.announce(config.quantization)  # tensor parallel: the followers' runners
         self.salt = model_salt(loaded_model.fingerprint, dtype_name(kv_dtype), config.block_size)
         self.eos_token_ids = list(loaded_model.config.eos_token_ids or [])
         self.bm = BlockManager(

@@ -120,9 +120,7 @@ class EngineKV:
         if start >= end:
             return 0
         slots = self.runner.slots_for(r.block_table, start, end)
-        skip = start - token_start
-        for i, layer in enumerate(layers):
-            self.runner.write_tokens(slots, layer, kv[i, 0, skip:], kv[i, 1, skip:])
+        self.runner.write_token_layers(slots, layers, kv[:, :, start - token_start :])
         return end - start
 
     def take(self, request_id: str) -> Reservation:

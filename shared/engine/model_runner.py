@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 import torch
 
+from shared.engine import tp_kv
+from shared.engine.kv_access import RawKV
 from shared.engine.scheduler import SchedulerOutput
 from shared.model.api import AttentionMetadata, KVCache, LayerCallback
 
@@ -36,13 +37,15 @@ class PreparedBatch:
     prompt_top: int = 0  # the largest top-n among those sequences
     # per prompt_rows entry, after execute: (logprobs [count, 1 + top], ids, ranks [count])
     prompt_out: list | None = None
+    # tensor parallel: rank 0 runs a layer callback whose KV reads every rank joins (tp_kv)
+    layer_sync: bool = False
 
 
 _PROMPT_SLICE = 256  # prompt rows per logits matrix when prompt logprobs are computed
 _PY_SLOTS = 64  # new tokens of a sequence up to which positions and slots are worked out in Python
 
 
-class ModelRunner:
+class ModelRunner(RawKV):
     """Holds the model and the KV cache; everything here is torch."""
 
     def __init__(self, model, num_blocks: int, block_size: int, kv_dtype: torch.dtype):
@@ -58,6 +61,23 @@ class ModelRunner:
             kv_dtype,
             self.device,
         )
+
+    @classmethod
+    def follower(cls, model) -> ModelRunner:
+        """A rank > 0's runner, sized by rank 0's engine (`announce`); then run `follow`."""
+        num_blocks, block_size, kv_dtype, quantization = model.tp.broadcast(None)
+        if quantization == "int8":
+            from shared.engine.quant import quantize_model_
+
+            quantize_model_(model)
+        return cls(model, num_blocks, block_size, kv_dtype)
+
+    def announce(self, quantization: str | None) -> None:
+        """Rank 0 of a tensor-parallel model: tell the followers how to build their runners."""
+        tp = getattr(self.model, "tp", None)
+        if tp is not None and tp.rank == 0 and tp.world_size > 1:
+            with tp.lock:
+                tp.broadcast((self.kv.k.shape[1], self.block_size, self.kv.k.dtype, quantization))
 
     @staticmethod
     def bytes_per_block(model, block_size: int, kv_dtype: torch.dtype) -> int:
@@ -194,16 +214,31 @@ class ModelRunner:
         Under tensor parallelism (a model cut by `shared.model.parallel.shard_model`) rank 0
         first hands the batch to the other ranks, which run it in `follow`."""
         tp = getattr(self.model, "tp", None)
-        if tp is not None and tp.rank == 0:
-            tp.broadcast(batch)
-        return self._forward(batch, layer_callback, prompt=True)
+        if tp is None or tp.rank != 0:
+            return self._forward(batch, layer_callback, prompt=True)
+        with tp.lock:
+            # on the host: a CUDA tensor would be unpickled onto rank 0's GPU on every rank
+            sent = tp_kv.on_device(batch, torch.device("cpu"))
+            sent.layer_sync = layer_callback is not None
+            tp.broadcast(sent)
+            if layer_callback is not None:  # its KV reads (layer-wise push) run on every rank
+                layer_callback = tp_kv.layer_sync(tp, layer_callback)
+            tp_kv.forward_scope(True)
+            try:
+                return self._forward(batch, layer_callback, prompt=True)
+            finally:
+                tp_kv.forward_scope(False)
 
     def follow(self) -> int:
-        """A rank > 0's loop: run each batch rank 0 broadcasts until it sends ``None``; returns
-        how many batches ran."""
+        """A rank > 0's loop: run each batch (or KV operation, `shared.engine.tp_kv`) rank 0
+        broadcasts until it sends ``None``; returns how many batches ran."""
         tp, n = self.model.tp, 0
-        while (batch := tp.broadcast(None)) is not None:
-            self._forward(batch)
+        while (msg := tp.broadcast(None)) is not None:
+            if isinstance(msg, tp_kv.KVOp):
+                tp_kv.follow(self, tp, msg)
+                continue
+            sync = (lambda _: tp_kv.follow_layer(self, tp)) if msg.layer_sync else None
+            self._forward(tp_kv.on_device(msg, self.device), sync)
             n += 1
         return n
 
@@ -248,45 +283,6 @@ class ModelRunner:
             out.append((lp[at : at + count], tid[at : at + count], rk[at : at + count]))
             at += count
         return out
-
-    # ----- raw KV access (swap, eviction, disaggregation) ----------------------------------
-    def read_blocks(self, block_ids: Seq[int], layers: range | None = None) -> torch.Tensor:
-        """``[L', 2, n, block_size, kvh, hd]`` copy of the given blocks."""
-        idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
-        lay = slice(None) if layers is None else slice(layers.start, layers.stop)
-        return torch.stack([self.kv.k[lay, idx], self.kv.v[lay, idx]], dim=1)
-
-    def read_tokens(
-        self, block_table: Seq[int], layers: range, start: int, end: int
-    ) -> torch.Tensor:
-        """``[len(layers), 2, end - start, kvh, hd]`` copy of token positions of one sequence."""
-        L, nb, bs, h, d = self.kv.k.shape
-        slots = self.slots_for(block_table, start, end).to(self.device)
-        lay = slice(layers.start, layers.stop)
-        k = self.kv.k.view(L, nb * bs, h, d)[lay][:, slots]
-        v = self.kv.v.view(L, nb * bs, h, d)[lay][:, slots]
-        return torch.stack([k, v], dim=1)
-
-    def write_blocks(self, block_ids: Seq[int], data: torch.Tensor) -> None:
-        """Inverse of :meth:`read_blocks` over all layers."""
-        idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
-        data = data.to(self.device, self.kv.k.dtype)
-        self.kv.k[:, idx] = data[:, 0]
-        self.kv.v[:, idx] = data[:, 1]
-
-    def slots_for(self, block_table: Seq[int], start: int, end: int) -> torch.Tensor:
-        p = torch.arange(start, end)
-        table = torch.tensor(list(block_table), dtype=torch.long)
-        return table[p // self.block_size] * self.block_size + p % self.block_size
-
-    def write_tokens(
-        self, slots: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor
-    ) -> None:
-        """Write per-token K/V ``[n, kvh, hd]`` of one layer into ``slots``."""
-        L, nb, bs, h, d = self.kv.k.shape
-        slots = slots.to(self.device)
-        self.kv.k.view(L, nb * bs, h, d)[layer, slots] = k.to(self.device, self.kv.k.dtype)
-        self.kv.v.view(L, nb * bs, h, d)[layer, slots] = v.to(self.device, self.kv.v.dtype)
 
 
 def _block_tables(out: SchedulerOutput) -> torch.Tensor:

@@ -45,7 +45,9 @@ class EnginePort:
         self._stop = threading.Event()
         self._wake = threading.Event()
         k = engine.runner.kv.k  # [layers, blocks, block_size, kv_heads, head_dim]
-        self.kv_spec = KVSpec(k.shape[0], k.shape[3], k.shape[4], k.shape[2], k.dtype)
+        # whole blocks: every rank's KV heads under tensor parallelism (`RawKV`)
+        heads = engine.runner.kv_heads
+        self.kv_spec = KVSpec(k.shape[0], heads, k.shape[4], k.shape[2], k.dtype)
         self.warm_up_s_per_token = 0.0
         self._thread = threading.Thread(target=self._run, name="strata-engine", daemon=True)
         self._thread.start()
@@ -72,6 +74,15 @@ class EnginePort:
         port = cls(engine)
         port.warm_up_s_per_token = spt
         return port
+
+    @staticmethod
+    def follow(loaded_model) -> int:
+        """A tensor-parallel rank > 0 (its model sharded by `shard_model`): build the runner
+        rank 0's engine announces and run rank 0's batches and KV operations until it releases
+        the rank; returns how many batches ran."""
+        from shared.engine.model_runner import ModelRunner
+
+        return ModelRunner.follower(loaded_model.model).follow()
 
     # ----- requests --------------------------------------------------------------------------
     async def generate(

@@ -8,17 +8,19 @@ The same code runs on gloo (CPU) and NCCL (CUDA): only the process group differs
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 from torch import nn
 from torch.nn import functional as F
 
 from shared.model.errors import CheckpointError
 
 ALLREDUCE_BYTES = Counter("strata_tp_allreduce_bytes_total", "Bytes all-reduced by this TP rank")
+WORLD_SIZE = Gauge("strata_tp_world_size", "Tensor-parallel ranks of this model instance")
 
 
 @dataclass
@@ -29,6 +31,10 @@ class TPGroup:
     world_size: int
     group: dist.ProcessGroup | None = None  # None: the default group
     allreduce_bytes: int = field(default=0)
+    # Rank 0 holds it over each broadcast and the collectives that follow it (a forward, or a
+    # KV gather/scatter, `shared.engine.tp_kv`): the followers run them in broadcast order, so
+    # two threads of rank 0 must not interleave theirs.
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks in place; returns it."""
@@ -82,19 +88,32 @@ def check_divisible(num_heads: int, num_kv_heads: int, world_size: int) -> None:
         )
 
 
-def shard_model(model: nn.Module, tp: TPGroup) -> nn.Module:
-    """Cut a loaded Llama-family model down to rank ``tp.rank``'s shard, in place."""
-    c = model.config
+def check_shardable(c, world_size: int) -> None:
+    """A `ModelConfig` that `shard_model` can cut into ``world_size`` shards, else one clear
+    `CheckpointError` (checked before any rank starts)."""
+    if world_size < 1:
+        raise CheckpointError(f"tensor parallel size must be at least 1, not {world_size}")
+    if world_size == 1:
+        return
     if c.moe_layers:
         raise CheckpointError("tensor parallelism does not shard MoE experts yet")
-    n, r = tp.world_size, tp.rank
-    check_divisible(c.num_heads, c.num_kv_heads, n)
-    if c.intermediate_size % n:
+    check_divisible(c.num_heads, c.num_kv_heads, world_size)
+    if c.intermediate_size % world_size:
         raise CheckpointError(
-            f"tensor parallel size {n} must divide intermediate_size ({c.intermediate_size})"
+            f"tensor parallel size {world_size} must divide intermediate_size "
+            f"({c.intermediate_size})"
         )
+
+
+def shard_model(model: nn.Module, tp: TPGroup) -> nn.Module:
+    """Cut a loaded Llama-family model (or a LLaVA's language model: the vision tower stays
+    whole) down to rank ``tp.rank``'s shard, in place."""
+    c = model.config
+    n, r = tp.world_size, tp.rank
+    check_shardable(c, n)
     nh, nkv, d, ff = c.num_heads // n, c.num_kv_heads // n, c.head_dim, c.intermediate_size // n
-    for layer in model.model.layers:
+    lm = getattr(model, "language_model", model)
+    for layer in lm.model.layers:
         a, m = layer.self_attn, layer.mlp
         _rows(a.q_proj, r * nh * d, (r + 1) * nh * d)
         _rows(a.k_proj, r * nkv * d, (r + 1) * nkv * d)
@@ -107,6 +126,7 @@ def shard_model(model: nn.Module, tp: TPGroup) -> nn.Module:
         m._gate_up = None
         # layer.c has no collective between attention and MLP: the layer runs op by op
         layer.native_reason = "tensor parallel (an all-reduce after o_proj and down_proj)"
-    model.num_kv_heads = nkv
-    model.tp = tp
+    for m in {id(model): model, id(lm): lm}.values():
+        m.num_kv_heads = nkv
+        m.tp = tp
     return model

@@ -26,3 +26,5 @@ class LoadReport(Msg):
     # itself travels on a connection of its own, so a reconnecting instance still reports; the
     # scheduler keeps it a member but does not route to it. Default True: older senders parse.
     connected: bool = True
+    # Tensor-parallel ranks serving this instance (`--tp`); one instance, one report either way.
+    tp_size: int = 1

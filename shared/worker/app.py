@@ -55,7 +55,7 @@ class Worker:
         for t in list(self.svc.tasks.values()):
             t.cancel()
         await self.server.stop(1.0)
-        self.rt.port.shutdown()
+        self.rt.close()
 
 
 async def start_worker(
@@ -109,12 +109,33 @@ async def start_worker(
     return Worker(rt, svc, nc, server, addr, [chores], hb)
 
 
+def check_tp(cfg: WorkerConfig) -> None:
+    """``--tp N`` this checkpoint and device can run, else one clear start-up error."""
+    from shared.model.config import load_config
+    from shared.model.parallel import check_shardable
+
+    check_shardable(load_config(cfg.model), cfg.tp)
+    if cfg.device.startswith("cuda"):
+        import torch
+
+        from shared.worker.tp import rank_device
+
+        last = int(rank_device(cfg.device, cfg.tp - 1).split(":")[1])
+        if last >= torch.cuda.device_count():
+            raise StartupError(
+                f"--tp {cfg.tp} on {cfg.device} needs CUDA devices up to cuda:{last}; "
+                f"{torch.cuda.device_count()} visible"
+            )
+
+
 def run_worker(role: str, argv: list[str], make_service) -> None:
     """`strata serve <role>` for a model instance whose logic is ``make_service``."""
     cfg = WorkerConfig.load(argv, role=role)
     if not cfg.model:
         raise StartupError("no model: pass --model DIR (STRATA_MODEL), a checkpoint directory")
     validate_checkpoint(cfg.model)  # a bad checkpoint fails here, before NATS or torch work
+    if cfg.tp > 1:  # heads that do not split: refused before any rank starts
+        check_tp(cfg)
     setup_logging(role, cfg.instance_id, cfg.log_level)
     metrics.serve_metrics(cfg.metrics_port, cfg.metrics_bind)
 

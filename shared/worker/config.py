@@ -135,6 +135,14 @@ class WorkerConfig(EngineSettings):  # type: ignore[misc, valid-type]
         description="Model processes sharing this machine's memory (the auto KV budget is "
         "divided by it); strata up sets it",
     )
+    tp: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Tensor-parallel ranks of this instance: this process is rank 0 and starts "
+        "N-1 rank processes (gloo on CPU, NCCL on CUDA, one GPU each); each keeps 1/N of the "
+        "attention heads, MLP and KV heads and gets 1/N of torch_threads",
+    )
     frame_merge_bytes: int = Field(
         256 << 10, ge=0, description="Merge layer frames below this size into one (direct mode)"
     )

@@ -5,6 +5,7 @@ event loop, serve KVTransfer over gRPC, heartbeat load reports, publish KV event
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -28,6 +29,7 @@ from shared.worker.heartbeat import Heartbeat
 from shared.worker.kv_budget import kv_budget_for
 from shared.worker.metrics import EngineMetrics
 from shared.worker.pool_link import PoolLink
+from shared.worker.tp import TPRanks
 
 log = logging.getLogger(__name__)
 
@@ -75,22 +77,37 @@ class ModelRuntime:
     _longest_forward: float = 0.0
     decode_rate: RateMeter = field(default_factory=lambda: RateMeter(5.0))
     _pool: PoolLink | None = None
+    tp: TPRanks | None = None  # rank 0's tensor-parallel group (``--tp N`` > 1)
 
     def load(self) -> None:
         from shared.model.loader import load_model
+        from shared.model.parallel import WORLD_SIZE
         from shared.model.tokenizer import Tokenizer
+        from shared.worker.tp import rank_threads
 
-        torch.set_num_threads(self.cfg.torch_threads)
+        WORLD_SIZE.set(self.cfg.tp)
+        if self.cfg.tp > 1:  # the followers start loading while this rank does
+            self.tp = TPRanks(self.cfg, self.role)
+        torch.set_num_threads(rank_threads(self.cfg.torch_threads, self.cfg.tp))
         dtype = getattr(torch, self.cfg.dtype) if self.cfg.dtype else None
         t0 = time.perf_counter()
         self.loaded = load_model(self.cfg.model, dtype=dtype, device=self.cfg.device)
         warn_emulated_half(self.loaded.model.dtype, self.cfg.device)
         self.tokenizer = Tokenizer.from_dir(self.cfg.model)
+        engine_cfg = self._engine_config()  # the whole model's: the instance's KV budget
+        if self.tp is not None:
+            from shared.model.parallel import shard_model
+
+            shard_model(self.loaded.model, self.tp.group)
+            # each rank holds 1/N of every block: N ranks, the budget's blocks in all
+            engine_cfg = dataclasses.replace(
+                engine_cfg, kv_cache_bytes=engine_cfg.kv_cache_bytes // self.cfg.tp
+            )
         # One prefill before serving: first-call overheads are paid there, and its measured
         # seconds per token seed the load-vs-recompute cost model.
         self.port = EnginePort.open(
             self.loaded,
-            self._engine_config(),
+            engine_cfg,
             self.tokenizer,
             warm_up_tokens=128,
         )
@@ -103,6 +120,13 @@ class ModelRuntime:
             self.loaded.fingerprint[:12],
             time.perf_counter() - t0,
         )
+
+    def close(self) -> None:
+        """Stop the engine, then release the tensor-parallel ranks (if any)."""
+        if self.port is not None:
+            self.port.shutdown()
+        if self.tp is not None:
+            self.tp.stop()
 
     def _engine_config(self):
         """The engine settings, with the KV budget resolved (auto when 0) and logged."""
@@ -154,6 +178,7 @@ class ModelRuntime:
             max_model_len=self.loaded.config.max_model_len,
             block_size=self.cfg.block_size,
             connected=connected,
+            tp_size=self.cfg.tp,
         )
 
     def observe_stats(self) -> None:

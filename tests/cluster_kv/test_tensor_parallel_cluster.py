@@ -1,0 +1,184 @@
+"""`strata up --tp 2` on the default colocated shape (decode prefills itself, kvstore + MinIO on)
+with a random Qwen3 (6 heads / 2 KV heads), real processes and gloo:
+
+* greedy completions equal transformers', and decode's metrics show the sharded path ran
+  (all-reduced bytes, world size 2, KV heads gathered for the pool write-through);
+* a killed follower rank stops its instance with one line naming the rank; the restart
+  supervisor brings it back, and the fresh instance loads the prompt's blocks back from the
+  pool, scattered by KV head over its two ranks, and answers the same;
+* ``--tp 3`` (2 KV heads), ``--tp 0`` and more ranks than GPUs fail at start-up with one line,
+  before any rank starts;
+* the disaggregated shape pushes whole-head KV layer by layer from a --tp 2 prefill to a
+  --tp 2 decode.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import openai
+import pytest
+
+from services.infra.procs import repo_root
+from tests.acceptance.checkpoints import build_text, greedy
+from tests.cluster_kv.conftest import (
+    SHARED_PREFIX,
+    kv_bytes_per_token,
+    metric,
+    moved_since,
+    start_cluster,
+    transfer_counters,
+    wait_until,
+)
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+N = 8
+PROMPT = SHARED_PREFIX + "Which tier survives a restart?"
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    return build_text("qwen3", tmp_path_factory.mktemp("tp") / "checkpoint")
+
+
+def _complete(cluster, retry_s: float = 0.0):
+    client = openai.OpenAI(base_url=cluster.gateway_url + "/v1", api_key="x", max_retries=0)
+    deadline = time.monotonic() + retry_s
+    while True:
+        try:
+            model = client.models.list().data[0].id
+            return client.completions.create(
+                model=model,
+                prompt=PROMPT,
+                max_tokens=N,
+                temperature=0.0,
+                extra_body={"ignore_eos": True},
+            )
+        except openai.APIError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1.0)
+
+
+def _ranks(pid: int) -> list[int]:
+    """The rank processes ``pid`` spawned (not multiprocessing's resource tracker)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    cmd = f.read()
+            except (OSError, ValueError, IndexError):
+                continue
+            if ppid == pid and b"spawn_main" in cmd:
+                out.append(int(d))
+    return out
+
+
+def test_tp2_colocated_cluster_serves_pools_and_restarts_after_a_rank_kill(qwen3, tmp_path):
+    ids = qwen3.tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    ref = qwen3.tokenizer.decode(greedy(qwen3, ids, N)[0], skip_special_tokens=True)
+    blocks = (len(ids) - 1) // 16
+    assert blocks >= 2
+    cluster = start_cluster(
+        str(qwen3.path),
+        data_dir=str(tmp_path / "cluster"),
+        prefill=0,
+        tp=2,
+        restart=True,
+        # pool loads forced on: the tiny model may recompute faster than it loads
+        env={"STRATA_KV_POOL_LOAD": "always"},
+    )
+    try:
+        first = _complete(cluster)
+        assert first.choices[0].text == ref
+        assert metric(cluster, "decode-0", "strata_tp_world_size") == 2
+        assert metric(cluster, "decode-0", "strata_tp_allreduce_bytes_total") > 0
+        wait_until(
+            lambda: (
+                metric(
+                    cluster, "decode-0", "strata_prefix_pool_stored_blocks_total", source="computed"
+                )
+                >= blocks
+            ),
+            30,
+            "decode's write-through to the pool",
+        )
+        assert metric(cluster, "decode-0", "strata_tp_kv_bytes_total", op="gather") > 0
+        assert metric(cluster, "kvstore-0", "strata_kvstore_puts_total", outcome="stored") >= blocks
+
+        # a follower rank dies: the instance stops as a whole, the restart supervisor starts
+        # it again, and the fresh instance (empty engine memory) loads the prompt's blocks
+        # from the pool, scattered by KV head over its ranks
+        rank0 = cluster.sup.procs["decode-0"].proc.pid
+        (follower,) = _ranks(rank0)
+        os.kill(follower, signal.SIGKILL)
+        wait_until(lambda: cluster.sup.procs["decode-0"].proc.pid != rank0, 60, "a restart")
+        with open(os.path.join(cluster.log_dir, "decode-0.log")) as f:
+            log = f.read()
+        line = f"tensor parallel rank 1 of 2 (pid {follower}) exited with code -9: stopping"
+        assert log.count(line) == 1, log[-3000:]
+        cluster.sup.wait_ready(["decode-0"], 240)
+        t0 = transfer_counters(cluster)
+        again = _complete(cluster, retry_s=120)
+        assert again.choices[0].text == ref
+        assert again.usage.prompt_tokens_details.cached_tokens == blocks * 16
+        n = blocks * 16 * kv_bytes_per_token(str(qwen3.path))  # whole blocks: both KV heads
+        assert moved_since(t0, transfer_counters(cluster)) == {"received:pool": n}
+        assert metric(cluster, "decode-0", "strata_tp_kv_bytes_total", op="scatter") == n
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.parametrize(
+    "args,want",
+    [
+        (["--tp", "3"], "num_kv_heads (2)"),
+        (["--tp", "0"], "STRATA_TP (--tp)"),
+        (["--tp", "2", "--device", "cuda:64"], "needs CUDA devices up to cuda:65"),
+    ],
+)
+def test_bad_tp_fails_with_one_line(qwen3, args, want):
+    env = dict(os.environ, STRATA_NATS_URL="nats://127.0.0.1:9")  # never reached
+    p = subprocess.run(
+        [sys.executable, "-m", "services.cli", "serve", "decode", "--model", str(qwen3.path)]
+        + args,
+        cwd=repo_root(),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 1
+    lines = (p.stdout + p.stderr).strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("STRATA_FATAL decode:"), lines
+    assert want in lines[0]
+
+
+def test_tp2_prefill_pushes_whole_blocks_to_tp2_decode(qwen3, tmp_path):
+    """The disaggregated shape at --tp 2: prefill reads each layer's KV out while computing
+    (gathered from both ranks inside the forward) and pushes it layer by layer; decode writes
+    it in (scattered by KV head) and decodes the same tokens as transformers."""
+    ids = qwen3.tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    ref = qwen3.tokenizer.decode(greedy(qwen3, ids, N)[0], skip_special_tokens=True)
+    cluster = start_cluster(str(qwen3.path), prefill=1, kvstore=0, tp=2)
+    try:
+        t0 = transfer_counters(cluster)
+        r = _complete(cluster)
+        assert r.choices[0].text == ref
+        n = len(ids) * kv_bytes_per_token(str(qwen3.path))
+        assert moved_since(t0, transfer_counters(cluster)) == {
+            "sent:layerwise": n,
+            "received:layerwise": n,
+        }
+        assert metric(cluster, "prefill-0", "strata_tp_kv_bytes_total", op="gather") >= n
+        assert metric(cluster, "decode-0", "strata_tp_kv_bytes_total", op="scatter") == n
+    finally:
+        cluster.stop()
