@@ -8,8 +8,8 @@ with a random Qwen3 (6 heads / 2 KV heads), real processes and gloo:
   pool, scattered by KV head over its two ranks, and answers the same;
 * ``--tp 3`` (2 KV heads), ``--tp 0`` and more ranks than GPUs fail at start-up with one line,
   before any rank starts;
-* the disaggregated shape pushes whole-head KV layer by layer from a --tp 2 prefill to a
-  --tp 2 decode.
+* the disaggregated shape pushes whole-head KV layer by layer between prefill and decode at
+  any pair of TP degrees (2/2, 1/2, 2/1): re-sharded by KV head on the receiving side.
 """
 
 from __future__ import annotations
@@ -162,13 +162,22 @@ def test_bad_tp_fails_with_one_line(qwen3, args, want):
     assert want in lines[0]
 
 
-def test_tp2_prefill_pushes_whole_blocks_to_tp2_decode(qwen3, tmp_path):
-    """The disaggregated shape at --tp 2: prefill reads each layer's KV out while computing
-    (gathered from both ranks inside the forward) and pushes it layer by layer; decode writes
-    it in (scattered by KV head) and decodes the same tokens as transformers."""
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 2), (1, 2), (2, 1)])
+def test_prefill_pushes_whole_blocks_to_decode_at_any_tp_layout(
+    qwen3, tmp_path, prefill_tp, decode_tp
+):
+    """The disaggregated shape with TP on either side (PD with different layouts): prefill
+    reads each layer's KV out while computing (gathered from its ranks inside the forward when
+    sharded) and pushes whole-head blocks layer by layer; decode writes them in (scattered by KV
+    head over its ranks when sharded) and decodes the same tokens as transformers."""
     ids = qwen3.tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
     ref = qwen3.tokenizer.decode(greedy(qwen3, ids, N)[0], skip_special_tokens=True)
-    cluster = start_cluster(str(qwen3.path), prefill=1, kvstore=0, tp=2)
+    cluster = start_cluster(
+        str(qwen3.path),
+        prefill=1,
+        kvstore=0,
+        role_args={"prefill": ["--tp", str(prefill_tp)], "decode": ["--tp", str(decode_tp)]},
+    )
     try:
         t0 = transfer_counters(cluster)
         r = _complete(cluster)
@@ -178,7 +187,11 @@ def test_tp2_prefill_pushes_whole_blocks_to_tp2_decode(qwen3, tmp_path):
             "sent:layerwise": n,
             "received:layerwise": n,
         }
-        assert metric(cluster, "prefill-0", "strata_tp_kv_bytes_total", op="gather") >= n
-        assert metric(cluster, "decode-0", "strata_tp_kv_bytes_total", op="scatter") == n
+        assert metric(cluster, "prefill-0", "strata_tp_world_size") == prefill_tp
+        assert metric(cluster, "decode-0", "strata_tp_world_size") == decode_tp
+        gathered = metric(cluster, "prefill-0", "strata_tp_kv_bytes_total", op="gather")
+        scattered = metric(cluster, "decode-0", "strata_tp_kv_bytes_total", op="scatter")
+        assert gathered >= n if prefill_tp > 1 else gathered == 0
+        assert scattered == (n if decode_tp > 1 else 0)
     finally:
         cluster.stop()
