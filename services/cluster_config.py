@@ -55,6 +55,14 @@ class ClusterConfig(BaseModel):
         "0 below 8 cores, else 1, see services.shape)",
     )
     decode: int = Field(1, ge=1, le=64, description="Decode instances")
+    dp: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Data parallelism: N replicas of the model, as N times the prefill and "
+        "decode instances (each its own instance, on its share of the cores), balanced by the "
+        "scheduler with its load and prefix signals; composes with --tp (N groups of --tp ranks)",
+    )
     torch_threads: int | None = Field(
         None,
         ge=1,

@@ -75,15 +75,32 @@ class Cluster:
         if model_dir:
             base["model"] = model_dir
         cfg = ClusterConfig.model_validate(base)
+        # --dp N: N data-parallel replicas of each model-serving instance, as instances of
+        # their own that the scheduler balances (load, prefix affinity) like any others
+        dp = cfg.dp
+        cores, accel = usable_cores(), _accelerators(cfg.device)
         self.shape: Shape = choose_shape(
-            usable_cores(),
-            _accelerators(cfg.device),
-            prefill=cfg.prefill,
-            decode=cfg.decode,
+            cores,
+            accel,
+            prefill=None if cfg.prefill is None else cfg.prefill * dp,
+            decode=cfg.decode * dp,
             torch_threads=cfg.torch_threads,
         )
+        if cfg.prefill is None and dp > 1 and self.shape.prefill:  # the machine chose PD
+            self.shape = choose_shape(
+                cores,
+                accel,
+                prefill=self.shape.prefill * dp,
+                decode=cfg.decode * dp,
+                torch_threads=cfg.torch_threads,
+            )
         self.cfg = cfg.model_copy(
-            update={"prefill": self.shape.prefill, "torch_threads": self.shape.torch_threads}
+            update={
+                "prefill": self.shape.prefill,
+                "decode": self.shape.decode,
+                "torch_threads": self.shape.torch_threads,
+                "dp": 1,  # applied: the counts above are the instances
+            }
         )
         self._own_data = not self.cfg.data_dir
         self.instance_prefix = self.cfg.instance_prefix

@@ -109,6 +109,28 @@ def test_service_env_carries_the_shape(tmp_path, monkeypatch):
     assert "OMP_NUM_THREADS" not in env["decode"]
 
 
+@pytest.mark.parametrize(
+    "cores,kw,want",
+    [
+        (2, {"dp": 2}, (0, 2, 1)),  # colocated: two decode replicas, a core each
+        (2, {"dp": 3, "decode": 1}, (0, 3, 1)),
+        (16, {"dp": 2}, (2, 2, 3)),  # the machine chose PD: 2 prefill + 2 decode
+        (16, {"dp": 2, "prefill": 1, "decode": 2}, (2, 4, 2)),
+    ],
+)
+def test_dp_multiplies_the_model_instances(tmp_path, monkeypatch, cores, kw, want):
+    """``--dp N``: N replicas of each model-serving instance, each its own instance with its
+    own share of the cores (the scheduler balances them as it does any instances)."""
+    monkeypatch.setattr(launcher, "usable_cores", lambda: list(range(cores)))
+    c = Cluster(str(tmp_path), **kw)
+    assert (c.cfg.prefill, c.cfg.decode, c.cfg.torch_threads) == want
+    if c.shape.model_cpus:  # pinned (enough cores): one disjoint slice per instance
+        names = [n for n in c.shape.model_cpus if n.startswith(("prefill", "decode"))]
+        assert len(names) == want[0] + want[1]
+        cpus = [set(c.shape.model_cpus[n]) for n in names]
+        assert all(not (a & b) for i, a in enumerate(cpus) for b in cpus[i + 1 :])
+
+
 @pytest.fixture
 def fake(tmp_path):
     root = write_fake_apps(tmp_path / "apps")
