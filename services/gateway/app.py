@@ -19,6 +19,7 @@ from services.gateway.nats_api import serve_api
 from services.gateway.pipeline import Pipeline
 from services.gateway.readiness import Readiness
 from services.gateway.service import GatewayService
+from services.gateway.tenants import Tenants
 from shared import bus, metrics
 from shared.logs import setup_logging
 from shared.model.validate import takes_images
@@ -111,6 +112,10 @@ async def build_service(nc, cfg: GatewayConfig) -> GatewayService:
     pipeline = Pipeline(nc, cfg)
     await pipeline.start()
     auth = Auth.from_config(cfg.api_keys, cfg.api_key_file)
+    try:
+        tenants = Tenants.from_config(cfg.tenant_weights, (p.name for p in auth.keys.values()))
+    except ValueError as exc:
+        raise StartupError(f"STRATA_TENANT_WEIGHTS: {exc}") from None
     readiness = Readiness(nc, cfg, needs_vision(cfg))
     return GatewayService(
         pipeline,
@@ -120,6 +125,7 @@ async def build_service(nc, cfg: GatewayConfig) -> GatewayService:
         token_speller(cfg.model),
         readiness,
         **model_text(cfg.model),
+        tenants=tenants,
     )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import re
 import time
 import uuid
@@ -29,6 +30,7 @@ from services.gateway.prefilter import PatternFileError, Prefilter
 from services.gateway.readiness import Readiness
 from services.gateway.responses import ChoiceState, Formatter, usage
 from services.gateway.schemas import DetokenizeBody, TokenizeBody, dump_messages
+from services.gateway.tenants import Tenants
 from services.gateway.tools import ToolStream, parses_tools
 from shared import bus
 from shared.engine.structured import GrammarCache
@@ -66,6 +68,7 @@ class GatewayService:
         tokenizer=None,
         grammars: GrammarCache | None = None,
         tool_format: str = "hermes",
+        tenants: Tenants | None = None,
     ):
         self.pipeline = pipeline
         self.cfg = cfg
@@ -76,6 +79,7 @@ class GatewayService:
         self.tokenizer = tokenizer  # the checkpoint's; None without one (detokenize: the service)
         self.grammars = grammars  # validates constraints here; None: the engine does
         self.tool_format = tool_format
+        self.tenants = tenants or Tenants()
         try:
             self.prefilter = Prefilter.from_specs(cfg.prefilter_lists, cfg.prefilter_reload_s)
         except PatternFileError as exc:
@@ -100,6 +104,8 @@ class GatewayService:
                 check_constraint, spec.constraint, self.grammars, spec.constraint_param
             )
         admit(spec, self.pipeline.degrade_level, self.pipeline.degrade_rules)
+        tenant, weight = self.tenants.of(policy)
+        spec = dataclasses.replace(spec, tenant=tenant, tenant_weight=weight)
         if request_id and not _REQUEST_ID.fullmatch(request_id):
             raise StrataError(
                 "bad_request",
@@ -120,6 +126,7 @@ class GatewayService:
             fmt.tool_format = spec.tool_format
         fmt.token_ids = spec.request.return_token_ids
         run = Run(self.pipeline, spec, rid, prepared, fmt, arrival)
+        m.TENANT_REQUESTS.labels(tenant).inc()
         if self.prefilter is not None:
             run.masks = [self.prefilter.output() for _ in run.choices]
         run.start()  # no await after this: the caller owns the run (and closes it)
