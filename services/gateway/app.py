@@ -109,13 +109,13 @@ async def build_service(nc, cfg: GatewayConfig) -> GatewayService:
         # a text-only checkpoint: an image is a 400 naming the model (`core.build_spec`), not a
         # wait on a vision service that is not there
         cfg = cfg.model_copy(update={"max_images": 0})
-    pipeline = Pipeline(nc, cfg)
-    await pipeline.start()
     auth = Auth.from_config(cfg.api_keys, cfg.api_key_file)
-    try:
+    try:  # before the pipeline subscribes anything: a bad setting leaves nothing behind
         tenants = Tenants.from_config(cfg.tenant_weights, (p.name for p in auth.keys.values()))
     except ValueError as exc:
         raise StartupError(f"STRATA_TENANT_WEIGHTS: {exc}") from None
+    pipeline = Pipeline(nc, cfg)
+    await pipeline.start()
     readiness = Readiness(nc, cfg, needs_vision(cfg))
     return GatewayService(
         pipeline,

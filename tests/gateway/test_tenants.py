@@ -5,7 +5,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from services.gateway.app import build_service
 from services.gateway.auth import KeyPolicy
+from services.gateway.config import GatewayConfig
 from services.gateway.tenants import Tenants
 from shared.protocol import subjects
 from shared.protocol.api import GenerateEvent, GenerateRequest
@@ -67,7 +69,13 @@ async def test_each_key_is_a_tenant_on_rest_and_nats(nats_url, nc):
         assert "sk-aaa" not in metrics and "sk-bbb" not in metrics  # names only, never keys
 
 
-async def test_weight_for_an_unknown_key_name_fails_start_up(nats_url):
+async def test_weight_for_an_unknown_key_name_fails_start_up(nc):
+    conf = GatewayConfig.load(
+        [],
+        role="gateway",
+        nats_url="nats://127.0.0.1:1",
+        api_keys="sk-aaa",
+        tenant_weights="env-7:2",
+    )
     with pytest.raises(StartupError, match="STRATA_TENANT_WEIGHTS: 'env-7:2': no API key"):
-        async with gateway(nats_url, api_keys="sk-aaa", tenant_weights="env-7:2"):
-            pass
+        await build_service(nc, conf)
