@@ -248,9 +248,8 @@ class Scheduler:
                 seq.num_cached_tokens = start
                 self.prefix_query_tokens += seq.num_tokens
                 self.prefix_hit_tokens += start
-            seq.num_committed_blocks = len(cached)
-            if seq.num_preemptions == 0:
                 self.newly_admitted.append(seq)
+            seq.num_committed_blocks = len(cached)
         self.fair.served(seq.vstart)
         self.waiting.remove(seq)
         seq.status = SequenceStatus.RUNNING

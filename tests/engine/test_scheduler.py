@@ -102,6 +102,8 @@ def test_out_of_kv_preempts_lowest_class_latest_arrival_recompute():
     # recompute: lo1 re-prefills prompt + its output token (prefix hit on its full block)
     out = s.schedule()
     assert plan(out) == [("hi", 5, 1), ("lo1", 4, 1)]
+    # first admissions only (the queue-wait metric): lo1 taken again is not a new one
+    assert [x.request_id for x in s.newly_admitted] == ["hi", "lo1", "lo2"]
 
 
 def test_waiting_high_priority_preempts_running_batch_slot():
