@@ -13,6 +13,7 @@ import logging
 from nats.aio.client import Client as NATS
 
 from shared import bus
+from shared.engine.port_types import Tenant
 from shared.protocol import subjects
 from shared.protocol.errors import StrataError
 from shared.protocol.stream import TokenChunk, Usage
@@ -164,5 +165,6 @@ class DecodeService(RequestTasks):
             priority=item.priority,
             mm_inputs=mm,
             output_token_ids=emitted,
+            tenant=Tenant(item.tenant, item.tenant_weight),
         )
         return stream, pooled

@@ -20,6 +20,7 @@ from services.gateway.nats_api import serve_api
 from services.gateway.pipeline import Pipeline
 from services.gateway.readiness import Readiness
 from services.gateway.service import GatewayService
+from services.gateway.tenants import Tenants
 from shared import bus, metrics
 from shared.logs import setup_logging
 from shared.model.validate import takes_images
@@ -110,9 +111,13 @@ async def build_service(nc, cfg: GatewayConfig) -> GatewayService:
         # a text-only checkpoint: an image is a 400 naming the model (`core.build_spec`), not a
         # wait on a vision service that is not there
         cfg = cfg.model_copy(update={"max_images": 0})
+    auth = Auth.from_config(cfg.api_keys, cfg.api_key_file)
+    try:  # before the pipeline subscribes anything: a bad setting leaves nothing behind
+        tenants = Tenants.from_config(cfg.tenant_weights, (p.name for p in auth.keys.values()))
+    except ValueError as exc:
+        raise StartupError(f"STRATA_TENANT_WEIGHTS: {exc}") from None
     pipeline = Pipeline(nc, cfg)
     await pipeline.start()
-    auth = Auth.from_config(cfg.api_keys, cfg.api_key_file)
     readiness = Readiness(nc, cfg, needs_vision(cfg))
     service = GatewayService(
         pipeline,
@@ -122,6 +127,7 @@ async def build_service(nc, cfg: GatewayConfig) -> GatewayService:
         token_speller(cfg.model),
         readiness,
         **model_text(cfg.model),
+        tenants=tenants,
     )
     audit = AuditLog(cfg.audit_file, cfg.audit_prompts, cfg.instance_id, cfg.audit_stream)
     task = asyncio.create_task(

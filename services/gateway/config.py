@@ -17,6 +17,12 @@ class GatewayConfig(ServiceConfig):
     # auth
     api_keys: list[str] = Field([], description="Comma-separated API keys allowed for every model")
     api_key_file: str = Field("", description="JSON/YAML file: key -> {models, rpm, tpm}")
+    tenant_weights: list[str] = Field(
+        [],
+        description="Fair-queuing weights 'keyname:weight' (comma-separated; a key's name: "
+        "env-<i> for STRATA_API_KEYS, its 'name' in the key file; 'default' with auth off); "
+        "a tenant not listed has weight 1",
+    )
     prefilter_lists: list[str] = Field(
         [],
         description="Pre-filter pattern lists 'refuse:CODE:PATH' or 'mask:CODE:PATH' "

@@ -46,6 +46,8 @@ class GenerateSpec:
     constraint: StructuredSpec | None = None  # structured output / forced tool call
     constraint_param: str = ""  # the request field the constraint came from
     tool_format: str = "hermes"  # call syntax parsed from the output (services/gateway/tools.py)
+    tenant: str = "default"  # fair queuing: the caller's tenant and weight (tenants.py)
+    tenant_weight: float = 1.0
 
     @property
     def n(self) -> int:

@@ -33,6 +33,11 @@ STALLS_WAITED = Counter(
     "strata:stream_stalls_waited",
     "Silent streams kept waiting: a probe found the request still worked on (not a failover)",
 )
+TENANT_REQUESTS = Counter(
+    "strata_tenant_requests",
+    "Requests admitted by the gateway, by tenant (API key name)",
+    ["tenant"],
+)
 CANCELS = Counter("strata:request_cancelled", "Requests cancelled (client gone)")
 NATS_API_REFUSED = Counter(
     "strata:nats_api_refused",

@@ -289,6 +289,8 @@ class Pipeline:
             images=p.images,
             output_token_ids=list(sent),
             attempt=attempt,
+            tenant=spec.tenant,
+            tenant_weight=spec.tenant_weight,
         )
         req = RouteRequest(
             request_id=rid,

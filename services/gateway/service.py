@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import re
 import time
 import uuid
@@ -32,6 +33,7 @@ from services.gateway.prefilter import PatternFileError, Prefilter
 from services.gateway.readiness import Readiness
 from services.gateway.responses import ChoiceState, Formatter, usage
 from services.gateway.schemas import DetokenizeBody, TokenizeBody, dump_messages
+from services.gateway.tenants import Tenants
 from services.gateway.tools import ToolStream, parses_tools
 from shared import bus
 from shared.engine.structured import GrammarCache
@@ -69,6 +71,7 @@ class GatewayService:
         tokenizer=None,
         grammars: GrammarCache | None = None,
         tool_format: str = "hermes",
+        tenants: Tenants | None = None,
     ):
         self.pipeline = pipeline
         self.cfg = cfg
@@ -82,6 +85,7 @@ class GatewayService:
         self.audit: AuditLog | None = None  # set by the app (services.gateway.audit)
         self.audit_task: asyncio.Task | None = None  # its JetStream publisher
         self.response_cache = response_cache.ResponseCache.from_config(cfg)  # None: off
+        self.tenants = tenants or Tenants()
         try:
             self.prefilter = Prefilter.from_specs(cfg.prefilter_lists, cfg.prefilter_reload_s)
         except PatternFileError as exc:
@@ -148,6 +152,8 @@ class GatewayService:
             )
         admit(spec, self.pipeline.degrade_level, self.pipeline.degrade_rules)
         cache_wanted = response_cache.wanted(spec.request, headers)  # a bad header: 400 here
+        tenant, weight = self.tenants.of(policy, who.get("client", ""))
+        spec = dataclasses.replace(spec, tenant=tenant, tenant_weight=weight)
         if request_id and not _REQUEST_ID.fullmatch(request_id):
             raise StrataError(
                 "bad_request",
@@ -172,6 +178,7 @@ class GatewayService:
             from services.gateway.response_cache_run import cached_run
 
             run = await cached_run(self.response_cache, run)
+        m.TENANT_REQUESTS.labels(tenant).inc()
         if self.prefilter is not None:
             run.masks = [self.prefilter.output() for _ in run.choices]
         run.start()  # no await after this: the caller owns the run (and closes it)

@@ -16,6 +16,7 @@ import logging
 from nats.aio.client import Client as NATS
 
 from shared import bus
+from shared.engine.port_types import Tenant
 from shared.kvtransfer.client import get_client
 from shared.protocol import subjects
 from shared.protocol.errors import StrataError
@@ -74,6 +75,7 @@ class PrefillService(RequestTasks):
                 mm_inputs=mm,
                 output_token_ids=item.output_token_ids,
                 hold_kv=True,
+                tenant=Tenant(item.tenant, item.tenant_weight),
             ):
                 out = o
             held = True

@@ -17,7 +17,14 @@ from dataclasses import dataclass, field
 import torch
 
 from shared.engine.engine import LLMEngine
-from shared.engine.port_types import BlockEvent, EvictedBlock, MMInput, PrefixMatch, RequestKV
+from shared.engine.port_types import (
+    BlockEvent,
+    EvictedBlock,
+    MMInput,
+    PrefixMatch,
+    RequestKV,
+    Tenant,
+)
 from shared.protocol.hashing import to_hex
 from shared.protocol.sampling import SamplingParams
 
@@ -40,6 +47,7 @@ class Add(Command):
     mm_inputs: Sequence[MMInput] = ()
     output_token_ids: Sequence[int] = ()
     hold_kv: bool = False
+    tenant: Tenant | None = None
 
     def run(self, e: LLMEngine) -> None:
         e.add_request(
@@ -50,6 +58,7 @@ class Add(Command):
             self.mm_inputs,
             self.output_token_ids,
             self.hold_kv,
+            self.tenant,
         )
 
 

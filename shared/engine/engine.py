@@ -13,6 +13,7 @@ each layer's new K/V. Services reach the engine only through
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Sequence as Seq
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -20,6 +21,7 @@ import torch
 
 from shared.engine.block_manager import BlockManager
 from shared.engine.detok import TextTracker
+from shared.engine.fair_queue import FairQueue, Tenant
 from shared.engine.kv_io import EngineKV
 from shared.engine.model_runner import ModelRunner, dtype_of
 from shared.engine.outputs import EngineStats, RequestOutput
@@ -76,7 +78,12 @@ class LLMEngine:
             config.enable_chunked_prefill,
             config.preemption_mode,
             self.eos_token_ids,
+            FairQueue(config.fair_queuing),
         )
+        # (tenant, seconds queued) of each first admission, oldest first; the worker drains it
+        # (`drain_admissions`) into per-tenant metrics. Bounded: a reader that stops loses
+        # the oldest entries, never the engine's memory.
+        self.admissions: deque[tuple[str, float]] = deque(maxlen=1 << 16)
         self.sampler = Sampler(self.eos_token_ids, torch.Generator().manual_seed(0))
         if proposer is None and config.num_speculative_tokens > 0:
             proposer = NgramProposer(
@@ -132,10 +139,15 @@ class LLMEngine:
         mm_inputs: Seq[MMInput] = (),
         output_token_ids: Seq[int] = (),
         hold_kv: bool = False,
+        tenant: Tenant | None = None,
     ) -> None:
         """Queue a request. ``output_token_ids`` resumes one whose tokens were already emitted
-        elsewhere: they become context and are not emitted again."""
+        elsewhere: they become context and are not emitted again. ``tenant`` (default: the
+        default tenant, weight 1) orders it among waiting requests of its priority class."""
         seq = self._new_seq(request_id, prompt_token_ids, params, priority, mm_inputs, hold_kv)
+        if tenant is not None:
+            seq.tenant = tenant
+        seq.queued_at = time.perf_counter()
         seq.token_ids += list(output_token_ids)
         seq.num_resumed_outputs = len(output_token_ids)
         seq.prompt_lps_sent = bool(output_token_ids)  # a resume: sent with its first token
@@ -261,6 +273,9 @@ class LLMEngine:
         outputs, self.pending = self.pending, []
         if self._flight is None:
             sched = self.scheduler.schedule()
+            for seq in self.scheduler.newly_admitted:
+                self.admissions.append((seq.tenant.name, t0 - seq.queued_at))
+            self.scheduler.newly_admitted.clear()
             self.kv.move(sched)
             self.current = sched
             if not sched.is_empty:
@@ -470,6 +485,14 @@ class LLMEngine:
                 if o.request_id in got:
                     got[o.request_id] += o.new_token_ids
         return [got[rid] for rid in ids]
+
+    def drain_admissions(self) -> list[tuple[str, float]]:
+        """(tenant, seconds queued) of the requests first admitted since the last call; safe
+        from any thread (``deque.popleft`` is atomic)."""
+        out = []
+        while self.admissions:
+            out.append(self.admissions.popleft())
+        return out
 
     def stats(self) -> EngineStats:
         """Counters, readable from another thread while a step runs (the worker's heartbeat):

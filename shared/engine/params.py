@@ -52,6 +52,9 @@ class EngineConfig:
     """Schedule and prepare decode step i+1 while the forward of step i runs (see
     ``LLMEngine.step``); False runs every step strictly in sequence; None: on for CUDA, off on
     CPU, where the thread hand-offs cost about what the overlap hides (docs/ENGINE.md)."""
+    fair_queuing: bool = True
+    """Order waiting requests of one priority class by their tenant's fair-queuing start tag
+    (weighted shares, `shared.engine.fair_queue`); False: first come, first served."""
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> None:

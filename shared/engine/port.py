@@ -33,6 +33,7 @@ from shared.engine.port_types import (
     PrefixMatch,
     RequestKV,
     RequestOutput,
+    Tenant,
 )
 from shared.protocol.sampling import SamplingParams
 
@@ -95,10 +96,12 @@ class EnginePort:
         mm_inputs: Sequence[MMInput] = (),
         output_token_ids: Sequence[int] = (),
         hold_kv: bool = False,
+        tenant: Tenant | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream outputs of one request; leaving the iterator early aborts it.
         ``output_token_ids`` resumes a request whose tokens were emitted elsewhere; with
-        ``hold_kv`` its blocks stay after it finishes, until `release`."""
+        ``hold_kv`` its blocks stay after it finishes, until `release`; ``tenant`` is whose
+        request it is (fair queuing among waiting requests)."""
         add = cmd.Add(
             request_id,
             list(prompt_ids),
@@ -107,6 +110,7 @@ class EnginePort:
             list(mm_inputs),
             list(output_token_ids),
             hold_kv,
+            tenant,
         )
         async for out in self._stream(request_id, add):
             yield out
@@ -194,6 +198,10 @@ class EnginePort:
     def stats(self) -> EngineStats:
         """Engine counters; safe from any thread while a step runs."""
         return self._engine.stats()
+
+    def drain_admissions(self) -> list[tuple[str, float]]:
+        """(tenant, seconds queued) of requests first admitted since the last call; any thread."""
+        return self._engine.drain_admissions()
 
     def queued_tokens(self) -> int:
         """Tokens queued but not yet computed, including the rest of prompts being prefilled

@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import torch
 
+from shared.engine.fair_queue import Tenant
 from shared.engine.outputs import EngineStats, RequestOutput
 from shared.engine.sequence import MMInput
 
@@ -30,6 +31,7 @@ __all__ = [
     "PrefixMatch",
     "RequestKV",
     "RequestOutput",
+    "Tenant",
 ]
 
 

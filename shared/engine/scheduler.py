@@ -7,7 +7,10 @@ Every token has one place: the first ``seq.num_computed_tokens`` of ``seq.token_
 in the cache; a step computes the next ``num_new_tokens`` (plus ``num_draft_tokens``
 speculative tokens taken from ``seq.draft_token_ids``). Decodes and prefill chunks share one
 budget of ``max_num_batched_tokens``; running sequences go first (so a long prompt never stalls
-them), then waiting ones in (priority, arrival) order, chunked to the budget that is left.
+them), then waiting ones in (priority, start tag, arrival) order, chunked to the budget that
+is left. The start tag is the tenant's fair-queuing tag (`shared.engine.fair_queue`, cost = the
+tokens to compute): within a priority class, tenants share admissions by weight instead of
+first come, first served; with fair queuing off every tag is 0 (FIFO within a class).
 
 Priorities: a lower number is more important. Running sequences are served best-first; when KV
 runs out the worst running sequence (highest number, latest arrival) is preempted. A waiting
@@ -36,6 +39,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from shared.engine.block_manager import BlockManager
+from shared.engine.fair_queue import FairQueue
 from shared.engine.sequence import Sequence, SequenceStatus
 
 
@@ -72,8 +76,8 @@ class SchedulerOutput:
         return not self.scheduled
 
 
-def _rank(seq: Sequence) -> tuple[int, int]:
-    return (seq.priority, seq.arrival)
+def _rank(seq: Sequence) -> tuple[int, float, int]:
+    return (seq.priority, seq.vstart, seq.arrival)
 
 
 class Scheduler:
@@ -86,6 +90,7 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         preemption_mode: str = "recompute",
         eos_token_ids: Seq[int] = (),
+        fair: FairQueue | None = None,
     ):
         self.bm = block_manager
         self.salt = salt
@@ -102,10 +107,13 @@ class Scheduler:
         self._budget = 0
         self.in_flight: set[int] = set()  # id() of sequences the running forward writes to
         self._deferred_free: list[Sequence] = []
+        self.fair = fair if fair is not None else FairQueue()
+        self.newly_admitted: list[Sequence] = []  # first admissions, drained by the engine
 
     # ----- intake ----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
+        seq.vstart = self.fair.tag(seq.tenant, seq.num_tokens)
         self.waiting.append(seq)
 
     def add_running(self, seq: Sequence) -> None:
@@ -173,7 +181,7 @@ class Scheduler:
             if len(self.running) >= self.max_num_seqs and not self._evict_worse(seq, out):
                 break
             if not self._admit(seq, out):
-                break  # head of line blocks the rest (FIFO within a priority class)
+                break  # head of line blocks the rest (tag order within a priority class)
         return out
 
     def schedule_decode_ahead(self, prev: SchedulerOutput) -> SchedulerOutput | None:
@@ -240,7 +248,9 @@ class Scheduler:
                 seq.num_cached_tokens = start
                 self.prefix_query_tokens += seq.num_tokens
                 self.prefix_hit_tokens += start
+                self.newly_admitted.append(seq)
             seq.num_committed_blocks = len(cached)
+        self.fair.served(seq.vstart)
         self.waiting.remove(seq)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)

@@ -7,6 +7,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+from shared.engine.fair_queue import Tenant
 from shared.protocol.hashing import hash_blocks, mm_extra_keys
 from shared.protocol.sampling import SamplingParams
 
@@ -68,6 +69,11 @@ class Sequence:
     # chunk by chunk; handed out once, with the first output (``prompt_lps_sent``).
     prompt_lps: dict[int, tuple[dict[int, float], int]] = field(default_factory=dict)
     prompt_lps_sent: bool = False
+    # Fair queuing (`shared.engine.fair_queue`): whose request it is, its start tag in the
+    # waiting queue, and when it was queued (``time.perf_counter``; the queue-wait metric).
+    tenant: Tenant = field(default_factory=Tenant)
+    vstart: float = 0.0
+    queued_at: float = 0.0
 
     def __post_init__(self) -> None:
         self.num_resumed_outputs = len(self.token_ids) - self.num_prompt_tokens

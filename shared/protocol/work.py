@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Literal
 
+from pydantic import Field
+
 from shared.protocol.base import Msg
 from shared.protocol.sampling import SamplingParams
 
@@ -32,6 +34,11 @@ class WorkItem(Msg):
     # Which route of the request this is (0, then +1 per failover). Chunks carry it back, and a
     # failover's cancel names it: a straggler of an abandoned route cannot end the new one.
     attempt: int = 0
+    # Fair queuing: whose request this is (the gateway's name for the caller's API key, never
+    # the key) and its weight; an engine admits the waiting requests of one priority class by
+    # their tenants' weighted shares (`shared/engine/fair_queue.py`).
+    tenant: str = "default"
+    tenant_weight: float = Field(1.0, gt=0)
 
     @property
     def engine_id(self) -> str:

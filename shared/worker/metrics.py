@@ -6,7 +6,7 @@ panel can show the whole cluster.
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter, Gauge, Histogram
 
 _L = ("role", "instance")
 KV_USAGE = Gauge("strata:kv_cache_usage_perc", "Engine KV blocks in use (0-1)", _L)
@@ -21,6 +21,16 @@ PREFIX_HITS = Counter(
 )
 PREEMPTIONS = Counter("strata:num_preemptions", "Sequences preempted for KV or priority", _L)
 STEPS = Counter("strata:engine_steps", "Engine steps taken (schedule, forward, sample)", _L)
+_T = (*_L, "tenant")
+TENANT_ADMITTED = Counter(
+    "strata_tenant_admitted", "Requests taken from the engine's waiting queue, by tenant", _T
+)
+TENANT_QUEUE_WAIT = Histogram(
+    "strata_tenant_queue_wait_seconds",
+    "Seconds a request waited in the engine's queue before its first admission, by tenant",
+    _T,
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+)
 
 
 class EngineMetrics:
@@ -46,3 +56,9 @@ class EngineMetrics:
             if delta > 0:
                 counter.labels(*lab).inc(delta)
             self._last[key] = value
+
+    def admitted(self, admissions: list[tuple[str, float]]) -> None:
+        """Count first admissions ``(tenant, seconds queued)`` (`EnginePort.drain_admissions`)."""
+        for tenant, wait in admissions:
+            TENANT_ADMITTED.labels(*self.labels, tenant).inc()
+            TENANT_QUEUE_WAIT.labels(*self.labels, tenant).observe(wait)

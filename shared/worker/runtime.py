@@ -187,6 +187,7 @@ class ModelRuntime:
         if self.metrics is None:
             self.metrics = EngineMetrics(self.role, self.cfg.instance_id)
         self.metrics.update(s)
+        self.metrics.admitted(self.port.drain_admissions())
         if s.last_forward_s > self._longest_forward:
             self._longest_forward = s.last_forward_s
             LONGEST_FORWARD.labels(self.role, self.cfg.instance_id).set(s.last_forward_s)

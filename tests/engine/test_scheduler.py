@@ -102,6 +102,8 @@ def test_out_of_kv_preempts_lowest_class_latest_arrival_recompute():
     # recompute: lo1 re-prefills prompt + its output token (prefix hit on its full block)
     out = s.schedule()
     assert plan(out) == [("hi", 5, 1), ("lo1", 4, 1)]
+    # first admissions only (the queue-wait metric): lo1 taken again is not a new one
+    assert [x.request_id for x in s.newly_admitted] == ["hi", "lo1", "lo2"]
 
 
 def test_waiting_high_priority_preempts_running_batch_slot():
@@ -165,3 +167,25 @@ def test_blocks_committed_when_finishing_in_the_same_step():
     s.postprocess(s.schedule(), [[5]])
     assert a.finish_reason == "length" and len(s.bm.cached) == 2
     assert s.bm.num_free_blocks == 8
+
+
+def test_waiting_queue_is_fair_between_tenants_within_a_priority_class():
+    from shared.engine.fair_queue import Tenant
+
+    s = mk(num_blocks=64, bs=4, budget=64, max_seqs=1)
+    a, b = Tenant("a", weight=3), Tenant("b")
+    seqs = [seq(f"a{i}", 4, prio=1, start=10 * i) for i in range(4)]
+    seqs += [seq(f"b{i}", 4, prio=1, start=50 + 10 * i) for i in range(2)]
+    seqs.append(seq("urgent", 4, prio=0, start=90))  # tenant b, past its share, better class
+    for x in seqs:
+        x.tenant = a if x.request_id.startswith("a") else b
+        s.add(x)
+    order = []
+    while s.waiting:
+        s.schedule()
+        (x,) = s.newly_admitted
+        order.append(x.request_id)
+        s.newly_admitted.clear()
+        s.finish(x, "stop")
+    # cost 4 tokens: a's tags 0, 4/3, 8/3, 4; b's 0, 4, then 8 for urgent (class 0 wins anyway)
+    assert order == ["urgent", "a0", "b0", "a1", "a2", "a3", "b1"]

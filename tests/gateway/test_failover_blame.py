@@ -173,7 +173,9 @@ async def _run(nats_url: str, setup, during, max_tokens: int = 6, stall_timeout:
     await pipe.start()
     got: list[int] = []
     prep = Prepared(prompt_token_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=max_tokens))
-    spec = SimpleNamespace(priority=0, slo_class="interactive", ttft_slo_ms=0.0)
+    spec = SimpleNamespace(
+        priority=0, slo_class="interactive", ttft_slo_ms=0.0, tenant="default", tenant_weight=1.0
+    )
 
     async def consume() -> None:
         async for chunk in pipe.stream("rid-1", prep, spec):

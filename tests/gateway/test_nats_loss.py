@@ -59,7 +59,9 @@ async def test_open_stream_fails_cleanly_on_nats_loss_and_serving_resumes(tmp_pa
     pipes.append(pipe)
     await pipe.start()
     readiness = Readiness(nc, cfg, need_vision=False)
-    spec = SimpleNamespace(priority=0, slo_class="interactive", ttft_slo_ms=0.0)
+    spec = SimpleNamespace(
+        priority=0, slo_class="interactive", ttft_slo_ms=0.0, tenant="default", tenant_weight=1.0
+    )
     got: list[int] = []
 
     async def consume(rid: str, max_tokens: int) -> None:

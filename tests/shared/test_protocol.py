@@ -11,7 +11,7 @@ import types
 import typing
 
 import pytest
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 import shared.protocol as protocol_pkg
 from shared.protocol.codec import decode, encode, encode_error
@@ -38,6 +38,8 @@ SAMPLES = {
         prompt_token_ids=[1, 2, 3],
         sampling=SamplingParams(max_tokens=5, temperature=0.5, seed=7, stop=["\n"]),
         images=[ImageRef(offset=1, length=2, hash="ab" * 32, source_addr="127.0.0.1:1")],
+        tenant="team-a",
+        tenant_weight=3.0,
     ),
     "PrefillWork": PrefillWork(
         request_id="r1",
@@ -133,3 +135,22 @@ def test_garbage_bytes_are_a_bad_request():
     with pytest.raises(StrataError) as exc:
         decode(b"\xc1\xc1", TokenChunk)
     assert exc.value.code == "bad_request"
+
+
+def test_work_item_tenant_defaults_and_weight_must_be_positive():
+    item = WorkItem(request_id="r", prompt_token_ids=[1], sampling=SamplingParams())
+    assert (item.tenant, item.tenant_weight) == ("default", 1.0)
+    with pytest.raises(ValidationError, match="tenant_weight"):
+        WorkItem(request_id="r", prompt_token_ids=[1], sampling=SamplingParams(), tenant_weight=0)
+
+
+def test_routed_submit_carries_the_tenant_to_either_instance():
+    from shared.protocol.sched import RouteReply, routed_submit
+
+    item = WorkItem(
+        request_id="r", prompt_token_ids=[1], sampling=SamplingParams(), tenant="t", tenant_weight=2
+    )
+    for prefill in ("p0", ""):
+        route = RouteReply(prefill_instance=prefill, decode_instance="d0", decode_addr="a")
+        _, work = routed_submit(item, route)
+        assert (work.tenant, work.tenant_weight) == ("t", 2.0)

@@ -1,0 +1,186 @@
+"""Per-tenant fair queuing: tenant B's TTFT when tenant A sends 10x B's request rate.
+
+    .venv/bin/python -m loadtests.bench_fairness [--rate-b 0.5] [--ratio 10] [--duration 30] \\
+        [--prompt-words 200] [--max-tokens 16] [--model DIR] [--json PATH]
+    # a running cluster, with fair queuing as it is set there (one mode):
+    .venv/bin/python -m loadtests.bench_fairness --url http://127.0.0.1:8000 \\
+        --key-a KEY_A --key-b KEY_B
+
+Without ``--url``, for each mode (fair queuing on, ``STRATA_FAIR_QUEUING=true``, and off,
+``false``: first come, first served within a priority class) it starts a cluster as
+``strata up --model DIR`` does (the shape this machine gets) with two API keys, tenant A
+(``env-0``) and tenant B (``env-1``), weight 1 each, and runs two phases of ``--duration``
+seconds: B alone at ``--rate-b`` requests/s (unloaded), then A at ``--ratio`` x that rate beside
+B (loaded). Arrivals are Poisson, prompts unique (no prefix hits), every request streamed and
+interactive. Prints one markdown table: B's TTFT p50 / p99 unloaded and loaded per mode, A's
+loaded TTFT, requests and errors per tenant, and the load average; ``--json`` writes the rows.
+With fair queuing, B's loaded TTFT should stay near its unloaded one while A's grows; without,
+B waits behind A's backlog. docs/benchmarks/fairness.md has the command and the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import time
+
+import httpx
+
+from loadtests.loadgen.workload import words
+
+KEY_A, KEY_B = "bench-fairness-key-a", "bench-fairness-key-b"
+
+
+async def send(cl: httpx.AsyncClient, model: str, key: str, prompt: str, max_tokens: int):
+    """(HTTP status, TTFT seconds or None) of one streamed completion."""
+    t0 = time.perf_counter()
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    headers = {"Authorization": f"Bearer {key}"}
+    try:
+        async with cl.stream("POST", "/v1/completions", json=body, headers=headers) as r:
+            if r.status_code != 200:
+                await r.aread()
+                return r.status_code, None
+            ttft = None
+            async for line in r.aiter_lines():
+                if ttft is None and line.startswith("data: ") and line != "data: [DONE]":
+                    ttft = time.perf_counter() - t0
+            return 200, ttft
+    except httpx.HTTPError:
+        return 0, None
+
+
+async def phase(
+    url: str, model: str, rates: dict[str, float], keys: dict[str, str], a: argparse.Namespace
+) -> dict[str, list[tuple[int, float | None]]]:
+    """Each tenant's Poisson stream at its rate for ``a.duration`` s; results by tenant."""
+    rng = random.Random(f"{a.seed}:{sorted(rates.items())}")
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
+    async with httpx.AsyncClient(base_url=url, timeout=a.timeout, limits=limits) as cl:
+        tasks: dict[str, list[asyncio.Task]] = {t: [] for t in rates}
+
+        async def tenant(name: str, rate: float) -> None:
+            t_end = time.perf_counter() + a.duration
+            while True:
+                await asyncio.sleep(rng.expovariate(rate))
+                if time.perf_counter() >= t_end:
+                    return
+                prompt = f"{name} " + " ".join(words(rng, a.prompt_words))  # unique
+                coro = send(cl, model, keys[name], prompt, a.max_tokens)
+                tasks[name].append(asyncio.create_task(coro))
+
+        await asyncio.gather(*(tenant(n, r) for n, r in rates.items()))
+        return {n: list(await asyncio.gather(*ts)) for n, ts in tasks.items()}
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+
+
+def summary(res: list[tuple[int, float | None]]) -> dict:
+    ttft = [t for s, t in res if s == 200 and t is not None]
+    return {
+        "requests": len(res),
+        "errors": sum(1 for s, _ in res if s != 200),
+        "ttft_p50_ms": round(pct(ttft, 0.5) * 1000, 1),
+        "ttft_p99_ms": round(pct(ttft, 0.99) * 1000, 1),
+    }
+
+
+def measure(url: str, model: str, keys: dict[str, str], a: argparse.Namespace) -> dict:
+    """The two phases on one cluster: B alone, then A at ratio x B beside it."""
+    alone = asyncio.run(phase(url, model, {"B": a.rate_b}, keys, a))
+    load = os.getloadavg()[0]
+    both = asyncio.run(phase(url, model, {"A": a.rate_b * a.ratio, "B": a.rate_b}, keys, a))
+    return {
+        "B_unloaded": summary(alone["B"]),
+        "B_loaded": summary(both["B"]),
+        "A_loaded": summary(both["A"]),
+        "load": round(max(load, os.getloadavg()[0]), 2),
+    }
+
+
+def with_cluster(model_dir: str, fair: bool, a: argparse.Namespace, log) -> dict:
+    from services.launcher import Cluster
+
+    env = {
+        "STRATA_API_KEYS": f"{KEY_A},{KEY_B}",
+        "STRATA_FAIR_QUEUING": "true" if fair else "false",
+    }
+    with Cluster(model_dir, log_stream=log, die_with_parent=True, env=env) as c:
+        model = os.path.basename(os.path.normpath(model_dir))
+        return measure(c.gateway_url, model, {"A": KEY_A, "B": KEY_B}, a)
+
+
+def table(rows: dict[str, dict]) -> str:
+    out = [
+        "| fair queuing | B TTFT p50 / p99 unloaded (ms) | B TTFT p50 / p99 loaded (ms) "
+        "| A TTFT p50 / p99 loaded (ms) | requests A / B (errors) | load |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for mode, r in rows.items():
+        bu, bl, al = r["B_unloaded"], r["B_loaded"], r["A_loaded"]
+        out.append(
+            f"| {mode} | {bu['ttft_p50_ms']} / {bu['ttft_p99_ms']} "
+            f"| {bl['ttft_p50_ms']} / {bl['ttft_p99_ms']} "
+            f"| {al['ttft_p50_ms']} / {al['ttft_p99_ms']} "
+            f"| {al['requests']} / {bl['requests']} ({al['errors']} / {bl['errors']}) "
+            f"| {r['load']} |"
+        )
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rate-b", type=float, default=0.5, help="tenant B's requests per second")
+    ap.add_argument("--ratio", type=float, default=10.0, help="tenant A's rate / B's")
+    ap.add_argument("--duration", type=float, default=30.0, help="seconds per phase")
+    ap.add_argument("--prompt-words", type=int, default=200, help="about the prompt's tokens")
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds one request may take")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", default="", help="checkpoint (default: the benchmark model)")
+    ap.add_argument("--url", default="", help="a running cluster's gateway (one mode only)")
+    ap.add_argument("--served-model", default="", help="--url: the model name to ask for")
+    ap.add_argument("--key-a", default="", help="--url: tenant A's API key")
+    ap.add_argument("--key-b", default="", help="--url: tenant B's API key")
+    ap.add_argument("--json", default="", help="also write the rows to this file")
+    ap.add_argument("--log", default=os.devnull, help="cluster logs (default: discarded)")
+    a = ap.parse_args(argv)
+    if a.rate_b <= 0 or a.ratio <= 0 or a.duration <= 0:
+        ap.error("--rate-b, --ratio and --duration must be > 0")
+    if a.url:
+        if not (a.key_a and a.key_b and a.served_model):
+            ap.error("--url needs --key-a, --key-b and --served-model")
+        keys = {"A": a.key_a, "B": a.key_b}
+        rows = {"as set on the cluster": measure(a.url, a.served_model, keys, a)}
+    else:
+        from loadtests.bench_peer import model_for
+
+        model_dir = os.path.abspath(a.model or model_for("25m"))
+        with open(a.log, "a") as log:
+            rows = {
+                "on": with_cluster(model_dir, True, a, log),
+                "off (FIFO)": with_cluster(model_dir, False, a, log),
+            }
+    print(table(rows))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"args": vars(a), "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
