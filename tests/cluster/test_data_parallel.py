@@ -41,7 +41,7 @@ def test_dp2_replicas_share_the_load_and_keep_prefix_affinity(default_model_dir)
         minio=False,
         torch_threads=1,
         # fresh load reports: the replica that served the prefix is idle again when asked
-        env={"STRATA_API_KEYS": API_KEY, "STRATA_LOAD_INTERVAL": "0.2"},
+        env={"STRATA_API_KEYS": API_KEY, "STRATA_LOAD_INTERVAL": "0.2", "STRATA_DOWN_AFTER": "8"},
     )
     try:
         assert c.names("decode") == ["decode-0", "decode-1"] and not c.names("prefill")

@@ -25,7 +25,7 @@ from tests.cluster.conftest import API_KEY, AUTH, scrape, start_cluster
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 STREAMS = 20
-MAX_TOKENS = 160
+MAX_TOKENS = 320  # streams outlast the serial prefill of all 20 prompts
 
 
 def prompts() -> list[list[dict]]:
@@ -84,7 +84,13 @@ def failover_cluster(model_dir: str) -> Iterator[tuple[Cluster, str]]:
         vision=0,
         minio=False,
         torch_threads=1,
-        env={"STRATA_STALL_TIMEOUT": "10", "STRATA_API_KEYS": API_KEY},
+        # fresh load reports: the kill waits for decode-0's running gauge (updated with them)
+        env={
+            "STRATA_STALL_TIMEOUT": "10",
+            "STRATA_API_KEYS": API_KEY,
+            "STRATA_LOAD_INTERVAL": "0.1",
+            "STRATA_DOWN_AFTER": "15",  # still declared down 1.5 s after its last report
+        },
     )
     try:
         live = 0.0
@@ -184,7 +190,7 @@ def test_kill_decode_during_20_streams_all_complete_identically(default_model_di
                 progress,
                 min_progress=2,
                 poll_s=0.05,
-                until=lambda: running(c, "decode-0") >= 1,  # it holds streams when killed
+                until=lambda: running(c, "decode-0") >= 2,  # it holds streams when killed
                 limits=httpx.Limits(max_connections=STREAMS),
             )
         )
