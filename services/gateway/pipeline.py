@@ -24,6 +24,7 @@ from nats.aio.client import Client as NATS
 from services.gateway import metrics as m
 from services.gateway.assembly import Failover, StreamAssembler
 from services.gateway.config import GatewayConfig
+from services.gateway.constraints import constraint_error
 from services.gateway.core import GenerateSpec, block_hashes, sampling_for
 from shared import bus
 from shared.protocol import subjects
@@ -133,6 +134,8 @@ class Pipeline:
             request_id=rid,
             truncate_prompt_tokens=r.truncate_prompt_tokens,
             bad_words=list(r.bad_words or []),
+            constraint=spec.constraint,  # compiled (validated) by the tokenizer, not here
+            constraint_param=spec.constraint_param,
         )
         if r.add_special_tokens is not None:
             common["add_special_tokens"] = r.add_special_tokens
@@ -166,7 +169,10 @@ class Pipeline:
                     bus.request(self.nc, subjects.VISION_ENCODE, vreq, VisionEncodeReply, timeout)
                 )
             )
-        results = await asyncio.gather(*calls)
+        try:
+            results = await asyncio.gather(*calls)
+        except StrataError as exc:
+            raise constraint_error(exc, spec.constraint_param) from None
         tok, tok_win = results[0]
         m.TOKENIZE.observe(tok_win[1] - tok_win[0])
         refs: list[ImageRef] = []
