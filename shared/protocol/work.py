@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Literal
 
+from pydantic import Field
+
 from shared.protocol.base import Msg
 from shared.protocol.sampling import SamplingParams
 
@@ -32,6 +34,10 @@ class WorkItem(Msg):
     # Which route of the request this is (0, then +1 per failover). Chunks carry it back, and a
     # failover's cancel names it: a straggler of an abandoned route cannot end the new one.
     attempt: int = 0
+    # The instance id of the gateway that owns the stream: decode sends its chunks batched on
+    # ``strata.gw.<gateway_id>.out`` (`subjects.gw_out`); "" (an older gateway): one message
+    # per chunk on ``strata.req.<request_id>.out``.
+    gateway_id: str = Field("", pattern=r"^[A-Za-z0-9_-]{0,128}$")
 
     @property
     def engine_id(self) -> str:
