@@ -33,6 +33,22 @@ def test_importing_the_gateway_imports_no_torch(module):
     assert r.returncode == 0, r.stderr[-2000:]
 
 
+def test_the_gateway_reads_a_checkpoint_without_torch():
+    """What the gateway loads of a checkpoint at start (tokenizer, tool-call syntax, token
+    speller, whether it takes images) imports no torch either."""
+    model = ensure_model("")  # builds it here if missing (that needs torch; the child does not)
+    code = (
+        "import sys; from services.gateway.app import model_text, needs_vision, token_speller; "
+        "from services.gateway.config import GatewayConfig; "
+        f"cfg = GatewayConfig.load([], role='gateway', model={model!r}); "
+        "text = model_text(cfg.model); token_speller(cfg.model)(5); needs_vision(cfg); "
+        "assert text['tokenizer'] is not None; "
+        "bad = [m for m in ('torch', 'xgrammar') if m in sys.modules]; assert not bad, bad"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
 @pytest.fixture(scope="module")
 def core():
     return TokenizerCore(ensure_model(""))
