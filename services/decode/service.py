@@ -12,16 +12,15 @@ import logging
 
 from nats.aio.client import Client as NATS
 
-from shared import bus
 from shared.engine.port_types import Tenant
-from shared.protocol import subjects
 from shared.protocol.errors import StrataError
 from shared.protocol.stream import TokenChunk, Usage
 from shared.protocol.work import DecodeWork
 from shared.worker.images import fetch_mm_inputs
 from shared.worker.kv_metrics import KV_RECEIVED_BYTES, count_fallback
 from shared.worker.kv_wire import KVReceiver, PagedSink, TransferFailed
-from shared.worker.runtime import REQUESTS_FAILED, ModelRuntime, publish_error
+from shared.worker.outbox import Outbox
+from shared.worker.runtime import REQUESTS_FAILED, ModelRuntime, error_chunk
 from shared.worker.service import RequestTasks
 
 log = logging.getLogger(__name__)
@@ -30,6 +29,7 @@ log = logging.getLogger(__name__)
 class DecodeService(RequestTasks):
     def __init__(self, rt: ModelRuntime, nc: NATS):
         super().__init__(rt, nc)
+        self.outbox = Outbox(nc, "decode")  # one message per gateway per step
         spec = rt.port.kv_spec
         self.receiver = KVReceiver(
             rt.fingerprint,
@@ -90,26 +90,23 @@ class DecodeService(RequestTasks):
                     attempt=item.attempt,
                 )
                 index += len(out.new_token_ids)
-                await bus.publish(self.nc, subjects.req_out(rid), chunk)
+                self.outbox.send(chunk, item.gateway_id)
         except asyncio.CancelledError:
             log.info("decode of %s cancelled", eid)
             port.abort(eid)
-            await bus.publish(
-                self.nc,
-                subjects.req_out(rid),
-                TokenChunk(
-                    request_id=rid,
-                    index=index,
-                    finish_reason="abort",
-                    instance_id=self.instance_id,
-                    attempt=item.attempt,
-                ),
+            abort = TokenChunk(
+                request_id=rid,
+                index=index,
+                finish_reason="abort",
+                instance_id=self.instance_id,
+                attempt=item.attempt,
             )
+            self.outbox.send(abort, item.gateway_id)
         except Exception as exc:  # noqa: BLE001 - the request fails; the service does not
             REQUESTS_FAILED.labels("decode").inc()
             log.warning("decode of %s failed: %s", eid, exc)
             port.abort(eid)
-            await publish_error(self.nc, rid, exc, self.instance_id, item.attempt)
+            self.outbox.send(error_chunk(rid, exc, self.instance_id, item.attempt), item.gateway_id)
 
     async def _start(self, item: DecodeWork, mm, emitted: list[int]):
         """(engine output stream, whether the prompt was prefilled elsewhere): from pushed KV

@@ -45,21 +45,16 @@ def token_speller(model_dir: str):
 
 
 def model_text(model_dir: str) -> dict:
-    """What the gateway needs of the checkpoint's text side: the tokenizer (token strings),
-    a grammar cache to validate structured-output constraints before anything goes on the bus,
-    and the family's tool-call syntax. Empty without a checkpoint (the engine still validates)."""
+    """What the gateway needs of the checkpoint's text side: the tokenizer (token strings) and
+    the family's tool-call syntax; empty without a checkpoint. No grammar compiler: that needs
+    torch, which the gateway does not import (the tokenizer service validates constraints)."""
     if not model_dir:
         return {}
     from services.gateway.tools import tool_format
-    from shared.engine.structured import GrammarCache, tokenizer_info
-    from shared.model.config import load_config
     from shared.model.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(model_dir)
-    config = load_config(model_dir)
-    eos = set(config.eos_token_ids or ()) | tok.eos_token_ids
-    grammars = GrammarCache(tokenizer_info(tok, config.vocab_size, eos))
-    return {"tokenizer": tok, "grammars": grammars, "tool_format": tool_format(tok.chat_template)}
+    return {"tokenizer": tok, "tool_format": tool_format(tok.chat_template)}
 
 
 def bind_http(host: str, port: int) -> socket.socket:

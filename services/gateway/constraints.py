@@ -2,9 +2,10 @@
 ``structured_outputs`` object, or a tool choice that must call a tool, as one `StructuredSpec`.
 
 At most one source may be given (two are a 400 naming both); ``response_format: text`` and
-``tool_choice: none/auto`` add none. The spec is compiled (and so validated) by the gateway's
-`GrammarCache` before anything goes on the bus: an invalid, unsupported, too big or too slow
-schema is a 400 naming the problem (`check_constraint`).
+``tool_choice: none/auto`` add none. The gateway imports no torch, so it compiles no grammar: the
+spec rides the `TokenizeRequest` and the tokenizer service compiles (and so validates) it before
+tokenizing; an invalid, unsupported, too big or too slow one comes back as a ``bad_request``
+``"<param>: <problem>"`` that `constraint_error` turns into the 400 naming ``param``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from typing import Any
 
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from services.gateway.tools import tool_choice_spec
-from shared.engine.structured import GrammarCache, GrammarError
 from shared.protocol.errors import StrataError
 from shared.protocol.sampling import StructuredSpec
 
@@ -109,9 +109,9 @@ def request_constraint(
     return sources[0] if sources else None
 
 
-def check_constraint(spec: StructuredSpec, cache: GrammarCache, param: str) -> None:
-    """Compile ``spec`` (cached); a 400 naming ``param`` and the problem when it cannot be."""
-    try:
-        cache.get(spec)
-    except GrammarError as exc:
-        raise ConstraintError(f"{param}: {exc}", param) from None
+def constraint_error(exc: StrataError, param: str) -> StrataError:
+    """The tokenizer's answer to a bad constraint (a ``bad_request`` starting with ``param``)
+    as the 400 that names ``param``; any other error as it is."""
+    if param and exc.code == "bad_request" and exc.message.startswith(f"{param}: "):
+        return ConstraintError(exc.message, param)
+    return exc

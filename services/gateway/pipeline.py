@@ -8,6 +8,12 @@ submit or its stream stalls, the request is re-routed with that instance exclude
 a dead prefill instance is excluded, not the decode one, so the scheduler picks another prefill
 or lets decode prefill) and resubmitted with the tokens already sent, so the caller sees one
 uninterrupted stream. Closing the stream before it finished publishes `strata.req.<id>.cancel`.
+
+Chunks arrive two ways: decode batches one engine step's chunks of every request this gateway
+owns into one `TokenChunkBatch` on ``strata.gw.<instance_id>.out`` (the `WorkItem` names this
+gateway: ``gateway_id``), which `Pipeline` demultiplexes into the requests' queues; prefill's
+first token, errors of prefill and old instances use the request's ``strata.req.<id>.out``.
+Both feed the same `StreamAssembler`, so dedup by index and failover do not care which.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -24,6 +31,7 @@ from nats.aio.client import Client as NATS
 from services.gateway import metrics as m
 from services.gateway.assembly import Failover, StreamAssembler
 from services.gateway.config import GatewayConfig
+from services.gateway.constraints import constraint_error
 from services.gateway.core import GenerateSpec, block_hashes, sampling_for
 from shared import bus
 from shared.protocol import subjects
@@ -31,7 +39,7 @@ from shared.protocol.codec import decode
 from shared.protocol.errors import StrataError
 from shared.protocol.sampling import SamplingParams
 from shared.protocol.sched import DegradeRules, RouteReply, RouteRequest, SchedulerState
-from shared.protocol.stream import Cancel, TokenChunk
+from shared.protocol.stream import Cancel, TokenChunk, TokenChunkBatch
 from shared.protocol.tok import TokenizeReply, TokenizeRequest
 from shared.protocol.vision import VisionEncodeReply, VisionEncodeRequest
 from shared.protocol.work import HeldQuery, HeldReply, ImageRef, SubmitAck, WorkItem
@@ -50,6 +58,8 @@ class _Down:
 class _Lost:
     """Queue item: this gateway's NATS connection dropped (chunks sent meanwhile are lost)."""
 
+
+_SUBJECT_TOKEN = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
 NATS_LOST = "gateway lost its NATS connection mid-stream (the stream cannot continue; retry)"
 
@@ -79,8 +89,16 @@ class Pipeline:
         self._watchers: dict[str, set[asyncio.Queue]] = {}
         self._cancel_cbs: dict[str, Callable[[bytes], None]] = {}
         self._open: set[asyncio.Queue] = set()  # every stream's queue, for `nats_lost`
+        self._streams: dict[str, asyncio.Queue] = {}  # request id -> queue (batched chunks)
+        # Decode batches chunks to ``strata.gw.<gateway_id>.out``; an id that cannot be one
+        # subject token leaves every request on its own ``strata.req.<id>.out``.
+        iid = cfg.instance_id
+        self.gateway_id = iid if _SUBJECT_TOKEN.fullmatch(iid) else ""
+        if iid and not self.gateway_id:
+            log.warning("instance id %r is not a subject token: chunks come unbatched", iid)
         self._sub = None
         self._cancel_sub = None
+        self._out_sub = None
 
     async def start(self) -> None:
         async def on_state(msg) -> None:
@@ -100,13 +118,26 @@ class Pipeline:
             if cb is not None:
                 cb(msg.data)
 
+        async def on_batch(msg) -> None:
+            try:
+                batch = decode(msg.data, TokenChunkBatch)
+            except (StrataError, ValueError):  # a peer bug: its streams stall and fail over
+                log.warning("dropping a malformed chunk batch on %s", msg.subject)
+                return
+            for chunk in batch.chunks:
+                q = self._streams.get(chunk.request_id)
+                if q is not None:  # else: a stream that ended (stragglers are dropped anyway)
+                    q.put_nowait(chunk)
+
         self._sub = await self.nc.subscribe(subjects.SCHED_STATE, cb=on_state)
+        if self.gateway_id:
+            self._out_sub = await self.nc.subscribe(subjects.gw_out(self.gateway_id), cb=on_batch)
         # One subscription for every request's cancel subject (cancels are rare; a per-request
         # SUB/UNSUB pair would sit on every request's path).
         self._cancel_sub = await self.nc.subscribe(subjects.REQ_CANCEL_ALL, cb=on_cancel)
 
     async def stop(self) -> None:
-        for sub in (self._sub, self._cancel_sub):
+        for sub in (self._sub, self._cancel_sub, self._out_sub):
             if sub is not None:
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()
@@ -133,6 +164,8 @@ class Pipeline:
             request_id=rid,
             truncate_prompt_tokens=r.truncate_prompt_tokens,
             bad_words=list(r.bad_words or []),
+            constraint=spec.constraint,  # compiled (validated) by the tokenizer, not here
+            constraint_param=spec.constraint_param,
         )
         if r.add_special_tokens is not None:
             common["add_special_tokens"] = r.add_special_tokens
@@ -166,7 +199,10 @@ class Pipeline:
                     bus.request(self.nc, subjects.VISION_ENCODE, vreq, VisionEncodeReply, timeout)
                 )
             )
-        results = await asyncio.gather(*calls)
+        try:
+            results = await asyncio.gather(*calls)
+        except StrataError as exc:
+            raise constraint_error(exc, spec.constraint_param) from None
         tok, tok_win = results[0]
         m.TOKENIZE.observe(tok_win[1] - tok_win[0])
         refs: list[ImageRef] = []
@@ -230,6 +266,7 @@ class Pipeline:
         # before the route request goes out, in the same write to the server.
         sub = await self.nc.subscribe(subjects.req_any(rid), cb=on_msg)
         self._open.add(q)
+        self._streams[rid] = q
         asm = StreamAssembler(self.cfg.max_failovers)
         finished = False  # the consumer took the last chunk
         watched: list[str] = []
@@ -258,6 +295,8 @@ class Pipeline:
                 await self.cancel(rid, f"failover from {fo.instance}: {fo.why}", asm.attempt)
         finally:
             self._open.discard(q)
+            if self._streams.get(rid) is q:
+                del self._streams[rid]
             self._unwatch(q, watched)
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
@@ -291,6 +330,7 @@ class Pipeline:
             attempt=attempt,
             tenant=spec.tenant,
             tenant_weight=spec.tenant_weight,
+            gateway_id=self.gateway_id,
         )
         req = RouteRequest(
             request_id=rid,
@@ -383,6 +423,14 @@ class Pipeline:
                     continue
                 yield fo
                 return
+            if isinstance(msg, TokenChunk):  # demultiplexed from a batch (`start`)
+                out = asm.chunk(msg)
+                if out is None:
+                    continue
+                yield out
+                if asm.finished:
+                    return
+                continue
             if msg.subject == ack_subject:
                 if asm.acked:
                     continue

@@ -25,7 +25,6 @@ from services.gateway.audit import AuditEntry, AuditLog
 from services.gateway.audit import now as audit_now
 from services.gateway.auth import Auth
 from services.gateway.config import GatewayConfig
-from services.gateway.constraints import check_constraint
 from services.gateway.core import ApiError, GenerateSpec, admit, build_spec, validation_error
 from services.gateway.images import load_image
 from services.gateway.pipeline import Pipeline, Prepared
@@ -36,7 +35,6 @@ from services.gateway.schemas import DetokenizeBody, TokenizeBody, dump_messages
 from services.gateway.tenants import Tenants
 from services.gateway.tools import ToolStream, parses_tools
 from shared import bus
-from shared.engine.structured import GrammarCache
 from shared.protocol import subjects
 from shared.protocol.codec import decode
 from shared.protocol.errors import StrataError
@@ -69,7 +67,6 @@ class GatewayService:
         token_str: Callable[[int], str],
         readiness: Readiness,
         tokenizer=None,
-        grammars: GrammarCache | None = None,
         tool_format: str = "hermes",
         tenants: Tenants | None = None,
     ):
@@ -80,7 +77,6 @@ class GatewayService:
         self.token_str = token_str
         self.readiness = readiness
         self.tokenizer = tokenizer  # the checkpoint's; None without one (detokenize: the service)
-        self.grammars = grammars  # validates constraints here; None: the engine does
         self.tool_format = tool_format
         self.audit: AuditLog | None = None  # set by the app (services.gateway.audit)
         self.audit_task: asyncio.Task | None = None  # its JetStream publisher
@@ -146,10 +142,6 @@ class GatewayService:
         if self.prefilter is not None:  # before tokenization: a refused prompt costs no GPU work
             body = self.prefilter.body(body)
         spec = build_spec(kind, body, self.cfg, self.served_model, headers, self.tool_format)
-        if spec.constraint is not None and self.grammars is not None:
-            await asyncio.to_thread(
-                check_constraint, spec.constraint, self.grammars, spec.constraint_param
-            )
         admit(spec, self.pipeline.degrade_level, self.pipeline.degrade_rules)
         cache_wanted = response_cache.wanted(spec.request, headers)  # a bad header: 400 here
         tenant, weight = self.tenants.of(policy, who.get("client", ""))

@@ -51,6 +51,7 @@ _EVENTS_STREAM = [  # the KV-events stream exists, with its limits (publishing i
     f"$JS.API.STREAM.UPDATE.{s.KV_EVENTS_STREAM}",
 ]
 _REQ_OUT = f"{_P}.req.*.out"
+_GW_OUT = s.gw_out("*")  # one decode step's chunks for one gateway (`TokenChunkBatch`)
 _KV_EVENTS = f"{_P}.kv.events.*"
 
 # role -> (publish, subscribe); every user also subscribes `_INBOX.<user>.>`.
@@ -78,6 +79,7 @@ _TABLE: dict[str, tuple[list[str], list[str]]] = {
             s.API_CANCEL,
             s.SCHED_STATE,
             f"{_P}.req.*.*",
+            _GW_OUT,  # one user for every gateway instance: each subscribes only its own id
         ],
     ),
     "tokenizer": ([], [s.TOK_ENCODE, s.TOK_DECODE, s.TOK_PING]),
@@ -99,11 +101,18 @@ _TABLE: dict[str, tuple[list[str], list[str]]] = {
         [s.admin("kvstore", "*")],
     ),
     "prefill": (
-        [s.load_report("prefill", "*"), _KV_EVENTS, _REQ_OUT, s.decode_submit("*"), *_REGISTRY],
+        [
+            s.load_report("prefill", "*"),
+            _KV_EVENTS,
+            _REQ_OUT,
+            _GW_OUT,
+            s.decode_submit("*"),
+            *_REGISTRY,
+        ],
         [s.prefill_submit("*"), s.REQ_CANCEL_ALL, s.work_probe("*")],
     ),
     "decode": (
-        [s.load_report("decode", "*"), _KV_EVENTS, _REQ_OUT, *_REGISTRY],
+        [s.load_report("decode", "*"), _KV_EVENTS, _REQ_OUT, _GW_OUT, *_REGISTRY],
         [s.decode_submit("*"), s.REQ_CANCEL_ALL, s.work_probe("*")],
     ),
 }

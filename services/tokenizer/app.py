@@ -25,6 +25,12 @@ class TokenizerConfig(ServiceConfig):
     model: str = Field(..., min_length=1, description="Checkpoint directory (tokenizer + config)")
     dtype: str = Field("", description="KV dtype the engines run (default: checkpoint dtype)")
     block_size: int = Field(16, ge=1, description="KV block size the engines use (for hashes)")
+    grammar_timeout: float = Field(
+        5.0,
+        gt=0,
+        description="Longest a structured-output constraint may take to compile (a 400 after); "
+        "keep it under the gateway's bus_timeout",
+    )
 
 
 async def serve_tokenizer(nc, core: TokenizerCore):
@@ -54,7 +60,7 @@ def main(argv: list[str]) -> None:
         log.warning(info.context_note)
 
     async def amain(stop: asyncio.Event) -> None:
-        core = TokenizerCore(cfg.model, cfg.dtype, cfg.block_size)
+        core = TokenizerCore(cfg.model, cfg.dtype, cfg.block_size, cfg.grammar_timeout)
         metrics.serve_metrics(cfg.metrics_port, cfg.metrics_bind)
         metrics.SERVICE_INFO.labels("tokenizer", cfg.instance_id).set(1)
         nc = await bus.connect(cfg.nats_url, f"tokenizer-{cfg.instance_id}")

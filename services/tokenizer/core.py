@@ -1,7 +1,9 @@
 """Pure tokenizer core: chat messages / prompts -> token ids with image placeholders expanded.
 
 No NATS here; `TokenizerCore.encode` takes and returns the bus messages so the handler is a
-one-liner and tests call it directly.
+one-liner and tests call it directly. A request's output constraint (``constraint``) is compiled
+here first, against this checkpoint's vocabulary: the gateway imports no torch (xgrammar needs
+it), so this is where a bad JSON schema, regex or grammar becomes the 400 naming it.
 """
 
 from __future__ import annotations
@@ -10,12 +12,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from shared.engine.structured import GrammarCache, GrammarError, GrammarLimits, tokenizer_info
 from shared.model.config import load_config, parse_dtype
 from shared.model.image import expand_image_placeholders
 from shared.model.loader import model_fingerprint
 from shared.model.tokenizer import Tokenizer
 from shared.protocol.dtypes import dtype_name
 from shared.protocol.errors import StrataError
+from shared.protocol.sampling import StructuredSpec
 from shared.protocol.tok import (
     DetokenizeReply,
     DetokenizeRequest,
@@ -31,7 +35,13 @@ _TEXT_PART_TYPES = ("text", "input_text")
 class TokenizerCore:
     """Tokenizes for one checkpoint and says what the gateway needs for block hashing."""
 
-    def __init__(self, model_dir: str | Path, dtype: str = "", block_size: int = 16):
+    def __init__(
+        self,
+        model_dir: str | Path,
+        dtype: str = "",
+        block_size: int = 16,
+        grammar_timeout: float = 5.0,
+    ):
         path = Path(model_dir)
         self.tokenizer = Tokenizer.from_dir(path)
         self.config = load_config(path)
@@ -51,9 +61,21 @@ class TokenizerCore:
             self.image_text = None  # a text-only checkpoint: image parts are refused
         eos = set(self.config.eos_token_ids) | set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = sorted(eos)
+        info = tokenizer_info(self.tokenizer, self.config.vocab_size, self.eos_token_ids)
+        self.grammars = GrammarCache(info, GrammarLimits(compile_timeout_s=grammar_timeout))
+
+    def check_constraint(self, spec: StructuredSpec, param: str) -> None:
+        """Compile ``spec`` (cached); a ``bad_request`` ``"<param>: <problem>"`` when it cannot
+        be (invalid, unsupported, too big or too slow to compile)."""
+        try:
+            self.grammars.get(spec)
+        except GrammarError as exc:
+            raise StrataError("bad_request", f"{param}: {exc}") from None
 
     def encode(self, req: TokenizeRequest) -> TokenizeReply:
         started = time.time()
+        if req.constraint is not None:  # first, as the gateway did before it dropped torch
+            self.check_constraint(req.constraint, req.constraint_param or "constraint")
         given = [x is not None for x in (req.messages, req.prompt, req.prompt_token_ids)]
         if sum(given) != 1:
             raise StrataError(

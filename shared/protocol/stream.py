@@ -1,4 +1,6 @@
-"""`strata.req.<id>.out` (token stream to the gateway) and `strata.req.<id>.cancel`."""
+"""`strata.req.<id>.out` (one request's token stream to the gateway), `strata.gw.<id>.out`
+(one engine step's chunks of every request a gateway owns, batched) and `strata.req.<id>.cancel`.
+"""
 
 from __future__ import annotations
 
@@ -33,6 +35,14 @@ class TokenChunk(Msg):
     error: ErrorInfo | None = None
     instance_id: str = ""
     attempt: int = 0  # the `WorkItem.attempt` (route) this chunk belongs to
+
+
+class TokenChunkBatch(Msg):
+    """`strata.gw.<gateway_id>.out`: one decode step's chunks of the requests that gateway owns,
+    one message instead of one per request; each chunk is exactly what ``strata.req.<id>.out``
+    would carry (index-numbered, so dedup and failover work the same)."""
+
+    chunks: list[TokenChunk]
 
 
 class Cancel(Msg):

@@ -63,6 +63,12 @@ def req_out(request_id: str) -> str:
     return f"{PREFIX}.req.{request_id}.out"
 
 
+def gw_out(gateway_id: str) -> str:
+    """Token streams of every request one gateway owns (`WorkItem.gateway_id`), back to it: a
+    decode instance publishes one `TokenChunkBatch` per gateway per engine step here."""
+    return f"{PREFIX}.gw.{gateway_id}.out"
+
+
 def req_cancel(request_id: str) -> str:
     return f"{PREFIX}.req.{request_id}.cancel"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from shared.protocol.base import Msg
+from shared.protocol.sampling import StructuredSpec
 
 
 class TokenizeRequest(Msg):
@@ -27,6 +28,11 @@ class TokenizeRequest(Msg):
     truncate_prompt_tokens: int | None = None
     # vLLM's ``bad_words``: each is tokenized (with and without a leading space) for the reply
     bad_words: list[str] = []
+    # The request's output constraint, compiled here before anything else (the gateway imports
+    # no torch, so no grammar compiler): a bad one is a ``bad_request`` whose message starts
+    # with ``constraint_param + ": "`` (the request field it came from)
+    constraint: StructuredSpec | None = None
+    constraint_param: str = ""
 
 
 class ImageSpan(Msg):

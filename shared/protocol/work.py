@@ -39,6 +39,10 @@ class WorkItem(Msg):
     # their tenants' weighted shares (`shared/engine/fair_queue.py`).
     tenant: str = "default"
     tenant_weight: float = Field(1.0, gt=0)
+    # The instance id of the gateway that owns the stream: decode sends its chunks batched on
+    # ``strata.gw.<gateway_id>.out`` (`subjects.gw_out`); "" (an older gateway): one message
+    # per chunk on ``strata.req.<request_id>.out``.
+    gateway_id: str = Field("", pattern=r"^[A-Za-z0-9_-]{0,128}$")
 
     @property
     def engine_id(self) -> str:

@@ -282,9 +282,16 @@ async def publish_error(
     nc: NATS, request_id: str, err: Exception, instance_id: str, attempt: int = 0
 ) -> None:
     """Tell the gateway a request failed here, with a typed error it can map to a status."""
+    chunk = error_chunk(request_id, err, instance_id, attempt)
+    await bus.publish(nc, subjects.req_out(request_id), chunk)
+
+
+def error_chunk(request_id: str, err: Exception, instance_id: str, attempt: int) -> TokenChunk:
+    """The final chunk of a request that failed here: a typed error (an unknown exception is
+    ``internal``) the gateway maps to a status."""
     if not isinstance(err, StrataError):
         err = StrataError("internal", f"{type(err).__name__}: {err}")
-    chunk = TokenChunk(
+    return TokenChunk(
         request_id=request_id,
         index=0,
         finish_reason="abort",
@@ -292,7 +299,6 @@ async def publish_error(
         instance_id=instance_id,
         attempt=attempt,
     )
-    await bus.publish(nc, subjects.req_out(request_id), chunk)
 
 
 async def subscribe_cancels(nc: NATS, on_cancel) -> None:

@@ -21,7 +21,7 @@ from shared.protocol.sched import (
     RouteRequest,
     routed_submit,
 )
-from shared.protocol.stream import Cancel, TokenChunk, Usage
+from shared.protocol.stream import Cancel, TokenChunk, TokenChunkBatch, Usage
 from shared.protocol.tok import (
     DetokenizeReply,
     DetokenizeRequest,
@@ -51,6 +51,7 @@ class Peers:
         self.subs = []
         self.role_subs: dict[str, list] = {}
         self.script: list[str] | None = None  # texts decode emits instead of "t<i> " (then stops)
+        self.batches = 0  # `TokenChunkBatch` messages the batched decodes sent
         self.fingerprint = "fp"  # the model fingerprint the tokenizer reports
 
     async def start(self, roles: tuple[str, ...] = ROLES) -> Peers:
@@ -96,8 +97,16 @@ class Peers:
         resend: bool = False,
         gap: float = 0.0,
         refuse: bool = False,
+        batched: bool = False,
     ) -> None:
-        self.decodes[inst] = {"stall_after": stall_after, "resend": resend, "gap": gap}
+        """``batched``: chunks go as decode sends them, in a `TokenChunkBatch` on the owning
+        gateway's ``strata.gw.<id>.out`` (counted in ``batches``), not on the request's own."""
+        self.decodes[inst] = {
+            "stall_after": stall_after,
+            "resend": resend,
+            "gap": gap,
+            "batched": batched,
+        }
         self.alive.append(inst)
 
         async def submit(item: DecodeWork) -> SubmitAck:
@@ -217,5 +226,10 @@ class Peers:
                 instance_id=inst,
                 attempt=item.attempt,
             )
-            await bus.publish(self.nc, subjects.req_out(item.request_id), chunk)
+            if b["batched"] and item.gateway_id:
+                batch = TokenChunkBatch(chunks=[chunk])
+                await bus.publish(self.nc, subjects.gw_out(item.gateway_id), batch)
+                self.batches += 1
+            else:
+                await bus.publish(self.nc, subjects.req_out(item.request_id), chunk)
             await asyncio.sleep(0)

@@ -149,10 +149,13 @@ async def test_disconnect_publishes_cancel(nats_url):
         assert rid in peers.cancels
 
 
-async def test_failover_dedupes_indices(nats_url):
-    async with gateway(nats_url, decodes=(), stall_timeout=0.3) as (url, peers, _):
-        await peers.add_decode("dec-a", stall_after=2)
-        await peers.add_decode("dec-b", resend=True)
+@pytest.mark.parametrize("batched", [False, True], ids=["per-request", "per-gateway"])
+async def test_failover_dedupes_indices(nats_url, batched):
+    """Chunks on the request's subject or batched on the gateway's (`TokenChunkBatch`, as
+    decode sends them): a resumed instance's repeats are dropped by index either way."""
+    async with gateway(nats_url, decodes=(), stall_timeout=0.3) as (url, peers, service):
+        await peers.add_decode("dec-a", stall_after=2, batched=batched)
+        await peers.add_decode("dec-b", resend=True, batched=batched)
         async with httpx.AsyncClient(base_url=url) as c:
             r = await c.post(
                 "/v1/completions",
@@ -164,6 +167,9 @@ async def test_failover_dedupes_indices(nats_url):
         assert [i.output_token_ids for i in peers.items] == [[], [100, 101]]
         assert peers.routes[1].exclude == ["dec-a"]
         assert peers.items[0].request_id in peers.cancels  # the stalled instance is told to stop
+        gw = service.pipeline.gateway_id
+        assert gw and {i.gateway_id for i in peers.items} == {gw}
+        assert peers.batches == (2 + 5 if batched else 0)  # dec-b resent 2 of its 5
 
 
 async def test_route_and_submit_in_one_hop(nats_url):

@@ -9,11 +9,10 @@ import json
 import pytest
 
 from services.gateway.config import GatewayConfig
-from services.gateway.constraints import check_constraint
+from services.gateway.constraints import constraint_error
 from services.gateway.core import ApiError, build_spec, sampling_for
 from services.gateway.schemas import ChatCompletionRequest, dump_messages
 from services.gateway.tools import HERMES, LLAMA3, ToolStream, parse_tool_calls, tool_format
-from shared.engine.structured import GrammarCache, tokenizer_info
 from shared.protocol.errors import StrataError
 
 CFG = GatewayConfig()
@@ -101,17 +100,22 @@ def test_bad_requests_name_the_field():
     assert sampling_for(ok, 5, 100, CFG).logit_bias == {7: -100.0}
 
 
-def test_invalid_schema_is_a_400_naming_the_problem(tmp_path):
+def test_invalid_schema_is_a_400_naming_the_problem():
+    """The tokenizer compiles the constraint (the gateway has no torch); its bad_request
+    becomes the gateway's 400 naming the field (`constraint_error`)."""
     from services.cluster_config import ensure_model
-    from shared.model.tokenizer import Tokenizer
+    from services.tokenizer.core import TokenizerCore
 
-    tok = Tokenizer.from_dir(ensure_model(""))
-    cache = GrammarCache(tokenizer_info(tok, 2240, [2]))
+    core = TokenizerCore(ensure_model(""))
     spec = _spec(guided_json={"type": "object", "properties": {"a": {"type": "nosuchtype"}}})
     with pytest.raises(StrataError) as exc:
-        check_constraint(spec.constraint, cache, spec.constraint_param)
-    assert exc.value.http_status == 400 and exc.value.message.startswith("guided_json: invalid")
-    check_constraint(_spec(guided_json=SCHEMA).constraint, cache, "guided_json")
+        core.check_constraint(spec.constraint, spec.constraint_param)
+    err = constraint_error(exc.value, spec.constraint_param)
+    assert getattr(err, "param", None) == "guided_json"
+    assert err.http_status == 400 and err.message.startswith("guided_json: invalid")
+    core.check_constraint(_spec(guided_json=SCHEMA).constraint, "guided_json")
+    other = StrataError("bad_request", "prompt: token id 9 is not in the vocabulary")
+    assert constraint_error(other, "guided_json") is other  # not about the constraint
 
 
 def test_tool_format_from_template():
