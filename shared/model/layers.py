@@ -138,12 +138,21 @@ def _pack(w: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def _pack_native(w: torch.Tensor, b: torch.Tensor | None) -> cpu_kernels.PackedLinear | None:
+def _pack_native(
+    w: torch.Tensor, b: torch.Tensor | None
+) -> tuple[cpu_kernels.PackedLinear | None, str]:
+    """``(w packed for the native GEMM, "")``, or ``(None, why not)`` (a
+    `cpu_kernels.fallback` reason; "" off the CPU, where there is no native kernel)."""
+    if w.device.type != "cpu":
+        return None, ""
     if not (PACK_CPU_GEMM and NATIVE_CPU_GEMM):
-        return None
-    if b is not None and (b.dtype != w.dtype or b.device != w.device):
-        return None
-    return cpu_kernels.pack_linear(w)
+        return None, "disabled"
+    if w.dtype != torch.float32 or (b is not None and b.dtype != w.dtype):
+        return None, "dtype"
+    if b is not None and b.device != w.device:
+        return None, "layout"
+    packed = cpu_kernels.pack_linear(w)
+    return packed, "" if packed is not None else cpu_kernels.off_reason() or "shape"
 
 
 class Gemm:
@@ -155,17 +164,25 @@ class Gemm:
 
     def __init__(self, w: torch.Tensor, b: torch.Tensor | None):
         self.w, self.b = w, b
-        self.key = (w.data_ptr(), w._version, None if b is None else b._version)
-        self.native = _pack_native(w, b)
+        self.native, self.why = _pack_native(w, b)
         self.packed = None if self.native is not None else _pack(w)
+        self.key = self._key(w, b)
         self.rows: list[int] = []  # `_fuse`: data_ptr of each fused module's weight slice
 
+    @staticmethod
+    def _key(w: torch.Tensor, b: torch.Tensor | None) -> tuple:
+        # the kernels' generation: another ISA variant loaded packs another panel width
+        v = None if b is None else b._version
+        return (w.data_ptr(), w._version, v, cpu_kernels.generation())
+
     def current(self, w: torch.Tensor, b: torch.Tensor | None) -> bool:
-        return self.key == (w.data_ptr(), w._version, None if b is None else b._version)
+        return self.key == self._key(w, b)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.native is not None and x.dtype == torch.float32 and x.device.type == "cpu":
             return cpu_kernels.linear(x, self.native, self.b)
+        if x.device.type == "cpu":
+            cpu_kernels.fallback("gemm", self.why or "dtype")  # `why` "": x not float32
         if self.packed is None or x.dtype != self.w.dtype:
             return F.linear(x, self.w, self.b)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.b, "none", [], "")
