@@ -57,6 +57,7 @@ FALLBACKS = Counter(
     "Calls that ran torch instead of a native CPU kernel, by kernel and reason",
     ["op", "reason"],
 )
+_fallback_children: dict[tuple[str, str], Counter] = {}
 # calls into each loaded variant's kernels, by (variant the library reports, op): tests read it
 calls: collections.Counter[tuple[str, str]] = collections.Counter()
 
@@ -73,7 +74,10 @@ def fallback(op: str, reason: str) -> None:
     ``dtype`` (not float32), ``layout`` (strides the kernel does not take), ``shape`` (a size
     it does not take), ``unsupported`` (a model part it has no code for: MoE, a quantised or
     tensor-parallel projection). Returns None (the callers' "no kernel")."""
-    FALLBACKS.labels(op, reason).inc()
+    child = _fallback_children.get((op, reason))
+    if child is None:  # per call on a bf16 model's every layer: labels() once per pair
+        child = _fallback_children[op, reason] = FALLBACKS.labels(op, reason)
+    child.inc()
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:

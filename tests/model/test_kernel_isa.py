@@ -115,8 +115,12 @@ def test_a_forced_variant_the_cpu_lacks_is_one_line(monkeypatch, capsys):
     with pytest.raises(ConfigError, match="lacks avx512f"):
         cpu_kernels.use(None)
     monkeypatch.delenv("STRATA_CPU_ISA")
-    cpu_kernels.use(None)  # the generic default again (the flags are still patched)
-    assert cpu_kernels.loaded_isa() == "avx2"
+    try:
+        cpu_kernels.use(None)  # auto again, for the patched flags
+        assert cpu_kernels.loaded_isa() == "avx2"
+    finally:
+        monkeypatch.undo()
+        cpu_kernels.use(None)  # this CPU's own choice for the tests after this one
 
 
 def test_an_unknown_variant_lists_the_valid_ones(monkeypatch, capsys):
