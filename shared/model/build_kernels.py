@@ -120,6 +120,16 @@ def choose(setting: str | None = None, flags: frozenset[str] | None = None) -> s
     return setting
 
 
+def candidates(setting: str | None = None, flags: frozenset[str] | None = None) -> list[str]:
+    """The variants to load for ``STRATA_CPU_ISA`` (or ``setting``), in order: for ``auto``
+    every one this CPU runs, widest first (a compiler that refuses one flag set leaves the
+    next); else `choose`'s one."""
+    setting = RuntimeSettings.from_env().cpu_isa if setting is None else setting
+    if setting == "auto":
+        return runnable(flags)[::-1]
+    return [choose(setting, flags)]
+
+
 def _variant(name: str) -> Variant:
     for v in variants():
         if v.name == name:
@@ -168,22 +178,21 @@ def build(name: str) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Build every variant of this architecture; one line each. Exit 1 when the one this CPU
-    would load (``auto``) failed: a variant the compiler refuses is skipped, not fatal."""
+    """Build every variant of this architecture (or those named); one line each. Exit 1 when
+    none this CPU runs was built: a variant the compiler refuses is skipped, not fatal."""
     names = argv or [v.name for v in variants()]
-    best = runnable()[-1]
-    status = 0
+    built = []
     for name in names:
         try:
             path = build(name)
         except (OSError, subprocess.SubprocessError, ValueError) as e:
             print(f"[kernels] {name}: not built ({e})", file=sys.stderr)
-            status = status or int(name == best)
             continue
+        built.append(name)
         lacks = missing(name)
         runs = "runs on this CPU" if not lacks else f"not on this CPU (lacks {' '.join(lacks)})"
         print(f"[kernels] {name}: {path.name} ({runs})", file=sys.stderr)
-    return status
+    return 0 if set(built) & set(runnable()) else 1
 
 
 if __name__ == "__main__":

@@ -109,27 +109,29 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 
 def _load(variant: str | None) -> None:
-    """Load ``variant`` (None: ``STRATA_CPU_ISA``), building it first when the cache lacks it.
-    A variant this CPU cannot run raises `ConfigError`; a failed build leaves the kernels
-    unavailable (torch paths, counted)."""
+    """Load ``variant`` (None: ``STRATA_CPU_ISA``), building it first when the cache lacks it;
+    for ``auto`` the next narrower variant when the compiler refuses one. A variant this CPU
+    cannot run raises `ConfigError`; a failed build leaves the kernels unavailable (torch
+    paths, counted)."""
     global _lib, _isa, _off, _generation
     on = RuntimeSettings.from_env().cpu_kernels
-    name = build_kernels.choose(variant) if on else ""  # ConfigError: nothing changed
-    _lib, _isa, _off = False, "", "disabled"
+    names = build_kernels.candidates(variant) if on else []  # ConfigError: nothing changed
+    _lib, _isa, _off = False, "", "disabled" if not on else "unavailable"
     for v in build_kernels.NAMES:
         ISA.labels(v).set(0)
-    if not on:
+    for name in names:
+        try:
+            path = build_kernels.build(name)
+            lib = _bind(ctypes.CDLL(str(path)))
+        except (OSError, subprocess.SubprocessError) as e:
+            log.warning("CPU kernels: the %s variant unavailable (%s)", name, e)
+            continue
+        _lib, _isa, _generation = lib, lib.strata_kernel_isa().decode(), _generation + 1
+        ISA.labels(name).set(1)
+        log.info("CPU kernels: the %s variant (%s)", name, Path(path).name)
         return
-    try:
-        path = build_kernels.build(name)
-        lib = _bind(ctypes.CDLL(str(path)))
-    except (OSError, subprocess.SubprocessError) as e:
-        log.warning("CPU kernels unavailable (%s); using the torch path", e)
-        _off = "unavailable"
-        return
-    _lib, _isa, _generation = lib, lib.strata_kernel_isa().decode(), _generation + 1
-    ISA.labels(name).set(1)
-    log.info("CPU kernels: the %s variant (%s)", name, Path(path).name)
+    if names:
+        log.warning("CPU kernels unavailable; using the torch path")
 
 
 def use(variant: str | None) -> str:

@@ -181,3 +181,32 @@ def test_each_fallback_is_counted_with_its_reason(monkeypatch, tmp_path):
         monkeypatch.undo()
         cpu_kernels.use(None)
     assert cpu_kernels.available()
+
+
+def test_auto_takes_the_next_variant_when_the_compiler_refuses_one(monkeypatch, tmp_path, capsys):
+    """A compiler without the widest variant's target (an old gcc and ``-march=x86-64-v4``):
+    the build step says so and goes on, and ``auto`` loads the next narrower variant."""
+    order = build_kernels.runnable()
+    if len(order) < 2:
+        pytest.skip(f"this CPU runs only {order}: no narrower variant to take")
+    widest = {v.name: v for v in build_kernels.variants()}[order[-1]]
+    march = next(f for f in widest.flags if f.startswith("-march="))
+    cc = tmp_path / "cc"
+    cc.write_text(
+        f'#!/bin/sh\nfor a in "$@"; do [ "$a" = "{march}" ] && '
+        f'{{ echo "cc: error: bad value for {march}" >&2; exit 1; }}; done\nexec cc "$@"\n'
+    )
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    monkeypatch.setenv("STRATA_CACHE", str(tmp_path / "cache"))
+    try:
+        assert build_kernels.main([widest.name, order[-2]]) == 0
+        err = capsys.readouterr().err
+        assert f"[kernels] {widest.name}: not built" in err and march in err
+        assert cpu_kernels.use(None) == order[-2]
+        assert REGISTRY.get_sample_value("strata_kernel_isa", {"variant": order[-2]}) == 1
+        assert build_kernels.main([widest.name]) == 1  # nothing this CPU runs was built
+    finally:
+        monkeypatch.undo()
+        cpu_kernels.use(None)
+    assert cpu_kernels.loaded_isa() == order[-1]
