@@ -203,7 +203,18 @@ def _native(g: Gemm | None) -> tuple[cpu_kernels.PackedLinear, torch.Tensor | No
 
 def project(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``m(x)``, through a cached :class:`Gemm` when ``m`` is a plain ``nn.Linear``."""
-    return _gemm_of(m)(x) if type(m) is nn.Linear else m(x)
+    if type(m) is nn.Linear:
+        return _gemm_of(m)(x)
+    _torch_on_cpu(x, "gemm")  # a quantised or replaced projection
+    return m(x)
+
+
+def _torch_on_cpu(x: torch.Tensor, op: str, n: int = 1) -> None:
+    """Count ``n`` calls of ``op`` that a CPU float32 ``x`` runs in torch because the module
+    is one the native kernel has no code for (`cpu_kernels.fallback` "unsupported")."""
+    if x.device.type == "cpu" and x.dtype == torch.float32:
+        for _ in range(n):
+            cpu_kernels.fallback(op, "unsupported")
 
 
 def native_linear(m: nn.Module) -> tuple[cpu_kernels.PackedLinear, torch.Tensor | None] | None:
@@ -308,13 +319,18 @@ class Attention(nn.Module):
                 qk = apply_rope(qk, cos, sin)
             q, k = qk[:, :nh], qk[:, nh:]
         else:  # quantised projections
+            _torch_on_cpu(x, "gemm", n=3)
             q = self.q_proj(x).view(t, nh, self.head_dim)
             k = self.k_proj(x).view(t, nkv, self.head_dim)
             v = self.v_proj(x).view(t, nkv, self.head_dim)
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.softcap is not None:
+        if self.softcap is not None:  # the native attention kernels take no cap
+            if plan.decodes:
+                _torch_on_cpu(q, "decode_attention")
+            if plan.prefill is not None:
+                _torch_on_cpu(q, "prefill_attention")
             o = softcap_attention(
                 q, k, v, k_cache, v_cache, slot_mapping, plan, self.scale, self.softcap
             )

@@ -166,6 +166,8 @@ def test_each_fallback_is_counted_with_its_reason(monkeypatch, tmp_path):
     from shared.model.layers import project
 
     assert _counts("gemm", "dtype", lambda: project(linear, bf)) == 1
+    wrapped = torch.nn.Sequential(torch.nn.Linear(64, 8))  # as a quantised projection: no kernel
+    assert _counts("gemm", "unsupported", lambda: project(wrapped, x)) == 1
     # off by the switch, and a compiler that fails: every kernel call is counted as such
     try:
         monkeypatch.setenv("STRATA_CPU_KERNELS", "0")
