@@ -85,6 +85,12 @@ else
   log "python packages up to date"
 fi
 
+# ---- 2b. the native CPU kernels: one library per ISA variant (docs/ENGINE.md) ----------------
+# Cached by source hash + flags: a no-op once built. Without a compiler the engine runs torch.
+if ! STRATA_CACHE="$CACHE" "$PY" -m shared.model.build_kernels; then
+  log "native CPU kernels not built (is cc installed?): the engine will use torch on CPU"
+fi
+
 # ---- 3. MinIO (the SSD tier) ------------------------------------------------------------------
 # Pinned: the module version of MinIO's 2026-02-12 commit (MinIO tags are not semver, so Go names
 # it by pseudo-version). Change it deliberately, never to @latest: an upstream change would break

@@ -25,10 +25,11 @@ import urllib.request
 
 from pydantic import ValidationError
 
-from services.cluster_config import ROLES, ClusterConfig
+from services.cluster_config import MODEL_ROLES, ROLES, ClusterConfig
 from services.infra.gateway_tls import local_context
 from services.shape import apply_affinity
 from shared.config import ConfigError, RuntimeSettings, add_model_flags, model_flag_values
+from shared.model import build_kernels
 from shared.model.errors import CheckpointError
 from shared.service import FATAL_LINE, StartupError
 
@@ -48,6 +49,8 @@ def serve(role: str, argv: list[str]) -> int:
         return 2
     try:  # pin before torch starts its thread pool (`strata up` fills STRATA_CPU_AFFINITY)
         settings = RuntimeSettings.from_env()
+        if role in MODEL_ROLES and settings.cpu_kernels:  # STRATA_CPU_ISA runs on this CPU
+            build_kernels.choose(settings.cpu_isa)
         apply_affinity()
     except ConfigError as exc:
         print(f"{FATAL_LINE} {role}: {exc.code}", file=sys.stderr, flush=True)

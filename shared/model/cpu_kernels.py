@@ -11,11 +11,13 @@ the blocks (no copy) for every sequence and head in one call.
 faster than oneDNN's blocked GEMM and prefill-sized ones within ~10% of it
 (docs/benchmarks/engine.md), and `shared.model.layers.Gemm` uses it for float32 on CPU.
 
-Both are plain C built on first use with the system C compiler (``cc -O3 -march=native``, well
-under a second) into ``$STRATA_CACHE/kernels`` and called through ctypes, which releases the GIL.
-No torch headers are needed. Where there is no compiler, or ``STRATA_CPU_KERNELS=0``, or the
-dtype is not float32, ``decode_attention`` and ``pack_linear`` return ``None`` and the caller
-uses the torch path (oneDNN for linears).
+All are plain C, built by ``build_kernels.py`` once per ISA variant (portable, AVX2, AVX-512:
+explicit target flags, one library each in ``$STRATA_CACHE/kernels``; at set-up, else on first
+use) and called through ctypes, which releases the GIL. No torch headers are needed. The variant
+loaded is ``STRATA_CPU_ISA`` (auto: the widest this CPU runs; ``strata_kernel_isa{variant}``).
+Where there is no compiler, or ``STRATA_CPU_KERNELS=0``, or the dtype is not float32, the
+wrappers return ``None`` / ``False`` and the caller uses the torch path (oneDNN for linears);
+each such call on the CPU counts in ``strata_kernel_fallback_total{op,reason}`` (`fallback`).
 
 ``gemm.c`` also holds causal prefill attention over the paged cache (:func:`prefill_attention`):
 both of its products run on the GEMM tile, with an online softmax between them.
@@ -30,106 +32,71 @@ CPU runs no torch op and no Python between its layers' kernels.
 
 from __future__ import annotations
 
+import collections
 import ctypes
-import functools
-import hashlib
 import logging
-import os
-import platform
 import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
+from prometheus_client import Counter, Gauge
 
 from shared.config import RuntimeSettings
+from shared.model import build_kernels
 
 log = logging.getLogger(__name__)
 
-# package data (pyproject.toml), compiled together into one library
-_SOURCES = tuple(
-    Path(__file__).with_name(f) for f in ("decode_attention.c", "gemm.c", "fused.c", "layer.c")
-)
+_SOURCES = build_kernels.SOURCES  # package data (pyproject.toml), compiled into one library
 _SOURCE = _SOURCES[0]  # the decode-attention kernel
-_HEADERS = tuple(Path(__file__).with_name(f) for f in ("exp2_poly.h",))  # included by _SOURCES
+_HEADERS = build_kernels.HEADERS
 
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-shared", "-fPIC"]
+ISA = Gauge("strata_kernel_isa", "1 for the CPU kernel variant this process loaded", ["variant"])
+FALLBACKS = Counter(
+    "strata_kernel_fallback_total",
+    "Calls that ran torch instead of a native CPU kernel, by kernel and reason",
+    ["op", "reason"],
+)
+_fallback_children: dict[tuple[str, str], Counter] = {}
+# calls into each loaded variant's kernels, by (variant the library reports, op): tests read it
+calls: collections.Counter[tuple[str, str]] = collections.Counter()
+
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None | bool = None  # False: tried and unavailable
+_isa = ""  # the loaded library's own report of its code paths (isa.c)
+_off = "unavailable"  # the fallback reason while _lib is False
+_generation = 0  # libraries loaded so far: what is packed for one is wrong for another
 
 
-def _cache_dir() -> Path:
-    return Path(RuntimeSettings.from_env().cache_dir) / "kernels"
+def fallback(op: str, reason: str) -> None:
+    """Count one call of ``op`` that runs torch instead of its native kernel, and why:
+    ``disabled`` (a STRATA_CPU_* switch), ``unavailable`` (no compiler, build failed),
+    ``dtype`` (not float32), ``layout`` (strides the kernel does not take), ``shape`` (a size
+    it does not take), ``unsupported`` (a model part it has no code for: MoE, a quantised or
+    tensor-parallel projection). Returns None (the callers' "no kernel")."""
+    child = _fallback_children.get((op, reason))
+    if child is None:  # per call on a bf16 model's every layer: labels() once per pair
+        child = _fallback_children[op, reason] = FALLBACKS.labels(op, reason)
+    child.inc()
 
 
-def _build() -> ctypes.CDLL | bool:
-    if not RuntimeSettings.from_env().cpu_kernels:
-        return False
-    cc = os.environ.get("CC", "cc")
-    try:
-        sources = [f.read_text() for f in _SOURCES]
-        headers = [f.read_text() for f in _HEADERS]
-    except OSError as e:
-        log.warning("CPU kernel source missing (%s); using the torch path", e)
-        return False
-    key = hashlib.sha256(
-        "\0".join([*sources, *headers, cc, *_FLAGS, platform.machine(), _cpu_flags()]).encode()
-    ).hexdigest()[:16]
-    out = _cache_dir() / f"strata_kernels_{key}.so"
-    try:
-        if not out.exists():
-            out.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-                srcs = [Path(tmp) / f.name for f in _SOURCES]
-                for src, text in zip(srcs, sources, strict=True):
-                    src.write_text(text)
-                for h, text in zip(_HEADERS, headers, strict=True):
-                    (Path(tmp) / h.name).write_text(text)
-                so = Path(tmp) / "k.so"
-                subprocess.run(
-                    [cc, *_FLAGS, *map(str, srcs), "-o", str(so), "-lm"],
-                    check=True,
-                    capture_output=True,
-                    timeout=120,
-                )
-                os.replace(so, out)  # atomic: concurrent builders race harmlessly
-        lib = ctypes.CDLL(str(out))
-    except (OSError, subprocess.SubprocessError) as e:
-        log.warning("CPU kernels unavailable (%s); using the torch path", e)
-        return False
-    f = lib.strata_decode_attn_f32
-    f.restype = None
-    f.argtypes = (
-        [ctypes.c_void_p] * 5
-        + [ctypes.c_int64] * 6
-        + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int64]
-    )
-    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Set the argument and result types of the library's entry points."""
+    ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+    lib.strata_kernel_isa.restype = ctypes.c_char_p
+    lib.strata_kernel_isa.argtypes = ()
+    lib.strata_decode_attn_f32.restype = None
+    lib.strata_decode_attn_f32.argtypes = [ptr] * 5 + [i64] * 6 + [f32, ptr, i64]
     lib.strata_gemm_panel_width.restype = i64
     lib.strata_gemm_panel_width.argtypes = ()
     lib.strata_gemm_pack_f32.restype = None
     lib.strata_gemm_pack_f32.argtypes = (ptr, i64, i64, ptr)
     lib.strata_gemm_f32.restype = None
     lib.strata_gemm_f32.argtypes = (ptr, i64, i64, ptr, i64, ptr, ptr, i64)
-    f32 = ctypes.c_float
     lib.strata_rms_norm_f32.restype = None
     lib.strata_rms_norm_f32.argtypes = (ptr, ptr, ptr, ptr, f32, i64, i64, ptr, i64)
     lib.strata_qk_norm_rope_f32.restype = None
-    lib.strata_qk_norm_rope_f32.argtypes = (
-        ptr,
-        i64,
-        i64,
-        i64,
-        i64,
-        i64,
-        ptr,
-        ptr,
-        f32,
-        ptr,
-        ptr,
-        i64,
-    )
+    lib.strata_qk_norm_rope_f32.argtypes = (ptr, *[i64] * 5, ptr, ptr, f32, ptr, ptr, i64)
     lib.strata_prefill_attn_f32.restype = i64
     lib.strata_prefill_attn_f32.argtypes = (
         [ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr] + [i64] * 6 + [f32, ptr, i64, i64]
@@ -141,15 +108,54 @@ def _build() -> ctypes.CDLL | bool:
     return lib
 
 
-@functools.cache  # read by the build key and the GEMM choice; fixed for the process
+def _load(variant: str | None) -> None:
+    """Load ``variant`` (None: ``STRATA_CPU_ISA``), building it first when the cache lacks it;
+    for ``auto`` the next narrower variant when the compiler refuses one. A variant this CPU
+    cannot run raises `ConfigError`; a failed build leaves the kernels unavailable (torch
+    paths, counted)."""
+    global _lib, _isa, _off, _generation
+    on = RuntimeSettings.from_env().cpu_kernels
+    names = build_kernels.candidates(variant) if on else []  # ConfigError: nothing changed
+    _lib, _isa, _off = False, "", "disabled" if not on else "unavailable"
+    for v in build_kernels.NAMES:
+        ISA.labels(v).set(0)
+    for name in names:
+        try:
+            path = build_kernels.build(name)
+            lib = _bind(ctypes.CDLL(str(path)))
+        except (OSError, subprocess.SubprocessError) as e:
+            log.warning("CPU kernels: the %s variant unavailable (%s)", name, e)
+            continue
+        _lib, _isa, _generation = lib, lib.strata_kernel_isa().decode(), _generation + 1
+        ISA.labels(name).set(1)
+        log.info("CPU kernels: the %s variant (%s)", name, Path(path).name)
+        return
+    if names:
+        log.warning("CPU kernels unavailable; using the torch path")
+
+
+def use(variant: str | None) -> str:
+    """Load ``variant`` (None: ``STRATA_CPU_ISA``) in place of the current one and return the
+    variant its code reports. Packed weights and layers made under another variant must be
+    made again (the GEMM panel width differs). For tests and tools."""
+    with _lock:
+        _load(variant)
+    return _isa
+
+
+def generation() -> int:
+    """Which load of the kernels is current: weights packed under another are stale."""
+    return _generation
+
+
+def loaded_isa() -> str:
+    """The variant of the loaded kernels ("" when none)."""
+    return _isa if available() else ""
+
+
 def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return ""
+    """The /proc/cpuinfo flags, space separated."""
+    return " ".join(sorted(build_kernels.cpu_flags()))
 
 
 # CPU flags of a native matrix unit for each half type; without one torch emulates it (measured
@@ -167,11 +173,10 @@ def native_half(dtype: str, flags: str | None = None) -> bool:
 
 
 def available() -> bool:
-    global _lib
     if _lib is None:
         with _lock:
             if _lib is None:
-                _lib = _build()
+                _load(None)
     return _lib is not False
 
 
@@ -185,12 +190,13 @@ def decode_attention(
 ) -> torch.Tensor | None:
     """``[B, H, D]`` attention of one query token per sequence over its cached context, or
     ``None`` when the native kernel does not apply (not CPU float32, or no compiler)."""
-    if q.device.type != "cpu" or q.dtype != torch.float32 or k_cache.dtype != torch.float32:
-        return None
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        return None
-    if not available():
-        return None
+    why = _why(q, k_cache, v_cache, layout=False)
+    if not why and not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        why = "layout"
+    if not why and not available():
+        why = _off
+    if why:
+        return _fallback("decode_attention", why)
     q = q.contiguous()
     tables = block_tables.to(torch.int64).contiguous()
     ctx = context_lens.to(torch.int64).contiguous()
@@ -213,6 +219,7 @@ def decode_attention(
         out.data_ptr(),
         torch.get_num_threads(),
     )
+    calls[_isa, "decode_attention"] += 1
     return out
 
 
@@ -233,14 +240,18 @@ def prefill_attention(
     ``ctx[s]`` tokens (new ones last) in the blocks of ``tables[s]``; int64 index tensors.
     False (nothing done) when the kernel does not apply (not CPU float32, a head layout or size
     it does not take, or no compiler)."""
-    if q.device.type != "cpu" or q.dtype != torch.float32 or k_cache.dtype != torch.float32:
-        return False
-    if out.dtype != torch.float32 or q.shape != out.shape:
-        return False
     t, h, d = q.shape
-    if q.stride()[1:] != (d, 1) or out.stride()[1:] != (d, 1):
-        return False
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or not available():
+    why = _why(q, k_cache, v_cache, out, layout=False)
+    if not why and q.shape != out.shape:
+        why = "shape"
+    if not why and (q.stride()[1:] != (d, 1) or out.stride()[1:] != (d, 1)):
+        why = "layout"
+    if not why and not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        why = "layout"
+    if not why and not available():
+        why = _off
+    if why:
+        _fallback("prefill_attention", why)
         return False
     _, bs, kvh, _ = k_cache.shape
     ok = _lib.strata_prefill_attn_f32(
@@ -263,17 +274,22 @@ def prefill_attention(
         out.stride(0),
         torch.get_num_threads(),
     )
-    return ok == 0
+    if ok:  # a head size or grouping it does not take
+        _fallback("prefill_attention", "shape")
+        return False
+    calls[_isa, "prefill_attention"] += 1
+    return True
 
 
 class PackedLinear:
     """A ``[N, K]`` float32 weight repacked for ``gemm.c`` (column panels of the kernel's width,
-    zero past ``N``); ``data`` keeps the packed floats alive."""
+    zero past ``N``); ``data`` keeps the packed floats alive; ``gen`` the `generation` it was
+    packed for."""
 
-    __slots__ = ("data", "n", "k")
+    __slots__ = ("data", "n", "k", "gen")
 
     def __init__(self, data: torch.Tensor, n: int, k: int):
-        self.data, self.n, self.k = data, n, k
+        self.data, self.n, self.k, self.gen = data, n, k, _generation
 
 
 def native_gemm_chosen(choice: str | None = None) -> bool:
@@ -303,6 +319,8 @@ def pack_linear(w: torch.Tensor) -> PackedLinear | None:
 
 def linear(x: torch.Tensor, w: PackedLinear, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ w.T + bias`` for float32 CPU ``x`` of shape ``[..., K]``."""
+    if w.gen != _generation:
+        raise RuntimeError("weight packed for other kernels than the loaded ones")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, w.k).contiguous()
     out = torch.empty((x2.shape[0], w.n), dtype=torch.float32)
@@ -318,16 +336,38 @@ def linear(x: torch.Tensor, w: PackedLinear, bias: torch.Tensor | None) -> torch
         out.data_ptr(),
         torch.get_num_threads(),
     )
+    calls[_isa, "gemm"] += 1
     return out.view(*lead, w.n)
 
 
 def _plain(*ts: torch.Tensor | None) -> bool:
     """All given tensors CPU float32 and contiguous (None entries ignored)."""
-    return all(
-        t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
-        for t in ts
-        if t is not None
-    )
+    return not _why(*ts)
+
+
+def _why(*ts: torch.Tensor | None, layout: bool = True) -> str:
+    """Why the given tensors (None entries ignored) do not fit a float32 CPU kernel: "device"
+    (not on the CPU: no native kernel there, nothing counted), "dtype", "layout" (not
+    contiguous, checked when ``layout``), or "" when they fit."""
+    real = [t for t in ts if t is not None]
+    if any(t.device.type != "cpu" for t in real):
+        return "device"
+    if any(t.dtype != torch.float32 for t in real):
+        return "dtype"
+    if layout and not all(t.is_contiguous() for t in real):
+        return "layout"
+    return ""
+
+
+def _fallback(op: str, why: str) -> None:
+    """`fallback` for a reason from `_why`, a CPU one only (None)."""
+    if why != "device":
+        fallback(op, why)
+
+
+def off_reason() -> str:
+    """Why the kernels are not loaded ("disabled" or "unavailable"); "" when they are."""
+    return "" if available() else _off
 
 
 def rms_norm(
@@ -335,10 +375,13 @@ def rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(h, weight * rmsnorm(h))`` over the last dim, with ``h = x + residual`` (a new
     tensor) or ``h = x``; ``None`` when the kernel does not apply (not CPU float32 contiguous)."""
-    if not _plain(x, weight, residual) or (residual is not None and residual.shape != x.shape):
-        return None
-    if not available():
-        return None
+    why = _why(x, weight, residual)
+    if not why and residual is not None and residual.shape != x.shape:
+        why = "shape"
+    if not why and not available():
+        why = _off
+    if why:
+        return _fallback("rms_norm", why)
     d = x.shape[-1]
     rows = x.numel() // d if d else 0
     h = x if residual is None else torch.empty_like(x)
@@ -354,6 +397,7 @@ def rms_norm(
         y.data_ptr(),
         torch.get_num_threads(),
     )
+    calls[_isa, "rms_norm"] += 1
     return h, y
 
 
@@ -372,9 +416,13 @@ def qk_norm_rope(
     then rotate-half RoPE by ``cos``/``sin [T, D]``. False (nothing done) when the kernel does
     not apply."""
     t, _, d = qkv.shape
-    if d % 2 or cos.shape != (t, d) or sin.shape != (t, d):
-        return False
-    if not _plain(qkv, q_weight, k_weight, cos, sin) or not available():
+    why = _why(qkv, q_weight, k_weight, cos, sin)
+    if not why and (d % 2 or cos.shape != (t, d) or sin.shape != (t, d)):
+        why = "shape"
+    if not why and not available():
+        why = _off
+    if why:
+        _fallback("qk_norm_rope", why)
         return False
     _lib.strata_qk_norm_rope_f32(
         qkv.data_ptr(),
@@ -390,6 +438,7 @@ def qk_norm_rope(
         sin.data_ptr(),
         torch.get_num_threads(),
     )
+    calls[_isa, "qk_norm_rope"] += 1
     return True
 
 
@@ -443,6 +492,8 @@ def native_layer(
     biases = [b for _, b in (qkv, o, gate_up, down) if b is not None]
     if not all(shapes) or not _plain(*norms, *biases) or not available():
         return None
+    if any(p.gen != _generation for p, _ in (qkv, o, gate_up, down)):
+        raise RuntimeError("weights packed for other kernels than the loaded ones")
     if qk_norm and not (qk_norm[0].numel() == qk_norm[1].numel() == head_dim):
         return None
     if any(b.numel() != p.n for p, b in (qkv, o, gate_up, down) if b is not None):
@@ -538,3 +589,4 @@ def decoder_layer(
     if rc:
         raise RuntimeError("strata_decoder_layer_f32 refused the batch's head layout")
     layer_calls += 1
+    calls[_isa, "decoder_layer"] += 1

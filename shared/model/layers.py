@@ -138,12 +138,21 @@ def _pack(w: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def _pack_native(w: torch.Tensor, b: torch.Tensor | None) -> cpu_kernels.PackedLinear | None:
+def _pack_native(
+    w: torch.Tensor, b: torch.Tensor | None
+) -> tuple[cpu_kernels.PackedLinear | None, str]:
+    """``(w packed for the native GEMM, "")``, or ``(None, why not)`` (a
+    `cpu_kernels.fallback` reason; "" off the CPU, where there is no native kernel)."""
+    if w.device.type != "cpu":
+        return None, ""
     if not (PACK_CPU_GEMM and NATIVE_CPU_GEMM):
-        return None
-    if b is not None and (b.dtype != w.dtype or b.device != w.device):
-        return None
-    return cpu_kernels.pack_linear(w)
+        return None, "disabled"
+    if w.dtype != torch.float32 or (b is not None and b.dtype != w.dtype):
+        return None, "dtype"
+    if b is not None and b.device != w.device:
+        return None, "layout"
+    packed = cpu_kernels.pack_linear(w)
+    return packed, "" if packed is not None else cpu_kernels.off_reason() or "shape"
 
 
 class Gemm:
@@ -155,17 +164,25 @@ class Gemm:
 
     def __init__(self, w: torch.Tensor, b: torch.Tensor | None):
         self.w, self.b = w, b
-        self.key = (w.data_ptr(), w._version, None if b is None else b._version)
-        self.native = _pack_native(w, b)
+        self.native, self.why = _pack_native(w, b)
         self.packed = None if self.native is not None else _pack(w)
+        self.key = self._key(w, b)
         self.rows: list[int] = []  # `_fuse`: data_ptr of each fused module's weight slice
 
+    @staticmethod
+    def _key(w: torch.Tensor, b: torch.Tensor | None) -> tuple:
+        # the kernels' generation: another ISA variant loaded packs another panel width
+        v = None if b is None else b._version
+        return (w.data_ptr(), w._version, v, cpu_kernels.generation())
+
     def current(self, w: torch.Tensor, b: torch.Tensor | None) -> bool:
-        return self.key == (w.data_ptr(), w._version, None if b is None else b._version)
+        return self.key == self._key(w, b)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.native is not None and x.dtype == torch.float32 and x.device.type == "cpu":
             return cpu_kernels.linear(x, self.native, self.b)
+        if x.device.type == "cpu":
+            cpu_kernels.fallback("gemm", self.why or "dtype")  # `why` "": x not float32
         if self.packed is None or x.dtype != self.w.dtype:
             return F.linear(x, self.w, self.b)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.b, "none", [], "")
@@ -186,7 +203,18 @@ def _native(g: Gemm | None) -> tuple[cpu_kernels.PackedLinear, torch.Tensor | No
 
 def project(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``m(x)``, through a cached :class:`Gemm` when ``m`` is a plain ``nn.Linear``."""
-    return _gemm_of(m)(x) if type(m) is nn.Linear else m(x)
+    if type(m) is nn.Linear:
+        return _gemm_of(m)(x)
+    _torch_on_cpu(x, "gemm")  # a quantised or replaced projection
+    return m(x)
+
+
+def _torch_on_cpu(x: torch.Tensor, op: str, n: int = 1) -> None:
+    """Count ``n`` calls of ``op`` that a CPU float32 ``x`` runs in torch because the module
+    is one the native kernel has no code for (`cpu_kernels.fallback` "unsupported")."""
+    if x.device.type == "cpu" and x.dtype == torch.float32:
+        for _ in range(n):
+            cpu_kernels.fallback(op, "unsupported")
 
 
 def native_linear(m: nn.Module) -> tuple[cpu_kernels.PackedLinear, torch.Tensor | None] | None:
@@ -291,13 +319,18 @@ class Attention(nn.Module):
                 qk = apply_rope(qk, cos, sin)
             q, k = qk[:, :nh], qk[:, nh:]
         else:  # quantised projections
+            _torch_on_cpu(x, "gemm", n=3)
             q = self.q_proj(x).view(t, nh, self.head_dim)
             k = self.k_proj(x).view(t, nkv, self.head_dim)
             v = self.v_proj(x).view(t, nkv, self.head_dim)
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.softcap is not None:
+        if self.softcap is not None:  # the native attention kernels take no cap
+            if plan.decodes:
+                _torch_on_cpu(q, "decode_attention")
+            if plan.prefill is not None:
+                _torch_on_cpu(q, "prefill_attention")
             o = softcap_attention(
                 q, k, v, k_cache, v_cache, slot_mapping, plan, self.scale, self.softcap
             )

@@ -9,6 +9,8 @@ import torch.nn.functional as F
 
 from shared.model import cpu_kernels
 
+pytestmark = pytest.mark.usefixtures("kernel_isa")  # every test once per ISA variant
+
 
 def _reference(q, k_cache, v_cache, tables, ctx, scale):
     """Per-sequence SDPA in float64 over the gathered context (GQA by repeating K/V heads)."""

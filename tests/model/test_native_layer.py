@@ -16,6 +16,8 @@ from shared.model.config import ModelConfig
 from shared.model.models import llama
 from tests.model.paged_driver import PagedDriver
 
+pytestmark = pytest.mark.usefixtures("kernel_isa")  # every test once per ISA variant
+
 VOCAB = 96
 
 

@@ -10,6 +10,8 @@ import torch.nn.functional as F
 
 from shared.model import cpu_kernels
 
+pytestmark = pytest.mark.usefixtures("kernel_isa")  # every test once per ISA variant
+
 
 @pytest.fixture(autouse=True)
 def _kernel():

@@ -183,21 +183,19 @@ class LlamaForCausalLM(nn.Module):
     def _native_forward(self, h, cos, sin, plan, slots, kv_cache, inputs_embeds):
         """``(native layers, their batch, h to update in place)`` when every layer runs as one
         native call (CPU float32, `NATIVE_LAYER`), else ``None``."""
-        if not NATIVE_LAYER or h.device.type != "cpu" or h.dtype != torch.float32:
-            return None
-        if kv_cache.k.dtype != torch.float32 or not cpu_kernels.available():
-            return None
-        if not (kv_cache.k.is_contiguous() and kv_cache.v.is_contiguous()):
-            return None
-        if self.config.moe_layers:  # layer.c has no router (see DecoderLayer.native_reason)
-            return None
+        if h.device.type != "cpu":
+            return None  # no native layer off the CPU
+        why = self._native_why(h, kv_cache)
         layers = []
-        for layer in self.model.layers:
+        for layer in self.model.layers if not why else ():
             layers.append(layer.native())
             if layers[-1] is None:
-                return None  # layer.native_reason says why
-        if not layers:
+                why = "unsupported"  # layer.native_reason says what
+                break
+        if not why and not layers:
             return None
+        if why:
+            return cpu_kernels.fallback("decoder_layer", why)
         decode = None
         if plan.decodes:
             decode = (plan.decode_tables, plan.decode_ctx, plan.decode_rows)
@@ -205,11 +203,26 @@ class LlamaForCausalLM(nn.Module):
             layers, cos, sin, slots, kv_cache.block_size, plan.prefill, decode
         )
         if batch is None:
-            return None
+            return cpu_kernels.fallback("decoder_layer", "shape")
         # the layers update h in place: never the caller's embeddings
         fresh = inputs_embeds is None or h.data_ptr() != inputs_embeds.data_ptr()
         h = h.contiguous() if fresh else h.clone(memory_format=torch.contiguous_format)
         return layers, batch, h
+
+    def _native_why(self, h: torch.Tensor, kv_cache: KVCache) -> str:
+        """Why this forward cannot run one native call per layer (a `cpu_kernels.fallback`
+        reason), "" when it can as far as the batch goes."""
+        if not NATIVE_LAYER:
+            return "disabled"
+        if h.dtype != torch.float32 or kv_cache.k.dtype != torch.float32:
+            return "dtype"
+        if not cpu_kernels.available():
+            return cpu_kernels.off_reason()
+        if not (kv_cache.k.is_contiguous() and kv_cache.v.is_contiguous()):
+            return "layout"
+        if self.config.moe_layers:  # layer.c has no router (see DecoderLayer.native_reason)
+            return "unsupported"
+        return ""
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,12 @@
+/* Which of the kernels' code paths this library was compiled with (`build_kernels.py` builds one
+ * library per ISA variant; the tests check each reports the variant it was built as). The same
+ * macros pick the paths in decode_attention.c and gemm.c. */
+const char *strata_kernel_isa(void) {
+#if defined(__AVX512F__)
+    return "avx512";
+#elif defined(__AVX2__) && defined(__FMA__)
+    return "avx2";
+#else
+    return "portable";
+#endif
+}
