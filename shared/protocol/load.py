@@ -26,3 +26,6 @@ class LoadReport(Msg):
     # itself travels on a connection of its own, so a reconnecting instance still reports; the
     # scheduler keeps it a member but does not route to it. Default True: older senders parse.
     connected: bool = True
+    # AutoPD: the instance is draining its current role before a role change (the scheduler
+    # routes nothing more to it); the report after the change carries the new role.
+    draining: bool = False
