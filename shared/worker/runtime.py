@@ -71,6 +71,7 @@ class ModelRuntime:
     cost: ReuseCostModel | None = None
     metrics: EngineMetrics | None = None
     prefilled_tokens: int = 0  # prompt tokens this instance computed (cached ones excluded)
+    draining: bool = False  # AutoPD: draining its role before a change (`shared.worker.autopd`)
     _rate_mark: tuple[int, float] = (0, 0.0)
     _longest_forward: float = 0.0
     decode_rate: RateMeter = field(default_factory=lambda: RateMeter(5.0))
@@ -154,6 +155,7 @@ class ModelRuntime:
             max_model_len=self.loaded.config.max_model_len,
             block_size=self.cfg.block_size,
             connected=connected,
+            draining=self.draining,
         )
 
     def observe_stats(self) -> None:
