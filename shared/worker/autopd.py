@@ -40,6 +40,10 @@ FLIPS = Counter(
     "strata_autopd_flips_total", "AutoPD role changes this instance made", ["from_role", "to_role"]
 )
 ROLE = Gauge("strata_autopd_role", "1 for the role this instance serves now", ["role"])
+OPEN_AT_SWITCH = Gauge(
+    "strata_autopd_open_at_switch",
+    "Requests of the old role still running when the last role change switched (0: drained)",
+)
 IGNORED = Counter(
     "strata_autopd_ignored_total",
     "Role changes ignored (another incarnation, another role, or a change already under way)",
@@ -145,6 +149,7 @@ class RoleSwitcher:
         old_svc = self.svc
         while not old_svc.idle():
             await asyncio.sleep(0.05)
+        OPEN_AT_SWITCH.set(len(old_svc.tasks))
         await self.serve(to_role)
         rt.role, rt.incarnation, rt.draining = to_role, new_incarnation(), False
         if self.heartbeat is not None:
