@@ -152,6 +152,8 @@ class RoleSwitcher:
         OPEN_AT_SWITCH.set(len(old_svc.tasks))
         await self.serve(to_role)
         rt.role, rt.incarnation, rt.draining = to_role, new_incarnation(), False
+        # the measured prefill rate counts forward time from here (decode forwards are not it)
+        rt._rate_mark = (rt.prefilled_tokens, rt.port.stats().forward_time_s)
         if self.heartbeat is not None:
             self.heartbeat.subject = subjects.load_report(to_role, rt.cfg.instance_id)
         await self.register()

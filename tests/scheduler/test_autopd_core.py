@@ -74,3 +74,20 @@ def test_off_by_default_orders_nothing():
     for t in range(10):
         burst(c, t * 0.5)
         assert c.plan_roles(t * 0.5) == []
+
+
+def test_scheduler_mark_expires_when_the_instance_never_drains():
+    """A change the instance ignored (say it restarted): its reports say it is not draining,
+    so once the scheduler's own mark runs out it is routable again."""
+    c = make()
+    burst(c, 0.0)
+    c.plan_roles(0.0)
+    assert c.plan_roles(0.5)[0].instance_id == "d1"
+    until = c.members.members["d1"].drain_until
+    burst(c, until - 0.01)
+    assert [v.instance_id for v in c.members.live("decode")] == ["d0"]
+    burst(c, until + 0.01)
+    assert [v.instance_id for v in c.members.live("decode")] == ["d0", "d1"]
+    # and the instance's own draining report keeps it out whatever the mark says
+    c.on_load(report("d1", "decode", draining=True), now=until + 1)
+    assert [v.instance_id for v in c.members.live("decode")] == ["d0"]
