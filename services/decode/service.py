@@ -39,6 +39,9 @@ class DecodeService(RequestTasks):
             spec.dtype,
         )
 
+    def idle(self) -> bool:
+        return not self.tasks and not self.receiver.num_pending
+
     async def cancel(self, request_id: str, attempt: int | None = None) -> None:
         # KV may be arriving for a route whose decode work is not here yet: drop that too.
         for eid in self.running(request_id, attempt) | self.receiver.pending_of(

@@ -54,6 +54,13 @@ _REQ_OUT = f"{_P}.req.*.out"
 _GW_OUT = s.gw_out("*")  # one decode step's chunks for one gateway (`TokenChunkBatch`)
 _KV_EVENTS = f"{_P}.kv.events.*"
 
+_MODEL_INSTANCE = (
+    [s.load_report("prefill", "*"), s.load_report("decode", "*"), _KV_EVENTS, _REQ_OUT, _GW_OUT]
+    + [s.decode_submit("*"), *_REGISTRY],
+    [s.prefill_submit("*"), s.decode_submit("*"), s.REQ_CANCEL_ALL, s.work_probe("*")]
+    + [s.role_change("*")],
+)
+
 # role -> (publish, subscribe); every user also subscribes `_INBOX.<user>.>`.
 _TABLE: dict[str, tuple[list[str], list[str]]] = {
     "gateway": (
@@ -90,6 +97,7 @@ _TABLE: dict[str, tuple[list[str], list[str]]] = {
             s.SCHED_INSTANCES,
             s.prefill_submit("*"),
             s.decode_submit("*"),
+            s.role_change("*"),
             _JS_API,
             "$JS.FC.>",
             f"$O.{SNAPSHOT_BUCKET}.>",
@@ -100,21 +108,9 @@ _TABLE: dict[str, tuple[list[str], list[str]]] = {
         [s.load_report("kvstore", "*"), _KV_EVENTS, *_EVENTS_STREAM],
         [s.admin("kvstore", "*")],
     ),
-    "prefill": (
-        [
-            s.load_report("prefill", "*"),
-            _KV_EVENTS,
-            _REQ_OUT,
-            _GW_OUT,
-            s.decode_submit("*"),
-            *_REGISTRY,
-        ],
-        [s.prefill_submit("*"), s.REQ_CANCEL_ALL, s.work_probe("*")],
-    ),
-    "decode": (
-        [s.load_report("decode", "*"), _KV_EVENTS, _REQ_OUT, _GW_OUT, *_REGISTRY],
-        [s.decode_submit("*"), s.REQ_CANCEL_ALL, s.work_probe("*")],
-    ),
+    # prefill and decode have the same rights: AutoPD flips an instance's role at run time
+    "prefill": _MODEL_INSTANCE,
+    "decode": _MODEL_INSTANCE,
 }
 
 ROLES: tuple[str, ...] = tuple(_TABLE)

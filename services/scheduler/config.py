@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import Field, field_validator
 
 from services.scheduler.degrade import DegradeThresholds
+from services.scheduler.planner import PlannerConfig
 from services.scheduler.policies import POLICY_NAMES
 from services.scheduler.types import CostModel
 from shared.config import KVEventStreamConfig
@@ -92,6 +93,24 @@ class SchedulerConfig(KVEventStreamConfig):
         "before their KV event arrives (0 = wait for the event)",
     )
 
+    autopd: bool = Field(
+        False,
+        description="AutoPD: flip instances between prefill and decode as their load ratio "
+        "moves (services/scheduler/planner.py)",
+    )
+    autopd_ratio: float = Field(
+        3.0, gt=1, description="AutoPD: pressure ratio (busy role / other) that calls for a flip"
+    )
+    autopd_min_pressure: float = Field(
+        0.5, ge=0, description="AutoPD: least pressure of the busy role before it gains one"
+    )
+    autopd_hold_ticks: int = Field(
+        4, ge=1, description="AutoPD: state ticks the ratio must hold before a flip"
+    )
+    autopd_cooldown_ticks: int = Field(
+        20, ge=0, description="AutoPD: state ticks after a flip before another"
+    )
+
     @field_validator("degrade_up", "degrade_down")
     @classmethod
     def _three_floats(cls, v: list[float]) -> list[float]:
@@ -111,6 +130,16 @@ class SchedulerConfig(KVEventStreamConfig):
             up=tuple(self.degrade_up),
             down=tuple(self.degrade_down),
             min_dwell_s=self.degrade_dwell_s,
+        )
+
+    def planner_config(self) -> PlannerConfig:
+        return PlannerConfig(
+            ratio=self.autopd_ratio,
+            min_pressure=self.autopd_min_pressure,
+            hold_ticks=self.autopd_hold_ticks,
+            cooldown_ticks=self.autopd_cooldown_ticks,
+            queue_target_s=self.queue_target_s,
+            batch_norm=self.batch_norm,
         )
 
     def cost_model(self) -> CostModel:

@@ -13,6 +13,7 @@ from services.scheduler import metrics
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.degrade import Degrader, cluster_load
 from services.scheduler.membership import Membership
+from services.scheduler.planner import ROLES, RoleLoad, RolePlanner
 from services.scheduler.policies import Policy, make_policy
 from services.scheduler.prefix_index import PrefixIndex
 from services.scheduler.rules import apply_kv_event, expect_routed, request_view
@@ -25,6 +26,7 @@ from shared.protocol.sched import (
     InstanceInfo,
     InstanceRecord,
     InstancesReply,
+    RoleChange,
     RouteReply,
     RouteRequest,
     SchedulerState,
@@ -48,6 +50,9 @@ class SchedulerCore:
         self.degrader = Degrader(cfg.thresholds())
         self.load = 0.0
         self.block_size = cfg.block_size
+        self.planner = (
+            RolePlanner(cfg.planner_config(), cfg.prefill_tokens_per_s) if cfg.autopd else None
+        )
 
     # --- inputs ---------------------------------------------------------------------------------
     def on_load(self, report: LoadReport, now: float | None = None) -> None:
@@ -119,6 +124,42 @@ class SchedulerCore:
             rules=self.rules,
         )
         return state, newly_down
+
+    def plan_roles(self, now: float | None = None) -> list[RoleChange]:
+        """AutoPD (one call per state tick): the role changes to order now. The chosen instance
+        is marked draining at once, so nothing more is routed to it."""
+        if self.planner is None:
+            return []
+        now = time.monotonic() if now is None else now
+        loads = [
+            RoleLoad(
+                iid,
+                m.view.role,
+                queued_tokens=m.view.queued_tokens,
+                num_running=m.view.num_running,
+                num_waiting=m.view.num_waiting,
+                prefill_tokens_per_s=m.view.prefill_tokens_per_s,
+                draining=m.draining,
+            )
+            for iid, m in sorted(self.members.members.items())
+            if m.alive and m.connected and m.view.role in ROLES
+        ]
+        out = []
+        for f in self.planner.tick(loads):
+            self.members.mark_draining(f.instance_id, now + 4 * self.members.timeout_s)
+            metrics.AUTOPD_DECISIONS.labels(f.from_role, f.to_role).inc()
+            log.info("AutoPD: %s %s -> %s", f.instance_id, f.from_role, f.to_role)
+            out.append(
+                RoleChange(
+                    instance_id=f.instance_id,
+                    incarnation=self.members.members[f.instance_id].incarnation,
+                    from_role=f.from_role,
+                    to_role=f.to_role,
+                    scheduler_id=self.cfg.instance_id,
+                    ts=time.time(),
+                )
+            )
+        return out
 
     @property
     def rules(self) -> DegradeRules:
@@ -258,6 +299,7 @@ class SchedulerCore:
                     num_running=v.num_running,
                     num_waiting=v.num_waiting,
                     kv_blocks_free=v.kv_blocks_free,
+                    draining=m.draining,
                 )
             )
         return InstancesReply(instances=out)

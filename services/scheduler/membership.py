@@ -27,6 +27,8 @@ class Member:
     alive: bool = True
     connected: bool = True  # its main bus connection, as its last report said
     record: InstanceRecord | None = None
+    draining: bool = False  # AutoPD: flipping its role; not routable (`mark_draining`)
+    drain_until: float = 0.0  # the scheduler's own mark holds until then (report in flight)
 
 
 @dataclass
@@ -85,6 +87,10 @@ class Membership:
             m.connected = r.connected
             out.connection_changed = True
             self._live.clear()
+        draining = r.draining or now < m.drain_until
+        if draining != m.draining:
+            m.draining = draining
+            self._live.clear()
         v = m.view
         rec = self.records.get(r.instance_id)
         v.grpc_addr = r.grpc_addr or (rec.grpc_addr if rec else "")
@@ -116,6 +122,13 @@ class Membership:
             m.record = rec
             m.view.grpc_addr = m.view.grpc_addr or rec.grpc_addr
 
+    def mark_draining(self, instance_id: str, until: float) -> None:
+        """AutoPD chose ``instance_id`` to flip: route nothing more to it from now on (until its
+        own reports say it drains, or ``until`` passes: then its reports decide)."""
+        m = self.members[instance_id]
+        m.draining, m.drain_until = True, until
+        self._live.clear()
+
     def remove(self, instance_id: str) -> bool:
         """A clean shutdown (registry record deleted): forget the member now."""
         self.records.pop(instance_id, None)
@@ -137,14 +150,14 @@ class Membership:
         return t
 
     def live(self, role: str) -> list[InstanceView]:
-        """Routable instances of ``role`` (alive and connected) sorted by id (cached until
+        """Routable instances of ``role`` (alive, connected, not draining) sorted by id (cached until
         membership changes; callers must not mutate the list)."""
         cached = self._live.get(role)
         if cached is None:
             cached = [
                 m.view
                 for _, m in sorted(self.members.items())
-                if m.alive and m.connected and m.view.role == role
+                if m.alive and m.connected and not m.draining and m.view.role == role
             ]
             self._live[role] = cached
         return cached

@@ -51,3 +51,8 @@ KV_EVENTS_MISSED = Gauge(
     "Stream sequences the last start-up replay needed that were already discarded",
 )
 SNAPSHOT_BYTES = Gauge("strata_scheduler_snapshot_bytes", "Size of the last prefix-index snapshot")
+AUTOPD_DECISIONS = Counter(
+    "strata_scheduler_autopd_decisions_total",
+    "AutoPD role changes this scheduler ordered (services/scheduler/planner.py)",
+    ["from_role", "to_role"],
+)

@@ -28,3 +28,6 @@ class LoadReport(Msg):
     connected: bool = True
     # Tensor-parallel ranks serving this instance (`--tp`); one instance, one report either way.
     tp_size: int = 1
+    # AutoPD: the instance is draining its current role before a role change (the scheduler
+    # routes nothing more to it); the report after the change carries the new role.
+    draining: bool = False

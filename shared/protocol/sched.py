@@ -61,6 +61,7 @@ class InstanceInfo(Msg):
     num_running: int = 0
     num_waiting: int = 0
     kv_blocks_free: int = 0
+    draining: bool = False  # AutoPD: flipping its role, not routed to
 
 
 class InstancesRequest(Msg):
@@ -92,6 +93,20 @@ class InstanceRecord(Msg):
     grpc_addr: str = ""
     model: str = ""
     capacity: dict[str, float] = {}  # e.g. kv_blocks, max_num_seqs, max_model_len
+    ts: float = 0.0
+
+
+class RoleChange(Msg):
+    """`subjects.role_change(instance)`: scheduler -> one prefill / decode instance (AutoPD,
+    `services.scheduler.planner`): stop taking ``from_role`` work, let what runs finish, then
+    serve ``to_role`` under a new incarnation. An instance whose incarnation or role differs (it
+    restarted, or already flipped) ignores it."""
+
+    instance_id: str
+    incarnation: str
+    from_role: str
+    to_role: str
+    scheduler_id: str = ""
     ts: float = 0.0
 
 

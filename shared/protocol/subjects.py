@@ -97,6 +97,11 @@ def load_report(role: str, instance: str) -> str:
     return f"{PREFIX}.load.{role}.{instance}"
 
 
+def role_change(instance: str) -> str:
+    """AutoPD: `sched.RoleChange` from the scheduler to one prefill / decode instance."""
+    return f"{PREFIX}.autopd.{instance}"
+
+
 def kv_events(instance: str) -> str:
     return f"{PREFIX}.kv.events.{instance}"
 

@@ -12,15 +12,16 @@ from nats.aio.client import Client as NATS
 
 from shared import bus, metrics
 from shared.kvtransfer.client import close_clients
-from shared.kvtransfer.server import KVTransferHandler, start_kv_server
+from shared.kvtransfer.server import start_kv_server
 from shared.logs import setup_logging
 from shared.model.validate import validate_checkpoint
 from shared.omp import in_fresh_thread, serial_torch_here
 from shared.protocol import subjects
-from shared.protocol.sched import InstanceRecord
-from shared.protocol.work import DecodeWork, HeldQuery, PrefillWork
+from shared.protocol.sched import InstanceRecord, RoleChange
+from shared.protocol.work import HeldQuery
 from shared.registry import deregister_instance, register_instance
 from shared.service import StartupError, announce_ready, run
+from shared.worker.autopd import CurrentKV, RoleSwitcher
 from shared.worker.config import WorkerConfig
 from shared.worker.heartbeat import Heartbeat
 from shared.worker.runtime import (
@@ -35,25 +36,32 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Worker:
-    """A running instance: its runtime, service object, gRPC server and background tasks."""
+    """A running instance: its runtime, role switcher (its services by role), gRPC server and
+    background tasks."""
 
     rt: ModelRuntime
-    svc: object
+    roles: RoleSwitcher
     nc: NATS
     server: object
     addr: str
     tasks: list[asyncio.Task]
     heartbeat: Heartbeat | None = None
 
+    @property
+    def svc(self):
+        """The service of the role the instance serves now."""
+        return self.roles.svc
+
     async def stop(self) -> None:
-        for t in self.tasks:
+        for t in [*self.tasks, *self.roles.lingering]:
             t.cancel()
         if self.heartbeat is not None:
             await asyncio.to_thread(self.heartbeat.stop)
         with contextlib.suppress(Exception):
             await deregister_instance(self.nc.jetstream(), self.rt.cfg.instance_id)
-        for t in list(self.svc.tasks.values()):
-            t.cancel()
+        for svc in self.roles.services.values():
+            for t in list(svc.tasks.values()):
+                t.cancel()
         await self.server.stop(1.0)
         self.rt.close()
 
@@ -61,52 +69,70 @@ class Worker:
 async def start_worker(
     cfg: WorkerConfig,
     role: str,
-    make_service,
-    nc: NATS,
+    make_service=None,
+    nc: NATS | None = None,
     rt: ModelRuntime | None = None,
     stop: asyncio.Event | None = None,
 ) -> Worker:
     """Bring an instance up on an open NATS connection (used by the app and by tests).
 
-    ``make_service(runtime, nc)`` returns an object with ``submit(work)`` (a `PrefillWork` or
-    `DecodeWork`), ``cancel(request_id)``, ``tasks`` and optionally ``receiver`` (its KVTransfer
-    handler).
+    ``make_service(runtime, nc)`` (default: the role's class, `shared.worker.autopd.SERVICES`)
+    returns an object with ``submit(work)`` (a `PrefillWork` or `DecodeWork`),
+    ``cancel(request_id)``, ``held(query)``, ``idle()``, ``tasks`` and optionally ``receiver``
+    (its KVTransfer handler). A role change (AutoPD) makes the other role's service from its
+    class.
     """
     if rt is None:
         rt = ModelRuntime(cfg, role)
         # The load and warm-up forward lead an OpenMP team; on a thread that then exits, so the
         # engine thread's team stays the process's only one (shared/omp.py).
         await asyncio.to_thread(in_fresh_thread, rt.load)
-    svc = make_service(rt, nc)
-    handler = getattr(svc, "receiver", None) or KVTransferHandler()
-    server, addr = await start_kv_server(handler, cfg.grpc_host, cfg.grpc_port)
-    if role == "prefill":
-        await bus.serve(nc, subjects.prefill_submit(cfg.instance_id), PrefillWork, svc.submit)
-    else:
-        await bus.serve(nc, subjects.decode_submit(cfg.instance_id), DecodeWork, svc.submit)
-    await subscribe_cancels(nc, svc.cancel)
-    await bus.serve(nc, subjects.work_probe(cfg.instance_id), HeldQuery, svc.held)
-    m = rt.loaded.config
-    await register_instance(
-        nc.jetstream(),
-        InstanceRecord(
-            instance_id=cfg.instance_id,
-            role=role,
-            incarnation=rt.incarnation,
-            grpc_addr=addr,
-            model=rt.model_name,
-            capacity={
-                "kv_blocks": rt.port.stats().kv_blocks_total,
-                "max_num_seqs": cfg.max_num_seqs,
-                "max_model_len": m.max_model_len,
-            },
-        ),
-        replicas=cfg.js_replicas,
-    )
+    addr = ""
+
+    async def register() -> None:
+        m = rt.loaded.config
+        await register_instance(
+            nc.jetstream(),
+            InstanceRecord(
+                instance_id=cfg.instance_id,
+                role=rt.role,
+                incarnation=rt.incarnation,
+                grpc_addr=addr,
+                model=rt.model_name,
+                capacity={
+                    "kv_blocks": rt.port.stats().kv_blocks_total,
+                    "max_num_seqs": cfg.max_num_seqs,
+                    "max_model_len": m.max_model_len,
+                },
+            ),
+            replicas=cfg.js_replicas,
+        )
+
+    roles = RoleSwitcher(rt, nc, register)
+    if make_service is not None:
+        roles.services[role] = make_service(rt, nc)
+    await roles.serve(role)
+    server, addr = await start_kv_server(CurrentKV(roles.services), cfg.grpc_host, cfg.grpc_port)
+    await subscribe_cancels(nc, roles.cancel)
+    await bus.serve(nc, subjects.work_probe(cfg.instance_id), HeldQuery, roles.held)
+    await bus.serve(nc, subjects.role_change(cfg.instance_id), RoleChange, _no_reply(roles))
+    await register()
     # Liveness from its own thread and connection; engine-bound chores on the main loop.
     hb = await asyncio.to_thread(start_heartbeat, rt, nc, addr)
+    roles.heartbeat = hb
     chores = asyncio.create_task(housekeeping(nc, rt, stop or asyncio.Event()))
-    return Worker(rt, svc, nc, server, addr, [chores], hb)
+    return Worker(rt, roles, nc, server, addr, [chores], hb)
+
+
+def _no_reply(roles: RoleSwitcher):
+    """The role-change handler: runs the change in the background (a drain takes a while)."""
+
+    async def handle(msg: RoleChange) -> None:
+        t = asyncio.create_task(roles.on_change(msg))
+        roles.lingering.add(t)
+        t.add_done_callback(roles.lingering.discard)
+
+    return handle
 
 
 def check_tp(cfg: WorkerConfig) -> None:

@@ -170,6 +170,13 @@ class WorkerConfig(EngineSettings):  # type: ignore[misc, valid-type]
         "the measured cost model says are cheaper to load than to recompute; always; never",
     )
 
+    autopd_linger_s: float = Field(
+        30.0,
+        ge=0,
+        description="AutoPD: after a role change, seconds the old role's submit subject stays "
+        "served once idle (work routed before the change whose prefill ran elsewhere)",
+    )
+
     @field_validator("layerwise_transfer", mode="before")
     @classmethod
     def _resolve_layerwise(cls, v, info: ValidationInfo):

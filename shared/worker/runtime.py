@@ -73,6 +73,7 @@ class ModelRuntime:
     cost: ReuseCostModel | None = None
     metrics: EngineMetrics | None = None
     prefilled_tokens: int = 0  # prompt tokens this instance computed (cached ones excluded)
+    draining: bool = False  # AutoPD: draining its role before a change (`shared.worker.autopd`)
     _rate_mark: tuple[int, float] = (0, 0.0)
     _longest_forward: float = 0.0
     decode_rate: RateMeter = field(default_factory=lambda: RateMeter(5.0))
@@ -179,6 +180,7 @@ class ModelRuntime:
             block_size=self.cfg.block_size,
             connected=connected,
             tp_size=self.cfg.tp,
+            draining=self.draining,
         )
 
     def observe_stats(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 from nats.aio.client import Client as NATS
 
@@ -20,6 +21,7 @@ class RequestTasks:
         self.rt = rt
         self.nc = nc
         self.tasks: dict[str, asyncio.Task] = {}  # by `WorkItem.engine_id`
+        self.last_submit = 0.0  # monotonic time of the last submit (AutoPD drains until quiet)
 
     @property
     def instance_id(self) -> str:
@@ -27,6 +29,7 @@ class RequestTasks:
 
     async def submit(self, item: WorkItem) -> SubmitAck:
         rid, eid = item.request_id, item.engine_id
+        self.last_submit = time.monotonic()
         if eid in self.tasks:
             raise StrataError("bad_request", f"duplicate request id {rid} (attempt {item.attempt})")
         task = asyncio.create_task(self._run(item))
@@ -50,6 +53,10 @@ class RequestTasks:
         a later route of the same request may run here too and must go on)."""
         for eid in self.running(request_id, attempt):
             self.tasks[eid].cancel()
+
+    def idle(self) -> bool:
+        """No request runs here (and, for decode, no KV transfer is arriving)."""
+        return not self.tasks
 
     async def _run(self, item: WorkItem) -> None:
         raise NotImplementedError

@@ -125,7 +125,7 @@ async def test_password_file_env_logs_in(server):
 
 # (operation, subject, users allowed). Everything else must be refused by the server.
 MATRIX = [
-    ("pub", "strata.decode.d0.submit", {"scheduler", "prefill"}),
+    ("pub", "strata.decode.d0.submit", {"scheduler", "prefill", "decode"}),
     ("pub", "strata.prefill.p0.submit", {"scheduler"}),
     ("pub", subjects.SCHED_ROUTE, {"gateway"}),
     ("pub", subjects.SCHED_INSTANCES, {"gateway", "scheduler"}),
@@ -137,8 +137,10 @@ MATRIX = [
     ("pub", "strata.req.r1.out", {"prefill", "decode"}),
     ("pub", "strata.gw.gateway-0.out", {"prefill", "decode"}),
     ("pub", "strata.kv.events.x", {"prefill", "decode", "kvstore"}),
-    ("pub", "strata.load.decode.d0", {"decode"}),
-    ("pub", "strata.load.prefill.p0", {"prefill"}),
+    ("pub", "strata.load.decode.d0", {"decode", "prefill"}),  # AutoPD flips roles
+    ("pub", "strata.load.prefill.p0", {"prefill", "decode"}),
+    ("pub", "strata.autopd.d0", {"scheduler"}),
+    ("sub", "strata.autopd.d0", {"prefill", "decode"}),
     ("pub", "strata.load.kvstore.k0", {"kvstore"}),
     ("pub", subjects.SCHED_STATE, {"scheduler"}),
     ("pub", subjects.API_GENERATE, {"api"}),
@@ -151,8 +153,8 @@ MATRIX = [
     ("sub", "strata.req.r1.*", {"gateway"}),
     ("sub", "strata.gw.gateway-0.out", {"gateway"}),
     ("sub", subjects.REQ_CANCEL_ALL, {"gateway", "prefill", "decode"}),
-    ("sub", "strata.decode.d0.submit", {"decode"}),
-    ("sub", "strata.prefill.p0.submit", {"prefill"}),
+    ("sub", "strata.decode.d0.submit", {"decode", "prefill"}),
+    ("sub", "strata.prefill.p0.submit", {"prefill", "decode"}),
     ("sub", subjects.SCHED_ROUTE, {"scheduler"}),
     ("sub", subjects.TOK_ENCODE, {"tokenizer"}),
     ("sub", subjects.TOK_DECODE, {"tokenizer"}),

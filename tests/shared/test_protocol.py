@@ -18,6 +18,7 @@ from shared.protocol.codec import decode, encode, encode_error
 from shared.protocol.errors import HTTP_STATUS, StrataError
 from shared.protocol.load import LoadReport
 from shared.protocol.sampling import SamplingParams
+from shared.protocol.sched import RoleChange
 from shared.protocol.stream import TokenChunk, Usage
 from shared.protocol.work import DecodeWork, ImageRef, PrefillWork, WorkItem
 
@@ -68,6 +69,12 @@ SAMPLES = {
         usage=Usage(prompt_tokens=3, completion_tokens=5),
     ),
     "LoadReport": LoadReport(instance_id="d0", role="decode", incarnation="x", ts=1.5),
+    "LoadReportDraining": LoadReport(
+        instance_id="d0", role="decode", incarnation="x", ts=1.5, draining=True
+    ),
+    "RoleChange": RoleChange(
+        instance_id="d1", incarnation="i1", from_role="decode", to_role="prefill", ts=2.0
+    ),
 }
 
 
