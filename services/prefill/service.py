@@ -36,6 +36,9 @@ from shared.worker.service import RequestTasks
 
 log = logging.getLogger(__name__)
 
+HANDOFF_RETRYABLE = frozenset({"unavailable", "timeout"})
+"""Hand-off errors that are the decode instance's, not the request's: failed over."""
+
 
 class PrefillService(RequestTasks):
     def __init__(self, rt: ModelRuntime, nc: NATS):
@@ -112,9 +115,23 @@ class PrefillService(RequestTasks):
                         }
                     )
                 self._store_later(new_blocks)
-            await bus.request(
-                self.nc, subjects.decode_submit(item.decode_instance), work, SubmitAck, timeout=10.0
-            )
+            try:
+                await bus.request(
+                    self.nc,
+                    subjects.decode_submit(item.decode_instance),
+                    work,
+                    SubmitAck,
+                    timeout=10.0,
+                )
+            except StrataError as exc:
+                if exc.code not in HANDOFF_RETRYABLE:
+                    raise
+                # the decode instance is gone or not answering: the error names it, so the
+                # gateway fails the stream over with that instance excluded (not a 5xx)
+                REQUESTS_FAILED.labels("prefill").inc()
+                log.warning("hand-off of %s to %s failed: %s", rid, item.decode_instance, exc)
+                await publish_error(self.nc, rid, exc, item.decode_instance, item.attempt)
+                return
         except asyncio.CancelledError:
             log.info("prefill of %s cancelled", eid)
             port.abort(eid)

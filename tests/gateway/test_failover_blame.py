@@ -13,12 +13,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from services.gateway.assembly import down_failover, owing_instance
+from services.gateway.assembly import Failover, StreamAssembler, down_failover, owing_instance
 from services.gateway.config import GatewayConfig
-from services.gateway.pipeline import Pipeline, Prepared
+from services.gateway.pipeline import Pipeline, Prepared, _chunk_or_failover
 from shared import bus
 from shared.protocol import subjects
 from shared.protocol.codec import encode
+from shared.protocol.errors import StrataError
 from shared.protocol.sampling import SamplingParams
 from shared.protocol.sched import RouteReply, RouteRequest, SchedulerState, routed_submit
 from shared.protocol.stream import TokenChunk
@@ -30,6 +31,7 @@ from shared.protocol.work import (
     SubmitAck,
     WorkItem,
 )
+from shared.worker.runtime import error_chunk
 
 DISAGG = RouteReply(decode_instance="dec-a", decode_addr="h:1", prefill_instance="pre-a")
 SELF = RouteReply(decode_instance="dec-a", decode_addr="h:1")
@@ -62,6 +64,7 @@ class Fleet:
         self.routes: list[tuple[RouteRequest, RouteReply]] = []
         self.submits: list[tuple[str, WorkItem]] = []  # (instance, item)
         self.subs = []
+        self.dead: set[str] = set()  # decode instances a "handoff-fails" prefill cannot reach
 
     async def start(self) -> Fleet:
         self.subs.append(await bus.serve(self.nc, subjects.SCHED_ROUTE, RouteRequest, self.route))
@@ -87,6 +90,10 @@ class Fleet:
         async def submit(item: PrefillWork) -> SubmitAck:
             self.submits.append((inst, item))
             if mode == "handoff":
+                asyncio.get_running_loop().create_task(self._handoff(inst, item))
+            elif mode == "handoff-fails" and item.decode_instance in self.dead:
+                asyncio.get_running_loop().create_task(self._handoff_fails(inst, item))
+            elif mode == "handoff-fails":
                 asyncio.get_running_loop().create_task(self._handoff(inst, item))
             return SubmitAck(instance_id=inst)
 
@@ -143,6 +150,14 @@ class Fleet:
         nxt = item.model_copy(update={"output_token_ids": [*item.output_token_ids, 100 + i]})
         self.submits.append((item.decode_instance, nxt))
         await self._generate(item.decode_instance, nxt)
+
+    async def _handoff_fails(self, inst: str, item: WorkItem) -> None:
+        """What prefill does when its decode instance died after routing: the first token,
+        then an error chunk naming the unreachable decode instance (`services/prefill`)."""
+        await self._chunk(inst, item, len(item.output_token_ids))
+        err = StrataError("unavailable", f"decode instance {item.decode_instance} not available")
+        chunk = error_chunk(item.request_id, err, item.decode_instance, item.attempt)
+        await bus.publish(self.nc, subjects.req_out(item.request_id), chunk)
 
     async def _generate(self, inst: str, item: WorkItem) -> None:
         b = self.decodes[inst]
@@ -253,6 +268,39 @@ async def test_decode_declared_down_is_excluded(nats_url, caplog):
     assert [r.exclude for r, _ in f.routes] == [[], ["dec-a"]]
     assert f.routes[1][1].decode_instance == "dec-b"
     assert any("failover from dec-a: down" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_handoff_to_a_dead_decode_fails_over_excluding_it(nats_url, caplog):
+    """Prefill's hand-off to the routed decode instance fails (it died after routing): the
+    error chunk names that instance, and the gateway re-routes with it excluded instead of
+    ending the stream with the error (before: a 503 to the client)."""
+
+    async def setup(f: Fleet) -> None:
+        await f.add_prefill("pre-a", "handoff-fails")
+        await f.add_decode("dec-a")
+        await f.add_decode("dec-b")
+        f.dead.add("dec-a")
+
+    with caplog.at_level(logging.WARNING, logger="services.gateway.pipeline"):
+        got, f = await _run(nats_url, setup, _nothing)
+    assert [r.exclude for r, _ in f.routes] == [[], ["dec-a"]]
+    assert f.routes[1][1].decode_instance == "dec-b"
+    assert got == [100, 101, 102, 103, 104, 105]  # the first token once, no duplicate
+    assert any("failover from dec-a: unavailable" in r.getMessage() for r in caplog.records)
+
+
+def test_only_an_instance_error_chunk_fails_over():
+    """`_chunk_or_failover`: ``unavailable`` / ``timeout`` naming an instance is a failover
+    excluding it; an error that is the request's (``bad_request``) still ends the stream."""
+    asm = StreamAssembler(max_failovers=2)
+    asm.route, asm.attempt = DISAGG, 0
+    down = error_chunk("r", StrataError("unavailable", "decode instance dec-a gone"), "dec-a", 0)
+    fo = _chunk_or_failover(asm, down)
+    assert isinstance(fo, Failover) and fo.instance == "dec-a" and fo.why.startswith("unavailable")
+    bad = error_chunk("r", StrataError("bad_request", "prompt too long"), "dec-a", 0)
+    with pytest.raises(StrataError) as exc:
+        _chunk_or_failover(asm, bad)
+    assert exc.value.code == "bad_request"
 
 
 async def _nothing(f: Fleet, got: list[int]) -> None:
