@@ -52,6 +52,9 @@ class EngineConfig:
     """Schedule and prepare decode step i+1 while the forward of step i runs (see
     ``LLMEngine.step``); False runs every step strictly in sequence; None: on for CUDA, off on
     CPU, where the thread hand-offs cost about what the overlap hides (docs/ENGINE.md)."""
+    eplb_interval_steps: int = 0
+    """Expert parallelism (``--ep``): move experts to the placement that balances the rows routed
+    so far every N engine steps, between steps (EPLB, `shared.model.ep`); 0: never."""
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> None:
@@ -69,6 +72,8 @@ class EngineConfig:
             bad("max_num_batched_tokens", "must be >= max_num_seqs")
         if self.preemption_mode not in ("recompute", "swap"):
             bad("preemption_mode", 'must be "recompute" or "swap"')
+        if self.eplb_interval_steps < 0:
+            bad("eplb_interval_steps", "must be >= 0")
         if self.num_speculative_tokens < 0:
             bad("num_speculative_tokens", "must be >= 0")
         if not 1 <= self.ngram_min <= self.ngram_max:

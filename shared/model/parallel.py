@@ -31,6 +31,9 @@ class TPGroup:
     world_size: int
     group: dist.ProcessGroup | None = None  # None: the default group
     allreduce_bytes: int = field(default=0)
+    # False under expert parallelism alone: every rank holds every KV head (attention is
+    # replicated), so the KV plane reads rank 0's and broadcasts writes (`shared.engine.tp_kv`)
+    shards_kv: bool = True
     # Rank 0 holds it over each broadcast and the collectives that follow it (a forward, or a
     # KV gather/scatter, `shared.engine.tp_kv`): the followers run them in broadcast order, so
     # two threads of rank 0 must not interleave theirs.

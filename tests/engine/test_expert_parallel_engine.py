@@ -1,0 +1,131 @@
+"""Expert parallelism at 2 gloo ranks: Qwen3-MoE and Mixtral against the unsharded model, and
+EPLB moving experts between steps on a router skewed towards two experts."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
+
+from shared.engine.engine import LLMEngine
+from shared.engine.model_runner import ModelRunner
+from shared.engine.params import EngineConfig
+from shared.model import ep, eplb
+from shared.model.loader import load_model
+from shared.model.parallel import TPGroup
+from shared.protocol.sampling import SamplingParams
+from tests.model.paged_driver import PagedDriver
+from tests.model.test_tensor_parallel import _free_port
+
+pytest.importorskip("transformers")
+CFG = EngineConfig(kv_cache_bytes=1 << 20, block_size=4, max_num_seqs=4)
+SP = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
+PROMPTS = [[3, 17, 52, 9, 100, 7, 4], [11, 2, 5, 80, 33], [8, 8, 1, 60, 2, 9, 41, 5, 7]]
+LOGIT_IDS = [(37 * i) % 4000 + 3 for i in range(23)]
+
+
+def _generate(engine) -> dict[str, list[int]]:
+    """Continuous batching: a new request joins every other step."""
+    got: dict[str, list[int]] = {}
+    waiting = list(enumerate(PROMPTS))
+    steps = 0
+    while waiting or engine.has_unfinished_requests() or engine.pending:
+        if waiting and steps % 2 == 0:
+            i, p = waiting.pop(0)
+            engine.add_request(f"r{i}", p, SP)
+        for o in engine.step():
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+        steps += 1
+    return got
+
+
+def _rank(rank, port, path, out, rebalance):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        group = TPGroup(rank, 2)
+        loaded = load_model(path, dtype=torch.float32)
+        ep.shard_experts(loaded.model, group, spare=1 if rebalance else 0)
+        drv = PagedDriver(loaded.model, block_size=4)  # every rank runs the same prefill
+        logits = drv.prefill(drv.new_seq(), LOGIT_IDS)
+        got = dict(
+            logits=logits,
+            slots=[m.experts.gate_up_proj.shape[0] for m in ep.moe_layers(loaded.model)],
+        )
+        if rank == 0:
+            engine = LLMEngine(loaded, CFG)
+            got["gen"] = _generate(engine)
+            if rebalance:
+                got["expected"] = engine.runner.rebalance_experts()
+                got["placement"] = [m.placement.phys for m in ep.moe_layers(loaded.model)]
+                # run 2 rebalances again mid-flight, every 4 steps (EngineConfig's interval)
+                engine.config = replace(engine.config, eplb_interval_steps=4)
+                got["gen2"] = _generate(engine)
+            group.broadcast(None)
+            engine.close()
+        else:
+            ModelRunner.follower(loaded.model).follow()
+        got["served"] = [m.served for m in ep.moe_layers(loaded.model)]
+        got["served_log"] = [m.served_log for m in ep.moe_layers(loaded.model)]
+        got["bytes"] = sum(m.alltoall_bytes for m in ep.moe_layers(loaded.model))
+        torch.save(got, f"{out}/{rank}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(path, tmp_path, rebalance=False):
+    mp.spawn(_rank, args=(_free_port(), str(path), str(tmp_path), rebalance), nprocs=2, join=True)
+    return [torch.load(tmp_path / f"{r}.pt") for r in (0, 1)]
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+def test_two_rank_experts_match_one_rank(tmp_path_factory, tmp_path, kind):
+    from tests.model.test_moe_models import _build
+
+    path = tmp_path_factory.mktemp(kind)
+    _build(kind, path)
+    one = load_model(path, dtype=torch.float32)
+    drv = PagedDriver(one.model, block_size=4)
+    ref_logits = drv.prefill(drv.new_seq(), LOGIT_IDS)
+    ref = _generate(LLMEngine(one, CFG))
+    r0, r1 = _run(path, tmp_path)
+    for r in (r0, r1):
+        assert (r["logits"] - ref_logits).abs().max().item() < 1e-4
+        assert r["slots"] and all(s == 4 for s in r["slots"])  # 8 experts: 4 per rank
+        assert r["bytes"] > 0  # tokens crossed ranks both ways
+    assert r0["gen"] == ref
+    assert all(len(v) == SP.max_tokens for v in ref.values()) and len(ref) == len(PROMPTS)
+
+
+def _skewed(path):
+    """Qwen3-MoE whose router sends most rows to experts 0 and 1 (both on rank 0 at start)."""
+    from tests.model.test_moe_models import _build
+
+    _build("qwen3_moe", path)
+    f = path / "model.safetensors"
+    state = load_file(str(f))
+    gate = state["model.layers.0.mlp.gate.weight"]
+    gate[:2] *= 30.0
+    save_file(state, str(f), metadata={"format": "pt"})
+
+
+def test_eplb_rebalances_a_skewed_router_without_changing_tokens(tmp_path_factory, tmp_path):
+    path = tmp_path_factory.mktemp("skewed")
+    _skewed(path)
+    ref = _generate(LLMEngine(load_model(path, dtype=torch.float32), CFG))
+    r0, r1 = _run(path, tmp_path, rebalance=True)
+    assert r0["gen"] == ref and r0["gen2"] == ref
+    # rows each rank's experts computed in the run before and the run after rebalancing
+    assert len(r0["served_log"][0]) >= 2  # the explicit rebalance, then the interval's
+    runs = [
+        [r["served_log"][0][0] for r in (r0, r1)],
+        [sum(r["served_log"][0][1:]) + r["served"][0] for r in (r0, r1)],  # all of run 2
+    ]
+    measured = [eplb.imbalance(x) for x in runs]
+    exp_before, exp_after = r0["expected"][0]
+    assert measured[1] < measured[0] and exp_after < exp_before
+    assert measured[0] > 1.2  # the skew is real: experts 0 and 1 start on rank 0
+    assert r0["placement"][0] != eplb.initial(8, 2, 1).phys
