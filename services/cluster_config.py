@@ -75,7 +75,8 @@ class ClusterConfig(BaseModel):
         ge=1,
         le=64,
         description="Expert-parallel ranks per prefill/decode instance of a MoE checkpoint "
-        "(started like --tp's; experts split in contiguous blocks, attention replicated)",
+        "(started like --tp's; experts split in contiguous blocks, attention replicated, or split "
+        "by --tp when it equals --ep)",
     )
     device: str = Field("cpu", description="torch device of model processes: cpu or cuda[:N]")
     dtype: Literal["", "float32", "bfloat16", "float16"] = Field(

@@ -60,6 +60,8 @@ class EPMoE(SparseMoE):
         self.alltoall_bytes = 0  # this rank's share of ALLTOALL_BYTES from this layer
         self.served = 0  # rows this rank's experts computed (its load) since the last rebalance
         self.served_log: list[int] = []  # ``served`` at each rebalance
+        self.micro_batches = 1  # >1: overlap one micro-batch's all-to-alls with another's experts
+        self.micro_batches_run = 0
         self.load = torch.zeros(c.num_experts, dtype=torch.long)  # rows routed since rebalance
         full = (moe.experts.gate_up_proj.data, moe.experts.down_proj.data)
         self._install(placement, {e: (full[0][e], full[1][e]) for e in set(placement.phys)})
@@ -85,34 +87,35 @@ class EPMoE(SparseMoE):
         start = sum(sizes[:r])
         mine = x[start : start + sizes[r]]
         weights, ids = self.route(mine)
-        flat = ids.reshape(-1)
-        counts = torch.bincount(flat, minlength=self.num_experts).cpu()
+        counts = torch.bincount(ids.reshape(-1), minlength=self.num_experts).cpu()
         self.load += counts
         for e, c in enumerate(counts.tolist()):
             if c:
                 self._counters[e].inc(c)
         # a token's rows go to replica (token index mod replicas): an even split over replicas
         tok = torch.arange(start, start + sizes[r], device=x.device).unsqueeze(1).expand_as(ids)
-        phys = self.log2phys[ids, tok % self.nrep[ids]].reshape(-1)
-        order = torch.argsort(phys, stable=True)  # grouped by slot, so by destination rank
-        rows, sorted_phys = order // self.top_k, phys[order]
-        send_counts = torch.bincount(sorted_phys // S, minlength=n)
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=g.group)
-        sc, rc = send_counts.tolist(), recv_counts.tolist()
-        recv_x = x.new_empty((sum(rc), H))
-        dist.all_to_all_single(recv_x, mine.index_select(0, rows), rc, sc, group=g.group)
-        recv_slot = sorted_phys.new_empty(sum(rc))
-        dist.all_to_all_single(recv_slot, sorted_phys % S, rc, sc, group=g.group)
-        back = x.new_empty((sum(sc), H))
-        dist.all_to_all_single(back, self._local(recv_x, recv_slot), sc, rc, group=g.group)
-        sent = (sum(sc) - sc[r]) * (H * x.element_size() + 8) + (
-            sum(rc) - rc[r]
-        ) * H * x.element_size()
-        self.alltoall_bytes += sent
-        ALLTOALL_BYTES.inc(sent)
-        ws = weights.reshape(-1, 1).index_select(0, order)
-        out = torch.zeros_like(mine).index_add_(0, rows, back * ws)
+        phys = self.log2phys[ids, tok % self.nrep[ids]]
+        plans, lo = [], 0
+        for m in (len(c) for c in torch.arange(len(mine)).tensor_split(self.micro_batches)):
+            plans.append(_Plan(mine, phys[lo : lo + m], weights[lo : lo + m], lo, S, n))
+            lo += m
+        send = torch.stack([p.send for p in plans], dim=1).contiguous()  # [rank, micro-batch]
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=g.group)
+        for i, p in enumerate(plans):  # every dispatch in flight at once
+            p.dispatch(send[:, i].tolist(), recv[:, i].tolist(), g.group)
+        for p in plans:  # micro-batch i's experts run while i+1's rows (and i-1's outputs) move
+            p.wait()
+            p.combine(self._local(p.recv_x, p.recv_slot), g.group)
+        out = torch.zeros_like(mine)
+        for p in plans:
+            p.wait()
+            out.index_add_(0, p.rows, p.back * p.ws)
+            sent = (sum(p.sc) - p.sc[r]) * (H * x.element_size() + 8)
+            sent += (sum(p.rc) - p.rc[r]) * H * x.element_size()
+            self.alltoall_bytes += sent
+            ALLTOALL_BYTES.inc(sent)
+        self.micro_batches_run += len(plans)
         if n == 1:
             return out
         pad = x.new_zeros((max(sizes), H))
@@ -168,17 +171,62 @@ class EPMoE(SparseMoE):
         return got
 
 
-def shard_experts(model: nn.Module, group, spare: int = 0) -> nn.Module:
+class _Plan:
+    """One micro-batch of a rank's tokens: its (token, expert) rows sorted by physical slot (so
+    by destination rank), and the all-to-alls that move them (asynchronous: ``wait``)."""
+
+    def __init__(self, mine, phys, weights, lo: int, slots: int, ranks: int):
+        k = phys.shape[1]
+        flat = phys.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        self.phys = flat[order]
+        self.rows = order // k + lo
+        self.ws = weights.reshape(-1, 1).index_select(0, order)
+        self.send = torch.bincount(self.phys // slots, minlength=ranks)
+        self.send_x, self.send_slot = mine.index_select(0, self.rows), self.phys % slots
+        self.works: list = []
+
+    def dispatch(self, sc: list[int], rc: list[int], group) -> None:
+        self.sc, self.rc = sc, rc
+        self.recv_x = self.send_x.new_empty((sum(rc), self.send_x.shape[1]))
+        self.recv_slot = self.send_slot.new_empty(sum(rc))
+        self.works = [
+            dist.all_to_all_single(self.recv_x, self.send_x, rc, sc, group=group, async_op=True),
+            dist.all_to_all_single(
+                self.recv_slot, self.send_slot, rc, sc, group=group, async_op=True
+            ),
+        ]
+
+    def combine(self, ys: torch.Tensor, group) -> None:
+        self.ys = ys  # kept alive until the all-to-all is done
+        self.back = ys.new_empty((sum(self.sc), ys.shape[1]))
+        self.works = [
+            dist.all_to_all_single(self.back, ys, self.sc, self.rc, group=group, async_op=True)
+        ]
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+        self.works = []
+
+
+def shard_experts(
+    model: nn.Module, group, spare: int = 0, replicated_kv: bool = True, micro_batches: int = 1
+):
     """Keep rank ``group.rank``'s experts of every sparse MoE layer (contiguous blocks, plus
-    ``spare`` replica slots per rank), in place; attention and dense layers stay whole."""
+    ``spare`` replica slots per rank), in place; attention and dense layers stay whole, unless
+    `shared.model.parallel.shard_model` cut them over the same ranks first (``--tp N --ep N``:
+    then pass ``replicated_kv=False``, each rank holds its KV heads)."""
     c = model.config
     check_ep(c, group.world_size)
     placement = eplb.initial(c.num_experts, group.world_size, spare)
     for layer in model.model.layers:
         if isinstance(layer.mlp, SparseMoE):
             layer.mlp = EPMoE(layer.mlp, c, group, placement)
+            layer.mlp.micro_batches = micro_batches
             layer.native_reason = "expert parallel (all-to-all dispatch and combine)"
-    group.shards_kv = False  # every rank holds every KV head: the KV plane broadcasts writes
+    # --ep alone: every rank holds every KV head, the KV plane broadcasts writes
+    group.shards_kv = not replicated_kv
     model.tp = group
     LOCAL_EXPERTS.set(placement.slots)
     return model

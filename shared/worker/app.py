@@ -117,15 +117,14 @@ def check_tp(cfg: WorkerConfig) -> None:
     from shared.model.parallel import check_shardable
     from shared.worker.tp import world_size
 
-    if cfg.tp > 1 and cfg.ep > 1:
+    if cfg.tp > 1 and cfg.ep > 1 and cfg.tp != cfg.ep:
         raise StartupError(
-            f"--tp {cfg.tp} with --ep {cfg.ep}: tensor and expert parallelism do not combine "
-            "yet; use one"
+            f"--tp {cfg.tp} with --ep {cfg.ep}: together they run over the same ranks, so they "
+            "must be equal"
         )
-    if cfg.ep > 1:
-        check_ep(load_config(cfg.model), cfg.ep)
-    else:
-        check_shardable(load_config(cfg.model), cfg.tp)
+    c = load_config(cfg.model)
+    check_ep(c, cfg.ep)
+    check_shardable(c, cfg.tp, experts=cfg.ep > 1)
     if cfg.device.startswith("cuda"):
         import torch
 

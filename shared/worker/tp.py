@@ -36,7 +36,7 @@ EXIT_RANK_DIED = 3
 
 
 def world_size(cfg) -> int:
-    """Ranks of one instance: ``--tp`` or ``--ep`` (both at once is refused at start-up)."""
+    """Ranks of one instance: ``--tp`` or ``--ep`` (both: equal, over the same ranks)."""
     return max(cfg.tp, cfg.ep)
 
 
@@ -147,15 +147,22 @@ class TPRanks:
 
 
 def shard(model, group: TPGroup, cfg) -> None:
-    """Cut a loaded model to this rank's part: its experts under ``--ep``, else its heads."""
+    """Cut a loaded model to this rank's part: its heads under ``--tp``, its experts under
+    ``--ep`` (both: over the same ranks)."""
+    if cfg.tp > 1:
+        from shared.model.parallel import shard_model
+
+        shard_model(model, group, experts=cfg.ep > 1)
     if cfg.ep > 1:
         from shared.model.ep import shard_experts
 
-        shard_experts(model, group, cfg.ep_spare)
-    else:
-        from shared.model.parallel import shard_model
-
-        shard_model(model, group)
+        shard_experts(
+            model,
+            group,
+            cfg.ep_spare,
+            replicated_kv=cfg.tp == 1,
+            micro_batches=cfg.ep_micro_batches,
+        )
 
 
 def _exit_with_parent(parent: int) -> None:

@@ -14,7 +14,7 @@ from shared.engine.model_runner import ModelRunner
 from shared.engine.params import EngineConfig
 from shared.model import ep, eplb
 from shared.model.loader import load_model
-from shared.model.parallel import TPGroup
+from shared.model.parallel import TPGroup, shard_model
 from shared.protocol.sampling import SamplingParams
 from tests.model.paged_driver import PagedDriver
 from tests.model.test_tensor_parallel import _free_port
@@ -41,13 +41,16 @@ def _generate(engine) -> dict[str, list[int]]:
     return got
 
 
-def _rank(rank, port, path, out, rebalance):
+def _rank(rank, port, path, out, rebalance, tp, mb):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         group = TPGroup(rank, 2)
         loaded = load_model(path, dtype=torch.float32)
-        ep.shard_experts(loaded.model, group, spare=1 if rebalance else 0)
+        if tp:  # --tp 2 --ep 2: heads and dense MLPs by TP, experts by EP, over the same ranks
+            shard_model(loaded.model, group, experts=True)
+        spare = 1 if rebalance else 0
+        ep.shard_experts(loaded.model, group, spare, replicated_kv=not tp, micro_batches=mb)
         drv = PagedDriver(loaded.model, block_size=4)  # every rank runs the same prefill
         logits = drv.prefill(drv.new_seq(), LOGIT_IDS)
         got = dict(
@@ -66,9 +69,13 @@ def _rank(rank, port, path, out, rebalance):
             group.broadcast(None)
             engine.close()
         else:
-            ModelRunner.follower(loaded.model).follow()
+            runner = ModelRunner.follower(loaded.model)
+            runner.follow()
+            got["kv_heads"] = runner.kv.k.shape[3]
+        got["allreduce"] = group.allreduce_bytes
         got["served"] = [m.served for m in ep.moe_layers(loaded.model)]
         got["served_log"] = [m.served_log for m in ep.moe_layers(loaded.model)]
+        got["micro"] = [m.micro_batches_run for m in ep.moe_layers(loaded.model)]
         got["bytes"] = sum(m.alltoall_bytes for m in ep.moe_layers(loaded.model))
         torch.save(got, f"{out}/{rank}.pt")
         dist.barrier()
@@ -76,13 +83,21 @@ def _rank(rank, port, path, out, rebalance):
         dist.destroy_process_group()
 
 
-def _run(path, tmp_path, rebalance=False):
-    mp.spawn(_rank, args=(_free_port(), str(path), str(tmp_path), rebalance), nprocs=2, join=True)
+def _run(path, tmp_path, rebalance=False, tp=False, mb=1):
+    args = (_free_port(), str(path), str(tmp_path), rebalance, tp, mb)
+    mp.spawn(_rank, args=args, nprocs=2, join=True)
     return [torch.load(tmp_path / f"{r}.pt") for r in (0, 1)]
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
-def test_two_rank_experts_match_one_rank(tmp_path_factory, tmp_path, kind):
+@pytest.mark.parametrize(
+    "kind,tp,mb",
+    [("qwen3_moe", False, 1), ("mixtral", False, 2), ("qwen3_moe", True, 1)],
+    ids=str,
+)
+def test_two_rank_experts_match_one_rank(tmp_path_factory, tmp_path, kind, tp, mb):
+    """``tp``: ``--tp 2 --ep 2``; each rank also holds 1 of the 2 KV heads and all-reduces.
+    ``mb`` 2: two micro-batches per layer, one's all-to-alls in flight while the other's experts
+    run."""
     from tests.model.test_moe_models import _build
 
     path = tmp_path_factory.mktemp(kind)
@@ -91,11 +106,15 @@ def test_two_rank_experts_match_one_rank(tmp_path_factory, tmp_path, kind):
     drv = PagedDriver(one.model, block_size=4)
     ref_logits = drv.prefill(drv.new_seq(), LOGIT_IDS)
     ref = _generate(LLMEngine(one, CFG))
-    r0, r1 = _run(path, tmp_path)
+    r0, r1 = _run(path, tmp_path, tp=tp, mb=mb)
+    assert r1["kv_heads"] == (1 if tp else 2)
+    assert (r0["allreduce"] > 0) == tp and (r1["allreduce"] > 0) == tp
     for r in (r0, r1):
         assert (r["logits"] - ref_logits).abs().max().item() < 1e-4
         assert r["slots"] and all(s == 4 for s in r["slots"])  # 8 experts: 4 per rank
         assert r["bytes"] > 0  # tokens crossed ranks both ways
+        # every layer call ran mb micro-batches (the engine's forwards come after the prefill)
+        assert r["micro"] and all(m % mb == 0 and m >= mb for m in r["micro"])
     assert r0["gen"] == ref
     assert all(len(v) == SP.max_tokens for v in ref.values()) and len(ref) == len(PROMPTS)
 
