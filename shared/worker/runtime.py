@@ -96,13 +96,14 @@ class ModelRuntime:
         self.tokenizer = Tokenizer.from_dir(self.cfg.model)
         engine_cfg = self._engine_config()  # the whole model's: the instance's KV budget
         if self.tp is not None:
-            from shared.worker.tp import shard
+            from shared.worker.tp import shard, world_size
 
             shard(self.loaded.model, self.tp.group, self.cfg)
             # --tp: each rank holds 1/N of every block: N ranks, the budget's blocks in all;
-            # --ep: every rank holds whole blocks (cfg.tp is 1)
+            # --ep alone: every rank holds the same whole blocks, 1/N of the budget's count, so
+            # the instance's N ranks still use the budget's memory
             engine_cfg = dataclasses.replace(
-                engine_cfg, kv_cache_bytes=engine_cfg.kv_cache_bytes // self.cfg.tp
+                engine_cfg, kv_cache_bytes=engine_cfg.kv_cache_bytes // world_size(self.cfg)
             )
         # One prefill before serving: first-call overheads are paid there, and its measured
         # seconds per token seed the load-vs-recompute cost model.

@@ -9,6 +9,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
+from shared.engine import tp_kv
 from shared.engine.engine import LLMEngine
 from shared.engine.model_runner import ModelRunner
 from shared.engine.params import EngineConfig
@@ -148,3 +149,45 @@ def test_eplb_rebalances_a_skewed_router_without_changing_tokens(tmp_path_factor
     assert measured[1] < measured[0] and exp_after < exp_before
     assert measured[0] > 1.2  # the skew is real: experts 0 and 1 start on rank 0
     assert r0["placement"][0] != eplb.initial(8, 2, 1).phys
+
+
+def _kv_rank(rank, port, path, out):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        group = TPGroup(rank, 2)
+        loaded = load_model(path, dtype=torch.float32)
+        ep.shard_experts(loaded.model, group)
+        if rank == 0:
+            engine = LLMEngine(loaded, CFG)
+            runner = engine.runner
+            L, nb, bs, h, hd = runner.kv.k.shape
+            data = torch.randn((L, 2, 2, bs, h, hd), generator=torch.Generator().manual_seed(5))
+            runner.write_blocks([nb - 1, nb - 2], data)  # a pool load's write: broadcast
+            got = dict(back=runner.read_blocks([nb - 1, nb - 2]), data=data, heads=runner.kv_heads)
+            got["bytes"] = tp_kv.EP_KV_BYTES._value.get()
+            group.broadcast(None)
+            engine.close()
+        else:
+            runner = ModelRunner.follower(loaded.model)
+            runner.follow()
+            nb = runner.kv.k.shape[1]
+            got = dict(k=runner.kv.k[:, [nb - 1, nb - 2]].clone())
+        torch.save(got, f"{out}/{rank}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_rank_kv_plane_broadcasts_whole_blocks(tmp_path_factory, tmp_path):
+    """Under --ep alone every rank holds every KV head: whole blocks written on rank 0 land
+    unchanged on rank 1 too, and read back from rank 0's own copy."""
+    from tests.model.test_moe_models import _build
+
+    path = tmp_path_factory.mktemp("moekv")
+    _build("qwen3_moe", path)
+    mp.spawn(_kv_rank, args=(_free_port(), str(path), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"{r}.pt") for r in (0, 1))
+    assert r0["heads"] == 2 and torch.equal(r0["back"], r0["data"])
+    assert torch.equal(r1["k"], r0["data"][:, 0])  # rank 1's K of both blocks, every head
+    assert r0["bytes"] == r0["data"].numel() * 4  # float32, sent once to the one other rank
