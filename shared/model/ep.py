@@ -27,6 +27,14 @@ ALLTOALL_BYTES = Counter(
     "strata_ep_alltoall_bytes_total",
     "Bytes this expert-parallel rank sent to other ranks in MoE dispatch and combine all-to-alls",
 )
+EPLB_MOVED_BYTES = Counter(
+    "strata_eplb_moved_bytes_total", "Expert weight bytes this rank received in EPLB moves"
+)
+EPLB_IMBALANCE = Gauge(
+    "strata_eplb_imbalance",
+    "Max/mean rank load of the last EPLB placement for the counts it was computed from",
+    ["layer"],
+)
 REBALANCE = "eplb-rebalance"
 """Rank 0's broadcast before `rebalance_all`: the followers run it too."""
 LOCAL_EXPERTS = Gauge("strata_ep_local_experts", "Expert slots this expert-parallel rank holds")
@@ -62,6 +70,7 @@ class EPMoE(SparseMoE):
         self.served_log: list[int] = []  # ``served`` at each rebalance
         self.micro_batches = 1  # >1: overlap one micro-batch's all-to-alls with another's experts
         self.micro_batches_run = 0
+        self.moved_bytes = 0  # expert weights this rank received in EPLB moves
         self.load = torch.zeros(c.num_experts, dtype=torch.long)  # rows routed since rebalance
         full = (moe.experts.gate_up_proj.data, moe.experts.down_proj.data)
         self._install(placement, {e: (full[0][e], full[1][e]) for e in set(placement.phys)})
@@ -252,7 +261,10 @@ def rebalance_all(model: nn.Module) -> list[tuple[float, float]]:
         new = eplb.rebalance(row, m.placement.ranks, m.placement.slots)
         before = eplb.imbalance(eplb.rank_loads(row, m.placement))
         out.append((before, eplb.imbalance(eplb.rank_loads(row, new))))
-        m.apply_placement(new)
+        got = m.apply_placement(new)
+        m.moved_bytes += got
+        EPLB_MOVED_BYTES.inc(got)
+        EPLB_IMBALANCE.labels(str(m.layer)).set(out[-1][1])
         m.load.zero_()
         m.served_log.append(m.served)
         m.served = 0

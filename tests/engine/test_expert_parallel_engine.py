@@ -76,6 +76,7 @@ def _rank(rank, port, path, out, rebalance, tp, mb):
         got["allreduce"] = group.allreduce_bytes
         got["served"] = [m.served for m in ep.moe_layers(loaded.model)]
         got["served_log"] = [m.served_log for m in ep.moe_layers(loaded.model)]
+        got["moved"] = sum(m.moved_bytes for m in ep.moe_layers(loaded.model))
         got["micro"] = [m.micro_batches_run for m in ep.moe_layers(loaded.model)]
         got["bytes"] = sum(m.alltoall_bytes for m in ep.moe_layers(loaded.model))
         torch.save(got, f"{out}/{rank}.pt")
@@ -149,6 +150,9 @@ def test_eplb_rebalances_a_skewed_router_without_changing_tokens(tmp_path_factor
     assert measured[1] < measured[0] and exp_after < exp_before
     assert measured[0] > 1.2  # the skew is real: experts 0 and 1 start on rank 0
     assert r0["placement"][0] != eplb.initial(8, 2, 1).phys
+    assert r0["moved"] + r1["moved"] > 0  # experts crossed ranks (a multiple of one expert)
+    one = 3 * 64 * 48 * 4  # gate, up and down of one expert, float32
+    assert (r0["moved"] + r1["moved"]) % one == 0
 
 
 def _kv_rank(rank, port, path, out):
