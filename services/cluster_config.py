@@ -78,6 +78,14 @@ class ClusterConfig(BaseModel):
         "is rank 0 and starts the others; its torch threads are split among them; on CUDA one "
         "GPU per rank)",
     )
+    ep: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Expert-parallel ranks per prefill/decode instance of a MoE checkpoint "
+        "(started like --tp's; experts split in contiguous blocks, attention replicated, or split "
+        "by --tp when it equals --ep)",
+    )
     device: str = Field("cpu", description="torch device of model processes: cpu or cuda[:N]")
     dtype: Literal["", "float32", "bfloat16", "float16"] = Field(
         "",

@@ -345,6 +345,7 @@ class Cluster:
         if role in ("prefill", "decode"):
             e["STRATA_TORCH_THREADS"] = str(self.cfg.torch_threads)
             e["STRATA_TP"] = str(self.cfg.tp)
+            e["STRATA_EP"] = str(self.cfg.ep)
             # the auto KV budget is a share of this machine's memory, split among its engines
             e["STRATA_HOST_ENGINES"] = str(self.cfg.prefill + self.cfg.decode)
         else:  # services (vision too) stay single-threaded, on the spare cores if any

@@ -46,6 +46,7 @@ class LLMEngine:
         proposer: Proposer | None = None,
     ):
         self.config = config = config or EngineConfig()
+        self._launch_chances = 0  # step() calls that could launch a forward (EPLB's interval)
         self.loaded = loaded_model
         model = loaded_model.model
         if config.quantization == "int8":
@@ -272,6 +273,7 @@ class LLMEngine:
             layer_callback = self._save_layer
         outputs, self.pending = self.pending, []
         if self._flight is None:
+            self._maybe_rebalance()
             sched = self.scheduler.schedule()
             for seq in self.scheduler.newly_admitted:
                 self.admissions.append((seq.tenant.name, t0 - seq.queued_at))
@@ -287,6 +289,13 @@ class LLMEngine:
         self._t["step"] += end - t0
         self._last_end = end
         return outputs
+
+    def _maybe_rebalance(self) -> None:
+        """EPLB between steps (no forward in flight): every ``eplb_interval_steps`` launches."""
+        every = self.config.eplb_interval_steps
+        self._launch_chances += 1
+        if every and self._launch_chances % every == 0:
+            self.runner.rebalance_experts()
 
     def _launch(self, sched: SchedulerOutput, batch, layer_callback) -> None:
         self.current = sched  # what a layer callback of this step may look at

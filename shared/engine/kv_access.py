@@ -22,7 +22,8 @@ class RawKV:
     def kv_heads(self) -> int:
         """KV heads of a whole block (every rank's, under tensor parallelism)."""
         tp = getattr(self.model, "tp", None)
-        return self.kv.k.shape[3] * (tp.world_size if tp is not None else 1)
+        shards = tp is not None and tp.shards_kv  # expert parallel alone: every rank, every head
+        return self.kv.k.shape[3] * (tp.world_size if shards else 1)
 
     def _kv_op(self, name: str, args: tuple, data: torch.Tensor | None = None):
         tp = getattr(self.model, "tp", None)

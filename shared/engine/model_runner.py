@@ -10,6 +10,7 @@ from shared.engine import tp_kv
 from shared.engine.kv_access import RawKV
 from shared.engine.scheduler import SchedulerOutput
 from shared.model.api import AttentionMetadata, KVCache, LayerCallback
+from shared.model.ep import REBALANCE, rebalance_all
 
 
 def dtype_of(name: str | None, default: torch.dtype) -> torch.dtype:
@@ -229,6 +230,18 @@ class ModelRunner(RawKV):
             finally:
                 tp_kv.forward_scope(False)
 
+    def rebalance_experts(self) -> list[tuple[float, float]]:
+        """Expert parallelism: move every MoE layer's experts to the placement that balances the
+        rows routed since the last call (`shared.model.ep.rebalance_all`), on every rank; call
+        between steps. Per layer the expected (before, after) max/mean rank load; [] without
+        expert parallelism."""
+        tp = getattr(self.model, "tp", None)
+        if tp is None or tp.shards_kv:
+            return []
+        with tp.lock:
+            tp.broadcast(REBALANCE)
+            return rebalance_all(self.model)
+
     def follow(self) -> int:
         """A rank > 0's loop: run each batch (or KV operation, `shared.engine.tp_kv`) rank 0
         broadcasts until it sends ``None``; returns how many batches ran."""
@@ -236,6 +249,9 @@ class ModelRunner(RawKV):
         while (msg := tp.broadcast(None)) is not None:
             if isinstance(msg, tp_kv.KVOp):
                 tp_kv.follow(self, tp, msg)
+                continue
+            if msg == REBALANCE:
+                rebalance_all(self.model)
                 continue
             sync = (lambda _: tp_kv.follow_layer(self, tp)) if msg.layer_sync else None
             self._forward(tp_kv.on_device(msg, self.device), sync)

@@ -55,6 +55,9 @@ class EngineConfig:
     fair_queuing: bool = True
     """Order waiting requests of one priority class by their tenant's fair-queuing start tag
     (weighted shares, `shared.engine.fair_queue`); False: first come, first served."""
+    eplb_interval_steps: int = 0
+    """Expert parallelism (``--ep``): move experts to the placement that balances the rows routed
+    so far every N engine steps, between steps (EPLB, `shared.model.ep`); 0: never."""
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> None:
@@ -72,6 +75,8 @@ class EngineConfig:
             bad("max_num_batched_tokens", "must be >= max_num_seqs")
         if self.preemption_mode not in ("recompute", "swap"):
             bad("preemption_mode", 'must be "recompute" or "swap"')
+        if self.eplb_interval_steps < 0:
+            bad("eplb_interval_steps", "must be >= 0")
         if self.num_speculative_tokens < 0:
             bad("num_speculative_tokens", "must be >= 0")
         if not 1 <= self.ngram_min <= self.ngram_max:

@@ -27,6 +27,10 @@ KV_BYTES = Counter(
     "ranks, whole blocks moved outside the forward",
     ["op"],
 )
+EP_KV_BYTES = Counter(
+    "strata_ep_kv_bytes_total",
+    "KV bytes rank 0 broadcast to its expert-parallel ranks (each holds every KV head)",
+)
 
 READS = frozenset({"read_blocks", "read_tokens"})
 WRITES = frozenset({"write_blocks", "write_token_layers"})
@@ -69,7 +73,7 @@ def layer_sync(tp, callback):
 def follow_layer(runner, tp) -> None:
     """A rank > 0 after each layer of a ``layer_sync`` batch: rank 0's KV ops until it is done."""
     while (op := tp.broadcast(None)) != LAYER_DONE:
-        _on_rank(runner, tp, op, None)
+        follow(runner, tp, op)
 
 
 def run(runner, tp, name: str, args: tuple, data: torch.Tensor | None = None):
@@ -78,6 +82,8 @@ def run(runner, tp, name: str, args: tuple, data: torch.Tensor | None = None):
     in_layer = getattr(_in_forward, "layer", False)  # rank 0 holds the lock for the forward
     if getattr(_in_forward, "on", False) and not in_layer:
         raise RuntimeError(f"KV {name} inside a tensor-parallel forward, outside a layer callback")
+    if not tp.shards_kv:  # expert parallel: every rank holds the same whole blocks
+        return _replicated(runner, tp, name, args, data, in_layer)
     parts = None
     if data is not None:
         data = data.to(runner.device, runner.kv.k.dtype)
@@ -93,7 +99,39 @@ def run(runner, tp, name: str, args: tuple, data: torch.Tensor | None = None):
 
 def follow(runner, tp, op: KVOp) -> None:
     """A rank > 0: its part of rank 0's ``op``."""
+    if not tp.shards_kv:
+        _broadcast_write(runner, tp, op, None)
+        return
     _on_rank(runner, tp, op, None)
+
+
+def _replicated(runner, tp, name: str, args: tuple, data, in_layer: bool):
+    """Rank 0 under expert parallelism alone: a read is its own copy (no collective), a write
+    is broadcast so every rank stores the same."""
+    local = getattr(runner, "_local_" + name)
+    if name in READS:
+        return local(*args)
+    if name not in WRITES:
+        raise ValueError(f"unknown KV op {name!r}")
+    data = data.to(runner.device, runner.kv.k.dtype).contiguous()
+    op = KVOp(name, args, tuple(data.shape))
+    if in_layer:
+        tp.broadcast(op)
+        return _broadcast_write(runner, tp, op, data)
+    with tp.lock:
+        tp.broadcast(op)
+        return _broadcast_write(runner, tp, op, data)
+
+
+def _broadcast_write(runner, tp, op: KVOp, data: torch.Tensor | None) -> None:
+    if op.name not in WRITES:
+        raise ValueError(f"unknown KV op {op.name!r}")
+    if data is None:
+        data = torch.empty(op.part_shape, dtype=runner.kv.k.dtype, device=runner.device)
+    else:
+        EP_KV_BYTES.inc(data.numel() * data.element_size() * (tp.world_size - 1))
+    dist.broadcast(data, 0, group=tp.group)
+    getattr(runner, "_local_" + op.name)(*op.args, data)
 
 
 def _on_rank(runner, tp, op: KVOp, parts: list[torch.Tensor] | None):

@@ -31,6 +31,9 @@ class TPGroup:
     world_size: int
     group: dist.ProcessGroup | None = None  # None: the default group
     allreduce_bytes: int = field(default=0)
+    # False under expert parallelism alone: every rank holds every KV head (attention is
+    # replicated), so the KV plane reads rank 0's and broadcasts writes (`shared.engine.tp_kv`)
+    shards_kv: bool = True
     # Rank 0 holds it over each broadcast and the collectives that follow it (a forward, or a
     # KV gather/scatter, `shared.engine.tp_kv`): the followers run them in broadcast order, so
     # two threads of rank 0 must not interleave theirs.
@@ -88,29 +91,35 @@ def check_divisible(num_heads: int, num_kv_heads: int, world_size: int) -> None:
         )
 
 
-def check_shardable(c, world_size: int) -> None:
+def check_shardable(c, world_size: int, experts: bool = False) -> None:
     """A `ModelConfig` that `shard_model` can cut into ``world_size`` shards, else one clear
-    `CheckpointError` (checked before any rank starts)."""
+    `CheckpointError` (checked before any rank starts). ``experts``: the MoE layers' experts
+    are split by expert parallelism over the same ranks (`shared.model.ep`)."""
     if world_size < 1:
         raise CheckpointError(f"tensor parallel size must be at least 1, not {world_size}")
     if world_size == 1:
         return
-    if c.moe_layers:
-        raise CheckpointError("tensor parallelism does not shard MoE experts yet")
+    if c.moe_layers and not experts:
+        raise CheckpointError(
+            f"tensor parallelism does not shard MoE experts: add --ep {world_size} to split "
+            "them over the same ranks"
+        )
     check_divisible(c.num_heads, c.num_kv_heads, world_size)
-    if c.intermediate_size % world_size:
+    dense = len(c.moe_layers) < c.num_layers
+    if dense and c.intermediate_size % world_size:
         raise CheckpointError(
             f"tensor parallel size {world_size} must divide intermediate_size "
             f"({c.intermediate_size})"
         )
 
 
-def shard_model(model: nn.Module, tp: TPGroup) -> nn.Module:
+def shard_model(model: nn.Module, tp: TPGroup, experts: bool = False) -> nn.Module:
     """Cut a loaded Llama-family model (or a LLaVA's language model: the vision tower stays
-    whole) down to rank ``tp.rank``'s shard, in place."""
+    whole) down to rank ``tp.rank``'s shard, in place. ``experts``: sparse MoE layers are left
+    for `shared.model.ep.shard_experts` (expert parallelism over the same ranks)."""
     c = model.config
     n, r = tp.world_size, tp.rank
-    check_shardable(c, n)
+    check_shardable(c, n, experts)
     nh, nkv, d, ff = c.num_heads // n, c.num_kv_heads // n, c.head_dim, c.intermediate_size // n
     lm = getattr(model, "language_model", model)
     for layer in lm.model.layers:
@@ -120,12 +129,14 @@ def shard_model(model: nn.Module, tp: TPGroup) -> nn.Module:
         _rows(a.v_proj, r * nkv * d, (r + 1) * nkv * d)
         a.o_proj = _row_parallel(a.o_proj, r * nh * d, (r + 1) * nh * d, tp)
         a.num_heads, a.num_kv_heads, a._qkv = nh, nkv, None
+        # layer.c has no collective between attention and MLP: the layer runs op by op
+        layer.native_reason = "tensor parallel (an all-reduce after o_proj and down_proj)"
+        if not hasattr(m, "gate_proj"):  # a sparse MoE block: its experts go by --ep
+            continue
         _rows(m.gate_proj, r * ff, (r + 1) * ff)
         _rows(m.up_proj, r * ff, (r + 1) * ff)
         m.down_proj = _row_parallel(m.down_proj, r * ff, (r + 1) * ff, tp)
         m._gate_up = None
-        # layer.c has no collective between attention and MLP: the layer runs op by op
-        layer.native_reason = "tensor parallel (an all-reduce after o_proj and down_proj)"
     for m in {id(model): model, id(lm): lm}.values():
         m.num_kv_heads = nkv
         m.tp = tp

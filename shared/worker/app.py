@@ -136,20 +136,31 @@ def _no_reply(roles: RoleSwitcher):
 
 
 def check_tp(cfg: WorkerConfig) -> None:
-    """``--tp N`` this checkpoint and device can run, else one clear start-up error."""
+    """``--tp N`` / ``--ep N`` this checkpoint and device can run, else one clear start-up
+    error."""
     from shared.model.config import load_config
+    from shared.model.ep import check_ep
     from shared.model.parallel import check_shardable
+    from shared.worker.tp import world_size
 
-    check_shardable(load_config(cfg.model), cfg.tp)
+    if cfg.tp > 1 and cfg.ep > 1 and cfg.tp != cfg.ep:
+        raise StartupError(
+            f"--tp {cfg.tp} with --ep {cfg.ep}: together they run over the same ranks, so they "
+            "must be equal"
+        )
+    c = load_config(cfg.model)
+    check_ep(c, cfg.ep)
+    check_shardable(c, cfg.tp, experts=cfg.ep > 1)
     if cfg.device.startswith("cuda"):
         import torch
 
         from shared.worker.tp import rank_device
 
-        last = int(rank_device(cfg.device, cfg.tp - 1).split(":")[1])
+        n, flag = world_size(cfg), "--ep" if cfg.ep > 1 else "--tp"
+        last = int(rank_device(cfg.device, n - 1).split(":")[1])
         if last >= torch.cuda.device_count():
             raise StartupError(
-                f"--tp {cfg.tp} on {cfg.device} needs CUDA devices up to cuda:{last}; "
+                f"{flag} {n} on {cfg.device} needs CUDA devices up to cuda:{last}; "
                 f"{torch.cuda.device_count()} visible"
             )
 
@@ -160,7 +171,7 @@ def run_worker(role: str, argv: list[str], make_service) -> None:
     if not cfg.model:
         raise StartupError("no model: pass --model DIR (STRATA_MODEL), a checkpoint directory")
     validate_checkpoint(cfg.model)  # a bad checkpoint fails here, before NATS or torch work
-    if cfg.tp > 1:  # heads that do not split: refused before any rank starts
+    if cfg.tp > 1 or cfg.ep > 1:  # heads/experts that do not split: refused before ranks start
         check_tp(cfg)
     setup_logging(role, cfg.instance_id, cfg.log_level)
     metrics.serve_metrics(cfg.metrics_port, cfg.metrics_bind)

@@ -143,6 +143,31 @@ class WorkerConfig(EngineSettings):  # type: ignore[misc, valid-type]
         "N-1 rank processes (gloo on CPU, NCCL on CUDA, one GPU each); each keeps 1/N of the "
         "attention heads, MLP and KV heads and gets 1/N of torch_threads",
     )
+    ep: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Expert-parallel ranks of this instance (MoE checkpoints): this process is "
+        "rank 0 and starts N-1 rank processes like --tp; rank r holds the contiguous block of "
+        "experts r*E/N..(r+1)*E/N-1 (plus ep_spare replica slots), tokens move by all-to-all; "
+        "attention, dense layers and KV are replicated (with --tp N too: split by TP over the "
+        "same ranks). N must divide the expert count",
+    )
+    ep_spare: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="Expert-parallel: extra expert slots per rank for EPLB's replicas of hot "
+        "experts (eplb_interval_steps)",
+    )
+    ep_micro_batches: int = Field(
+        1,
+        ge=1,
+        le=8,
+        description="Expert-parallel: split each rank's tokens of a MoE layer into this many "
+        "micro-batches, so one's dispatch/combine all-to-alls run while another's experts "
+        "compute (2: the two-batch overlap; 1: none)",
+    )
     frame_merge_bytes: int = Field(
         256 << 10, ge=0, description="Merge layer frames below this size into one (direct mode)"
     )

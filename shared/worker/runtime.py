@@ -84,12 +84,12 @@ class ModelRuntime:
         from shared.model.loader import load_model
         from shared.model.parallel import WORLD_SIZE
         from shared.model.tokenizer import Tokenizer
-        from shared.worker.tp import rank_threads
+        from shared.worker.tp import rank_threads, world_size
 
         WORLD_SIZE.set(self.cfg.tp)
-        if self.cfg.tp > 1:  # the followers start loading while this rank does
+        if world_size(self.cfg) > 1:  # the followers start loading while this rank does
             self.tp = TPRanks(self.cfg, self.role)
-        torch.set_num_threads(rank_threads(self.cfg.torch_threads, self.cfg.tp))
+        torch.set_num_threads(rank_threads(self.cfg.torch_threads, world_size(self.cfg)))
         dtype = getattr(torch, self.cfg.dtype) if self.cfg.dtype else None
         t0 = time.perf_counter()
         self.loaded = load_model(self.cfg.model, dtype=dtype, device=self.cfg.device)
@@ -97,12 +97,14 @@ class ModelRuntime:
         self.tokenizer = Tokenizer.from_dir(self.cfg.model)
         engine_cfg = self._engine_config()  # the whole model's: the instance's KV budget
         if self.tp is not None:
-            from shared.model.parallel import shard_model
+            from shared.worker.tp import shard, world_size
 
-            shard_model(self.loaded.model, self.tp.group)
-            # each rank holds 1/N of every block: N ranks, the budget's blocks in all
+            shard(self.loaded.model, self.tp.group, self.cfg)
+            # --tp: each rank holds 1/N of every block: N ranks, the budget's blocks in all;
+            # --ep alone: every rank holds the same whole blocks, 1/N of the budget's count, so
+            # the instance's N ranks still use the budget's memory
             engine_cfg = dataclasses.replace(
-                engine_cfg, kv_cache_bytes=engine_cfg.kv_cache_bytes // self.cfg.tp
+                engine_cfg, kv_cache_bytes=engine_cfg.kv_cache_bytes // world_size(self.cfg)
             )
         # One prefill before serving: first-call overheads are paid there, and its measured
         # seconds per token seed the load-vs-recompute cost model.

@@ -35,6 +35,11 @@ EXIT_RANK_DIED = 3
 """Rank 0's exit code when another rank of its instance died."""
 
 
+def world_size(cfg) -> int:
+    """Ranks of one instance: ``--tp`` or ``--ep`` (both: equal, over the same ranks)."""
+    return max(cfg.tp, cfg.ep)
+
+
 def rank_threads(torch_threads: int, tp: int) -> int:
     """Each rank's share of the process's torch threads (at least 1)."""
     return max(1, torch_threads // tp)
@@ -69,7 +74,7 @@ class TPRanks:
     process group (``group``) and the watch that stops the instance when a rank dies."""
 
     def __init__(self, cfg, role: str):
-        self.world = cfg.tp
+        self.world = world_size(cfg)
         self._stopping = False
         if cfg.device.startswith("cuda"):  # NCCL's object broadcasts use the current device
             torch.cuda.set_device(rank_device(cfg.device, 0))
@@ -93,7 +98,10 @@ class TPRanks:
         _init_group(cfg.device, 0, self.world, port)
         self.group = TPGroup(0, self.world)
         log.info(
-            "tensor parallel: %d ranks (followers %s)", self.world, [p.pid for p in self.procs]
+            "%s parallel: %d ranks (followers %s)",
+            "expert" if cfg.ep > 1 else "tensor",
+            self.world,
+            [p.pid for p in self.procs],
         )
 
     def _at_exit(self) -> None:
@@ -138,6 +146,25 @@ class TPRanks:
                 p.kill()
 
 
+def shard(model, group: TPGroup, cfg) -> None:
+    """Cut a loaded model to this rank's part: its heads under ``--tp``, its experts under
+    ``--ep`` (both: over the same ranks)."""
+    if cfg.tp > 1:
+        from shared.model.parallel import shard_model
+
+        shard_model(model, group, experts=cfg.ep > 1)
+    if cfg.ep > 1:
+        from shared.model.ep import shard_experts
+
+        shard_experts(
+            model,
+            group,
+            cfg.ep_spare,
+            replicated_kv=cfg.tp == 1,
+            micro_batches=cfg.ep_micro_batches,
+        )
+
+
 def _exit_with_parent(parent: int) -> None:
     """A follower whose rank 0 is gone (killed, crashed) exits: nothing is left running."""
 
@@ -154,7 +181,6 @@ def follower_main(cfg, role: str, rank: int, port: int, parent: int) -> None:
     from shared.engine.port import EnginePort
     from shared.logs import setup_logging
     from shared.model.loader import load_model
-    from shared.model.parallel import shard_model
 
     _exit_with_parent(parent)
     # A signal to the instance's process group stops rank 0, which then releases this rank
@@ -162,15 +188,16 @@ def follower_main(cfg, role: str, rank: int, port: int, parent: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     setup_logging(f"{role}-tp{rank}", cfg.instance_id, cfg.log_level)
-    torch.set_num_threads(rank_threads(cfg.torch_threads, cfg.tp))
+    world = world_size(cfg)
+    torch.set_num_threads(rank_threads(cfg.torch_threads, world))
     device = rank_device(cfg.device, rank)
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
-    _init_group(cfg.device, rank, cfg.tp, port)
-    tp = TPGroup(rank, cfg.tp)
+    _init_group(cfg.device, rank, world, port)
+    tp = TPGroup(rank, world)
     dtype = getattr(torch, cfg.dtype) if cfg.dtype else None
     loaded = load_model(cfg.model, dtype=dtype, device=device)
-    shard_model(loaded.model, tp)
+    shard(loaded.model, tp, cfg)
     try:
         n = EnginePort.follow(loaded)
     except RuntimeError as exc:  # rank 0 is gone (killed): its watch or ours says so
