@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from loadtests.loadgen.client import RunConfig, run_jobs
+from loadtests.loadgen.client import RunConfig, run_jobs, served_model
 from loadtests.loadgen.stats import summarize
 from loadtests.loadgen.workload import Job, words
 from loadtests.simulator.realcluster import start_cluster
@@ -60,6 +60,7 @@ def run_once(model_dir: str, tp: int, a: argparse.Namespace, seed: int) -> dict:
     c = start_cluster(model_dir, tp=tp, data_dir=tempfile.mkdtemp(prefix=f"bench-tp{tp}-"))
     try:
         cfg = RunConfig(url=c.gateway_url, progress=False)
+        cfg.model = asyncio.run(served_model(c.gateway_url))
         warm = jobs(2, a.prompt_words, 8, seed + 1000)
         asyncio.run(run_jobs(warm, cfg, concurrency=2))
         b0 = scrape(c, "decode-0", "strata_tp_allreduce_bytes_total")
@@ -69,6 +70,8 @@ def run_once(model_dir: str, tp: int, a: argparse.Namespace, seed: int) -> dict:
         steps = scrape(c, "decode-0", "strata:engine_steps_total") - s0
         nbytes = scrape(c, "decode-0", "strata_tp_allreduce_bytes_total") - b0
         s = summarize(results, wall, a.concurrency)
+        if s.ok < s.requests:
+            print(f"tp {tp}: {s.requests - s.ok} failed: {s.errors_by_status}")
         return {
             "tp": tp,
             "ok": s.ok,
@@ -111,13 +114,17 @@ def _allreduce_rank(rank: int, port: int, numel: int, iters: int, out: str) -> N
         dist.destroy_process_group()
 
 
-def gloo_allreduce_seconds(nbytes: int, iters: int = 200) -> float:
-    """Seconds one 2-rank gloo all-reduce of ``nbytes`` (float32) takes on this machine."""
-    out = os.path.join(tempfile.mkdtemp(prefix="bench-tp-ar-"), "ar.json")
+def gloo_allreduce_seconds(nbytes: int, iters: int = 500, trials: int = 3) -> float:
+    """Seconds one 2-rank gloo all-reduce of ``nbytes`` (float32) takes on this machine: the
+    median of ``trials`` fresh process groups, each timing ``iters`` calls."""
     numel = max(1, nbytes // 4)
-    mp.spawn(_allreduce_rank, args=(_free_port(), numel, iters, out), nprocs=2, join=True)
-    with open(out) as f:
-        return json.load(f)["seconds_per_call"]
+    got = []
+    for _ in range(trials):
+        out = os.path.join(tempfile.mkdtemp(prefix="bench-tp-ar-"), "ar.json")
+        mp.spawn(_allreduce_rank, args=(_free_port(), numel, iters, out), nprocs=2, join=True)
+        with open(out) as f:
+            got.append(json.load(f)["seconds_per_call"])
+    return statistics.median(got)
 
 
 def main() -> None:
