@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.protocol.errors import StrataError
+from shared.protocol.errors import INSTANCE_ERRORS, StrataError
 from shared.protocol.sched import RouteReply
 from shared.protocol.stream import TokenChunk
 
@@ -101,15 +101,19 @@ class StreamAssembler:
         if instance_id in ("", self.target):
             self.acked = True
 
-    def chunk(self, c: TokenChunk) -> TokenChunk | None:
+    def chunk(self, c: TokenChunk) -> TokenChunk | Failover | None:
         """The client-visible part of ``c``, or None when nothing of it is new. A chunk that
-        carries an error raises it."""
+        carries an error naming an instance that could not serve (`INSTANCE_ERRORS`: e.g.
+        prefill's hand-off to a decode instance that died after routing) is a `Failover` with
+        that instance excluded; any other error is raised."""
         if c.attempt != self.attempt or (c.instance_id and c.instance_id in self.exclude):
             # A straggler of a route given up: an instance failed away from, or the abort of
             # an earlier route's work on an instance this route uses again.
             return None
         self.acked = True  # a chunk implies the submit was taken
         if c.error is not None:
+            if c.error.code in INSTANCE_ERRORS and c.instance_id:
+                return Failover(c.instance_id, f"{c.error.code}: {c.error.message}")
             raise c.error.to_exception()
         self.got_chunk = True
         self.decode_streamed = self.decode_streamed or c.instance_id == self.route.decode_instance

@@ -424,7 +424,7 @@ class Pipeline:
                 yield fo
                 return
             if isinstance(msg, TokenChunk):  # demultiplexed from a batch (`start`)
-                out = _chunk_or_failover(asm, msg)
+                out = asm.chunk(msg)
                 if out is None:
                     continue
                 yield out
@@ -449,26 +449,9 @@ class Pipeline:
                 asm.acked = True  # a chunk implies the submit was taken
                 log.warning("dropping malformed chunk", exc_info=True)
                 continue
-            out = _chunk_or_failover(asm, chunk)
+            out = asm.chunk(chunk)
             if out is None:
                 continue
             yield out
             if isinstance(out, Failover) or asm.finished:
                 return
-
-
-RETRYABLE = frozenset({"unavailable", "timeout"})
-"""Error codes a chunk may carry that are an instance's fault, not the request's."""
-
-
-def _chunk_or_failover(asm: StreamAssembler, c: TokenChunk) -> TokenChunk | Failover | None:
-    """`StreamAssembler.chunk`, except that an error chunk naming an instance that could not
-    serve (``unavailable`` / ``timeout``: e.g. prefill's hand-off to a decode instance that
-    died after routing) fails the route over with that instance excluded, rather than ending
-    the stream with the error (``max_failovers`` still bounds the retries)."""
-    try:
-        return asm.chunk(c)
-    except StrataError as exc:
-        if exc.code in RETRYABLE and c.instance_id and c.error is not None:
-            return Failover(c.instance_id, f"{exc.code}: {exc.message}")
-        raise

@@ -19,7 +19,7 @@ from shared import bus
 from shared.engine.port_types import Tenant
 from shared.kvtransfer.client import get_client
 from shared.protocol import subjects
-from shared.protocol.errors import StrataError
+from shared.protocol.errors import INSTANCE_ERRORS, StrataError
 from shared.protocol.stream import TokenChunk, Usage
 from shared.protocol.work import DecodeWork, PrefillWork, SubmitAck, WorkItem
 from shared.worker import kv_wire
@@ -35,9 +35,6 @@ from shared.worker.runtime import REQUESTS_FAILED, ModelRuntime, publish_error
 from shared.worker.service import RequestTasks
 
 log = logging.getLogger(__name__)
-
-HANDOFF_RETRYABLE = frozenset({"unavailable", "timeout"})
-"""Hand-off errors that are the decode instance's, not the request's: failed over."""
 
 
 class PrefillService(RequestTasks):
@@ -124,7 +121,7 @@ class PrefillService(RequestTasks):
                     timeout=10.0,
                 )
             except StrataError as exc:
-                if exc.code not in HANDOFF_RETRYABLE:
+                if exc.code not in INSTANCE_ERRORS:
                     raise
                 # the decode instance is gone or not answering: the error names it, so the
                 # gateway fails the stream over with that instance excluded (not a 5xx)

@@ -22,6 +22,11 @@ HTTP_STATUS: dict[str, int] = {
 }
 
 
+INSTANCE_ERRORS = frozenset({"unavailable", "timeout"})
+"""Codes that are an instance's fault (gone, not answering), not the request's: a stream that
+ends with one is failed over with that instance excluded, not ended with the error."""
+
+
 class ErrorInfo(BaseModel):
     code: str
     message: str

@@ -15,7 +15,7 @@ import pytest
 
 from services.gateway.assembly import Failover, StreamAssembler, down_failover, owing_instance
 from services.gateway.config import GatewayConfig
-from services.gateway.pipeline import Pipeline, Prepared, _chunk_or_failover
+from services.gateway.pipeline import Pipeline, Prepared
 from shared import bus
 from shared.protocol import subjects
 from shared.protocol.codec import encode
@@ -290,16 +290,16 @@ async def test_a_handoff_to_a_dead_decode_fails_over_excluding_it(nats_url, capl
 
 
 def test_only_an_instance_error_chunk_fails_over():
-    """`_chunk_or_failover`: ``unavailable`` / ``timeout`` naming an instance is a failover
+    """`StreamAssembler.chunk`: ``unavailable`` / ``timeout`` naming an instance is a failover
     excluding it; an error that is the request's (``bad_request``) still ends the stream."""
     asm = StreamAssembler(max_failovers=2)
     asm.route, asm.attempt = DISAGG, 0
     down = error_chunk("r", StrataError("unavailable", "decode instance dec-a gone"), "dec-a", 0)
-    fo = _chunk_or_failover(asm, down)
+    fo = asm.chunk(down)
     assert isinstance(fo, Failover) and fo.instance == "dec-a" and fo.why.startswith("unavailable")
     bad = error_chunk("r", StrataError("bad_request", "prompt too long"), "dec-a", 0)
     with pytest.raises(StrataError) as exc:
-        _chunk_or_failover(asm, bad)
+        asm.chunk(bad)
     assert exc.value.code == "bad_request"
 
 
