@@ -25,6 +25,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from services.infra.procs import write_file
+
 CA_DAYS = 3650
 LEAF_DAYS = 365
 RENEW_BEFORE_DAYS = 30
@@ -51,15 +53,6 @@ class ServiceCert:
 
 def _now() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
-
-
-def _write(path: str, data: bytes, mode: int) -> None:
-    tmp = f"{path}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)
 
 
 def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
@@ -180,8 +173,8 @@ def ensure_pki(
     new_ca = loaded is None or not _fresh(loaded[0])
     if new_ca:
         ca_cert, ca_key = make_ca()
-        _write(ca_key_path, _key_pem(ca_key), 0o600)
-        _write(ca_pem, ca_cert.public_bytes(serialization.Encoding.PEM), 0o644)
+        write_file(ca_key_path, _key_pem(ca_key), 0o600)
+        write_file(ca_pem, ca_cert.public_bytes(serialization.Encoding.PEM), 0o644)
     else:
         ca_cert, ca_key = loaded
     want = set(_sans(hosts))
@@ -202,7 +195,7 @@ def ensure_pki(
                 have = None
         if have is None:
             cert_bytes, key_bytes = issue(name, hosts, ca_cert, ca_key)
-            _write(key_path, key_bytes, 0o600)
-            _write(cert_path, cert_bytes, 0o644)
+            write_file(key_path, key_bytes, 0o600)
+            write_file(cert_path, cert_bytes, 0o644)
         out[name] = ServiceCert(cert_path, key_path, ca_pem)
     return out

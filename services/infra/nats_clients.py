@@ -21,11 +21,11 @@ import argparse
 import contextlib
 import fcntl
 import os
-import secrets
 import signal
 import time
 
 from services.infra import nats_auth
+from services.infra.procs import write_file
 
 AUTH_CONF = "auth.conf"
 PID_FILE = "nats-server.pid"
@@ -62,22 +62,13 @@ def _locked(data_dir: str):
         os.close(fd)
 
 
-def _write_private(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` atomically, mode 0600 from the first byte."""
-    tmp = f"{path}.{secrets.token_hex(4)}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def _write_auth_conf(data_dir: str) -> dict[str, str]:
     passwords = nats_auth.ensure_credentials(cred_dir(data_dir))
     for name in client_names(data_dir)[1:]:
         with open(nats_auth.password_file(cred_dir(data_dir), name)) as f:
             passwords[name] = f.read().strip()
     hashed = {u: nats_auth.hash_password(p) for u, p in passwords.items()}
-    _write_private(os.path.join(data_dir, AUTH_CONF), nats_auth.authorization_block(hashed))
+    write_file(os.path.join(data_dir, AUTH_CONF), nats_auth.authorization_block(hashed))
     return passwords
 
 

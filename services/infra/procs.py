@@ -1,5 +1,6 @@
 """Small process helpers shared by the infra launchers, the supervisor behind `strata up`
-(`services.infra.supervisor`) and the tests: ports, polling, process-group signals."""
+(`services.infra.supervisor`) and the tests: ports, polling, process-group signals, and the
+atomic write of a file with its mode set from the first byte (keys, passwords, configs)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,17 @@ import time
 from collections.abc import Callable
 
 from shared.config import RuntimeSettings
+
+
+def write_file(path: str, data: bytes | str, mode: int = 0o600) -> None:
+    """Write ``data`` to ``path`` atomically (a fresh temporary file beside it, then a rename),
+    with ``mode`` from the first byte: a reader never sees a partial file or a wider mode."""
+    tmp = f"{path}.{os.urandom(4).hex()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+    os.chmod(tmp, mode)  # the umask may have narrowed it
+    os.replace(tmp, path)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
