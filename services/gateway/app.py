@@ -125,10 +125,8 @@ async def build_service(nc, cfg: GatewayConfig) -> GatewayService:
         tenants=tenants,
     )
     audit = AuditLog(cfg.audit_file, cfg.audit_prompts, cfg.instance_id, cfg.audit_stream)
-    task = asyncio.create_task(
-        audit.publish(nc.jetstream(), cfg.instance_id, cfg.audit_max_age, cfg.audit_max_bytes)
-    )
-    service.audit, service.audit_task = audit, task
+    audit.start(nc.jetstream(), cfg.instance_id, cfg.audit_max_age, cfg.audit_max_bytes)
+    service.audit = audit
     return service
 
 

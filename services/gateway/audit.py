@@ -88,6 +88,53 @@ class AuditLog:
             os.chmod(path, 0o600)
             self._file = os.fdopen(fd, "a", buffering=1, encoding="utf-8")  # line-buffered
         self._queue: asyncio.Queue[str] | None = asyncio.Queue(QUEUE_MAX) if stream else None
+        self._task: asyncio.Task | None = None
+
+    def start(self, js, instance: str, max_age: float, max_bytes: int) -> None:
+        """Publish the queued entries to the stream from a task of this loop (`publish`)."""
+        self._task = asyncio.create_task(self.publish(js, instance, max_age, max_bytes))
+
+    def refused(self, kind: str, body: Any, request_id: str, exc, who: dict, arrival: float):
+        """Record a request refused before it ran (``exc``: its `StrataError`)."""
+        self.record(
+            AuditEntry(
+                ts=time.time(),
+                request_id=request_id,
+                kind=kind,
+                model=str(body.get("model") or "") if isinstance(body, dict) else "",
+                outcome=exc.code,
+                status=exc.http_status,
+                latency_ms=_ms_since(arrival),
+                prompt=prompt_of(body),
+                **who,
+            )
+        )
+
+    def finished(self, run, who: dict) -> None:
+        """Record a run at its close: its finish reasons, else the error a stream ended with,
+        else ``aborted`` (the client went away or cancelled)."""
+        reasons = sorted({c.finish_reason for c in run.choices if c.finish_reason})
+        if run.error is not None:
+            outcome, status = run.error.code, run.error.http_status
+        elif all(c.finish_reason for c in run.choices):
+            outcome, status = ",".join(reasons), 200
+        else:
+            outcome, status = "aborted", 499
+        self.record(
+            AuditEntry(
+                ts=time.time(),
+                request_id=run.request_id,
+                kind=run.fmt.kind,
+                model=run.fmt.model,
+                outcome=outcome,
+                status=status,
+                prompt_tokens=sum(len(p.prompt_token_ids) for p in run.prepared),
+                completion_tokens=sum(len(c.token_ids) for c in run.choices),
+                latency_ms=_ms_since(run.arrival),
+                prompt=prompt_of(run.spec.request.model_dump(include={"messages", "prompt"})),
+                **who,
+            )
+        )
 
     def record(self, entry: AuditEntry) -> None:
         """Write one entry now (file) and queue it for the stream; never raises."""
@@ -130,6 +177,9 @@ class AuditLog:
                 log.warning("audit entry not published: %s", exc)
 
     def close(self) -> None:
+        """Stop publishing and close the file (shutdown)."""
+        if self._task is not None:
+            self._task.cancel()
         if self._file is not None:
             self._file.close()
             self._file = None
@@ -155,5 +205,13 @@ async def ensure_stream(js, max_age: float, max_bytes: int) -> None:
             log.debug("audit stream create: %s", exc)
 
 
-def now() -> float:
-    return time.time()
+def prompt_of(body: Any) -> Any:
+    """What an entry keeps of the prompt when the operator opts in (messages, prompt, input)."""
+    if not isinstance(body, dict):
+        return None
+    got = {k: body[k] for k in ("messages", "prompt", "input") if body.get(k) is not None}
+    return got or None
+
+
+def _ms_since(t0: float) -> float:
+    return round((time.perf_counter() - t0) * 1e3, 3)

@@ -21,8 +21,7 @@ from pydantic import ValidationError
 
 from services.gateway import metrics as m
 from services.gateway import response_cache
-from services.gateway.audit import AuditEntry, AuditLog
-from services.gateway.audit import now as audit_now
+from services.gateway.audit import AuditLog
 from services.gateway.auth import Auth
 from services.gateway.config import GatewayConfig
 from services.gateway.core import ApiError, GenerateSpec, admit, build_spec, validation_error
@@ -79,7 +78,6 @@ class GatewayService:
         self.tokenizer = tokenizer  # the checkpoint's; None without one (detokenize: the service)
         self.tool_format = tool_format
         self.audit: AuditLog | None = None  # set by the app (services.gateway.audit)
-        self.audit_task: asyncio.Task | None = None  # its JetStream publisher
         self.response_cache = response_cache.ResponseCache.from_config(cfg)  # None: off
         self.tenants = tenants or Tenants()
         try:
@@ -106,19 +104,7 @@ class GatewayService:
             run = await self._open(kind, body, headers, api_key, request_id, arrival, who)
         except StrataError as exc:
             if self.audit is not None:
-                self.audit.record(
-                    AuditEntry(
-                        ts=audit_now(),
-                        request_id=request_id,
-                        kind=kind,
-                        model=str(body.get("model") or "") if isinstance(body, dict) else "",
-                        outcome=exc.code,
-                        status=exc.http_status,
-                        latency_ms=round((time.perf_counter() - arrival) * 1e3, 3),
-                        prompt=_prompt_of(body),
-                        **who,
-                    )
-                )
+                self.audit.refused(kind, body, request_id, exc, who, arrival)
             raise
         run.audit, run.audit_who = self.audit, who
         return run
@@ -178,8 +164,6 @@ class GatewayService:
 
     def close_audit(self) -> None:
         """Stop the audit publisher and close the audit file (shutdown)."""
-        if self.audit_task is not None:
-            self.audit_task.cancel()
         if self.audit is not None:
             self.audit.close()
 
@@ -296,7 +280,7 @@ class Run:
         self.masks: list | None = None  # per choice, the pre-filter's output mask
         self.audit: AuditLog | None = None  # set by GatewayService.open
         self.audit_who: dict[str, str] = {}
-        self._error: StrataError | None = None  # what a stream ended with, for the audit
+        self.error: StrataError | None = None  # what a stream ended with (the audit's outcome)
         tf = fmt.tool_format  # tool calls parsed out of each choice's stream
         self._tools = [ToolStream(tf) for _ in self.choices] if tf else None
 
@@ -345,30 +329,7 @@ class Run:
             (m.WAITING if self.first_token_at is None else m.RUNNING).dec()
         self._record()
         if self.audit is not None:
-            self.audit.record(self._audit_entry())
-
-    def _audit_entry(self) -> AuditEntry:
-        """This run's audit line: finish reasons, else the stream's error, else ``aborted``."""
-        reasons = sorted({c.finish_reason for c in self.choices if c.finish_reason})
-        if self._error is not None:
-            outcome, status = self._error.code, self._error.http_status
-        elif self._finished():
-            outcome, status = ",".join(r for r in reasons if r), 200
-        else:
-            outcome, status = "aborted", 499  # the client went away or cancelled
-        return AuditEntry(
-            ts=audit_now(),
-            request_id=self.request_id,
-            kind=self.fmt.kind,
-            model=self.fmt.model,
-            outcome=outcome,
-            status=status,
-            prompt_tokens=sum(self._prompt_lens()),
-            completion_tokens=sum(len(c.token_ids) for c in self.choices),
-            latency_ms=round((time.perf_counter() - self.arrival) * 1e3, 3),
-            prompt=_prompt_of(self.spec.request.model_dump(include={"messages", "prompt"})),
-            **self.audit_who,
-        )
+            self.audit.finished(self, self.audit_who)
 
     async def _take(self, timeout: float | None = None) -> list[tuple[int, TokenChunk]] | None:
         """Every chunk that is ready now, waiting for the first up to ``timeout`` (None: no
@@ -413,7 +374,7 @@ class Run:
             self._done = self._open == 0
         elif isinstance(item, BaseException):
             if isinstance(item, StrataError):
-                self._error = item
+                self.error = item
             self.close()
             raise item
         else:
@@ -561,11 +522,3 @@ class Run:
         if isinstance(content, list):
             content = "".join(p.text or "" for p in content if p.type != "image_url")
         return [content or ""] * len(self.choices)
-
-
-def _prompt_of(body: Any) -> Any:
-    """What the audit keeps of the prompt when the operator opts in (messages or prompt)."""
-    if not isinstance(body, dict):
-        return None
-    got = {k: body[k] for k in ("messages", "prompt", "input") if body.get(k) is not None}
-    return got or None
