@@ -21,7 +21,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import statistics
 import tempfile
 import time
@@ -36,6 +35,7 @@ from loadtests.loadgen.stats import summarize
 from loadtests.loadgen.workload import Job, words
 from loadtests.simulator.realcluster import start_cluster
 from services.cluster_config import ensure_model
+from services.infra.procs import free_port
 
 
 def scrape(c, name: str, metric: str) -> float:
@@ -88,12 +88,6 @@ def run_once(model_dir: str, tp: int, a: argparse.Namespace, seed: int) -> dict:
         c.stop()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _allreduce_rank(rank: int, port: int, numel: int, iters: int, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -121,7 +115,7 @@ def gloo_allreduce_seconds(nbytes: int, iters: int = 500, trials: int = 3) -> fl
     got = []
     for _ in range(trials):
         out = os.path.join(tempfile.mkdtemp(prefix="bench-tp-ar-"), "ar.json")
-        mp.spawn(_allreduce_rank, args=(_free_port(), numel, iters, out), nprocs=2, join=True)
+        mp.spawn(_allreduce_rank, args=(free_port(), numel, iters, out), nprocs=2, join=True)
         with open(out) as f:
             got.append(json.load(f)["seconds_per_call"])
     return statistics.median(got)

@@ -12,34 +12,15 @@ from safetensors.torch import load_file, save_file
 from shared.engine import tp_kv
 from shared.engine.engine import LLMEngine
 from shared.engine.model_runner import ModelRunner
-from shared.engine.params import EngineConfig
 from shared.model import ep, eplb
 from shared.model.loader import load_model
 from shared.model.parallel import TPGroup, shard_model
-from shared.protocol.sampling import SamplingParams
+from tests.engine.test_tensor_parallel_engine import CFG, PROMPTS, SP, _generate
 from tests.model.paged_driver import PagedDriver
 from tests.model.test_tensor_parallel import _free_port
 
 pytest.importorskip("transformers")
-CFG = EngineConfig(kv_cache_bytes=1 << 20, block_size=4, max_num_seqs=4)
-SP = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
-PROMPTS = [[3, 17, 52, 9, 100, 7, 4], [11, 2, 5, 80, 33], [8, 8, 1, 60, 2, 9, 41, 5, 7]]
 LOGIT_IDS = [(37 * i) % 4000 + 3 for i in range(23)]
-
-
-def _generate(engine) -> dict[str, list[int]]:
-    """Continuous batching: a new request joins every other step."""
-    got: dict[str, list[int]] = {}
-    waiting = list(enumerate(PROMPTS))
-    steps = 0
-    while waiting or engine.has_unfinished_requests() or engine.pending:
-        if waiting and steps % 2 == 0:
-            i, p = waiting.pop(0)
-            engine.add_request(f"r{i}", p, SP)
-        for o in engine.step():
-            got.setdefault(o.request_id, []).extend(o.new_token_ids)
-        steps += 1
-    return got
 
 
 def _rank(rank, port, path, out, rebalance, tp, mb):
