@@ -35,6 +35,7 @@ from shared.engine.port_types import (
     RequestOutput,
     Tenant,
 )
+from shared.protocol.errors import StrataError
 from shared.protocol.sampling import SamplingParams
 
 
@@ -295,12 +296,24 @@ class EnginePort:
             try:
                 outputs = e.step()
             except Exception as exc:  # noqa: BLE001 - fail every open stream loudly
+                exc = _group_failure(e, exc)
                 rids = list(self._streams)
                 self._deliver([(rid, exc) for rid in rids])
                 for rid in rids:
                     e.abort_request(rid)
                 continue
             self._deliver([(o.request_id, o) for o in outputs])
+
+
+def _group_failure(engine: LLMEngine, exc: Exception) -> Exception:
+    """A step of a model sharded over several ranks (``--tp`` / ``--ep``) that failed in the
+    runtime (a collective whose peer rank died) is the instance's failure, not the requests':
+    an ``unavailable`` error, which the gateway fails over with this instance excluded
+    (`INSTANCE_ERRORS`), while the rank watcher stops the instance."""
+    group = getattr(engine.runner.model, "tp", None)
+    if group is not None and group.world_size > 1 and isinstance(exc, RuntimeError):
+        return StrataError("unavailable", f"a parallel rank of this instance failed: {exc}")
+    return exc
 
 
 def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:

@@ -6,6 +6,8 @@ with a random Qwen3 (6 heads / 2 KV heads), real processes and gloo:
 * a killed follower rank stops its instance with one line naming the rank; the restart
   supervisor brings it back, and the fresh instance loads the prompt's blocks back from the
   pool, scattered by KV head over its two ranks, and answers the same;
+* a follower rank killed under 8 streams: its instance stops as a whole, the streams fail over
+  to the other decode instance and finish with transformers' tokens, the group restarts;
 * ``--tp 3`` (2 KV heads), ``--tp 0`` and more ranks than GPUs fail at start-up with one line,
   before any rank starts;
 * the disaggregated shape pushes whole-head KV layer by layer between prefill and decode at
@@ -14,12 +16,16 @@ with a random Qwen3 (6 heads / 2 KV heads), real processes and gloo:
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
+import random
 import signal
 import subprocess
 import sys
 import time
 
+import httpx
 import openai
 import pytest
 
@@ -133,6 +139,85 @@ def test_tp2_colocated_cluster_serves_pools_and_restarts_after_a_rank_kill(qwen3
         n = blocks * 16 * kv_bytes_per_token(str(qwen3.path))  # whole blocks: both KV heads
         assert moved_since(t0, transfer_counters(cluster)) == {"received:pool": n}
         assert metric(cluster, "decode-0", "strata_tp_kv_bytes_total", op="scatter") == n
+    finally:
+        cluster.stop()
+
+
+STREAMS = 8
+STREAM_TOKENS = 96
+
+
+async def _stream_ids(cl, url: str, model: str, ids: list[int], progress: list[int], i: int):
+    """One greedy streamed completion of token-id prompt ``ids``: its token ids, or the error."""
+    body = {
+        "model": model,
+        "prompt": ids,
+        "max_tokens": STREAM_TOKENS,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+    }
+    got: list[int] = []
+    async with cl.stream("POST", url + "/v1/completions", json=body) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            obj = json.loads(line[6:])
+            if "error" in obj:
+                return obj["error"]["message"]
+            for ch in obj["choices"]:
+                got += ch.get("token_ids") or []
+                progress[i] = len(got)
+    return got
+
+
+def test_a_rank_killed_under_8_streams_fails_them_over_and_the_group_restarts(qwen3, tmp_path):
+    """``--tp 2`` with two decode instances: a follower rank of decode-0 is killed while 8
+    greedy streams run on both instances; decode-0 stops as a whole, its streams fail over to
+    decode-1 and finish with transformers' tokens (none lost or repeated), and the restart
+    supervisor brings decode-0's group back, which then serves again."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(10, 400) for _ in range(24 + 3 * i)] for i in range(STREAMS)]
+    refs = [greedy(qwen3, p, STREAM_TOKENS)[0] for p in prompts]
+    cluster = start_cluster(
+        str(qwen3.path),
+        data_dir=str(tmp_path / "cluster"),
+        prefill=0,
+        decode=2,
+        kvstore=0,
+        tp=2,
+        restart=True,
+        env={"STRATA_STALL_TIMEOUT": "10"},
+    )
+    try:
+        url = cluster.gateway_url
+        rank0 = cluster.sup.procs["decode-0"].proc.pid
+        (follower,) = _ranks(rank0)
+
+        async def run():
+            progress = [0] * STREAMS
+            async with httpx.AsyncClient(timeout=240) as cl:
+                model = (await cl.get(url + "/v1/models")).json()["data"][0]["id"]
+                tasks = [
+                    asyncio.create_task(_stream_ids(cl, url, model, p, progress, i))
+                    for i, p in enumerate(prompts)
+                ]
+                while min(progress) < 4 and not any(t.done() for t in tasks):
+                    await asyncio.sleep(0.02)
+                live = sum(not t.done() for t in tasks)
+                os.kill(follower, signal.SIGKILL)
+                return live, await asyncio.gather(*tasks)
+
+        live, got = asyncio.run(run())
+        assert live == STREAMS, f"only {live} streams were live at the kill"
+        assert got == refs  # every stream complete, token for token
+        assert metric(cluster, "gateway-0", "strata:stream_failovers_total") >= 1
+        wait_until(lambda: cluster.sup.procs["decode-0"].proc.pid != rank0, 60, "a restart")
+        cluster.sup.wait_ready(["decode-0"], 240)
+        assert metric(cluster, "decode-0", "strata_tp_world_size") == 2
+        assert _complete(cluster, retry_s=120).choices[0].text  # served again
     finally:
         cluster.stop()
 
