@@ -60,8 +60,9 @@ class ClusterConfig(BaseModel):
         ge=1,
         le=64,
         description="Data parallelism: N replicas of the model, as N times the prefill and "
-        "decode instances (each its own instance, on its share of the cores), balanced by the "
-        "scheduler with its load and prefix signals; composes with --tp (N groups of --tp ranks)",
+        "decode instances (each its own instance, on its share of the cores), routed by the "
+        "scheduler's prefix_aware policy (prefix and load) unless a --policy is given; composes "
+        "with --tp (N groups of --tp ranks)",
     )
     torch_threads: int | None = Field(
         None,

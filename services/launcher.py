@@ -94,12 +94,18 @@ class Cluster:
                 decode=cfg.decode * dp,
                 torch_threads=cfg.torch_threads,
             )
+        role_args = cfg.role_args
+        sched = role_args.get("scheduler", [])
+        if dp > 1 and not any(a.startswith("--policy") for a in sched):
+            # replicas with caches of their own: route by prefix as well as load
+            role_args = {**role_args, "scheduler": [*sched, "--policy", "prefix_aware"]}
         self.cfg = cfg.model_copy(
             update={
                 "prefill": self.shape.prefill,
                 "decode": self.shape.decode,
                 "torch_threads": self.shape.torch_threads,
                 "dp": 1,  # applied: the counts above are the instances
+                "role_args": role_args,
             }
         )
         self._own_data = not self.cfg.data_dir

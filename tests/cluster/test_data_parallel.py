@@ -23,6 +23,11 @@ def handled(c, name: str) -> float:
     return sum(v for k, v in got.items() if "decode" in k and "submit" in k)
 
 
+def indexed(c) -> float:
+    """Blocks in the scheduler's prefix index (all instances)."""
+    return sum(scrape(c, "scheduler-0", "strata_scheduler_prefix_index_blocks").values())
+
+
 async def complete(cl: httpx.AsyncClient, url: str, model: str, prompt: str) -> dict:
     r = await cl.post(
         url + "/v1/completions",
@@ -40,8 +45,11 @@ def test_dp2_replicas_share_the_load_and_keep_prefix_affinity(default_model_dir)
         vision=0,
         minio=False,
         torch_threads=1,
-        # fresh load reports: the replica that served the prefix is idle again when asked
-        env={"STRATA_API_KEYS": API_KEY, "STRATA_LOAD_INTERVAL": "0.2", "STRATA_DOWN_AFTER": "8"},
+        env={"STRATA_API_KEYS": API_KEY},
+        # a stale load report of the replica that just prefilled the long prompt must not
+        # outweigh its prefix: affinity kept unless its load is far above the other's
+        # (--dp makes the scheduler's policy prefix_aware)
+        role_args={"scheduler": ["--affinity-imbalance", "4"]},
     )
     try:
         assert c.names("decode") == ["decode-0", "decode-1"] and not c.names("prefill")
@@ -53,7 +61,11 @@ def test_dp2_replicas_share_the_load_and_keep_prefix_affinity(default_model_dir)
                 burst = [f"Question {i}: what is block {i * 7}?" for i in range(8)]
                 await asyncio.gather(*(complete(cl, url, model, p) for p in burst))
                 first = await complete(cl, url, model, PREFIX + " first")
-                await asyncio.sleep(1.5)  # the KV events and an idle load report arrive
+                want = (first["usage"]["prompt_tokens"] - 1) // 16
+                for _ in range(300):  # the first prompt's KV events reached the scheduler
+                    if indexed(c) >= want:
+                        break
+                    await asyncio.sleep(0.1)
                 second = await complete(cl, url, model, PREFIX + " second")
                 return [first, second]
 

@@ -84,13 +84,7 @@ def failover_cluster(model_dir: str) -> Iterator[tuple[Cluster, str]]:
         vision=0,
         minio=False,
         torch_threads=1,
-        # fresh load reports: the kill waits for decode-0's running gauge (updated with them)
-        env={
-            "STRATA_STALL_TIMEOUT": "10",
-            "STRATA_API_KEYS": API_KEY,
-            "STRATA_LOAD_INTERVAL": "0.1",
-            "STRATA_DOWN_AFTER": "15",  # still declared down 1.5 s after its last report
-        },
+        env={"STRATA_STALL_TIMEOUT": "10", "STRATA_API_KEYS": API_KEY},
     )
     try:
         live = 0.0
@@ -173,10 +167,6 @@ async def stream_one(
     return parts
 
 
-def running(c: Cluster, name: str) -> float:
-    return sum(scrape(c, name, "strata:engine_num_requests_running").values())
-
-
 def test_kill_decode_during_20_streams_all_complete_identically(default_model_dir):
     msgs = prompts()
     expected = reference(default_model_dir, msgs)
@@ -190,7 +180,6 @@ def test_kill_decode_during_20_streams_all_complete_identically(default_model_di
                 progress,
                 min_progress=2,
                 poll_s=0.05,
-                until=lambda: running(c, "decode-0") >= 2,  # it holds streams when killed
                 limits=httpx.Limits(max_connections=STREAMS),
             )
         )

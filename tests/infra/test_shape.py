@@ -124,6 +124,7 @@ def test_dp_multiplies_the_model_instances(tmp_path, monkeypatch, cores, kw, wan
     monkeypatch.setattr(launcher, "usable_cores", lambda: list(range(cores)))
     c = Cluster(str(tmp_path), **kw)
     assert (c.cfg.prefill, c.cfg.decode, c.cfg.torch_threads) == want
+    assert c.cfg.role_args["scheduler"][-2:] == ["--policy", "prefix_aware"]
     if c.shape.model_cpus:  # pinned (enough cores): one disjoint slice per instance
         names = [n for n in c.shape.model_cpus if n.startswith(("prefill", "decode"))]
         assert len(names) == want[0] + want[1]
