@@ -24,12 +24,12 @@ from tests.cluster.conftest import StateWatcher, scrape, start_cluster
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 REQUESTS = 8
-PROMPT_WORDS = 1000  # 8 x ~1000+ tokens: one or two 8192-token prefill chunks
-CHUNK = 8192  # max_num_batched_tokens: one forward of a full chunk takes seconds on a CPU core
-# Down timeout 0.6 s: a full chunk's forward takes about 2 s even with the AVX-512 kernels (a
-# 2048-token chunk took 0.47 s there, under the timeout: the precondition failed), so the
-# precondition holds with room, and a loaded 2-core box still gets each heartbeat thread on a
-# core within it.
+PROMPT_WORDS = 3000  # ~3250 tokens each: every prompt alone nearly fills a prefill chunk
+CHUNK = 4096  # max_num_batched_tokens: one forward of a full chunk takes seconds on a CPU core
+# Down timeout 0.6 s. Each prompt alone is ~3250 tokens, so even when the requests reach prefill
+# one by one (a full-suite run on a loaded box staggered 1000-word prompts: the longest forward
+# was 0.12 s and the precondition failed) a single forward outlasts the timeout; and a loaded
+# 2-core box still gets each heartbeat thread on a core within it.
 LOAD_INTERVAL, DOWN_AFTER = 0.15, 4
 
 

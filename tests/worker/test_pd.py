@@ -347,7 +347,10 @@ async def test_a_failover_route_on_the_same_decode_instance_survives_the_first_o
     await bus.request(nc, subjects.decode_submit("d-test"), first, SubmitAck)
     while not by_attempt[0]:  # the first route is decoding
         await asyncio.sleep(0.01)
-    again = _item(rid, prompt_ids).model_copy(update={"attempt": 1})
+    # the second route outlives the probes below (a 10-token route ended before its probe in a
+    # full-suite run); greedy, so its first MAX_TOKENS tokens are the reference
+    long = SamplingParams(max_tokens=30 * MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    again = _item(rid, prompt_ids).model_copy(update={"attempt": 1, "sampling": long})
     await bus.request(nc, subjects.decode_submit("d-test"), again, SubmitAck)
     assert sorted(d.svc.tasks) == [rid, f"{rid}#1"]
     # the gateway's probe of a silent stream sees both routes held, an unknown one not
@@ -361,7 +364,8 @@ async def test_a_failover_route_on_the_same_decode_instance_survives_the_first_o
     await asyncio.wait_for(finished[1].wait(), 60)
     await sub.unsubscribe()
     assert max(by_attempt[0], key=lambda c: c.index).finish_reason == "abort"
-    assert _tokens(by_attempt[1]) == reference
+    second = _tokens(by_attempt[1])
+    assert second[:MAX_TOKENS] == reference and len(second) == 30 * MAX_TOKENS
     assert max(by_attempt[1], key=lambda c: c.index).finish_reason == "length"
     await asyncio.sleep(0.2)
     assert d.svc.tasks == {} and d.rt.port.stats().running == 0
