@@ -17,7 +17,7 @@ from shared.model.loader import load_model
 from shared.model.parallel import TPGroup, shard_model
 from tests.engine.test_tensor_parallel_engine import CFG, PROMPTS, SP, _generate
 from tests.model.paged_driver import PagedDriver
-from tests.model.test_tensor_parallel import _free_port
+from tests.model.test_tensor_parallel import _free_port, quit_rank
 
 pytest.importorskip("transformers")
 LOGIT_IDS = [(37 * i) % 4000 + 3 for i in range(23)]
@@ -64,6 +64,7 @@ def _rank(rank, port, path, out, rebalance, tp, mb):
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    quit_rank()
 
 
 def _run(path, tmp_path, rebalance=False, tp=False, mb=1):
@@ -162,6 +163,7 @@ def _kv_rank(rank, port, path, out):
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    quit_rank()
 
 
 def test_two_rank_kv_plane_broadcasts_whole_blocks(tmp_path_factory, tmp_path):

@@ -15,7 +15,7 @@ from shared.engine.params import EngineConfig
 from shared.model.loader import load_model
 from shared.model.parallel import TPGroup, shard_model
 from shared.protocol.sampling import SamplingParams
-from tests.model.test_tensor_parallel import _free_port
+from tests.model.test_tensor_parallel import _free_port, quit_rank
 
 pytest.importorskip("transformers")
 CFG = EngineConfig(kv_cache_bytes=1 << 20, block_size=4, max_num_seqs=4)
@@ -61,6 +61,7 @@ def _rank(rank, port, path, out):
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    quit_rank()
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "default", "phi3", "gemma2"])
@@ -126,6 +127,7 @@ def _kv_rank(rank, port, path, out):
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    quit_rank()
 
 
 def test_two_rank_kv_plane_moves_whole_blocks(tmp_path_factory, tmp_path):
@@ -176,6 +178,7 @@ def _swap_rank(rank, port, path, out):
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    quit_rank()
 
 
 def test_two_rank_swap_preemption_keeps_greedy(tmp_path_factory, tmp_path):

@@ -22,6 +22,7 @@ from tests.multihost.hosts import API_KEY, Deployment
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 CLIENT_HOST = 2  # the gateway's host
+SUBMITS = "strata_handler_requests_total"
 STREAMS = 6
 
 
@@ -43,6 +44,18 @@ def deploy(net, model_dir: str, tmp_path, decode_hosts: dict[str, int]) -> Deplo
     for svc in d.services.values():
         svc.wait_ready()
     net.run_in(CLIENT_HOST, d.wait_gateway_ready)
+
+    def scheduler_sees_every_decode() -> None:  # else the first streams may all go to one
+        end = time.monotonic() + 60
+        live = 0.0
+        while time.monotonic() < end:
+            live = d.metric("scheduler-0", "strata_scheduler_live_instances", 'role="decode"')
+            if live >= len(decode_hosts):
+                return
+            time.sleep(0.2)
+        raise AssertionError(f"the scheduler sees {live} of {len(decode_hosts)} decode instances")
+
+    net.run_in(3, scheduler_sees_every_decode)
     return d
 
 
@@ -67,9 +80,15 @@ def test_isolated_decode_host_fails_over_token_identical(net_factory, model_dir,
     expected = reference(model_dir, msgs)
     net = net_factory(7)
     d = deploy(net, model_dir, tmp_path, {"decode-0": 5, "decode-1": 6})
-    got = net.run_in(
-        CLIENT_HOST, lambda: asyncio.run(run_streams(d, msgs, on_way=lambda: net.link_down(5)))
-    )
+    held = []
+
+    def cut() -> None:  # what decode-0 took before its host goes: the precondition
+        submits = 'subject="strata.decode.*.submit"'
+        held.append(net.run_in(5, lambda: d.metric("decode-0", SUBMITS, submits)))
+        net.link_down(5)
+
+    got = net.run_in(CLIENT_HOST, lambda: asyncio.run(run_streams(d, msgs, on_way=cut)))
+    assert held[0] >= 1, held  # decode-0 was streaming when it was cut off
     for i in range(STREAMS):
         assert [t for t, _ in got[i]] == [t for t, _ in expected[i]], f"stream {i}"
     failovers = net.run_in(
