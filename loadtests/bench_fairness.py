@@ -1,7 +1,8 @@
 """Per-tenant fair queuing: tenant B's TTFT when tenant A sends 10x B's request rate.
 
     .venv/bin/python -m loadtests.bench_fairness [--rate-b 0.5] [--ratio 10] [--duration 30] \\
-        [--prompt-words 200] [--max-tokens 16] [--model DIR] [--json PATH]
+        [--prompt-words 200] [--max-tokens 16] [--step-tokens 0,256] [--no-fifo] \\
+        [--model DIR] [--json PATH]
     # a running cluster, with fair queuing as it is set there (one mode):
     .venv/bin/python -m loadtests.bench_fairness --url http://127.0.0.1:8000 \\
         --key-a KEY_A --key-b KEY_B
@@ -11,7 +12,8 @@ Without ``--url``, for each mode (fair queuing on, ``STRATA_FAIR_QUEUING=true``,
 ``strata up --model DIR`` does (the shape this machine gets) with two API keys, tenant A
 (``env-0``) and tenant B (``env-1``), weight 1 each, and runs two phases of ``--duration``
 seconds: B alone at ``--rate-b`` requests/s (unloaded), then A at ``--ratio`` x that rate beside
-B (loaded). Arrivals are Poisson, prompts unique (no prefix hits), every request streamed and
+B (loaded), each tenant from its own client process. ``--step-tokens`` gives one fair-queuing row
+per ``STRATA_FAIR_STEP_TOKENS`` value (0: no step cap); ``--no-fifo`` skips the FIFO row. Arrivals are Poisson, prompts unique (no prefix hits), every request streamed and
 interactive. Prints one markdown table: B's TTFT p50 / p99 unloaded and loaded per mode, A's
 loaded TTFT, requests and errors per tenant, and the load average; ``--json`` writes the rows.
 With fair queuing, B's loaded TTFT should stay near its unloaded one while A's grows; without,
@@ -22,7 +24,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import json
+import multiprocessing
 import os
 import random
 import time
@@ -100,11 +104,21 @@ def summary(res: list[tuple[int, float | None]]) -> dict:
     }
 
 
+def run_phase(url: str, model: str, rates: dict[str, float], keys: dict[str, str], a) -> dict:
+    return asyncio.run(phase(url, model, rates, keys, a))
+
+
 def measure(url: str, model: str, keys: dict[str, str], a: argparse.Namespace) -> dict:
-    """The two phases on one cluster: B alone, then A at ratio x B beside it."""
-    alone = asyncio.run(phase(url, model, {"B": a.rate_b}, keys, a))
+    """The two phases on one cluster: B alone, then A at ratio x B beside it. Each tenant is
+    its own client process, as real tenants are: A's hundreds of open streams in the same
+    event loop as B's made B's measured TTFT the client's own lag."""
+    alone = run_phase(url, model, {"B": a.rate_b}, keys, a)
     load = os.getloadavg()[0]
-    both = asyncio.run(phase(url, model, {"A": a.rate_b * a.ratio, "B": a.rate_b}, keys, a))
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
+        heavy = pool.submit(run_phase, url, model, {"A": a.rate_b * a.ratio}, keys, a)
+        light = run_phase(url, model, {"B": a.rate_b}, keys, a)
+        both = {**heavy.result(), **light}
     return {
         "B_unloaded": summary(alone["B"]),
         "B_loaded": summary(both["B"]),
@@ -113,13 +127,17 @@ def measure(url: str, model: str, keys: dict[str, str], a: argparse.Namespace) -
     }
 
 
-def with_cluster(model_dir: str, fair: bool, a: argparse.Namespace, log) -> dict:
+def with_cluster(
+    model_dir: str, fair: bool, a: argparse.Namespace, log, step_tokens: int | None = None
+) -> dict:
     from services.launcher import Cluster
 
     env = {
         "STRATA_API_KEYS": f"{KEY_A},{KEY_B}",
         "STRATA_FAIR_QUEUING": "true" if fair else "false",
     }
+    if step_tokens is not None:
+        env["STRATA_FAIR_STEP_TOKENS"] = str(step_tokens)
     with Cluster(model_dir, log_stream=log, die_with_parent=True, env=env) as c:
         model = os.path.basename(os.path.normpath(model_dir))
         return measure(c.gateway_url, model, {"A": KEY_A, "B": KEY_B}, a)
@@ -157,6 +175,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--served-model", default="", help="--url: the model name to ask for")
     ap.add_argument("--key-a", default="", help="--url: tenant A's API key")
     ap.add_argument("--key-b", default="", help="--url: tenant B's API key")
+    ap.add_argument(
+        "--step-tokens",
+        default="",
+        help="fair queuing on: one row per STRATA_FAIR_STEP_TOKENS value, e.g. 0,128,512 "
+        "(0: no step cap; default: the deployment's default only)",
+    )
+    ap.add_argument("--no-fifo", action="store_true", help="skip the FIFO row")
     ap.add_argument("--json", default="", help="also write the rows to this file")
     ap.add_argument("--log", default=os.devnull, help="cluster logs (default: discarded)")
     a = ap.parse_args(argv)
@@ -171,11 +196,14 @@ def main(argv: list[str] | None = None) -> None:
         from loadtests.bench_peer import model_for
 
         model_dir = os.path.abspath(a.model or model_for("25m"))
+        caps = [int(x) for x in a.step_tokens.split(",") if x.strip()] or [None]
         with open(a.log, "a") as log:
-            rows = {
-                "on": with_cluster(model_dir, True, a, log),
-                "off (FIFO)": with_cluster(model_dir, False, a, log),
-            }
+            rows = {}
+            for cap in caps:
+                label = "on" if cap is None else f"on, step cap {cap or 'off'}"
+                rows[label] = with_cluster(model_dir, True, a, log, cap)
+            if not a.no_fifo:
+                rows["off (FIFO)"] = with_cluster(model_dir, False, a, log)
     print(table(rows))
     if a.json:
         with open(a.json, "w") as f:

@@ -28,7 +28,7 @@ from shared.engine.outputs import EngineStats, RequestOutput
 from shared.engine.params import EngineConfig
 from shared.engine.port_types import KVConnector
 from shared.engine.sampler import Sampler, SampleRow
-from shared.engine.scheduler import Scheduler, SchedulerOutput
+from shared.engine.scheduler import FairShare, Scheduler, SchedulerOutput
 from shared.engine.sequence import MMInput, Sequence, SequenceStatus
 from shared.engine.spec_decode import NgramProposer, Proposer, eligible, verify_greedy
 from shared.engine.structured import Constraint, GrammarCache, allocate_bitmask, tokenizer_info
@@ -80,11 +80,14 @@ class LLMEngine:
             config.preemption_mode,
             self.eos_token_ids,
             FairQueue(config.fair_queuing),
+            FairShare(config.fair_step_tokens, config.fair_window_s),
         )
         # (tenant, seconds queued) of each first admission, oldest first; the worker drains it
         # (`drain_admissions`) into per-tenant metrics. Bounded: a reader that stops loses
         # the oldest entries, never the engine's memory.
         self.admissions: deque[tuple[str, float]] = deque(maxlen=1 << 16)
+        # seconds of each step that ran a batch (`drain_step_times`; bounded the same way)
+        self.step_times: deque[float] = deque(maxlen=1 << 16)
         self.sampler = Sampler(self.eos_token_ids, torch.Generator().manual_seed(0))
         if proposer is None and config.num_speculative_tokens > 0:
             proposer = NgramProposer(
@@ -288,6 +291,8 @@ class LLMEngine:
         self._t["last_step"] = end - t0
         self._t["step"] += end - t0
         self._last_end = end
+        if self.current is not None and not self.current.is_empty:
+            self.step_times.append(end - t0)
         return outputs
 
     def _maybe_rebalance(self) -> None:
@@ -495,6 +500,13 @@ class LLMEngine:
                     got[o.request_id] += o.new_token_ids
         return [got[rid] for rid in ids]
 
+    def drain_step_times(self) -> list[float]:
+        """Seconds of each step that ran a batch since the last call; safe from any thread."""
+        out = []
+        while self.step_times:
+            out.append(self.step_times.popleft())
+        return out
+
     def drain_admissions(self) -> list[tuple[str, float]]:
         """(tenant, seconds queued) of the requests first admitted since the last call; safe
         from any thread (``deque.popleft`` is atomic)."""
@@ -519,6 +531,8 @@ class LLMEngine:
             prefix_query_tokens=s.prefix_query_tokens,
             prefix_hit_tokens=s.prefix_hit_tokens,
             preemptions=s.num_preemptions,
+            share_preemptions=s.share_preemptions,
+            contended_steps=s.contended_steps,
             steps=self._steps,
             forward_time_s=self._t["forward"],
             step_time_s=self._t["step"],

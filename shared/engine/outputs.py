@@ -57,6 +57,8 @@ class EngineStats:
     ahead_steps: int = 0  # steps scheduled and prepared while the previous forward ran
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    share_preemptions: int = 0  # preempted so a tenant under its share got a batch slot
+    contended_steps: int = 0  # steps whose token budget the tenant-contention cap lowered
     extra: dict[str, float] = field(default_factory=dict)
 
     @property

@@ -55,6 +55,13 @@ class EngineConfig:
     fair_queuing: bool = True
     """Order waiting requests of one priority class by their tenant's fair-queuing start tag
     (weighted shares, `shared.engine.fair_queue`); False: first come, first served."""
+    fair_step_tokens: int = 256
+    """With fair queuing, while two or more tenants contend (requests of both here, or one
+    arrived within ``fair_window_s``), a step computes at most this many prompt tokens beside
+    its running decodes: a light tenant's new request waits behind one short step, not a
+    full ``max_num_batched_tokens`` chunk of a heavy tenant's prompts. 0: no cap."""
+    fair_window_s: float = 5.0
+    """How long after its last request a tenant still counts as contending (``fair_step_tokens``)."""
     eplb_interval_steps: int = 0
     """Expert parallelism (``--ep``): move experts to the placement that balances the rows routed
     so far every N engine steps, between steps (EPLB, `shared.model.ep`); 0: never."""
@@ -75,6 +82,10 @@ class EngineConfig:
             bad("max_num_batched_tokens", "must be >= max_num_seqs")
         if self.preemption_mode not in ("recompute", "swap"):
             bad("preemption_mode", 'must be "recompute" or "swap"')
+        if self.fair_step_tokens < 0:
+            bad("fair_step_tokens", "must be >= 0 (0: no cap)")
+        if self.fair_window_s < 0:
+            bad("fair_window_s", "must be >= 0")
         if self.eplb_interval_steps < 0:
             bad("eplb_interval_steps", "must be >= 0")
         if self.num_speculative_tokens < 0:

@@ -204,6 +204,10 @@ class EnginePort:
         """(tenant, seconds queued) of requests first admitted since the last call; any thread."""
         return self._engine.drain_admissions()
 
+    def drain_step_times(self) -> list[float]:
+        """Seconds of each engine step that ran a batch since the last call; any thread."""
+        return self._engine.drain_step_times()
+
     def queued_tokens(self) -> int:
         """Tokens queued but not yet computed, including the rest of prompts being prefilled
         now. Read without locking (another thread may change the queues): an estimate for load

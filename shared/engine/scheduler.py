@@ -12,6 +12,17 @@ is left. The start tag is the tenant's fair-queuing tag (`shared.engine.fair_que
 tokens to compute): within a priority class, tenants share admissions by weight instead of
 first come, first served; with fair queuing off every tag is 0 (FIFO within a class).
 
+Fair queuing also bounds what a light tenant's new request waits behind, which admission order
+alone does not (`FairShare`): while two or more tenants are contending (requests of both in the
+engine, or one arrived within ``window_s``) a step computes at most ``step_tokens`` prompt tokens
+beside its decodes, since the step in flight is the one thing an arrival cannot jump (the maximum
+packet size of fair queuing's delay bound); a running prompt chunk is scheduled in tag order beside
+the waiting requests, the rest of its prompt tagged past the chunks it had (`_scheduled`), so a new
+prompt of another tenant need not wait for every prompt the heavy tenant had started; and when the
+running batch is full, a request whose tenant holds less than its weighted share of the
+``max_num_seqs`` slots preempts the newest running sequence of the tenant furthest over its share
+(same priority class or worse), instead of waiting for one of that tenant's sequences to finish.
+
 Priorities: a lower number is more important. Running sequences are served best-first; when KV
 runs out the worst running sequence (highest number, latest arrival) is preempted. A waiting
 sequence of a strictly better class may preempt worse running ones for KV or a batch slot.
@@ -35,6 +46,8 @@ registers newly full blocks for prefix caching and frees finished sequences (unl
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -80,6 +93,17 @@ def _rank(seq: Sequence) -> tuple[int, float, int]:
     return (seq.priority, seq.vstart, seq.arrival)
 
 
+@dataclass(frozen=True)
+class FairShare:
+    """How fair queuing bounds a light tenant's wait (see the module doc); off with ``fair``."""
+
+    step_tokens: int = 256
+    """Prompt tokens a step computes beside its decodes while tenants contend (0: no cap)."""
+    window_s: float = 5.0
+    """A tenant whose last request arrived this recently still contends."""
+    clock: Callable[[], float] = time.monotonic
+
+
 class Scheduler:
     def __init__(
         self,
@@ -91,6 +115,7 @@ class Scheduler:
         preemption_mode: str = "recompute",
         eos_token_ids: Seq[int] = (),
         fair: FairQueue | None = None,
+        share: FairShare | None = None,
     ):
         self.bm = block_manager
         self.salt = salt
@@ -108,12 +133,18 @@ class Scheduler:
         self.in_flight: set[int] = set()  # id() of sequences the running forward writes to
         self._deferred_free: list[Sequence] = []
         self.fair = fair if fair is not None else FairQueue()
+        self.share = share if share is not None else FairShare()
+        self._arrived: dict[str, float] = {}  # tenant -> when its last request arrived
+        self.contended_steps = 0  # steps whose budget the contention cap lowered
+        self.share_preemptions = 0  # running sequences preempted for another tenant's share
         self.newly_admitted: list[Sequence] = []  # first admissions, drained by the engine
 
     # ----- intake ----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         seq.vstart = self.fair.tag(seq.tenant, seq.num_tokens)
+        if self.fair.enabled:
+            self._arrived[seq.tenant.name] = self.share.clock()
         self.waiting.append(seq)
 
     def add_running(self, seq: Sequence) -> None:
@@ -156,33 +187,72 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         self._budget = self.max_num_batched_tokens
+        if self.share.step_tokens and self._contended():
+            decodes = sum(1 for s in self.running if s.num_tokens - s.num_computed_tokens == 1)
+            cap = self.share.step_tokens + decodes  # the cap is on prompt tokens
+            if cap < self._budget:
+                self._budget = cap
+                self.contended_steps += 1
         self.running.sort(key=_rank)
+        # With fair queuing, running prompt chunks take their turn in rank order beside the
+        # waiting requests (the rest of a prompt is tagged past the chunks it had: `_scheduled`),
+        # so a light tenant's new prompt goes before a heavy tenant's half-done ones; decodes
+        # always go first.
+        chunks: list[Sequence] = []
         i = 0
         while i < len(self.running) and self._budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, self._budget)
-            k = min(len(seq.draft_token_ids), self._budget - n) if n == 1 else 0
-            total = seq.num_computed_tokens + n + k
-            while not self.bm.allocate_slots(seq.block_table, total):
-                victim = self.running[-1]
-                self._preempt(victim, out)
-                if victim is seq:
-                    break
-            if seq.status != SequenceStatus.RUNNING:
-                break  # preempted itself: everything after it is gone too
-            out.scheduled.append(ScheduledSeq(seq, n + k, k))
-            self._budget -= n + k
             i += 1
+            if self.fair.enabled and seq.num_tokens - seq.num_computed_tokens > 1:
+                chunks.append(seq)
+            elif not self._continue(seq, out):
+                break  # preempted itself: everything after it is gone too
 
         blocked = {id(s) for s in out.preempted}
-        for seq in sorted(self.waiting, key=_rank):
+        for seq in sorted(chunks + self.waiting, key=_rank):
             if self._budget <= 0 or id(seq) in blocked:
                 break
-            if len(self.running) >= self.max_num_seqs and not self._evict_worse(seq, out):
+            if seq.status == SequenceStatus.RUNNING:
+                if not self._continue(seq, out):
+                    break
+                continue
+            if (
+                len(self.running) >= self.max_num_seqs
+                and not self._evict_worse(seq, out)
+                and not self._evict_for_share(seq, out)
+            ):
                 break
             if not self._admit(seq, out):
                 break  # head of line blocks the rest (tag order within a priority class)
         return out
+
+    def _continue(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """Schedule running ``seq``'s next tokens (preempting the worst running ones for KV);
+        False when ``seq`` itself had to be preempted."""
+        n = min(seq.num_tokens - seq.num_computed_tokens, self._budget)
+        k = min(len(seq.draft_token_ids), self._budget - n) if n == 1 else 0
+        total = seq.num_computed_tokens + n + k
+        while not self.bm.allocate_slots(seq.block_table, total):
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is seq:
+                break
+        if seq.status != SequenceStatus.RUNNING:
+            return False
+        self._scheduled(out, ScheduledSeq(seq, n + k, k))
+        return True
+
+    def _scheduled(self, out: SchedulerOutput, sch: ScheduledSeq) -> None:
+        """Add ``sch`` to the step. A prompt chunk that leaves part of its prompt for later is
+        fair queuing's unit of service: the rest's start tag moves on by the chunk's cost, so
+        another tenant's request arriving meanwhile (tagged with the virtual time) goes first."""
+        out.scheduled.append(sch)
+        self._budget -= sch.num_new_tokens
+        seq = sch.seq
+        if self.fair.enabled and sch.num_new_tokens > 1 and not sch.num_draft_tokens:
+            self.fair.served(seq.vstart)
+            if not sch.samples:
+                seq.vstart += sch.num_new_tokens / seq.tenant.weight
 
     def schedule_decode_ahead(self, prev: SchedulerOutput) -> SchedulerOutput | None:
         """Step i+1 for a pure-decode step i still running: the same sequences, one token each.
@@ -202,6 +272,10 @@ class Scheduler:
             worst = max(s.priority for s in self.running)
             if any(w.priority < worst for w in self.waiting):
                 return None
+            if self._share_victim(self.waiting) is not None:
+                return None  # a tenant under its share would take a slot
+            if self.share.step_tokens and self._contended():
+                return None  # the step's budget is capped: schedule() decides it
         if len(prev.scheduled) > min(self.max_num_seqs, self.max_num_batched_tokens):
             return None
         running = {id(s) for s in self.running}
@@ -254,8 +328,7 @@ class Scheduler:
         self.waiting.remove(seq)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
-        out.scheduled.append(ScheduledSeq(seq, n, 0))
-        self._budget -= n
+        self._scheduled(out, ScheduledSeq(seq, n, 0))
         return True
 
     def _evict_worse(self, seq: Sequence, out: SchedulerOutput) -> bool:
@@ -266,6 +339,63 @@ class Scheduler:
         if victim.priority <= seq.priority:
             return False
         self._preempt(victim, out)
+        return True
+
+    def _contended(self) -> bool:
+        """Two or more tenants have requests here or sent one within ``share.window_s``."""
+        if not self.fair.enabled:
+            return False
+        horizon = self.share.clock() - self.share.window_s
+        self._arrived = {t: at for t, at in self._arrived.items() if at >= horizon}
+        tenants = set(self._arrived)
+        for seq in self.running:
+            tenants.add(seq.tenant.name)
+            if len(tenants) > 1:
+                return True
+        for seq in self.waiting:
+            tenants.add(seq.tenant.name)
+            if len(tenants) > 1:
+                return True
+        return len(tenants) > 1
+
+    def _share_victim(self, waiting: Seq[Sequence]) -> Sequence | None:
+        """With the running batch full: the running sequence that the first of ``waiting``
+        whose tenant is under its weighted share of the slots may preempt (the newest of the
+        tenant furthest over its share, in that request's priority class or a worse one)."""
+        if not self.fair.enabled or len(self.running) < self.max_num_seqs:
+            return None
+        held: dict[str, int] = {}
+        weight: dict[str, float] = {}
+        for s in self.running:
+            held[s.tenant.name] = held.get(s.tenant.name, 0) + 1
+            weight[s.tenant.name] = s.tenant.weight
+        for seq in waiting:
+            name = seq.tenant.name
+            weights = {**weight, name: seq.tenant.weight}
+            total = sum(weights.values())
+
+            def over(t: str, weights: dict[str, float] = weights, total: float = total) -> float:
+                return held.get(t, 0) - self.max_num_seqs * weights[t] / total
+
+            if over(name) + 1 > 0:
+                continue  # taking one more slot would put this tenant over its share
+            for t in sorted(held, key=over, reverse=True):
+                if over(t) <= 0:
+                    break
+                mine = [
+                    s for s in self.running if s.tenant.name == t and s.priority >= seq.priority
+                ]
+                if mine:
+                    return max(mine, key=_rank)
+        return None
+
+    def _evict_for_share(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """Preempt a sequence of a tenant over its share of the batch for ``seq``'s tenant."""
+        victim = self._share_victim([seq])
+        if victim is None:
+            return False
+        self._preempt(victim, out)
+        self.share_preemptions += 1
         return True
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:

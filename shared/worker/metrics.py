@@ -20,7 +20,24 @@ PREFIX_HITS = Counter(
     "strata:prefix_cache_hits", "Prompt tokens found in the engine prefix cache", _L
 )
 PREEMPTIONS = Counter("strata:num_preemptions", "Sequences preempted for KV or priority", _L)
+SHARE_PREEMPTIONS = Counter(
+    "strata_fair_share_preemptions",
+    "Running sequences preempted so a tenant under its weighted share of the batch got a slot",
+    _L,
+)
+CONTENDED_STEPS = Counter(
+    "strata_fair_contended_steps",
+    "Engine steps whose token budget was capped because two or more tenants contended",
+    _L,
+)
 STEPS = Counter("strata:engine_steps", "Engine steps taken (schedule, forward, sample)", _L)
+STEP_SECONDS = Histogram(
+    "strata:engine_step_seconds",
+    "Seconds of each engine step that ran a batch (schedule, forward, sample); what a request "
+    "arriving mid-step waits before it can be scheduled",
+    _L,
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5, 10),
+)
 _T = (*_L, "tenant")
 TENANT_ADMITTED = Counter(
     "strata_tenant_admitted", "Requests taken from the engine's waiting queue, by tenant", _T
@@ -38,7 +55,7 @@ class EngineMetrics:
 
     def __init__(self, role: str, instance: str):
         self.labels = (role, instance)
-        self._last = {"q": 0, "h": 0, "p": 0, "s": 0}
+        self._last = {"q": 0, "h": 0, "p": 0, "s": 0, "f": 0, "c": 0}
 
     def update(self, s) -> None:
         lab = self.labels
@@ -51,11 +68,19 @@ class EngineMetrics:
             ("h", PREFIX_HITS, s.prefix_hit_tokens),
             ("p", PREEMPTIONS, s.preemptions),
             ("s", STEPS, s.steps),
+            ("f", SHARE_PREEMPTIONS, s.share_preemptions),
+            ("c", CONTENDED_STEPS, s.contended_steps),
         ):
             delta = value - self._last[key]
             if delta > 0:
                 counter.labels(*lab).inc(delta)
             self._last[key] = value
+
+    def stepped(self, seconds: list[float]) -> None:
+        """Observe engine step durations (`EnginePort.drain_step_times`)."""
+        h = STEP_SECONDS.labels(*self.labels)
+        for x in seconds:
+            h.observe(x)
 
     def admitted(self, admissions: list[tuple[str, float]]) -> None:
         """Count first admissions ``(tenant, seconds queued)`` (`EnginePort.drain_admissions`)."""

@@ -192,6 +192,7 @@ class ModelRuntime:
             self.metrics = EngineMetrics(self.role, self.cfg.instance_id)
         self.metrics.update(s)
         self.metrics.admitted(self.port.drain_admissions())
+        self.metrics.stepped(self.port.drain_step_times())
         if s.last_forward_s > self._longest_forward:
             self._longest_forward = s.last_forward_s
             LONGEST_FORWARD.labels(self.role, self.cfg.instance_id).set(s.last_forward_s)

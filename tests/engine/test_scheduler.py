@@ -189,3 +189,144 @@ def test_waiting_queue_is_fair_between_tenants_within_a_priority_class():
         s.finish(x, "stop")
     # cost 4 tokens: a's tags 0, 4/3, 8/3, 4; b's 0, 4, then 8 for urgent (class 0 wins anyway)
     assert order == ["urgent", "a0", "b0", "a1", "a2", "a3", "b1"]
+
+
+# ----- fair share: the contention cap and batch-slot shares (FairShare) ----------------------
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def fair_mk(step_tokens=8, window_s=5.0, fair=True, **kw):
+    from shared.engine.fair_queue import FairQueue
+    from shared.engine.scheduler import FairShare
+
+    clock = Clock()
+    bm = BlockManager(kw.pop("num_blocks", 64), kw.pop("bs", 4))
+    s = Scheduler(
+        bm,
+        SALT,
+        kw.pop("max_seqs", 4),
+        kw.pop("budget", 32),
+        eos_token_ids=[99],
+        fair=FairQueue(fair),
+        share=FairShare(step_tokens, window_s, clock),
+    )
+    return s, clock
+
+
+def of(tenant, rid, n, start, prio=0, params=P):
+    from shared.engine.fair_queue import Tenant
+
+    x = seq(rid, n, prio=prio, params=params, start=start)
+    x.tenant = Tenant(tenant)
+    return x
+
+
+def test_contending_tenants_cap_the_steps_prompt_tokens_and_one_tenant_keeps_the_budget():
+    s, clock = fair_mk(step_tokens=8, budget=32)
+    s.add(of("a", "a0", 30, 0))
+    out = s.schedule()
+    assert plan(out) == [("a0", 0, 30)] and s.contended_steps == 0  # alone: the full budget
+    s.postprocess(out, [[1]])
+    s.add(of("a", "a1", 30, 100))
+    s.add(of("b", "b0", 30, 200))
+    out = s.schedule()
+    # two tenants: the running decode, then 8 prompt tokens, b's first (its tag is the lower)
+    assert plan(out) == [("a0", 30, 1), ("b0", 0, 8)] and s.contended_steps == 1
+    s.postprocess(out, [[2], []])
+    s.finish(s.running[1], "abort")  # b0 gone; b's recent arrival keeps it contended
+    assert plan(s.schedule()) == [("a0", 31, 1), ("a1", 0, 8)] and s.contended_steps == 2
+    clock.t += 5.1  # b's last arrival is out of the window, only a is here
+    out = s.schedule()  # (the step before was not run) a0's decode and all of a1's prompt
+    assert plan(out) == [("a0", 31, 1), ("a1", 0, 30)] and s.contended_steps == 2
+
+
+def test_the_cap_leaves_every_decode_in_the_step_and_is_off_without_fair_queuing():
+    s, _ = fair_mk(step_tokens=2, budget=32, max_seqs=8)
+    long = SamplingParams(max_tokens=100, temperature=0.0)
+    for i in range(4):
+        s.add(of("a", f"a{i}", 4, 10 * i, params=long))
+    out = s.schedule()
+    assert out.num_batched_tokens == 16  # one tenant: not capped
+    s.postprocess(out, [[7]] * 4)
+    s.add(of("b", "b0", 20, 50))
+    out = s.schedule()
+    assert plan(out) == [(f"a{i}", 4, 1) for i in range(4)] + [("b0", 0, 2)]
+    off, _ = fair_mk(step_tokens=2, budget=32, fair=False)
+    off.add(of("a", "a0", 20, 0))
+    off.add(of("b", "b0", 20, 100))
+    assert off.schedule().num_batched_tokens == 32 and off.contended_steps == 0
+
+
+def test_a_tenant_under_its_share_of_a_full_batch_preempts_the_newest_of_the_one_over_it():
+    s, _ = fair_mk(step_tokens=0, budget=64, max_seqs=4)
+    a = [of("a", f"a{i}", 4, 10 * i) for i in range(4)]
+    for x in a:
+        s.add(x)
+    s.postprocess(s.schedule(), [[7]] * 4)
+    assert [x.request_id for x in s.running] == ["a0", "a1", "a2", "a3"]
+    b0, b1, b2 = (of("b", f"b{i}", 4, 100 + 10 * i) for i in range(3))
+    for x in (b0, b1, b2):
+        s.add(x)
+    out = s.schedule()
+    # b's share is 2 of 4 slots: a3 then a2 (a's newest) make room for b0 and b1; b2 waits
+    assert [x.request_id for x in out.preempted] == ["a3", "a2"]
+    assert sorted(x.request_id for x in s.running) == ["a0", "a1", "b0", "b1"]
+    assert s.share_preemptions == 2 and b2 in s.waiting and a[3].status == SequenceStatus.WAITING
+
+
+def test_share_preemption_spares_better_classes_and_needs_fair_queuing():
+    s, _ = fair_mk(step_tokens=0, budget=64, max_seqs=2)
+    for i in range(2):
+        s.add(of("a", f"a{i}", 4, 10 * i, prio=0))
+    s.postprocess(s.schedule(), [[7]] * 2)
+    s.add(of("b", "b0", 4, 100, prio=1))  # a worse class never takes a slot from a better one
+    assert plan(s.schedule()) == [("a0", 4, 1), ("a1", 4, 1)] and s.share_preemptions == 0
+    # nor from a tenant within its share: a (over it) runs only a better class, c is within it
+    s, _ = fair_mk(step_tokens=0, budget=64, max_seqs=4)
+    for x in [of("a", f"a{i}", 4, 10 * i, prio=0) for i in range(3)] + [of("c", "c0", 4, 40, 1)]:
+        s.add(x)
+    s.postprocess(s.schedule(), [[7]] * 4)
+    s.add(of("b", "b0", 4, 100, prio=1))  # shares of 4 slots: 4/3 each
+    assert not s.schedule().preempted and s.share_preemptions == 0
+    off, _ = fair_mk(step_tokens=0, budget=64, max_seqs=2, fair=False)
+    for i in range(2):
+        off.add(of("a", f"a{i}", 4, 10 * i))
+    off.postprocess(off.schedule(), [[7]] * 2)
+    off.add(of("b", "b0", 4, 100))
+    assert not off.schedule().preempted and off.share_preemptions == 0
+
+
+def test_decode_ahead_yields_to_a_tenant_under_its_share():
+    s, clock = fair_mk(step_tokens=0, budget=64, max_seqs=2)
+    for i in range(2):
+        s.add(of("a", f"a{i}", 4, 10 * i))
+    out = s.schedule()
+    s.postprocess(out, [[7]] * 2)
+    out = s.schedule()
+    assert s.schedule_decode_ahead(out) is not None  # one tenant: the fast path holds
+    s.add(of("b", "b0", 4, 100))
+    assert s.schedule_decode_ahead(out) is None
+
+
+def test_a_light_tenants_prompt_goes_before_a_heavy_tenants_half_done_one():
+    s, _ = fair_mk(step_tokens=8, budget=32)
+    for i in range(2):
+        s.add(of("a", f"a{i}", 30, 100 * i))
+    out = s.schedule()  # one tenant: a0 whole, a1 chunked to the budget
+    assert plan(out) == [("a0", 0, 30), ("a1", 0, 2)]
+    s.postprocess(out, [[1], []])
+    s.add(of("b", "b0", 6, 300))  # b's tag is the virtual time: below a1's
+    out = s.schedule()
+    assert plan(out) == [("a0", 30, 1), ("b0", 0, 6), ("a1", 2, 2)]
+    off, _ = fair_mk(step_tokens=8, budget=32, fair=False)
+    for i in range(2):
+        off.add(of("a", f"a{i}", 30, 100 * i))
+    out = off.schedule()
+    off.postprocess(out, [[1], []])
+    off.add(of("b", "b0", 6, 300))
+    assert plan(off.schedule()) == [("a0", 30, 1), ("a1", 2, 28), ("b0", 0, 3)]  # running first

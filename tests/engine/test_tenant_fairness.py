@@ -58,3 +58,41 @@ def test_fifo_setting_serves_the_heavy_tenant_first(qwen_ckpt):
     _, path = qwen_ckpt
     order, _ = admission_order(path, fair=False)
     assert order == ["tenant-a"] * 20 + ["tenant-b"] * 2
+
+
+def prompt_tokens_per_step(path, step_tokens: int) -> tuple[list[int], object, list[float]]:
+    """A queues 3 prompts of 20 tokens and B one: each step's prompt tokens, the engine's
+    stats and the step durations it logged."""
+    cfg = EngineConfig(
+        kv_cache_bytes=1 << 20,
+        block_size=4,
+        max_num_batched_tokens=64,
+        max_num_seqs=4,
+        fair_step_tokens=step_tokens,
+    )
+    eng = LLMEngine(load_model(path), cfg)
+    ps = prompts(5, [20] * 4)
+    for i in range(3):
+        eng.add_request(f"a{i}", ps[i], SP, tenant=A)
+    eng.add_request("b0", ps[3], SP, tenant=B)
+    per_step = []
+    while eng.seqs or eng.pending:
+        eng.step()
+        if eng.current is not None:
+            per_step.append(
+                sum(s.num_new_tokens for s in eng.current.scheduled if s.num_new_tokens > 1)
+            )
+    return per_step, eng.stats(), eng.drain_step_times()
+
+
+def test_contending_tenants_cap_each_steps_prompt_tokens_in_a_real_engine(qwen_ckpt):
+    _, path = qwen_ckpt
+    capped, stats, times = prompt_tokens_per_step(path, 8)
+    assert max(capped) == 8 and stats.contended_steps > 0
+    assert times and all(t > 0 for t in times)  # each step that ran a batch was timed
+    m = EngineMetrics("decode", "fairstep-test")
+    m.stepped(times)
+    labels = {"role": "decode", "instance": "fairstep-test"}
+    assert REGISTRY.get_sample_value("strata:engine_step_seconds_count", labels) == len(times)
+    whole, stats, _ = prompt_tokens_per_step(path, 0)  # no cap: all 80 prompt tokens at once
+    assert max(whole) == 64 and stats.contended_steps == 0
