@@ -227,10 +227,11 @@ def build_app(service: GatewayService) -> FastAPI:
             return StreamingResponse(
                 _anthropic_events(run, req),
                 media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache"},
+                headers={"Cache-Control": "no-cache", **cache_headers(run)},
             )
         try:
-            return JSONResponse(anthropic.message(await _race(run.complete(), request), req))
+            done = await _race(run.complete(), request)
+            return JSONResponse(anthropic.message(done, req), headers=cache_headers(run))
         except StrataError as exc:
             return anthropic_error(exc)
         finally:
@@ -254,11 +255,13 @@ def build_app(service: GatewayService) -> FastAPI:
             return StreamingResponse(
                 _response_events(run, req),
                 media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache"},
+                headers={"Cache-Control": "no-cache", **cache_headers(run)},
             )
         try:
             chat = await _race(run.complete(), request)
-            return JSONResponse(responses_api.response(chat, req, run.request_id))
+            return JSONResponse(
+                responses_api.response(chat, req, run.request_id), headers=cache_headers(run)
+            )
         finally:
             run.close()
 

@@ -80,6 +80,7 @@ class GatewayService:
         self.audit: AuditLog | None = None  # set by the app (services.gateway.audit)
         self.response_cache = response_cache.ResponseCache.from_config(cfg)  # None: off
         self.tenants = tenants or Tenants()
+        self._ids: set[str] = set()  # caller-chosen request ids of the runs open here
         try:
             self.prefilter = Prefilter.from_specs(cfg.prefilter_lists, cfg.prefilter_reload_s)
         except PatternFileError as exc:
@@ -100,12 +101,22 @@ class GatewayService:
         entry (`services.gateway.audit`): here when refused, at `Run.close` otherwise."""
         arrival = time.perf_counter()
         who = {"identity": "unauthenticated", "transport": transport, "client": client}
+        held = False
         try:
+            if request_id:  # ids name bus subjects: one open run per id, REST or NATS alike
+                if request_id in self._ids:
+                    raise ApiError("bad_request", f"request id {request_id!r} is in use")
+                self._ids.add(request_id)
+                held = True
             run = await self._open(kind, body, headers, api_key, request_id, arrival, who)
-        except StrataError as exc:
-            if self.audit is not None:
+        except BaseException as exc:
+            if held:
+                self._ids.discard(request_id)
+            if isinstance(exc, StrataError) and self.audit is not None:
                 self.audit.refused(kind, body, request_id, exc, who, arrival)
             raise
+        if held:
+            run.on_close = lambda: self._ids.discard(request_id)
         run.audit, run.audit_who = self.audit, who
         return run
 
@@ -281,6 +292,7 @@ class Run:
         self.audit: AuditLog | None = None  # set by GatewayService.open
         self.audit_who: dict[str, str] = {}
         self.error: StrataError | None = None  # what a stream ended with (the audit's outcome)
+        self.on_close: Callable[[], None] | None = None  # GatewayService frees the id
         tf = fmt.tool_format  # tool calls parsed out of each choice's stream
         self._tools = [ToolStream(tf) for _ in self.choices] if tf else None
 
@@ -328,6 +340,8 @@ class Run:
         if self._tasks:
             (m.WAITING if self.first_token_at is None else m.RUNNING).dec()
         self._record()
+        if self.on_close is not None:
+            self.on_close()
         if self.audit is not None:
             self.audit.finished(self, self.audit_who)
 

@@ -312,3 +312,41 @@ async def test_degradation_levels(nats_url, nc):
             r = await c.post("/v1/chat/completions", json=inter, headers={"X-Strata-Priority": "0"})
             assert r.status_code == 200 and peers.routes[-1].priority == 0
             await set_level(0)
+
+
+async def test_a_request_id_is_one_open_run_across_rest_and_the_nats_api(nats_url, nc):
+    """Request ids name bus subjects, so one id is one open run on a gateway, whichever way it
+    came: REST's ``x-request-id`` equal to a live NATS API request's id is a 400 naming it (and
+    the other way round); once the run ends the id is free again."""
+    async with gateway(nats_url) as (url, peers, _s):
+        peers.decodes["dec-0"]["gap"] = 0.1
+        body = {"model": "tiny", "messages": MSG, "max_tokens": 30, "stream": True}
+        got, done, sub = await _subscribe_events(nc, "my.stream")
+        await _publish_generate(nc, body=body, stream_subject="my.stream", request_id="rid-x")
+        while not got:  # the NATS run is open and streaming
+            await asyncio.sleep(0.02)
+        async with httpx.AsyncClient(base_url=url, timeout=10) as c:
+            short = {**body, "stream": False, "max_tokens": 2}
+            r = await c.post("/v1/chat/completions", json=short, headers={"x-request-id": "rid-x"})
+            assert r.status_code == 400 and "rid-x" in r.json()["error"]["message"], r.text
+            assert "in use" in r.json()["error"]["message"]
+            await nc.publish(subjects.req_cancel("rid-x"), b"")
+            await asyncio.wait_for(done.wait(), 5)
+            await asyncio.sleep(0.1)  # the NATS run closes after its last event
+            r = await c.post("/v1/chat/completions", json=short, headers={"x-request-id": "rid-x"})
+            assert r.status_code == 200, r.text  # free again
+            # a REST stream holds its id against the NATS API too
+            async with c.stream(
+                "POST", "/v1/chat/completions", json=body, headers={"x-request-id": "rid-y"}
+            ) as live:
+                assert live.status_code == 200
+                got.clear()
+                done.clear()
+                await _publish_generate(
+                    nc, body=body, stream_subject="my.stream", request_id="rid-y"
+                )
+                await asyncio.wait_for(done.wait(), 5)
+                assert got[-1].error and "in use" in got[-1].error.message
+        await sub.unsubscribe()
+        ids = [i.request_id for i in peers.items]
+        assert ids.count("rid-x") == 2 and ids.count("rid-y") == 1  # refusals reached no engine

@@ -260,3 +260,22 @@ async def test_completions_hit_is_formatted_for_the_request_that_hits(nats_url):
         assert echoed.headers["x-strata-cache"] == "hit-hot"
         assert echoed.json()["choices"][0]["text"] == "abcached answer"
         assert len(peers.items) == 1
+
+
+async def test_messages_and_responses_apis_mark_the_cache_in_the_header(nats_url):
+    """`/v1/messages` and `/v1/responses` run over the chat path: a repeat is a hot hit there
+    too, and both say so in ``X-Strata-Cache``, streamed or not."""
+    async with gateway(nats_url, response_cache=True) as (url, peers, _):
+        peers.script = SCRIPT
+        anthropic_body = {"model": "tiny", "max_tokens": 4, "temperature": 0, "messages": MSG}
+        responses_body = {"model": "tiny", "max_output_tokens": 4, "temperature": 0, "input": "hi"}
+        hit = {HDR: "use"}
+        async with httpx.AsyncClient(timeout=30) as c:
+            for path, req in (("/v1/messages", anthropic_body), ("/v1/responses", responses_body)):
+                states = []
+                for stream in (False, True, False):
+                    r = await c.post(url + path, json={**req, "stream": stream}, headers=hit)
+                    assert r.status_code == 200, r.text
+                    states.append(r.headers.get(HDR.lower()))
+                assert states == ["miss", "hit-hot", "hit-hot"], (path, states)
+        assert len(peers.items) == 2  # one generation per API, the repeats were hits
