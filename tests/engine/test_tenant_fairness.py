@@ -16,21 +16,21 @@ SP = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
 A, B = Tenant("tenant-a"), Tenant("tenant-b", weight=1.0)
 
 
+def queued(path, a: int, b: int, length: int, **cfg) -> LLMEngine:
+    """A small engine where tenant A has queued ``a`` prompts of ``length`` tokens, then B ``b``."""
+    config = EngineConfig(kv_cache_bytes=1 << 20, block_size=4, max_num_batched_tokens=64, **cfg)
+    eng = LLMEngine(load_model(path), config)
+    ps = prompts(3, [length] * (a + b))
+    for i in range(a):
+        eng.add_request(f"a{i}", ps[i], SP, tenant=A)
+    for i in range(b):
+        eng.add_request(f"b{i}", ps[a + i], SP, tenant=B)
+    return eng
+
+
 def admission_order(path, fair: bool) -> tuple[list[str], list[tuple[str, float]]]:
     """Tenant A queues 20 requests, then tenant B 2 (same prompt length); two run at a time."""
-    cfg = EngineConfig(
-        kv_cache_bytes=1 << 20,
-        block_size=4,
-        max_num_batched_tokens=64,
-        max_num_seqs=2,
-        fair_queuing=fair,
-    )
-    eng = LLMEngine(load_model(path), cfg)
-    ps = prompts(3, [6] * 22)
-    for i in range(20):
-        eng.add_request(f"a{i}", ps[i], SP, tenant=A)
-    for i in range(2):
-        eng.add_request(f"b{i}", ps[20 + i], SP, tenant=B)
+    eng = queued(path, 20, 2, 6, max_num_seqs=2, fair_queuing=fair)
     log: list[tuple[str, float]] = []
     while eng.seqs or eng.pending:
         eng.step()
@@ -63,18 +63,7 @@ def test_fifo_setting_serves_the_heavy_tenant_first(qwen_ckpt):
 def prompt_tokens_per_step(path, step_tokens: int) -> tuple[list[int], object, list[float]]:
     """A queues 3 prompts of 20 tokens and B one: each step's prompt tokens, the engine's
     stats and the step durations it logged."""
-    cfg = EngineConfig(
-        kv_cache_bytes=1 << 20,
-        block_size=4,
-        max_num_batched_tokens=64,
-        max_num_seqs=4,
-        fair_step_tokens=step_tokens,
-    )
-    eng = LLMEngine(load_model(path), cfg)
-    ps = prompts(5, [20] * 4)
-    for i in range(3):
-        eng.add_request(f"a{i}", ps[i], SP, tenant=A)
-    eng.add_request("b0", ps[3], SP, tenant=B)
+    eng = queued(path, 3, 1, 20, max_num_seqs=4, fair_step_tokens=step_tokens)
     per_step = []
     while eng.seqs or eng.pending:
         eng.step()
