@@ -25,9 +25,10 @@ tokens/s (median and spread), request throughput, TTFT and TPOT p50 / p99 (media
 goodput and the share of requests within the SLOs with ``--goodput``, failed requests and the load average, then Strata / vLLM ratios.
 ``--request-rates`` makes each run an open loop (Poisson arrivals at each rate in turn, no
 concurrency cap): with ``--goodput`` that is the goodput sweep users of vLLM and Dynamo compare
-deployments by. ``--variants`` adds a third side, `strata up` without the KV pool's write-through
-(``STRATA_KV_POOL_SAVE=false``: blocks reach the pool only when evicted), alternated with the
-others. docs/benchmarks/peer.md has the commands and the numbers.
+deployments by. ``--variants`` adds `strata up` with the KV pool's other save policies as extra
+sides (``STRATA_KV_POOL_SAVE=all``: every block written through, the CUDA default and the CPU
+default before session 22; ``off``: blocks reach the pool only when evicted), alternated with
+the others. docs/benchmarks/peer.md has the commands and the numbers.
 """
 
 from __future__ import annotations
@@ -44,9 +45,12 @@ import time
 import httpx
 
 SIDES = ("strata", "vllm")
-NOSAVE = "strata, no pool write-through"
-"""``--variants``: `strata up` with ``STRATA_KV_POOL_SAVE=false`` (blocks reach the pool only
-when evicted), an extra row after the default's."""
+VARIANTS = {
+    "strata, STRATA_KV_POOL_SAVE=all": {"STRATA_KV_POOL_SAVE": "all"},
+    "strata, STRATA_KV_POOL_SAVE=off": {"STRATA_KV_POOL_SAVE": "off"},
+}
+"""``--variants``: `strata up` with the pool's other save policies, extra rows after the
+default's (whose policy on a CPU box is ``reused``)."""
 PEER_BATCHING = ("--max-num-seqs", "64", "--max-num-batched-tokens", "2048")
 DATASETS: dict[str, list[str]] = {
     "random": ["--random-input-len", "256", "--random-output-len", "64"],
@@ -240,14 +244,14 @@ def main(argv: list[str] | None = None) -> None:
         help="open loop instead of --concurrency: one run per rate (requests/s), e.g. 2,4,8,16",
     )
     ap.add_argument("--sides", default=",".join(SIDES))
-    ap.add_argument("--variants", action="store_true", help=f"also the side '{NOSAVE}'")
+    ap.add_argument("--variants", action="store_true", help=f"also the sides {list(VARIANTS)}")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds one client run may take")
     ap.add_argument("--json", default="")
     a = ap.parse_args(argv)
     datasets = [d for d in a.datasets.split(",") if d]
     sides = [s for s in a.sides.split(",") if s]
     bad = [d for d in datasets if d not in DATASETS] + [s for s in sides if s not in SIDES]
-    sides += [NOSAVE] if a.variants else []
+    sides += list(VARIANTS) if a.variants else []
     if bad or a.repeats < 1 or a.num_prompts < 1 or a.concurrency < 1:
         ap.error(f"unknown or bad: {', '.join(bad) or 'a count below 1'}")
     try:
@@ -269,7 +273,7 @@ def main(argv: list[str] | None = None) -> None:
             for side in sides if rep % 2 == 0 else sides[::-1]:
                 print(f"[bench_vllm_serve] run {rep + 1}/{a.repeats}: {side}", file=sys.stderr)
                 if side != "vllm":
-                    env = {"STRATA_KV_POOL_SAVE": "false"} if side == NOSAVE else {}
+                    env = VARIANTS.get(side, {})
                     with (
                         open(os.path.join(a.work_dir, "strata.log"), "a") as slog,
                         Cluster(model_dir, log_stream=slog, die_with_parent=True, env=env) as c,

@@ -8,6 +8,10 @@ drives bench_peer's standard workload twice while py-spy samples the role's proc
 on-CPU samples, once for GIL-holding samples (``--gil``). py-spy is installed with pip into
 ``.cache/tools`` when it is not on PATH. Prints one markdown table: per thread, the share of the
 sampled wall clock it was on a CPU and held the GIL, and its top frames of this repository.
+With ``--processes``: one pass instead, and a table of the CPU seconds every process of the
+cluster (nats-server and MinIO included) spent during it, from ``/proc/<pid>/stat``: where the
+cores go besides the model process.
+
 A thread on a CPU without the GIL is inside a kernel (torch releases the GIL in its ops); the
 engine thread's GIL share is its per-step Python (op dispatch, scheduling, sampling), during
 which the other cores of its OpenMP team wait.
@@ -65,6 +69,30 @@ def per_thread(path: str) -> tuple[collections.Counter, dict[str, collections.Co
     return total, frames
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` and its threads (``/proc/<pid>/stat``), 0 if gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def by_process(c, drive_once) -> tuple[dict[str, float], dict, float]:
+    """CPU seconds per cluster process during one ``drive_once()``, its stats, and the wall."""
+    import time
+
+    pids = {n: p.proc.pid for n, p in c.sup.procs.items() if p.proc is not None}
+    for name, server in (("nats-server", c.nats), ("minio", c.minio)):
+        if server is not None and server.proc is not None:
+            pids[name] = server.proc.pid
+    before = {n: cpu_seconds(p) for n, p in pids.items()}
+    t0 = time.monotonic()
+    stats = drive_once()
+    wall = time.monotonic() - t0
+    return {n: cpu_seconds(p) - before[n] for n, p in pids.items()}, stats, wall
+
+
 def main() -> None:
     from loadtests.bench_peer import WORKLOADS, drive, model_for
     from services.launcher import Cluster
@@ -73,6 +101,9 @@ def main() -> None:
     ap.add_argument("--role", default="decode", help="the model process to sample")
     ap.add_argument("--seconds", type=float, default=12.0, help="sampling window per pass")
     ap.add_argument("--model-size", choices=["25m", "250m"], default="25m")
+    ap.add_argument(
+        "--processes", action="store_true", help="CPU seconds per process instead of py-spy"
+    )
     a = ap.parse_args()
     model_dir = os.path.abspath(model_for(a.model_size))
     wl = WORKLOADS["standard"]
@@ -83,6 +114,22 @@ def main() -> None:
         open(os.path.join(tmp, "strata.log"), "w") as log,
         Cluster(model_dir, log_stream=log, die_with_parent=True, log_level="WARNING") as c,
     ):
+        if a.processes:
+            drive(c.gateway_url, name, wl.prompts("warm-up"), wl)  # compile, warm the caches
+            # prompts of its own: the warm-up's would be served from the prefix cache
+            cpu, stats, wall = by_process(c, lambda: drive(c.gateway_url, name, prompts, wl))
+            print(f"### CPU by process, `strata up --model CK` ({c.shape.line})")
+            print(
+                f"standard workload, one pass after a warm-up on other prompts: {wall:.1f} s wall, out tok/s "
+                f"{stats.get('tok_s', 0):.1f}, {os.cpu_count()} cores, "
+                f"load average {os.getloadavg()[0]:.2f}\n"
+            )
+            print("| process | CPU s | cores busy (CPU s / wall) | share of all |")
+            print("| --- | ---: | ---: | ---: |")
+            total = sum(cpu.values()) or 1.0
+            for n, v in sorted(cpu.items(), key=lambda kv: -kv[1]):
+                print(f"| {n} | {v:.1f} | {v / wall:.2f} | {v / total:.0%} |")
+            return
         names = c.names(a.role)
         if not names:
             sys.exit(f"profile_cluster: no {a.role} process in this shape ({c.shape.line})")

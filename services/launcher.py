@@ -298,9 +298,14 @@ class Cluster:
         )
 
     def stop(self) -> None:
-        """Stop every service (SIGTERM, then SIGKILL after stop_timeout), then NATS and MinIO."""
+        """Stop every service (SIGTERM, then SIGKILL after stop_timeout), then NATS and MinIO.
+        Model instances stop first, while the kvstores still run: they hand the pool the cached
+        KV it lacks (``kv_pool_flush_s``), which a kvstore writes behind to MinIO as it stops."""
         if self.watchdog is not None:
             self.watchdog.stop()
+        models = [n for n in self.sup.procs if n.rsplit("-", 1)[0] in ("prefill", "decode")]
+        if models:
+            self.sup.stop(models, self.cfg.stop_timeout)
         self.sup.stop_all(self.cfg.stop_timeout)
         for server in (self.minio, self.nats):
             if server is not None:

@@ -84,9 +84,9 @@ class PrefillService(RequestTasks):
             self.rt.prefilled_tokens += len(context) - out.num_cached_tokens
             done = await self._emit_first(item, out)
             new_blocks = []
-            if hashes and (not direct or not self.rt.cfg.kv_pool_save):
-                # pool mode: decode pulls them; direct mode only without kv_pool_save (with it
-                # the engine writes every block it computed through to the pool)
+            if hashes and (not direct or self.rt.cfg.kv_pool_save == "off"):
+                # pool mode: decode pulls them; direct mode only with kv_pool_save off (else
+                # the engine's save policy offers the blocks it computed to the pool)
                 new_blocks = await self.pool.read_new_blocks(eid, hashes, tiers)
             if done:
                 self._store_later(new_blocks)

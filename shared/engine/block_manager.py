@@ -5,9 +5,19 @@ lose), then cached blocks in least-recently-freed order. A cached block stays fi
 hash while it sits in the queue, so a later request can revive it; it is evicted only when the
 queue hands it out for new data. Evictions are recorded so the engine can copy the bytes out to
 the KV pool before the block is overwritten (``drain_evicted``), every change to the set of
-cached hashes is recorded as a ``CacheEvent`` (``drain_events``), and with ``record_computed``
-every block that became cached because this engine computed it (not one loaded from outside) is
-recorded too (``drain_computed``), so the engine can write it through to the pool.
+cached hashes is recorded as a ``CacheEvent`` (``drain_events``), and blocks this engine computed
+(not ones loaded from outside) are recorded for the pool (``drain_computed``) by a save policy:
+
+- ``"all"``: every block as it becomes cached (write-through);
+- ``"reused"``: a block when a second request uses it (a prefix hit), or when it is computed
+  again after leaving memory unsaved (its hash is in a bounded ghost list of such evictions):
+  prefixes that recur reach the pool, one-off prompts cost nothing (`offer_all` records the
+  rest, e.g. at a graceful stop);
+- ``"off"``: none.
+
+Each block's pool state (nothing yet, recorded, or the pool has it) is tracked, so with a policy
+on only a recorded block whose copy has not left yet is kept at eviction (``drain_evicted``);
+with ``"off"`` every evicted block is.
 """
 
 from __future__ import annotations
@@ -15,6 +25,13 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+SAVE_POLICIES = ("off", "reused", "all")
+RECORD_REASONS = ("computed", "reused", "returned", "flush")
+"""Why a block was recorded for the pool: ``computed`` (policy "all"), ``reused`` (a prefix hit),
+``returned`` (computed again after an unsaved eviction), ``flush`` (`offer_all`)."""
+UNSAVED, RECORDED, POOLED = 0, 1, 2
+GHOST_MAX = 1 << 18  # ghost hashes kept at most (~100 B each)
 
 
 @dataclass(frozen=True)
@@ -33,7 +50,7 @@ class BlockManager:
         num_blocks: int,
         block_size: int,
         enable_prefix_caching: bool = True,
-        record_computed: bool = False,
+        save: str = "off",
     ):
         if num_blocks < 1:
             raise ValueError("BlockManager needs at least one block")
@@ -44,7 +61,16 @@ class BlockManager:
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.cached: dict[bytes, int] = {}
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self.record_computed = record_computed
+        if save not in SAVE_POLICIES:
+            raise ValueError(f"save policy {save!r}: expected one of {', '.join(SAVE_POLICIES)}")
+        self.save = save
+        # pool state per block: UNSAVED, RECORDED (in `_computed`, copy not taken yet), POOLED
+        # (copied out for the pool, or its KV came from outside)
+        self.pool_state = bytearray(num_blocks)
+        # hashes evicted UNSAVED ("reused" policy): computed again, they are recorded
+        self.ghosts: OrderedDict[bytes, None] = OrderedDict()
+        self.ghost_capacity = min(4 * num_blocks, GHOST_MAX)
+        self.recorded = dict.fromkeys(RECORD_REASONS, 0)  # blocks recorded, by reason
         self._evicted: list[tuple[bytes, int]] = []
         self._computed: list[tuple[bytes, int]] = []
         self._events: list[CacheEvent] = []
@@ -97,6 +123,8 @@ class BlockManager:
                 del self.free_queue[b]
             self.ref_counts[b] += 1
             block_table.append(b)
+            if self.save == "reused" and self.pool_state[b] == UNSAVED:
+                self._record(b, "reused")
         while len(block_table) < self.blocks_for(num_tokens):
             block_table.append(self._pop_free())
         return True
@@ -131,8 +159,12 @@ class BlockManager:
                 self.block_hash[b] = h
                 self.cached[h] = b
                 stored.append(h.hex())
-                if computed and self.record_computed:
-                    self._computed.append((h, b))
+                if not computed:
+                    self.pool_state[b] = POOLED  # written from elsewhere: not ours to save
+                elif self.save == "all":
+                    self._record(b, "computed")
+                elif self.save == "reused" and self.ghosts.pop(h, 0) is None:
+                    self._record(b, "returned")
         if stored:
             self._events.append(CacheEvent("stored", stored))
         return end
@@ -149,8 +181,34 @@ class BlockManager:
         self.free_queue[b] = None
         self.block_hash[b] = h
         self.cached[h] = b
+        self.pool_state[b] = POOLED  # loaded from the pool
         self._events.append(CacheEvent("stored", [h.hex()]))
         return b
+
+    def _record(self, b: int, reason: str) -> None:
+        self.pool_state[b] = RECORDED
+        self._computed.append((self.block_hash[b], b))
+        self.recorded[reason] += 1
+
+    def offer_all(self) -> int:
+        """Record every cached block not yet recorded or pooled (a graceful stop hands what
+        engine memory holds to the pool); returns how many."""
+        n = 0
+        for h, b in self.cached.items():
+            if self.pool_state[b] == UNSAVED and self.block_hash[b] == h:
+                self._record(b, "flush")
+                n += 1
+        return n
+
+    def forget_unowned(self) -> None:
+        """Drop the hashes of every cached block no request holds (the warm-up's synthetic
+        prompt): not findable, not for the pool, first to be reused; no event is recorded."""
+        for h, b in list(self.cached.items()):
+            if self.ref_counts[b] == 0:
+                del self.cached[h]
+                self.block_hash[b] = None
+                self.pool_state[b] = UNSAVED
+                self.free_queue.move_to_end(b, last=False)
 
     def _pop_free(self) -> int:
         b, _ = self.free_queue.popitem(last=False)
@@ -159,24 +217,35 @@ class BlockManager:
             self.block_hash[b] = None
             if self.cached.get(h) == b:
                 del self.cached[h]
-                self._evicted.append((h, b))
+                state = self.pool_state[b]
+                if self.save == "off" or state == RECORDED:
+                    self._evicted.append((h, b))  # its copy for the pool is taken now
+                elif state == UNSAVED and self.save == "reused":
+                    self.ghosts[h] = None
+                    if len(self.ghosts) > self.ghost_capacity:
+                        self.ghosts.popitem(last=False)
                 self._events.append(CacheEvent("removed", [h.hex()]))
+        self.pool_state[b] = UNSAVED
         self.ref_counts[b] = 1
         return b
 
     # ----- outbox --------------------------------------------------------------------------
     def drain_evicted(self) -> list[tuple[bytes, int]]:
-        """Cached blocks handed out for new data since the last call: (hash, block id).
-
-        Their bytes are intact until the next forward writes them.
+        """Cached blocks handed out for new data since the last call whose bytes the pool
+        should get (every one with policy "off", else those recorded and not copied yet):
+        (hash, block id). Their bytes are intact until the next forward writes them.
         """
         out, self._evicted = self._evicted, []
         return out
 
     def drain_computed(self) -> list[tuple[bytes, int]]:
-        """Blocks cached by `cache_full_blocks` since the last call (with ``record_computed``):
-        (hash, block id). A block evicted meanwhile no longer holds that hash."""
+        """Blocks recorded for the pool since the last call (see the save policies): (hash,
+        block id), now marked as pooled (the caller copies them out). A block evicted meanwhile
+        no longer holds that hash (its copy left through `drain_evicted`)."""
         out, self._computed = self._computed, []
+        for h, b in out:
+            if self.block_hash[b] == h:
+                self.pool_state[b] = POOLED
         return out
 
     def drain_events(self) -> list[CacheEvent]:

@@ -209,10 +209,18 @@ class DrainEvicted(Query):
 
 @dataclass
 class DrainComputed(Query):
-    """Blocks computed and cached since the last drain (with ``save_computed_kv``)."""
+    """Blocks recorded for the pool since the last drain (``pool_save``)."""
 
     def run(self, e: LLMEngine) -> list[EvictedBlock]:
         return e.kv.drain_computed()
+
+
+@dataclass
+class OfferAll(Query):
+    """Record every cached block the pool has not been given (a graceful stop)."""
+
+    def run(self, e: LLMEngine) -> int:
+        return e.bm.offer_all()
 
 
 @dataclass

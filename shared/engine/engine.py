@@ -69,7 +69,7 @@ class LLMEngine:
             num_blocks,
             config.block_size,
             config.enable_prefix_caching,
-            record_computed=config.save_computed_kv,
+            save=config.pool_save,
         )
         self.scheduler = Scheduler(
             self.bm,
@@ -543,6 +543,7 @@ class LLMEngine:
             last_step_s=self._t["last_step"],
             spec_draft_tokens=self._spec[0],
             spec_accepted_tokens=self._spec[1],
+            pool_recorded=dict(self.bm.recorded),
         )
 
 

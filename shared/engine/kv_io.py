@@ -165,8 +165,8 @@ class EngineKV:
         return out
 
     def drain_computed(self) -> list[EvictedBlock]:
-        """Copies of the blocks this engine computed and cached since the last call (with
-        ``EngineConfig.save_computed_kv``) that still hold their data; one evicted meanwhile
+        """Copies of the blocks recorded for the pool since the last call (computed here, by
+        ``EngineConfig.pool_save``) that still hold their data; one evicted meanwhile
         went out through `drain_evicted` instead (its bytes were copied before reuse)."""
         got = [(h, b) for h, b in self.bm.drain_computed() if self.bm.block_hash[b] == h]
         if not got:

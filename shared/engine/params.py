@@ -45,9 +45,11 @@ class EngineConfig:
     """KV cache dtype name (e.g. "float32"); None follows the model dtype."""
     collect_evicted_kv: bool = False
     """Copy evicted cached blocks out for the KV pool (``EnginePort.drain_evicted``)."""
-    save_computed_kv: bool = False
-    """Record every full block this engine computes so it can be copied out for the KV pool
-    (``EnginePort.drain_computed``: write-through, so a restart or another instance finds it)."""
+    pool_save: str = "off"
+    """Which full blocks this engine computes are recorded to be copied out for the KV pool
+    (``EnginePort.drain_computed``, so a restart or another instance finds them): "all" (every
+    one: write-through), "reused" (those a second request uses, or computed again after leaving
+    memory unsaved), "off" (see `shared.engine.block_manager`)."""
     async_scheduling: bool | None = None
     """Schedule and prepare decode step i+1 while the forward of step i runs (see
     ``LLMEngine.step``); False runs every step strictly in sequence; None: on for CUDA, off on
@@ -80,6 +82,8 @@ class EngineConfig:
             bad("max_num_batched_tokens", "must be >= 1")
         if self.max_num_batched_tokens < self.max_num_seqs:
             bad("max_num_batched_tokens", "must be >= max_num_seqs")
+        if self.pool_save not in ("off", "reused", "all"):
+            bad("pool_save", 'must be "off", "reused" or "all"')
         if self.preemption_mode not in ("recompute", "swap"):
             bad("preemption_mode", 'must be "recompute" or "swap"')
         if self.fair_step_tokens < 0:

@@ -71,8 +71,9 @@ class EnginePort:
             t0 = time.perf_counter()
             engine.generate([ids], SamplingParams(max_tokens=1, temperature=0.0))
             spt = (time.perf_counter() - t0) / n
+            engine.bm.forget_unowned()  # synthetic tokens: nothing to find, nothing for the pool
             engine.bm.drain_events()
-            engine.bm.drain_computed()  # synthetic tokens: nothing for the pool
+            engine.bm.drain_computed()
         port = cls(engine)
         port.warm_up_s_per_token = spt
         return port
@@ -188,8 +189,13 @@ class EnginePort:
         return await self._ask(cmd.DrainEvicted())
 
     async def drain_computed(self) -> list[EvictedBlock]:
-        """Copies of the blocks computed here since the last call (``save_computed_kv``)."""
+        """Copies of the blocks recorded for the pool since the last call (``pool_save``)."""
         return await self._ask(cmd.DrainComputed())
+
+    async def offer_all(self) -> int:
+        """Record every cached block the pool has not been given, for the next
+        `drain_computed` (a graceful stop); returns how many."""
+        return await self._ask(cmd.OfferAll())
 
     async def drain_kv_events(self) -> list[BlockEvent]:
         """Cached blocks stored / removed since the last call."""

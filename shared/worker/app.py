@@ -62,6 +62,13 @@ class Worker:
         for svc in self.roles.services.values():
             for t in list(svc.tasks.values()):
                 t.cancel()
+        pool = self.rt.pool_link() if self.rt.port is not None else None
+        if pool is not None and self.rt.cfg.kv_pool_flush_s > 0:
+            try:  # what engine memory holds and the pool lacks, so a restart finds it
+                sent = await pool.flush(self.rt.cfg.kv_pool_flush_s)
+                log.info("stop: %d KV bytes handed to the pool", sent)
+            except Exception as exc:  # a cache: the stop goes on
+                log.warning("stop: pool flush failed: %s", exc)
         await self.server.stop(1.0)
         self.rt.close()
 

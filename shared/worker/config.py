@@ -44,6 +44,16 @@ def layerwise_auto(device: str, torch_threads: int, cores: int) -> bool:
     return cores - torch_threads >= LAYERWISE_SPARE_CORES
 
 
+def pool_save_auto(device: str) -> str:
+    """What ``kv_pool_save=auto`` means on ``device``. On CUDA a block's copy out is a device
+    gather and the host work runs on cores the GPU leaves free: every block ("all"). On CPU the
+    copy, the encoding, the gRPC send, the kvstore and MinIO all take cycles from the forward
+    (measured on a 2-core box: writing every block through cost ~30% of output tok/s,
+    docs/benchmarks/kvpool.md), so only blocks that recur ("reused"): a prefix hit, or a
+    block computed again after it left memory unsaved, plus the rest at a graceful stop."""
+    return "all" if device.startswith("cuda") else "reused"
+
+
 _BOOL_WORDS = {"true", "false", "1", "0", "yes", "no", "on", "off"}
 
 
@@ -70,7 +80,7 @@ WORKER_DEFAULT_DOCS = {
     "kv_cache_bytes": " 0 (default): auto, a share of the memory (`shared/worker/kv_budget.py`)."
 }
 
-ENGINE_DERIVED = ("collect_evicted_kv", "save_computed_kv")
+ENGINE_DERIVED = ("collect_evicted_kv", "pool_save")
 """Engine fields a worker does not set: they follow from other settings (`engine_config`)."""
 
 
@@ -184,10 +194,22 @@ class WorkerConfig(EngineSettings):  # type: ignore[misc, valid-type]
         False,
         description="Send and store KV as int8 with per-row float32 scales (~3.8x fewer bytes)",
     )
-    kv_pool_save: bool = Field(
-        True,
-        description="With a kvstore: write every full block this instance computes through to "
-        "the pool (a restart or another instance reuses it); false: only evicted blocks go",
+    kv_pool_save: Literal["all", "reused", "off"] = Field(
+        "auto",  # type: ignore[assignment] - resolved by the validator below
+        validate_default=True,
+        description="With a kvstore, which full blocks this instance computes go to the pool "
+        "(a restart or another instance reuses them): all = every one as it is computed "
+        "(write-through; also what a failed-over stream continues from); reused = those a "
+        "second request uses or that are computed again after leaving memory, the rest at a "
+        "graceful stop; off (false) = only evicted blocks; auto = all on CUDA, reused on CPU, "
+        "where the copies compete with the forward for the same cores (see pool_save_auto); "
+        "true = all",
+    )
+    kv_pool_flush_s: float = Field(
+        5.0,
+        ge=0,
+        description="At a graceful stop, seconds to hand the pool the cached blocks it was not "
+        "given (kv_pool_save=reused), so a restart finds them; 0: none",
     )
     kv_pool_load: Literal["auto", "always", "never"] = Field(
         "auto",
@@ -201,6 +223,16 @@ class WorkerConfig(EngineSettings):  # type: ignore[misc, valid-type]
         description="AutoPD: after a role change, seconds the old role's submit subject stays "
         "served once idle (work routed before the change whose prefill ran elsewhere)",
     )
+
+    @field_validator("kv_pool_save", mode="before")
+    @classmethod
+    def _resolve_pool_save(cls, v, info: ValidationInfo):
+        word = str(v).strip().lower()
+        if word == "auto":
+            return pool_save_auto(info.data.get("device", "cpu"))
+        return {"true": "all", "1": "all", "yes": "all", "on": "all"}.get(
+            word, {"false": "off", "0": "off", "no": "off"}.get(word, word)
+        )
 
     @field_validator("layerwise_transfer", mode="before")
     @classmethod
@@ -231,8 +263,7 @@ class WorkerConfig(EngineSettings):  # type: ignore[misc, valid-type]
     def engine_config(self, kv_cache_bytes: int = 0) -> EngineConfig:
         """The engine's settings: each `EngineConfig` field from the setting of its name, and
         `collect_evicted_kv` on in pool mode (evicted blocks go to the kvstore), and
-        `save_computed_kv` too unless ``kv_pool_save`` is off (computed blocks are written
-        through). An auto
+        `pool_save` there from ``kv_pool_save`` (which computed blocks go too). An auto
         ``kv_cache_bytes`` (0) takes the resolved ``kv_cache_bytes`` given (`kv_budget`; the
         parse-time check, which has no model yet, passes `EngineConfig`'s default)."""
         values = {name: to_engine(getattr(self, name)) for name, to_engine in _TO_ENGINE.items()}
@@ -240,5 +271,5 @@ class WorkerConfig(EngineSettings):  # type: ignore[misc, valid-type]
             values["kv_cache_bytes"] = kv_cache_bytes or EngineConfig.kv_cache_bytes
         pool = bool(self.kvstore_addrs)
         return EngineConfig(
-            **values, collect_evicted_kv=pool, save_computed_kv=pool and self.kv_pool_save
+            **values, collect_evicted_kv=pool, pool_save=self.kv_pool_save if pool else "off"
         )

@@ -38,6 +38,13 @@ STEP_SECONDS = Histogram(
     _L,
     buckets=(0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5, 10),
 )
+POOL_RECORDED = Counter(
+    "strata_kv_pool_recorded_blocks",
+    "Blocks the engine's save policy (kv_pool_save) recorded for the KV pool, by reason: "
+    "computed (policy all), reused (a second request used it), returned (computed again after "
+    "leaving memory unsaved), flush (a graceful stop)",
+    (*_L, "reason"),
+)
 _T = (*_L, "tenant")
 TENANT_ADMITTED = Counter(
     "strata_tenant_admitted", "Requests taken from the engine's waiting queue, by tenant", _T
@@ -75,6 +82,11 @@ class EngineMetrics:
             if delta > 0:
                 counter.labels(*lab).inc(delta)
             self._last[key] = value
+        for reason, value in s.pool_recorded.items():
+            delta = value - self._last.get(reason, 0)
+            if delta > 0:
+                POOL_RECORDED.labels(*lab, reason).inc(delta)
+            self._last[reason] = value
 
     def stepped(self, seconds: list[float]) -> None:
         """Observe engine step durations (`EnginePort.drain_step_times`)."""

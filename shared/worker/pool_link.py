@@ -8,12 +8,14 @@
   logged at debug level with its inputs.
 - `load_blocks`: pull given blocks (decode in pool mode), reporting the payload bytes written.
 - `store_blocks`: offer blocks to the pool (prefill in pool mode, before decode pulls them).
-- `offer`: the blocks the engine computed since the last call (write-through) and those it
-  evicted go to the pool, less those the pool already holds.
+- `offer`: the blocks the engine's save policy recorded since the last call (every computed
+  one, or those that recur) and those evicted before their copy left go to the pool, less those
+  the pool already holds; `flush`: at a graceful stop, every cached block it lacks.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import NamedTuple
@@ -35,7 +37,7 @@ POOL_HIT_BLOCKS = Counter(
 POOL_STORED_BLOCKS = Counter(
     "strata_prefix_pool_stored_blocks_total",
     "Blocks the pool accepted from this instance, by source",
-    ["source"],  # "prefill" (pool mode, before decode pulls), "computed", "evicted"
+    ["source"],  # "prefill" (pool mode, before decode pulls), "computed", "evicted", "shutdown"
 )
 POOL_DECISIONS = Counter(
     "strata_kv_pool_load_decisions_total",
@@ -51,7 +53,7 @@ DECISIONS = ("miss", "load", "recompute")
 loaded; ``recompute``: the pool held some but loading them was judged (or set) not worth it."""
 for _d in DECISIONS:
     POOL_DECISIONS.labels(_d)
-for _s in ("prefill", "computed", "evicted"):
+for _s in ("prefill", "computed", "evicted", "shutdown"):
     POOL_STORED_BLOCKS.labels(_s)
 
 
@@ -185,13 +187,13 @@ class PoolLink:
         POOL_STORED_BLOCKS.labels(source).inc(len(stored))
         return sum(payload_nbytes(t, self.int8) for h, t in blocks if h in stored)
 
-    async def offer(self) -> int:
-        """Blocks computed here since the last call (write-through, with ``save_computed_kv``)
-        and blocks evicted here go to the pool, less those it already holds (pushed by prefill,
-        loaded from it, or stored before). Returns the payload bytes the pool accepted."""
+    async def offer(self, label: str = "computed") -> int:
+        """Blocks the engine's save policy recorded since the last call (``pool_save``) and
+        blocks evicted before their copy left go to the pool, less those it already holds
+        (stored by another instance meanwhile). Returns the payload bytes the pool accepted."""
         sent = 0
         for source, blocks in (
-            ("computed", await self.port.drain_computed()),
+            (label, await self.port.drain_computed()),
             ("evicted", await self.port.drain_evicted()),
         ):
             if not blocks:
@@ -200,3 +202,15 @@ class PoolLink:
             new = [(b.hash, b.kv) for b, t in zip(blocks, tiers, strict=True) if t is None]
             sent += await self.store_blocks(new, source)
         return sent
+
+    async def flush(self, timeout: float) -> int:
+        """A graceful stop: hand the pool every cached block it has not been given (what the
+        "reused" policy held back), within ``timeout`` seconds; returns the payload bytes it
+        accepted (0 if the time ran out: a cache loses nothing it needs)."""
+        if not await self.port.offer_all():
+            return await self.offer()
+        try:
+            return await asyncio.wait_for(self.offer("shutdown"), timeout)
+        except TimeoutError:
+            log.warning("pool flush at stop took over %.0f s: the rest is not saved", timeout)
+            return 0

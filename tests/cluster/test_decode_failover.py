@@ -197,7 +197,9 @@ def test_colocated_failover_continues_from_pool_kv(default_model_dir):
     generated tokens' included, are written through to the kvstore as it fills them, so the
     streams failed over to decode-1 load their context from the pool instead of recomputing it,
     and still finish identical to the reference. Loading is forced on (the cost model's choice
-    is tested in tests/worker/test_pool_colocated.py)."""
+    is tested in tests/worker/test_pool_colocated.py), and so is saving every block
+    (``kv_pool_save=all``, what CUDA boxes get; a CPU box saves only recurring blocks unless
+    told, and a failed-over stream there recomputes its context)."""
     n = 8
     msgs = prompts()[:n]
     expected = reference(default_model_dir, msgs)
@@ -211,6 +213,7 @@ def test_colocated_failover_continues_from_pool_kv(default_model_dir):
         env={
             "STRATA_STALL_TIMEOUT": "10",
             "STRATA_KV_POOL_LOAD": "always",
+            "STRATA_KV_POOL_SAVE": "all",  # live KV: every block as decode fills it
             "STRATA_API_KEYS": API_KEY,
         },
     )

@@ -41,12 +41,18 @@ def moe(tmp_path_factory):
 @pytest.mark.parametrize("tp", [1, 2], ids=["ep2", "tp2-ep2"])
 def test_ep2_colocated_cluster_serves_and_pools(moe, tmp_path, tp):
     """``tp2-ep2``: heads and the dense layer split by TP, experts by EP, over the same 2 ranks
-    (the pool write-through then gathers KV heads)."""
+    (the pool write-through then gathers KV heads; every block written through, the policy
+    CUDA boxes get by default)."""
     ids = moe.tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
     ref = moe.tokenizer.decode(greedy(moe, ids, N)[0], skip_special_tokens=True)
     blocks = (len(ids) - 1) // 16
     cluster = start_cluster(
-        str(moe.path), data_dir=str(tmp_path / "cluster"), prefill=0, ep=2, tp=tp
+        str(moe.path),
+        data_dir=str(tmp_path / "cluster"),
+        prefill=0,
+        ep=2,
+        tp=tp,
+        env={"STRATA_KV_POOL_SAVE": "all"},
     )
     try:
         client = openai.OpenAI(base_url=cluster.gateway_url + "/v1", api_key="x", max_retries=0)

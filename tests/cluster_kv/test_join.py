@@ -61,9 +61,11 @@ def test_a_second_cluster_joins_the_first_ones_nats_and_minio(model_dir):
             assert b.specs["decode-0"].env["STRATA_INSTANCE_ID"] == joined
             assert {"decode-0", joined} <= decode_ids(a)
 
-            # B's kvstore writes blocks into A's MinIO (B has no MinIO of its own)
-            r = chat(b, SHARED_PREFIX + "Which tier served this?")
-            assert r.status_code == 200, r.text
+            # B's kvstore writes blocks into A's MinIO (B has no MinIO of its own): a prefix
+            # two requests share reaches the pool
+            for tail in ("Which tier served this?", "Which tier is shared?"):
+                r = chat(b, SHARED_PREFIX + tail)
+                assert r.status_code == 200, r.text
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
                 written = metric(b, "kvstore-0", "strata_kvstore_ssd_objects_written_total")

@@ -69,7 +69,11 @@ class Load:
 
 
 def test_minio_down_under_load_then_back(model_dir):
-    secured = {"STRATA_LAYERWISE_TRANSFER": "true", "STRATA_API_KEYS": API_KEY}
+    secured = {
+        "STRATA_LAYERWISE_TRANSFER": "true",
+        "STRATA_API_KEYS": API_KEY,
+        "STRATA_KV_POOL_SAVE": "all",  # every block to the pool: a steady stream of SSD writes
+    }
     c = start_cluster(model_dir, env=secured)  # NATS users, KV mTLS and an API key
     try:
         client, model = client_of(c)

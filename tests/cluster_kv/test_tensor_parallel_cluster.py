@@ -99,8 +99,9 @@ def test_tp2_colocated_cluster_serves_pools_and_restarts_after_a_rank_kill(qwen3
         prefill=0,
         tp=2,
         restart=True,
-        # pool loads forced on: the tiny model may recompute faster than it loads
-        env={"STRATA_KV_POOL_LOAD": "always"},
+        # pool loads forced on: the tiny model may recompute faster than it loads; every block
+        # written through (a crash leaves no time for the stop's flush)
+        env={"STRATA_KV_POOL_LOAD": "always", "STRATA_KV_POOL_SAVE": "all"},
     )
     try:
         first = _complete(cluster)

@@ -145,7 +145,7 @@ async def test_warm_up_blocks_are_not_written_through_but_computed_ones_are(qwen
     """The warm-up prefill's synthetic blocks never reach `drain_computed`; a real request's
     full blocks do, with the KV its blocks hold."""
     _, path = qwen_ckpt
-    cfg = EngineConfig(**CFG, save_computed_kv=True)
+    cfg = EngineConfig(**CFG, pool_save="all")
     port = EnginePort.open(load_model(path), cfg, warm_up_tokens=16)
     try:
         assert await port.drain_computed() == []

@@ -85,7 +85,7 @@ def test_two_rank_engine_matches_one_rank(tmp_path_factory, tmp_path, kind):
     assert r0["kv"] == r1["kv"] and r0["kv"][-2] == 1  # one of the 2 KV heads per rank
 
 
-KV_CFG = replace(CFG, save_computed_kv=True)
+KV_CFG = replace(CFG, pool_save="all")
 
 
 def _blocks_of(engine) -> dict[str, torch.Tensor]:

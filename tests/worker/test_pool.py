@@ -26,8 +26,11 @@ MAX_TOKENS = 8
 async def cluster(nats_url, nc, model_dir, kvstore):
     _, addr = kvstore
     specs = [("prefill", "pa", {}), ("prefill", "pb", {}), ("decode", "dd", {})]
-    # layerwise: the tests assert that path
-    async with kv_workers(nc, nats_url, model_dir, addr, specs, layerwise_transfer=True) as ws:
+    # layerwise: the tests assert that path; every computed block written through (`all`, a
+    # CUDA box's default), so B finds A's prefix after A served it once
+    async with kv_workers(
+        nc, nats_url, model_dir, addr, specs, layerwise_transfer=True, kv_pool_save="all"
+    ) as ws:
         yield ws
 
 

@@ -1,11 +1,12 @@
 """The KV pool in the colocated shape: decode instances that compute their prompts themselves
 (no prefill instance), over real NATS, real gRPC, a real kvstore and MinIO.
 
-Every full block a decode instance computes is written through to the pool; another instance
-(or the same one after a restart, or after the prefix left its engine memory) loads that prefix
-from the pool instead of recomputing it. Recompute gives the same tokens, so each test asserts on
-the counters that say which path ran: pool bytes received, the connector's load decisions and
-the blocks the pool accepted.
+With ``kv_pool_save=all`` every full block a decode instance computes is written through to the
+pool; with ``reused`` (a CPU box's default) only blocks that recur are, and the rest at a graceful
+stop. Another instance (or the same one after a restart, or after the prefix left its engine
+memory) loads that prefix from the pool instead of recomputing it. Recompute gives the same
+tokens, so each test asserts on the counters that say which path ran: pool bytes received, the
+connector's load decisions, the blocks the save policy recorded and those the pool accepted.
 """
 
 from __future__ import annotations
@@ -45,6 +46,12 @@ def stored(source: str) -> float:
     return _count("strata_prefix_pool_stored_blocks_total", source=source)
 
 
+def recorded(iid: str, reason: str) -> float:
+    return _count(
+        "strata_kv_pool_recorded_blocks_total", role="decode", instance=iid, reason=reason
+    )
+
+
 def work(rid: str, prompt: list[int], **kw) -> DecodeWork:
     return DecodeWork(request_id=rid, prompt_token_ids=prompt, sampling=PARAMS, **kw)
 
@@ -62,12 +69,74 @@ async def wait_in_pool(w, prompt: list[int], blocks: int, timeout: float = 10.0)
 
 @pytest.fixture
 async def two_decodes(nats_url, nc, model_dir, kvstore):
-    """Two decode instances with the pool, no prefill instance (the colocated shape); loading
-    forced on (``always``), so the tests do not depend on this machine's measured costs."""
+    """Two decode instances with the pool, no prefill instance (the colocated shape), every
+    computed block written through (``all``); loading forced on (``always``), so the tests do
+    not depend on this machine's measured costs."""
     _, addr = kvstore
     specs = [("decode", "ca", {}), ("decode", "cb", {})]
-    async with kv_workers(nc, nats_url, model_dir, addr, specs, kv_pool_load="always") as ws:
+    async with kv_workers(
+        nc, nats_url, model_dir, addr, specs, kv_pool_load="always", kv_pool_save="all"
+    ) as ws:
         yield ws
+
+
+@pytest.fixture
+async def two_cpu_decodes(nats_url, nc, model_dir, kvstore):
+    """`two_decodes` with the save policy a CPU box gets by default (``reused``)."""
+    _, addr = kvstore
+    specs = [("decode", "ra", {}), ("decode", "rb", {})]
+    async with kv_workers(nc, nats_url, model_dir, addr, specs, kv_pool_load="always") as ws:
+        assert ws[0].rt.cfg.kv_pool_save == "reused"
+        yield ws
+
+
+async def in_pool(w, prompt: list[int], blocks: int) -> list[bool]:
+    link = w.rt.pool_link()
+    hashes = (await w.rt.port.match_prefix(prompt)).hashes[:blocks]
+    return [t is not None for t in await link.pool.lookup(hashes, link.fingerprint)]
+
+
+async def test_default_cpu_policy_pools_a_recurring_prefix_not_a_one_off_prompt(
+    two_cpu_decodes, nc
+):
+    """``reused``: a prompt served once stays in engine memory only (no copy, no kvstore
+    work); a second request that shares its prefix gets the prefix's blocks recorded (reason
+    ``reused``) and pooled, and another instance loads them from there."""
+    ra, rb = two_cpu_decodes
+    prefix = tokens(91, 160)  # 10 full blocks
+    await _run(nc, subjects.decode_submit("ra"), work("r-1", prefix + [5, 6, 7]))
+    await asyncio.sleep(1.0)  # five housekeeping ticks: nothing offered
+    assert await in_pool(ra, prefix, 10) == [False] * 10
+    assert recorded("ra", "reused") == 0
+    await _run(nc, subjects.decode_submit("ra"), work("r-2", prefix + [8, 9]))
+    await wait_in_pool(ra, prefix, 10)
+    assert recorded("ra", "reused") == 10
+    t, d = Transfers(), decisions()
+    got = await _run(nc, subjects.decode_submit("rb"), work("r-3", prefix + [1, 2, 3, 4]))
+    assert t.moved().get("received:pool") == kv_bytes(rb.rt, 160)
+    assert decisions()["load"] - d["load"] == 1
+    assert max(got, key=lambda c: c.index).usage.cached_tokens == 160
+
+
+async def test_graceful_stop_hands_the_pool_what_engine_memory_holds(
+    nats_url, nc, model_dir, kvstore
+):
+    """``reused`` holds a one-off prompt's blocks back while serving; stopping the instance
+    gracefully offers them (source ``shutdown``), so a restart finds them. With the flush off
+    (``kv_pool_flush_s=0``) they are lost with the process."""
+    _, addr = kvstore
+    for flush, seed in ((5.0, 93), (0.0, 94)):
+        prompt = tokens(seed, 96)  # 6 full blocks
+        before = stored("shutdown")
+        specs = [("decode", f"stop-{seed}", {"kv_pool_flush_s": flush})]
+        async with kv_workers(nc, nats_url, model_dir, addr, specs) as (w,):
+            await _run(nc, subjects.decode_submit(f"stop-{seed}"), work(f"s-{seed}", prompt))
+            await asyncio.sleep(0.6)
+            assert await in_pool(w, prompt, 6) == [False] * 6
+            link, hashes = w.rt.pool_link(), (await w.rt.port.match_prefix(prompt)).hashes[:6]
+        got = [t is not None for t in await link.pool.lookup(hashes, link.fingerprint)]
+        assert got == [flush > 0] * 6, flush
+        assert stored("shutdown") - before == (6 if flush else 0)
 
 
 async def test_prefix_written_through_by_a_is_loaded_by_b(two_decodes, nc):
@@ -95,14 +164,16 @@ async def test_prefix_written_through_by_a_is_loaded_by_b(two_decodes, nc):
 
 
 async def test_prefix_evicted_from_engine_memory_is_reloaded(nats_url, nc, model_dir, kvstore):
-    """A small engine cache: other prompts evict the prefix, and a later request loads it back
-    from the pool rather than recomputing it."""
+    """A small engine cache and the CPU default policy: a prefix two requests shared is pooled,
+    other prompts evict it, and a later request loads it back from the pool rather than
+    recomputing it."""
     _, addr = kvstore
     specs = [("decode", "small", {"kv_cache_bytes": 2 << 20})]  # ~32 blocks
     prefix = tokens(73, 160)
     async with kv_workers(nc, nats_url, model_dir, addr, specs, kv_pool_load="always") as (w,):
         total = w.rt.port.stats().kv_blocks_total
         await _run(nc, subjects.decode_submit("small"), work("e-0", prefix + [1, 2]))
+        await _run(nc, subjects.decode_submit("small"), work("e-00", prefix + [1]))
         await wait_in_pool(w, prefix, 10)
         # fill the engine with other prompts until the prefix is gone from its memory
         i = 0

@@ -47,6 +47,22 @@ def test_new_settings_from_env_and_flags(monkeypatch):
     assert load(kvstore_addrs="127.0.0.1:1").engine_config().collect_evicted_kv
 
 
+def test_kv_pool_save_auto_by_device_and_old_boolean_words(monkeypatch):
+    """auto: every block on CUDA, recurring ones on CPU; true/false keep meaning all/off; the
+    engine gets the policy only with a kvstore."""
+    pool = "127.0.0.1:1"
+    assert load(kvstore_addrs=pool).kv_pool_save == "reused"
+    assert load(kvstore_addrs=pool).engine_config().pool_save == "reused"
+    assert load(kvstore_addrs=pool, device="cuda").kv_pool_save == "all"
+    assert load().engine_config().pool_save == "off"
+    for word, policy in (("true", "all"), ("false", "off"), ("reused", "reused"), ("all", "all")):
+        monkeypatch.setenv("STRATA_KV_POOL_SAVE", word)
+        assert load(kvstore_addrs=pool).engine_config().pool_save == policy
+    monkeypatch.setenv("STRATA_KV_POOL_SAVE", "sometimes")
+    with pytest.raises(ConfigError, match="KV_POOL_SAVE"):
+        load()
+
+
 @pytest.mark.parametrize(
     "argv,needle",
     [
