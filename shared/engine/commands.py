@@ -21,11 +21,9 @@ from shared.engine.port_types import (
     BlockEvent,
     EvictedBlock,
     MMInput,
-    PrefixMatch,
     RequestKV,
     Tenant,
 )
-from shared.protocol.hashing import to_hex
 from shared.protocol.sampling import SamplingParams
 
 
@@ -173,18 +171,6 @@ class Release(Query):
 
     def run(self, e: LLMEngine) -> None:
         e.release(self.request_id)
-
-
-@dataclass
-class MatchPrefix(Query):
-    """A prompt's full-block hashes and the tokens of it cached here."""
-
-    token_ids: Sequence[int]
-    mm_inputs: Sequence = ()  # MMInput or (offset, length, content hash)
-
-    def run(self, e: LLMEngine) -> PrefixMatch:
-        hashes = e.kv.hashes(self.token_ids, self.mm_inputs)
-        return PrefixMatch(to_hex(hashes), e.kv.cached_tokens(hashes))
 
 
 @dataclass

@@ -36,6 +36,7 @@ from shared.engine.port_types import (
     Tenant,
 )
 from shared.protocol.errors import StrataError
+from shared.protocol.hashing import to_hex
 from shared.protocol.sampling import SamplingParams
 
 
@@ -177,8 +178,17 @@ class EnginePort:
 
     # ----- prefix cache and pool -------------------------------------------------------------
     async def match_prefix(self, token_ids: Sequence[int], mm_inputs: Sequence = ()) -> PrefixMatch:
-        """The prompt's block hashes and how many of its leading tokens are cached here."""
-        return await self._ask(cmd.MatchPrefix(list(token_ids), list(mm_inputs)))
+        """The prompt's block hashes and how many of its leading tokens are cached here.
+
+        Answered on the caller's thread, without waiting for the engine's step (a prompt's pool
+        lookup before its submit would otherwise wait one more step, up to a whole prefill
+        chunk's forward): the hashes are a pure function of the tokens, and the cached run is
+        a lock-free read of the block manager's hash table (each lookup is one dict get). It is
+        a snapshot: the engine may evict or cache blocks right after, which costs a recompute
+        or a redundant load, never a wrong token."""
+        kv = self._engine.kv
+        hashes = kv.hashes(list(token_ids), list(mm_inputs))
+        return PrefixMatch(to_hex(hashes), kv.cached_tokens(hashes))
 
     async def insert_cached_blocks(self, hashes: Sequence[str], kv: torch.Tensor) -> list[bool]:
         """Load blocks ``[L, 2, n, block_size, kvh, hd]`` as cached; per block, whether new."""

@@ -156,3 +156,25 @@ async def test_warm_up_blocks_are_not_written_through_but_computed_ones_are(qwen
         assert [b.hash for b in got][:2] == hashes[:2] and len(got) == (9 + 6 - 1) // 4
     finally:
         port.shutdown()
+
+
+async def test_match_prefix_answers_without_the_engine_thread(qwen_ckpt, monkeypatch):
+    """A prompt's pool lookup starts from `match_prefix`; it is answered on the caller's thread
+    (no command through the engine's inbox, so it never waits for a step), and after a request
+    it sees the blocks that request cached. The warm-up's synthetic blocks are not findable."""
+    _, path = qwen_ckpt
+    port = EnginePort.open(load_model(path), EngineConfig(**CFG), warm_up_tokens=16)
+    try:
+        synthetic = [(i * 7919) % port._engine.loaded.config.vocab_size for i in range(16)]
+        p = prompts(14, [9])[0]
+        _ = [o async for o in port.generate("r", p, SP)]
+
+        def no_inbox(command):
+            raise AssertionError(f"{type(command).__name__} went through the engine thread")
+
+        monkeypatch.setattr(port, "_submit", no_inbox)
+        got = await port.match_prefix(p)
+        assert len(got.hashes) == 2 and got.cached_tokens == 8
+        assert (await port.match_prefix(synthetic)).cached_tokens == 0
+    finally:
+        port.shutdown()
