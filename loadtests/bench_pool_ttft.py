@@ -6,8 +6,9 @@
 One `strata up`-shaped cluster (the machine's default shape: colocated below 8 cores) with a
 kvstore and MinIO. Each round and prompt length, alternating the order of the three cases:
 - ``recompute``: a prompt no tier holds (a pool lookup misses, the decode instance computes it);
-- ``dram``: a prompt served once (its blocks written through to the kvstore), then the decode
-  instance restarted (engine memory empty, kvstore DRAM intact);
+- ``dram``: a prompt served once, then the decode instance restarted (its graceful stop hands
+  the blocks to the kvstore, or they were written through already with
+  ``STRATA_KV_POOL_SAVE=all``; engine memory empty, kvstore DRAM intact);
 - ``minio``: the same after the kvstore is restarted too (its DRAM empty, MinIO holds the blocks).
 Each TTFT is a streamed completion's first token at max_tokens=1, measured at the client, with
 the decode instance's pool counters (loads decided, bytes received) beside it. The default
@@ -97,7 +98,7 @@ def main() -> None:
                     cases = ["dram", "minio", "recompute"]  # alternate recompute's slot
                 warm = prompt_ids(seed, n)
                 seed += 1
-                ttft(c, model, warm)  # computed once, written through
+                ttft(c, model, warm)  # computed once: pooled by the decode restart's stop flush
                 time.sleep(1.0)
                 wait_persisted(c)
                 for case in cases:
