@@ -33,7 +33,11 @@ def test_every_settable_engine_field_is_a_setting_with_its_default_and_doc():
 
 
 def test_defaults_build_the_default_engine_config():
-    assert load().engine_config() == EngineConfig()
+    """Every setting's default is the engine's, but the step budget, which follows the device."""
+    assert load().engine_config() == EngineConfig(max_num_batched_tokens=512)
+    assert load(device="cuda").engine_config().max_num_batched_tokens == 2048
+    assert load(max_num_seqs=1000).engine_config().max_num_batched_tokens == 1000
+    assert load(max_num_batched_tokens=4096).engine_config().max_num_batched_tokens == 4096
 
 
 def test_new_settings_from_env_and_flags(monkeypatch):
