@@ -238,11 +238,15 @@ class BlockManager:
         out, self._evicted = self._evicted, []
         return out
 
-    def drain_computed(self) -> list[tuple[bytes, int]]:
-        """Blocks recorded for the pool since the last call (see the save policies): (hash,
-        block id), now marked as pooled (the caller copies them out). A block evicted meanwhile
-        no longer holds that hash (its copy left through `drain_evicted`)."""
-        out, self._computed = self._computed, []
+    def drain_computed(self, limit: int = 0) -> list[tuple[bytes, int]]:
+        """Blocks recorded for the pool since the last call (see the save policies), the
+        oldest ``limit`` of them when set: (hash, block id), now marked as pooled (the caller
+        copies them out). A block evicted meanwhile no longer holds that hash (its copy left
+        through `drain_evicted`)."""
+        if limit and len(self._computed) > limit:
+            out, self._computed = self._computed[:limit], self._computed[limit:]
+        else:
+            out, self._computed = self._computed, []
         for h, b in out:
             if self.block_hash[b] == h:
                 self.pool_state[b] = POOLED

@@ -195,10 +195,12 @@ class DrainEvicted(Query):
 
 @dataclass
 class DrainComputed(Query):
-    """Blocks recorded for the pool since the last drain (``pool_save``)."""
+    """Blocks recorded for the pool since the last drain (``pool_save``), at most ``limit``."""
+
+    limit: int = 0
 
     def run(self, e: LLMEngine) -> list[EvictedBlock]:
-        return e.kv.drain_computed()
+        return e.kv.drain_computed(self.limit)
 
 
 @dataclass

@@ -164,11 +164,11 @@ class EngineKV:
         out, self.evicted = self.evicted, []
         return out
 
-    def drain_computed(self) -> list[EvictedBlock]:
+    def drain_computed(self, limit: int = 0) -> list[EvictedBlock]:
         """Copies of the blocks recorded for the pool since the last call (computed here, by
         ``EngineConfig.pool_save``) that still hold their data; one evicted meanwhile
         went out through `drain_evicted` instead (its bytes were copied before reuse)."""
-        got = [(h, b) for h, b in self.bm.drain_computed() if self.bm.block_hash[b] == h]
+        got = [(h, b) for h, b in self.bm.drain_computed(limit) if self.bm.block_hash[b] == h]
         if not got:
             return []
         data = self.runner.read_blocks([b for _, b in got]).cpu()

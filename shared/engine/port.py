@@ -198,9 +198,10 @@ class EnginePort:
         """Cached blocks evicted since the last call (``collect_evicted_kv``)."""
         return await self._ask(cmd.DrainEvicted())
 
-    async def drain_computed(self) -> list[EvictedBlock]:
-        """Copies of the blocks recorded for the pool since the last call (``pool_save``)."""
-        return await self._ask(cmd.DrainComputed())
+    async def drain_computed(self, limit: int = 0) -> list[EvictedBlock]:
+        """Copies of the blocks recorded for the pool since the last call (``pool_save``), the
+        oldest ``limit`` when set (the rest stay recorded for the next call)."""
+        return await self._ask(cmd.DrainComputed(limit))
 
     async def offer_all(self) -> int:
         """Record every cached block the pool has not been given, for the next

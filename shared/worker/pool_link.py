@@ -57,6 +57,11 @@ for _s in ("prefill", "computed", "evicted", "shutdown"):
     POOL_STORED_BLOCKS.labels(_s)
 
 
+FLUSH_BATCH = 256
+"""Blocks a stop's flush copies out of the engine per round (a whole engine cache copied at once
+would double its memory at exit)."""
+
+
 class PrefixLoad(NamedTuple):
     """What `PoolLink.load_prefix` found and did for one prompt."""
 
@@ -187,30 +192,42 @@ class PoolLink:
         POOL_STORED_BLOCKS.labels(source).inc(len(stored))
         return sum(payload_nbytes(t, self.int8) for h, t in blocks if h in stored)
 
-    async def offer(self, label: str = "computed") -> int:
-        """Blocks the engine's save policy recorded since the last call (``pool_save``) and
-        blocks evicted before their copy left go to the pool, less those it already holds
-        (stored by another instance meanwhile). Returns the payload bytes the pool accepted."""
-        sent = 0
+    async def offer(self, label: str = "computed", limit: int = 0) -> int:
+        """Blocks the engine's save policy recorded since the last call (``pool_save``; the
+        oldest ``limit`` when set) and blocks evicted before their copy left go to the pool,
+        less those it already holds (stored by another instance meanwhile). Returns the payload
+        bytes the pool accepted."""
+        return (await self._offer(label, limit))[1]
+
+    async def _offer(self, label: str, limit: int) -> tuple[int, int]:
+        """(recorded blocks drained, payload bytes the pool accepted)."""
+        sent = drained = 0
         for source, blocks in (
-            (label, await self.port.drain_computed()),
+            (label, await self.port.drain_computed(limit)),
             ("evicted", await self.port.drain_evicted()),
         ):
+            drained += len(blocks) if source == label else 0
             if not blocks:
                 continue
             tiers = await self.pool.lookup([b.hash for b in blocks], self.fingerprint)
             new = [(b.hash, b.kv) for b, t in zip(blocks, tiers, strict=True) if t is None]
             sent += await self.store_blocks(new, source)
-        return sent
+        return drained, sent
 
     async def flush(self, timeout: float) -> int:
         """A graceful stop: hand the pool every cached block it has not been given (what the
-        "reused" policy held back), within ``timeout`` seconds; returns the payload bytes it
-        accepted (0 if the time ran out: a cache loses nothing it needs)."""
-        if not await self.port.offer_all():
-            return await self.offer()
+        "reused" policy held back), `FLUSH_BATCH` blocks at a time, within ``timeout`` seconds;
+        returns the payload bytes it accepted (what is left when the time runs out is lost: a
+        cache loses nothing it needs)."""
+        await self.port.offer_all()
+        sent = 0
         try:
-            return await asyncio.wait_for(self.offer("shutdown"), timeout)
+            async with asyncio.timeout(timeout):
+                while True:  # FLUSH_BATCH blocks at a time: never a copy of the whole cache
+                    drained, got = await self._offer("shutdown", FLUSH_BATCH)
+                    sent += got
+                    if drained < FLUSH_BATCH:
+                        return sent
         except TimeoutError:
             log.warning("pool flush at stop took over %.0f s: the rest is not saved", timeout)
-            return 0
+            return sent

@@ -119,11 +119,25 @@ async def test_default_cpu_policy_pools_a_recurring_prefix_not_a_one_off_prompt(
 
 
 async def test_graceful_stop_hands_the_pool_what_engine_memory_holds(
-    nats_url, nc, model_dir, kvstore
+    nats_url, nc, model_dir, kvstore, monkeypatch
 ):
     """``reused`` holds a one-off prompt's blocks back while serving; stopping the instance
-    gracefully offers them (source ``shutdown``), so a restart finds them. With the flush off
-    (``kv_pool_flush_s=0``) they are lost with the process."""
+    gracefully offers them (source ``shutdown``), a few blocks per copy out of the engine, so a
+    restart finds them. With the flush off (``kv_pool_flush_s=0``) they are lost with the
+    process."""
+    from shared.engine.port import EnginePort
+    from shared.worker import pool_link
+
+    monkeypatch.setattr(pool_link, "FLUSH_BATCH", 4)
+    copied: list[int] = []
+    drain = EnginePort.drain_computed
+
+    async def counted(self, limit: int = 0):
+        got = await drain(self, limit)
+        copied.append(len(got)) if got else None
+        return got
+
+    monkeypatch.setattr(EnginePort, "drain_computed", counted)
     _, addr = kvstore
     for flush, seed in ((5.0, 93), (0.0, 94)):
         prompt = tokens(seed, 96)  # 6 full blocks
@@ -137,6 +151,8 @@ async def test_graceful_stop_hands_the_pool_what_engine_memory_holds(
         got = [t is not None for t in await link.pool.lookup(hashes, link.fingerprint)]
         assert got == [flush > 0] * 6, flush
         assert stored("shutdown") - before == (6 if flush else 0)
+        if flush:
+            assert sum(copied) == 6 and max(copied) == 4, copied  # in batches, all of them
 
 
 async def test_prefix_written_through_by_a_is_loaded_by_b(two_decodes, nc):
