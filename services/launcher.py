@@ -303,7 +303,7 @@ class Cluster:
         KV it lacks (``kv_pool_flush_s``), which a kvstore writes behind to MinIO as it stops."""
         if self.watchdog is not None:
             self.watchdog.stop()
-        models = [n for n in self.sup.procs if n.rsplit("-", 1)[0] in ("prefill", "decode")]
+        models = self.names("prefill") + self.names("decode")
         if models:
             self.sup.stop(models, self.cfg.stop_timeout)
         self.sup.stop_all(self.cfg.stop_timeout)

@@ -22,7 +22,7 @@ with ``"off"`` every evicted block is.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -72,7 +72,7 @@ class BlockManager:
         self.ghost_capacity = min(4 * num_blocks, GHOST_MAX)
         self.recorded = dict.fromkeys(RECORD_REASONS, 0)  # blocks recorded, by reason
         self._evicted: list[tuple[bytes, int]] = []
-        self._computed: list[tuple[bytes, int]] = []
+        self._computed: deque[tuple[bytes, int]] = deque()
         self._events: list[CacheEvent] = []
 
     # ----- queries -------------------------------------------------------------------------
@@ -239,17 +239,16 @@ class BlockManager:
         return out
 
     def drain_computed(self, limit: int = 0) -> list[tuple[bytes, int]]:
-        """Blocks recorded for the pool since the last call (see the save policies), the
-        oldest ``limit`` of them when set: (hash, block id), now marked as pooled (the caller
-        copies them out). A block evicted meanwhile no longer holds that hash (its copy left
-        through `drain_evicted`)."""
-        if limit and len(self._computed) > limit:
-            out, self._computed = self._computed[:limit], self._computed[limit:]
-        else:
-            out, self._computed = self._computed, []
-        for h, b in out:
+        """Blocks recorded for the pool since the last call (see the save policies) that still
+        hold their hash, the oldest ``limit`` of them when set (fewer means none is left):
+        (hash, block id), now marked as pooled (the caller copies them out). One evicted
+        meanwhile is skipped: its copy left through `drain_evicted`."""
+        out: list[tuple[bytes, int]] = []
+        while self._computed and (not limit or len(out) < limit):
+            h, b = self._computed.popleft()
             if self.block_hash[b] == h:
                 self.pool_state[b] = POOLED
+                out.append((h, b))
         return out
 
     def drain_events(self) -> list[CacheEvent]:

@@ -168,7 +168,7 @@ class EngineKV:
         """Copies of the blocks recorded for the pool since the last call (computed here, by
         ``EngineConfig.pool_save``) that still hold their data; one evicted meanwhile
         went out through `drain_evicted` instead (its bytes were copied before reuse)."""
-        got = [(h, b) for h, b in self.bm.drain_computed(limit) if self.bm.block_hash[b] == h]
+        got = self.bm.drain_computed(limit)
         if not got:
             return []
         data = self.runner.read_blocks([b for _, b in got]).cpu()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shared.engine.block_manager import SAVE_POLICIES
+
 
 class EngineConfigError(ValueError):
     """A bad `EngineConfig` value: ``setting`` names the field, ``why`` says what is wrong."""
@@ -82,8 +84,8 @@ class EngineConfig:
             bad("max_num_batched_tokens", "must be >= 1")
         if self.max_num_batched_tokens < self.max_num_seqs:
             bad("max_num_batched_tokens", "must be >= max_num_seqs")
-        if self.pool_save not in ("off", "reused", "all"):
-            bad("pool_save", 'must be "off", "reused" or "all"')
+        if self.pool_save not in SAVE_POLICIES:
+            bad("pool_save", f"must be one of {', '.join(SAVE_POLICIES)}")
         if self.preemption_mode not in ("recompute", "swap"):
             bad("preemption_mode", 'must be "recompute" or "swap"')
         if self.fair_step_tokens < 0:

@@ -192,15 +192,15 @@ class PoolLink:
         POOL_STORED_BLOCKS.labels(source).inc(len(stored))
         return sum(payload_nbytes(t, self.int8) for h, t in blocks if h in stored)
 
-    async def offer(self, label: str = "computed", limit: int = 0) -> int:
-        """Blocks the engine's save policy recorded since the last call (``pool_save``; the
-        oldest ``limit`` when set) and blocks evicted before their copy left go to the pool,
-        less those it already holds (stored by another instance meanwhile). Returns the payload
-        bytes the pool accepted."""
-        return (await self._offer(label, limit))[1]
+    async def offer(self) -> int:
+        """Blocks the engine's save policy recorded since the last call (``pool_save``) and
+        blocks evicted before their copy left go to the pool, less those it already holds
+        (stored by another instance meanwhile). Returns the payload bytes the pool accepted."""
+        return (await self._offer("computed", 0))[1]
 
     async def _offer(self, label: str, limit: int) -> tuple[int, int]:
-        """(recorded blocks drained, payload bytes the pool accepted)."""
+        """`offer` with the recorded blocks counted under ``label``, the oldest ``limit`` of
+        them when set: (recorded blocks drained, payload bytes the pool accepted)."""
         sent = drained = 0
         for source, blocks in (
             (label, await self.port.drain_computed(limit)),
