@@ -30,8 +30,22 @@ from shared.engine.port_types import KVConnector
 from shared.engine.sampler import Sampler, SampleRow
 from shared.engine.scheduler import FairShare, Scheduler, SchedulerOutput
 from shared.engine.sequence import MMInput, Sequence, SequenceStatus
-from shared.engine.spec_decode import NgramProposer, Proposer, eligible, verify_greedy
-from shared.engine.structured import Constraint, GrammarCache, allocate_bitmask, tokenizer_info
+from shared.engine.spec_decode import (
+    DraftModelProposer,
+    NgramProposer,
+    Proposer,
+    check_draft_model,
+    eligible,
+    propose_all,
+    verify_greedy,
+)
+from shared.engine.structured import (
+    Constraint,
+    GrammarCache,
+    allocate_bitmask,
+    apply_bitmask,
+    tokenizer_info,
+)
 from shared.protocol.dtypes import dtype_name
 from shared.protocol.hashing import model_salt
 from shared.protocol.sampling import SamplingParams
@@ -55,6 +69,11 @@ class LLMEngine:
             quantize_model_(model)
         kv_dtype = dtype_of(config.dtype, model.dtype)
         per_block = ModelRunner.bytes_per_block(model, config.block_size, kv_dtype)
+        draft = None
+        if config.speculative_model and config.num_speculative_tokens > 0 and proposer is None:
+            draft = _load_draft(config, loaded_model)
+            # the draft's cache holds as many blocks as the target's, inside the same budget
+            per_block += ModelRunner.bytes_per_block(draft.model, config.block_size, kv_dtype)
         num_blocks = config.kv_cache_bytes // per_block
         if num_blocks < 1:
             raise ValueError(
@@ -62,6 +81,13 @@ class LLMEngine:
                 f"({per_block} B each)"
             )
         self.runner = ModelRunner(model, num_blocks, config.block_size, kv_dtype)
+        if draft is not None:
+            proposer = DraftModelProposer(
+                ModelRunner(draft.model, num_blocks, config.block_size, kv_dtype),
+                config.num_speculative_tokens,
+                loaded_model.config.vocab_size,
+                config.max_num_batched_tokens,
+            )
         self.runner.announce(config.quantization)  # tensor parallel: the followers' runners
         self.salt = model_salt(loaded_model.fingerprint, dtype_name(kv_dtype), config.block_size)
         self.eos_token_ids = list(loaded_model.config.eos_token_ids or [])
@@ -361,7 +387,7 @@ class LLMEngine:
         """Tokens per scheduled sequence (sampled, or accepted drafts + bonus) and logprobs."""
         rows: list[SampleRow] = []
         where: list[int] = []
-        verify: dict[int, list[int]] = {}
+        verify: dict[int, torch.Tensor] = {}  # logits rows of each sequence with drafts
         constrained: list[tuple[int, Sequence]] = []  # (row, seq) of structured requests
         r = 0
         for i, (sch, k) in enumerate(zip(sched.scheduled, logit_rows, strict=True)):
@@ -372,7 +398,7 @@ class LLMEngine:
                 rows.append(SampleRow(s.params, s.token_ids, s.num_prompt_tokens))
                 where.append(r)
             elif k > 1:
-                verify[i] = logits[r : r + k].argmax(dim=-1).tolist()
+                verify[i] = logits[r : r + k]
             r += k
         bitmask = self._fill_bitmask(constrained)
         res = (
@@ -391,9 +417,8 @@ class LLMEngine:
                 lps.append(None if res.logprobs[j] is None else [res.logprobs[j]])
                 j += 1
             elif k > 1:
-                drafts = sch.seq.draft_token_ids[: sch.num_draft_tokens]
-                toks = verify_greedy(drafts, verify[i])
-                self._spec[0] += len(drafts)
+                toks = self._verify(sch.seq, sch.num_draft_tokens, verify[i])
+                self._spec[0] += sch.num_draft_tokens
                 self._spec[1] += len(toks) - 1
                 sampled.append(toks)
                 lps.append(None)
@@ -401,6 +426,26 @@ class LLMEngine:
                 sampled.append([])
                 lps.append(None)
         return sampled, lps
+
+    def _verify(self, s: Sequence, num_drafts: int, logits: torch.Tensor) -> list[int]:
+        """The tokens a step with drafts emits for ``s`` (``logits``: its ``num_drafts + 1``
+        rows): the greedy prefix rule or rejection sampling, under the grammar's bitmask at
+        each position for a structured request (spec_decode's module docstring)."""
+        drafts = s.draft_token_ids[:num_drafts]
+        if s.constraint is not None:
+            logits = logits.float().clone()
+            masks = s.constraint.draft_bitmasks(drafts, self.grammars.vocab_size)
+            apply_bitmask(logits, masks, list(range(len(drafts) + 1)))
+        if s.params.greedy:
+            toks = verify_greedy(drafts, logits.argmax(dim=-1).tolist())
+        else:
+            toks = self.sampler.verify(
+                logits, drafts, SampleRow(s.params, s.token_ids, s.num_prompt_tokens)
+            )
+        if s.constraint is not None:
+            for t in toks:
+                s.constraint.accept(t)
+        return toks
 
     def _fill_bitmask(self, constrained: list[tuple[int, Sequence]]):
         """The next-token bitmask of each structured row (its matcher built on first use by
@@ -426,12 +471,27 @@ class LLMEngine:
                 self.scheduler.finish(seq, "stop")
         lp_of = {id(s.seq): lp for s, lp in zip(sched.scheduled, lps, strict=True)}
         if self.proposer is not None:
-            for seq in self.scheduler.running:
-                if seq.num_computed_tokens == seq.num_tokens - 1 and eligible(seq):
-                    seq.draft_token_ids = self.proposer.propose(seq)[
-                        : self.config.num_speculative_tokens
-                    ]
+            self._propose()
         return [(seq, before[id(seq)], lp_of[id(seq)]) for seq in touched]
+
+    def _propose(self) -> None:
+        """Drafts for every running sequence that decodes next step and may speculate; a
+        structured request's drafts are cut where its grammar refuses one (and it gets none
+        before its grammar state exists, at its first sampled token)."""
+        seqs = [
+            s
+            for s in self.scheduler.running
+            if s.num_computed_tokens == s.num_tokens - 1
+            and eligible(s)
+            and (s.params.structured is None or s.constraint is not None)
+        ]
+        # called with none too: a draft model frees finished sequences' blocks here
+        k = self.config.num_speculative_tokens
+        for seq, drafts in zip(seqs, propose_all(self.proposer, seqs), strict=True):
+            drafts = drafts[:k]
+            if seq.constraint is not None and drafts:
+                drafts = drafts[: seq.constraint.valid_prefix(drafts)]
+            seq.draft_token_ids = drafts
 
     def _emit(self, seq: Sequence, before: int, lps) -> RequestOutput:
         new = seq.token_ids[before:]
@@ -543,6 +603,7 @@ class LLMEngine:
             last_step_s=self._t["last_step"],
             spec_draft_tokens=self._spec[0],
             spec_accepted_tokens=self._spec[1],
+            spec_draft_forwards=getattr(getattr(self.proposer, "stats", None), "forwards", 0),
             pool_recorded=dict(self.bm.recorded),
         )
 
@@ -561,3 +622,17 @@ def _keep_prompt_logprobs(sched: SchedulerOutput, batch) -> None:
             for t, v in zip(ids[j], lp[j], strict=True):
                 d.setdefault(t, v)
             seq.prompt_lps[first + j] = (d, ranks[j])
+
+
+def _load_draft(config: EngineConfig, target):
+    """The draft model of ``config.speculative_model`` (in the target's dtype, on its device),
+    checked to share the target's vocabulary."""
+    from shared.model.errors import CheckpointError
+    from shared.model.loader import load_model
+
+    try:
+        draft = load_model(config.speculative_model, dtype=target.model.dtype, device=config.device)
+    except (CheckpointError, OSError) as exc:  # one line at start, naming the setting
+        raise CheckpointError(f"speculative_model {config.speculative_model}: {exc}") from None
+    check_draft_model(target.config, draft.config, config.speculative_model)
+    return draft

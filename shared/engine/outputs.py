@@ -57,6 +57,7 @@ class EngineStats:
     ahead_steps: int = 0  # steps scheduled and prepared while the previous forward ran
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    spec_draft_forwards: int = 0  # forwards of the draft model (draft-model speculation)
     share_preemptions: int = 0  # preempted so a tenant under its share got a batch slot
     contended_steps: int = 0  # steps whose token budget the tenant-contention cap lowered
     # blocks recorded for the KV pool by the save policy, by reason (block_manager.RECORD_REASONS)

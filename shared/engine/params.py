@@ -34,7 +34,12 @@ class EngineConfig:
     preemption_mode: str = "recompute"
     """When KV runs out: "recompute" (drop and re-prefill) or "swap" (copy blocks out and back)."""
     num_speculative_tokens: int = 0
-    """n-gram (prompt-lookup) draft tokens per greedy decode step; 0 disables speculation."""
+    """Draft tokens per decode step (n-gram prompt lookup, or ``speculative_model``'s); 0
+    disables speculation."""
+    speculative_model: str | None = None
+    """Checkpoint directory of a small draft model with the target's vocabulary: it proposes
+    the drafts (run greedily, its own KV cache inside ``kv_cache_bytes``) instead of n-gram
+    lookup. None: n-gram."""
     ngram_min: int = 1
     """Shortest suffix n-gram the proposer tries to match."""
     ngram_max: int = 4
@@ -96,6 +101,8 @@ class EngineConfig:
             bad("eplb_interval_steps", "must be >= 0")
         if self.num_speculative_tokens < 0:
             bad("num_speculative_tokens", "must be >= 0")
+        if self.speculative_model and self.num_speculative_tokens < 1:
+            bad("speculative_model", "needs num_speculative_tokens >= 1")
         if not 1 <= self.ngram_min <= self.ngram_max:
             bad("ngram_min", "need 1 <= ngram_min <= ngram_max")
         if self.quantization not in (None, "int8"):

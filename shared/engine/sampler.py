@@ -26,6 +26,34 @@ def mix_seed(seed: int, position: int) -> int:
     return (z ^ (z >> 31)) & ((1 << 63) - 1)
 
 
+_ACCEPT_SALT = 0x5EC0_DEC0DE  # separates the acceptance draw from the token draw
+
+
+def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Softmax of ``logits`` (one row or a batch of rows of one request) at ``p.temperature``,
+    with top-k, top-p and min-p applied (dropped tokens get 0, the rest is not renormalised:
+    `draw` does not need it)."""
+    logits = logits / p.temperature
+    if p.top_k > 0 and p.top_k < logits.shape[-1]:
+        kth = logits.topk(p.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if p.top_p < 1.0:
+        sp, si = probs.sort(dim=-1, descending=True)
+        drop = sp.cumsum(-1) - sp > p.top_p  # keep the smallest prefix reaching top_p
+        probs = probs.scatter(-1, si, sp.masked_fill(drop, 0.0))
+    if p.min_p > 0.0:
+        probs = probs.masked_fill(probs < p.min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+    return probs.cpu()
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from the (unnormalised) distribution ``probs``: the argmax of
+    ``probs / Exp(1)`` noise, which picks token i with probability ``probs[i] / sum``."""
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return int((probs / noise).argmax())
+
+
 @dataclass
 class SampleRow:
     """What the sampler needs to know about one row of logits."""
@@ -177,24 +205,44 @@ class Sampler:
                 logits[banned] = float("-inf")
         if p.greedy:
             return int(logits.argmax())
-        logits = logits / p.temperature
-        if p.top_k > 0 and p.top_k < logits.numel():
-            kth = logits.topk(p.top_k).values[-1]
-            logits[logits < kth] = float("-inf")
-        probs = torch.softmax(logits, dim=-1)
-        if p.top_p < 1.0:
-            sp, si = probs.sort(descending=True)
-            drop = sp.cumsum(-1) - sp > p.top_p  # keep the smallest prefix reaching top_p
-            probs[si[drop]] = 0.0
-        if p.min_p > 0.0:
-            probs[probs < p.min_p * probs.max()] = 0.0
-        probs = probs.cpu()
-        if p.seed is not None:
-            g = torch.Generator().manual_seed(mix_seed(p.seed, r.position))
-        else:
-            g = self.generator
-        noise = torch.empty_like(probs).exponential_(generator=g)
-        return int((probs / noise).argmax())
+        probs = filtered_probs(logits, p)
+        return draw(probs, self._generator(p, r.position))
+
+    def _generator(self, p: SamplingParams, position: int, salt: int = 0) -> torch.Generator | None:
+        """The generator of the draw at ``position``: keyed by (seed, position) for a seeded
+        request (``salt`` separates a second draw at the same position), the engine's own
+        otherwise."""
+        if p.seed is None:
+            return self.generator
+        return torch.Generator().manual_seed(mix_seed(p.seed ^ salt, position))
+
+    def verify(self, logits: torch.Tensor, drafts: Sequence[int], r: SampleRow) -> list[int]:
+        """Rejection sampling of a sampled request's drafts (spec_decode's module docstring):
+        ``logits`` holds ``len(drafts) + 1`` rows (after any grammar mask), row ``j`` the
+        target's logits after draft ``j - 1``. Draft ``d`` at row ``j`` is kept with probability
+        ``p_j(d)``; the first one refused is replaced by a draw from ``p_j`` without ``d``;
+        when every draft is kept, one more token is drawn from the last row. Returns the
+        emitted tokens. Each is distributed as the plain sampler's token at its position."""
+        p = r.params
+        probs = filtered_probs(logits.float(), p)
+        out: list[int] = []
+        pos = r.position
+        for j, d in enumerate(drafts):
+            u = torch.rand(1, generator=self._generator(p, pos + j, _ACCEPT_SALT)).item()
+            pd = float(probs[j, d]) if 0 <= d < probs.shape[-1] else 0.0
+            if u < pd:
+                out.append(int(d))
+                continue
+            rest = probs[j].clone()
+            if 0 <= d < rest.shape[-1]:
+                rest[d] = 0.0
+            if float(rest.sum()) <= 0.0:  # p was all on d (u == p(d) == 1.0 cannot happen)
+                out.append(int(d))
+                continue
+            out.append(draw(rest, self._generator(p, pos + j)))
+            return out
+        out.append(draw(probs[len(drafts)], self._generator(p, pos + len(drafts))))
+        return out
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, r: SampleRow) -> None:

@@ -219,6 +219,35 @@ class Constraint:
         self.rejected += not ok
         return ok
 
+    def valid_prefix(self, drafts: Sequence[int]) -> int:
+        """How many leading ``drafts`` the grammar accepts from its current state, stopping
+        before a draft that would end it (the stop token is left to the target's own row, so
+        every verify row has a next-token mask). The state is left unchanged."""
+        accepted = n = 0
+        for t in drafts:
+            if not self.matcher.accept_token(int(t)):
+                break
+            accepted += 1
+            if self.matcher.is_terminated():
+                break
+            n += 1
+        if accepted:
+            self.matcher.rollback(accepted)
+        return n
+
+    def draft_bitmasks(self, drafts: Sequence[int], vocab_size: int) -> torch.Tensor:
+        """``len(drafts) + 1`` bitmask rows: row j allows what may follow ``drafts[:j]`` (all
+        of which the grammar must accept: `valid_prefix`). The state is left unchanged."""
+        masks = allocate_bitmask(len(drafts) + 1, vocab_size)
+        self.matcher.fill_next_token_bitmask(masks, 0)
+        for j, t in enumerate(drafts, 1):
+            if not self.matcher.accept_token(int(t)):
+                raise ValueError(f"draft token {t} is outside the grammar")
+            self.matcher.fill_next_token_bitmask(masks, j)
+        if drafts:
+            self.matcher.rollback(len(drafts))
+        return masks
+
     @property
     def terminated(self) -> bool:
         """The grammar is complete and its stop token was accepted."""

@@ -38,6 +38,14 @@ STEP_SECONDS = Histogram(
     _L,
     buckets=(0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5, 10),
 )
+SPEC_DRAFTS = Counter(
+    "strata:spec_decode_num_draft_tokens", "Draft tokens proposed (speculative decoding)", _L
+)
+SPEC_ACCEPTED = Counter(
+    "strata:spec_decode_num_accepted_tokens",
+    "Draft tokens the target model accepted (speculative decoding)",
+    _L,
+)
 POOL_RECORDED = Counter(
     "strata_kv_pool_recorded_blocks",
     "Blocks the engine's save policy (kv_pool_save) recorded for the KV pool, by reason: "
@@ -62,7 +70,7 @@ class EngineMetrics:
 
     def __init__(self, role: str, instance: str):
         self.labels = (role, instance)
-        self._last = {"q": 0, "h": 0, "p": 0, "s": 0, "f": 0, "c": 0}
+        self._last = {"q": 0, "h": 0, "p": 0, "s": 0, "f": 0, "c": 0, "d": 0, "a": 0}
 
     def update(self, s) -> None:
         lab = self.labels
@@ -77,6 +85,8 @@ class EngineMetrics:
             ("s", STEPS, s.steps),
             ("f", SHARE_PREEMPTIONS, s.share_preemptions),
             ("c", CONTENDED_STEPS, s.contended_steps),
+            ("d", SPEC_DRAFTS, s.spec_draft_tokens),
+            ("a", SPEC_ACCEPTED, s.spec_accepted_tokens),
         ):
             delta = value - self._last[key]
             if delta > 0:

@@ -196,17 +196,86 @@ def test_prefix_cache_hit_gives_the_same_structured_output(loaded, tok):
     assert first["a"] == second["b"]
 
 
-def test_speculation_is_off_for_constrained_requests(loaded, tok):
+class _Script:
+    """Proposes the reference continuation of each request (``refs[request_id]``), with the
+    draft at index ``bad_at`` replaced by ``bad`` (a token the grammar refuses there)."""
+
+    def __init__(self, refs: dict[str, list[int]], k: int, bad_at: int | None = None, bad=0):
+        self.refs, self.k, self.bad_at, self.bad = refs, k, bad_at, bad
+
+    def propose(self, seq) -> list[int]:
+        ref = self.refs[seq.request_id]
+        done = seq.num_output_tokens
+        d = list(ref[done : done + self.k])
+        if self.bad_at is not None and self.bad_at < len(d):
+            d[self.bad_at] = self.bad
+        return d
+
+
+def test_constrained_greedy_requests_speculate_within_the_grammar(loaded, tok):
+    """Drafts are cut at the first token the grammar refuses and verified under the grammar's
+    mask at each position: the output equals the plain run's, and only the valid prefix of
+    each proposal counts as drafted."""
+    p = _prompt(tok)
+    greedy = _sp(None, temperature=0.0)
+    ref, _ = _run(_engine(loaded, tok), {"r": (p, greedy)})
+    # a token the grammar never allows after '{"': a second '{'
+    brace = tok.encode("{")[-1]
+    for bad_at, per_step in ((None, 3), (1, 1)):
+        e = LLMEngine(
+            loaded,
+            EngineConfig(**CFG, num_speculative_tokens=3),
+            tokenizer=tok,
+            proposer=_Script(ref, 3, bad_at, brace),
+        )
+        toks, reasons = _run(e, {"r": (p, greedy)})
+        assert toks["r"] == ref["r"] and reasons["r"] == "stop"
+        jsonschema.validate(json.loads(tok.decode(toks["r"])), SCHEMA)
+        st = e.stats()
+        assert st.spec_draft_tokens > 0 and st.spec_accepted_tokens == st.spec_draft_tokens
+        # each verify step emits its drafts + 1: with the cut, at most 2 tokens per step
+        assert st.spec_draft_tokens <= per_step * (len(ref["r"]) - 1)
+        if bad_at == 1:
+            assert st.spec_draft_tokens <= (len(ref["r"]) - 1) // 2 + 1
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 4])
+def test_constrained_sampled_requests_speculate_and_stay_in_the_grammar(loaded, tok, seed):
+    """Sampled structured requests with drafts (rejection sampling under the grammar's mask):
+    every output is valid, the drafts were verified (some accepted, some refused), and the
+    matcher never refused a token."""
+    p = _prompt(tok)
+    ref, _ = _run(_engine(loaded, tok), {"r": (p, _sp(None, temperature=0.0))})
+    e = LLMEngine(
+        loaded,
+        EngineConfig(**CFG, num_speculative_tokens=3),
+        tokenizer=tok,
+        proposer=_Script(ref, 3),
+    )
+    e.add_request("r", p, _sp(seed, temperature=1.0))
+    seq = e.seqs["r"]
+    with torch.inference_mode():
+        while e.has_unfinished_requests():
+            e.step()
+    st = e.stats()
+    assert st.spec_draft_tokens > 0
+    assert seq.constraint.rejected == 0
+    out = seq.token_ids[seq.num_prompt_tokens :]
+    if seq.finish_reason == "stop":
+        jsonschema.validate(json.loads(tok.decode(out)), SCHEMA)
+
+
+def test_speculation_on_free_requests_beside_constrained_ones(loaded, tok):
     e = _engine(loaded, tok, num_speculative_tokens=3)
     p = _prompt(tok)
     greedy = _sp(None, temperature=0.0)
-    toks, reasons = _run(e, {"r": (p, greedy)})
-    assert e.stats().spec_draft_tokens == 0
+    toks, _ = _run(
+        e, {"r": (p, greedy), "f": (p * 3, SamplingParams(max_tokens=24, temperature=0.0))}
+    )
     jsonschema.validate(json.loads(tok.decode(toks["r"])), SCHEMA)
     ref, _ = _run(_engine(loaded, tok), {"r": (p, greedy)})
     assert toks["r"] == ref["r"]
-    free, _ = _run(e, {"f": (p * 3, SamplingParams(max_tokens=24, temperature=0.0))})
-    assert e.stats().spec_draft_tokens > 0  # the same engine drafts for a free request
+    assert e.stats().spec_draft_tokens > 0  # n-gram drafts for the free request at least
 
 
 def test_logit_bias_steers_greedy(loaded, tok):
