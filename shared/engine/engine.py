@@ -1,13 +1,15 @@
-"""``LLMEngine``: the synchronous step loop shared by the prefill and decode services.
+"""``LLMEngine``: the step loop shared by the prefill and decode services.
 
-One ``step()`` = schedule -> move KV that must move (swap out/in, evicted cached blocks) ->
-prepare inputs -> forward -> sample (or verify drafts) -> postprocess -> detokenize. With
-``EngineConfig.async_scheduling`` the forward runs on a forward thread and the next decode step
-is scheduled and prepared while it runs (see ``step``). KV that moves in and out of the cache
-(swap, eviction to the pool, disaggregated prefill) is :class:`~shared.engine.kv_io.EngineKV`
-(``self.kv``); a :class:`~shared.engine.port_types.KVConnector` (``self.connector``) is handed
-each layer's new K/V. Services reach the engine only through
-:class:`~shared.engine.port.EnginePort`.
+One ``step()`` = ``_schedule`` (EPLB between steps, the scheduler's pick, KV that must move:
+swap out/in, evicted cached blocks) -> ``_run`` (prepared inputs -> forward -> sample or verify
+drafts) -> ``_postprocess`` (``_advance``: the scheduler takes the tokens, drafts are proposed;
+``_outputs``: detokenize, build outputs). With ``EngineConfig.async_scheduling`` the same parts
+run overlapped by :class:`~shared.engine.overlap.OverlapStepper` (``self.overlap``): the forward
+on a forward thread, the next decode step scheduled and prepared while it runs. KV that moves in
+and out of the cache (swap, eviction to the pool, disaggregated prefill) is
+:class:`~shared.engine.kv_io.EngineKV` (``self.kv``); a
+:class:`~shared.engine.port_types.KVConnector` (``self.connector``) is handed each layer's new
+K/V. Services reach the engine only through :class:`~shared.engine.port.EnginePort`.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Sequence as Seq
-from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -23,8 +26,9 @@ from shared.engine.block_manager import BlockManager
 from shared.engine.detok import TextTracker
 from shared.engine.fair_queue import FairQueue, Tenant
 from shared.engine.kv_io import EngineKV
-from shared.engine.model_runner import ModelRunner, dtype_of
+from shared.engine.model_runner import ModelRunner, PreparedBatch, dtype_of
 from shared.engine.outputs import EngineStats, RequestOutput
+from shared.engine.overlap import OverlapStepper
 from shared.engine.params import EngineConfig
 from shared.engine.port_types import KVConnector
 from shared.engine.sampler import Sampler, SampleRow
@@ -49,6 +53,58 @@ from shared.engine.structured import (
 from shared.protocol.dtypes import dtype_name
 from shared.protocol.hashing import model_salt
 from shared.protocol.sampling import SamplingParams
+
+
+@dataclass
+class StepTimes:
+    """Where the engine's time goes; sums since start in seconds (``stats()`` reports them).
+    Written by the engine thread and, for the forward, by the forward thread; read from any."""
+
+    steps: int = 0  # steps whose tokens were applied
+    forward_s: float = 0.0  # forward + sampling
+    step_s: float = 0.0  # inside step()
+    idle_s: float = 0.0  # the caller's gap: from the end of one step() to the next
+    last_forward_s: float = 0.0
+    last_step_s: float = 0.0
+    device_idle_s: float = 0.0  # the forward thread's wait between two forwards
+    ahead_steps: int = 0  # steps scheduled and prepared while the previous forward ran
+    _step_end: float | None = field(default=None, init=False, repr=False)
+    _forward_end: float | None = field(default=None, init=False, repr=False)
+
+    def step_started(self) -> float:
+        t = time.perf_counter()
+        if self._step_end is not None:
+            self.idle_s += t - self._step_end
+        return t
+
+    def step_ended(self, t0: float) -> float:
+        """The step's duration."""
+        self._step_end = end = time.perf_counter()
+        self.last_step_s = end - t0
+        self.step_s += end - t0
+        return end - t0
+
+    def forward_started(self) -> float:
+        t = time.perf_counter()
+        if self._forward_end is not None:
+            self.device_idle_s += t - self._forward_end
+        return t
+
+    def forward_ended(self, t0: float) -> None:
+        self._forward_end = end = time.perf_counter()
+        self.last_forward_s = end - t0
+        self.forward_s += end - t0
+
+
+class StepResult(NamedTuple):
+    """What ``LLMEngine._run`` hands ``_advance``: the step, its inputs (prompt logprobs ride on
+    them), and per scheduled sequence its tokens (sampled, or accepted drafts + one) and
+    logprobs."""
+
+    sched: SchedulerOutput
+    batch: PreparedBatch
+    sampled: list[list[int]]
+    lps: list[list | None]
 
 
 class LLMEngine:
@@ -127,25 +183,12 @@ class LLMEngine:
         self.current: SchedulerOutput | None = None  # the step being executed
         self.kv = EngineKV(self.runner, self.bm, self.salt, config.collect_evicted_kv)
         self.connector: KVConnector | None = None  # layer-wise KV saving
-        self._t = {
-            "forward": 0.0,
-            "step": 0.0,
-            "idle": 0.0,
-            "last_fwd": 0.0,
-            "last_step": 0.0,
-            "device_idle": 0.0,
-            "ahead": 0,
-        }
-        self._steps = 0
-        self._last_end: float | None = None
-        self._fwd_end: float | None = None
-        self._flight: tuple[SchedulerOutput, object, Future] | None = None
+        self.times = StepTimes()
         overlap = config.async_scheduling
         if overlap is None:
             overlap = torch.device(config.device).type == "cuda"
-        self._forward_thread = (
-            ThreadPoolExecutor(1, thread_name_prefix="strata-forward") if overlap else None
-        )
+        # the overlapped step (forward thread, decode scheduled ahead); None: the plain step
+        self.overlap = OverlapStepper(self) if overlap else None
         self._spec = [0, 0]  # drafted, accepted
         self._grammars: GrammarCache | None = None
 
@@ -277,49 +320,51 @@ class LLMEngine:
             self.scheduler.release(seq)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self.pending) or self._flight is not None
+        in_flight = self.overlap is not None and self.overlap.flight is not None
+        return self.scheduler.has_unfinished() or bool(self.pending) or in_flight
 
     def close(self) -> None:
         """Stop the forward thread (after the forward in flight, if any)."""
-        if self._forward_thread is not None:
-            self._forward_thread.shutdown(wait=True)
+        if self.overlap is not None:
+            self.overlap.close()
 
     # ----- step ------------------------------------------------------------------------------
     def step(self, layer_callback=None) -> list[RequestOutput]:
-        """Run one forward and return the outputs it produced.
+        """Run one forward and return the outputs it produced (and those of aborts since the
+        last call): schedule -> run -> postprocess.
 
-        With ``async_scheduling`` the forward runs on the engine's forward thread, and while it
-        runs this thread schedules and prepares the next pure-decode step
-        (``Scheduler.schedule_decode_ahead``; the sampled tokens are filled in afterwards). That
-        next step is launched right after sampling, before detokenization and output building,
-        so the forward thread idles only for sampling + postprocess. ``stats()`` reports both
-        this thread's idle gap and the forward thread's (``device_idle_s``).
+        With ``async_scheduling`` the same parts run overlapped (``OverlapStepper``): the
+        forward on the forward thread, the next pure-decode step scheduled and prepared while
+        it runs and launched before detokenization. ``stats()`` reports both this thread's
+        idle gap and the forward thread's (``device_idle_s``).
         """
-        t0 = time.perf_counter()
-        if self._last_end is not None:
-            self._t["idle"] += t0 - self._last_end
+        t0 = self.times.step_started()
         if layer_callback is None and self.connector is not None:
             layer_callback = self._save_layer
         outputs, self.pending = self.pending, []
-        if self._flight is None:
-            self._maybe_rebalance()
-            sched = self.scheduler.schedule()
-            for seq in self.scheduler.newly_admitted:
-                self.admissions.append((seq.tenant.name, t0 - seq.queued_at))
-            self.scheduler.newly_admitted.clear()
-            self.kv.move(sched)
-            self.current = sched
+        if self.overlap is not None:
+            outputs += self.overlap.step(t0, layer_callback)
+        else:
+            sched = self._schedule(t0)
             if not sched.is_empty:
-                self._launch(sched, self.runner.prepare(sched), layer_callback)
-        if self._flight is not None:
-            outputs += self._land(layer_callback)
-        end = time.perf_counter()
-        self._t["last_step"] = end - t0
-        self._t["step"] += end - t0
-        self._last_end = end
+                ran = self._run(sched, self.runner.prepare(sched), layer_callback)
+                outputs += self._postprocess(ran)
+        took = self.times.step_ended(t0)
         if self.current is not None and not self.current.is_empty:
-            self.step_times.append(end - t0)
+            self.step_times.append(took)
         return outputs
+
+    def _schedule(self, t0: float) -> SchedulerOutput:
+        """Between forwards: EPLB, the scheduler's pick (first admissions logged), the KV that
+        must move before the forward overwrites it; the step becomes ``current``."""
+        self._maybe_rebalance()
+        sched = self.scheduler.schedule()
+        for seq in self.scheduler.newly_admitted:
+            self.admissions.append((seq.tenant.name, t0 - seq.queued_at))
+        self.scheduler.newly_admitted.clear()
+        self.kv.move(sched)
+        self.current = sched  # what a layer callback of this step may look at
+        return sched
 
     def _maybe_rebalance(self) -> None:
         """EPLB between steps (no forward in flight): every ``eplb_interval_steps`` launches."""
@@ -328,59 +373,32 @@ class LLMEngine:
         if every and self._launch_chances % every == 0:
             self.runner.rebalance_experts()
 
-    def _launch(self, sched: SchedulerOutput, batch, layer_callback) -> None:
-        self.current = sched  # what a layer callback of this step may look at
-        self.scheduler.in_flight = {id(s.seq) for s in sched.scheduled}
-        if self._forward_thread is None:
-            fut: Future = Future()
-            fut.set_result(self._forward(sched, batch, layer_callback))
-        else:
-            fut = self._forward_thread.submit(self._forward, sched, batch, layer_callback)
-        self._flight = (sched, batch, fut)
-
-    def _forward(self, sched: SchedulerOutput, batch, layer_callback):
-        """Forward + sampling: every torch op of a step runs on this (the forward) thread, so
-        only one OpenMP team is ever busy (a second team on the engine thread measured ~11%
-        slower forwards on 2 cores)."""
-        t = time.perf_counter()
-        if self._fwd_end is not None:
-            self._t["device_idle"] += t - self._fwd_end
+    def _run(self, sched: SchedulerOutput, batch: PreparedBatch, layer_callback) -> StepResult:
+        """Forward + sampling of a prepared step. Under overlap this runs on the forward thread:
+        every torch op of a step on one thread, so only one OpenMP team is ever busy (a second
+        team on the engine thread measured ~11% slower forwards on 2 cores)."""
+        t = self.times.forward_started()
         logits = self.runner.execute(batch, layer_callback)
         if self.connector is not None:
             self.connector.wait_for_save()
-        self._fwd_end = end = time.perf_counter()
-        self._t["last_fwd"] = end - t
-        self._t["forward"] += end - t
-        return self._sample(sched, batch.logit_rows, logits)
+        self.times.forward_ended(t)
+        return StepResult(sched, batch, *self._sample(sched, batch.logit_rows, logits))
 
-    def _land(self, layer_callback) -> list[RequestOutput]:
-        """Wait for the forward in flight, apply its tokens, launch the step prepared meanwhile."""
-        sched, batch, fut = self._flight
-        ahead = None
-        if self._forward_thread is not None and layer_callback is None and self.proposer is None:
-            nxt = self.scheduler.schedule_decode_ahead(sched)
-            if nxt is not None:
-                self.kv.move(nxt)  # blocks it evicted are read out before anyone writes them
-                ahead = (nxt, self.runner.prepare_decode_ahead(nxt))
-        try:
-            sampled, lps = fut.result()
-        finally:
-            self._flight = None
-            self.scheduler.end_flight()
-        if batch.prompt_out is not None:
-            _keep_prompt_logprobs(sched, batch)
-        touched = self._update(sched, sampled, lps)
-        self._steps += 1
-        if ahead is not None and all(
-            s.seq.status == SequenceStatus.RUNNING
-            and s.seq.num_computed_tokens == s.seq.num_tokens - 1
-            for s in ahead[0].scheduled
-        ):
-            self.runner.fill_ahead_tokens(ahead[1], ahead[0])
-            self._launch(*ahead, layer_callback)
-            self._t["ahead"] += 1
-        # Detokenize and build outputs while the next forward runs. A stop string found here
-        # finishes a sequence that may be in that forward: its blocks wait for end_flight().
+    def _postprocess(self, ran: StepResult) -> list[RequestOutput]:
+        """Apply a step's tokens, then build its outputs."""
+        return self._outputs(self._advance(ran))
+
+    def _advance(self, ran: StepResult) -> list:
+        """The scheduler takes a step's tokens (prompt logprobs filed, drafts proposed for the
+        next step); ``(seq, before, logprobs)`` of every sequence that got tokens or finished."""
+        if ran.batch.prompt_out is not None:
+            _keep_prompt_logprobs(ran.sched, ran.batch)
+        touched = self._update(ran.sched, ran.sampled, ran.lps)
+        self.times.steps += 1
+        return touched
+
+    def _outputs(self, touched: list) -> list[RequestOutput]:
+        """Detokenize (stop strings may finish a sequence here) and build the outputs."""
         return [self._emit(seq, before, lp) for seq, before, lp in touched]
 
     def _sample(self, sched: SchedulerOutput, logit_rows, logits):
@@ -578,7 +596,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         """Counters, readable from another thread while a step runs (the worker's heartbeat):
         the waiting queue is copied in one C call, so no Python iteration sees it change."""
-        s = self.scheduler
+        s, t = self.scheduler, self.times
         waiting = list(s.waiting)
         return EngineStats(
             running=len(s.running),
@@ -593,14 +611,14 @@ class LLMEngine:
             preemptions=s.num_preemptions,
             share_preemptions=s.share_preemptions,
             contended_steps=s.contended_steps,
-            steps=self._steps,
-            forward_time_s=self._t["forward"],
-            step_time_s=self._t["step"],
-            idle_gap_s=self._t["idle"],
-            last_forward_s=self._t["last_fwd"],
-            device_idle_s=self._t["device_idle"],
-            ahead_steps=int(self._t["ahead"]),
-            last_step_s=self._t["last_step"],
+            steps=t.steps,
+            forward_time_s=t.forward_s,
+            step_time_s=t.step_s,
+            idle_gap_s=t.idle_s,
+            last_forward_s=t.last_forward_s,
+            device_idle_s=t.device_idle_s,
+            ahead_steps=t.ahead_steps,
+            last_step_s=t.last_step_s,
             spec_draft_tokens=self._spec[0],
             spec_accepted_tokens=self._spec[1],
             spec_draft_forwards=getattr(getattr(self.proposer, "stats", None), "forwards", 0),

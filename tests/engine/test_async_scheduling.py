@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from shared.engine.engine import LLMEngine
+from shared.engine.overlap import OverlapStepper
 from shared.engine.params import EngineConfig
 from shared.model.loader import load_model
 from shared.protocol.sampling import SamplingParams
@@ -27,14 +28,32 @@ def _engine(path, **kw) -> LLMEngine:
     return LLMEngine(load_model(path), EngineConfig(**cfg))
 
 
-def _run(eng: LLMEngine, ps, params) -> dict[str, list[int]]:
+def _outputs(eng: LLMEngine, ps, params, layer_callback=None) -> dict[str, list]:
+    """Every output of each request, in order (whole ``RequestOutput``s: tokens, logprobs,
+    finish reason, prompt logprobs)."""
     for i, (p, sp) in enumerate(zip(ps, params, strict=True)):
         eng.add_request(f"r{i}", p, sp)
-    got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(ps))}
+    got: dict[str, list] = {f"r{i}": [] for i in range(len(ps))}
     while eng.has_unfinished_requests():
-        for o in eng.step():
-            got[o.request_id] += o.new_token_ids
+        for o in eng.step(layer_callback):
+            got[o.request_id].append(o)
     return got
+
+
+def _counters(eng: LLMEngine) -> dict:
+    """``stats()`` without the times and the ahead count, which differ between the two steps."""
+    s = vars(eng.stats()).copy()
+    for k in (
+        "forward_time_s",
+        "step_time_s",
+        "idle_gap_s",
+        "last_forward_s",
+        "last_step_s",
+        "device_idle_s",
+        "ahead_steps",
+    ):
+        s.pop(k)
+    return s
 
 
 def test_same_tokens_as_sequential_and_ahead_path_taken(qwen_ckpt):
@@ -50,12 +69,14 @@ def test_same_tokens_as_sequential_and_ahead_path_taken(qwen_ckpt):
     ]
     sync = _engine(path, async_scheduling=False)
     pipe = _engine(path, async_scheduling=True)
-    want, got = _run(sync, ps, params), _run(pipe, ps, params)
-    assert got == want
+    assert sync.overlap is None and isinstance(pipe.overlap, OverlapStepper)
+    want, got = _outputs(sync, ps, params), _outputs(pipe, ps, params)
+    assert got == want  # every output, whole: tokens, logprobs, finish reasons
     assert sync.stats().ahead_steps == 0
     assert pipe.stats().ahead_steps > 20  # steady decode took the overlapped path
-    assert pipe.stats().steps == sync.stats().steps
-    assert _engine(path, async_scheduling=None)._forward_thread is None  # auto: off on CPU
+    assert _counters(pipe) == _counters(sync)  # steps, prefix hits, preemptions, pool...
+    assert pipe.stats().forward_time_s > 0 and pipe.stats().device_idle_s > 0
+    assert _engine(path, async_scheduling=None).overlap is None  # auto: off on CPU
     for eng in (sync, pipe):  # every block back (no leak through deferred frees)
         assert eng.bm.num_free_blocks == eng.bm.num_blocks
         eng.close()
@@ -69,7 +90,7 @@ def test_abort_during_flight_frees_blocks_after_the_forward(qwen_ckpt):
         eng.add_request(f"r{i}", p, sp)
     for _ in range(6):  # prefill, then decodes until a step is launched ahead
         eng.step()
-    assert eng._flight is not None and eng.stats().ahead_steps > 0
+    assert eng.overlap.flight is not None and eng.stats().ahead_steps > 0
     seq = eng.seqs["r0"]
     blocks = list(seq.block_table)
     free_before = eng.bm.num_free_blocks
@@ -84,6 +105,58 @@ def test_abort_during_flight_frees_blocks_after_the_forward(qwen_ckpt):
         eng.step()
     assert eng.bm.num_free_blocks == eng.bm.num_blocks
     eng.close()
+
+
+def test_pure_decode_overlaps_and_matches_the_plain_step(qwen_ckpt):
+    """A batch that only decodes: after the prefill every step but the last is launched ahead
+    by the overlapped stepper, never by the plain one, with the same outputs."""
+    _, path = qwen_ckpt
+    ps = prompts(4, [6, 9, 5, 11])  # 4 requests, 4 slots: one prefill step, then decode only
+    params = [
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0.7, seed=5, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_k=8, seed=2, max_tokens=12, ignore_eos=True),
+    ]
+    sync, pipe = _engine(path, async_scheduling=False), _engine(path)
+    assert _outputs(pipe, ps, params) == _outputs(sync, ps, params)
+    assert sync.stats().ahead_steps == 0
+    # 12 steps: the prefill, 10 decodes scheduled ahead, and the last decode, which ends every
+    # request (it was scheduled ahead too, found finished at landing, and never launched)
+    assert (pipe.stats().steps, pipe.stats().ahead_steps) == (12, 10)
+    assert sync.stats().steps == 12
+    for eng in (sync, pipe):
+        assert eng.bm.num_free_blocks == eng.bm.num_blocks
+        eng.close()
+
+
+@pytest.mark.parametrize("what", ["drafts", "layer_callback"])
+def test_what_stops_the_decode_ahead_still_matches_the_plain_step(qwen_ckpt, what):
+    """Drafts (speculative decoding) and a layer callback need a step's outcome before the
+    next step can be scheduled: the overlapped stepper runs them without going ahead, with the
+    plain step's outputs, draft counters and prompt logprobs."""
+    _, path = qwen_ckpt
+    loop = [7, 8, 9, 10, 11, 12] * 3  # repeats, so prompt lookup proposes drafts
+    ps = [loop, prompts(6, [9])[0]]
+    params = [
+        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, prompt_logprobs=2),
+    ]
+    kw = dict(num_speculative_tokens=3) if what == "drafts" else {}
+    layers: dict[str, list[int]] = {"sync": [], "pipe": []}
+    cb = {k: (v.append if what == "layer_callback" else None) for k, v in layers.items()}
+    sync = _engine(path, async_scheduling=False, **kw)
+    pipe = _engine(path, **kw)
+    want = _outputs(sync, ps, params, cb["sync"])
+    assert _outputs(pipe, ps, params, cb["pipe"]) == want
+    assert want["r1"][0].prompt_logprobs is not None
+    assert pipe.stats().ahead_steps == 0 and _counters(pipe) == _counters(sync)
+    if what == "drafts":
+        assert sync.stats().spec_draft_tokens > 0
+    else:
+        assert layers["pipe"] == layers["sync"] and len(layers["sync"]) == 2 * sync.stats().steps
+    for eng in (sync, pipe):
+        eng.close()
 
 
 def test_new_arrival_is_scheduled_next_step(qwen_ckpt):
