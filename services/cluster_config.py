@@ -106,6 +106,15 @@ class ClusterConfig(BaseModel):
     ready_timeout: float = Field(300.0, gt=0, description="Seconds to wait for readiness")
     stop_timeout: float = Field(10.0, gt=0, description="Seconds between SIGTERM and SIGKILL")
     die_with_parent: bool = Field(False, description="Children die if the launcher is killed")
+    autoscale_max_decode: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="Autoscaling: the most decode instances; above --decode, the scheduler "
+        "sizes the decode fleet from its load (SLO targets) and the launcher starts instances "
+        "up to that need, while the scheduler drains and retires those beyond it, down to "
+        "--decode (0 = a fixed fleet; services/scheduler/autoscale.py)",
+    )
     restart: bool = Field(
         False,
         description="Restart crashed services, nats-server and MinIO "
@@ -173,6 +182,15 @@ class ClusterConfig(BaseModel):
         description="Colored [name] log prefixes (unset: on a terminal; NO_COLOR / "
         "FORCE_COLOR also work)",
     )
+
+
+def check_autoscale(cfg: ClusterConfig) -> None:
+    """RuntimeError (one line) for an autoscaling bound below the fleet it starts with."""
+    if cfg.autoscale_max_decode and cfg.autoscale_max_decode < cfg.decode:
+        raise RuntimeError(
+            f"--autoscale-max-decode {cfg.autoscale_max_decode} is below --decode {cfg.decode} "
+            "(the decode instances it starts with, and the fewest it keeps)"
+        )
 
 
 def default_model_dir() -> str:

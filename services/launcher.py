@@ -43,6 +43,7 @@ from services.infra.procs import (
     wait_until,
 )
 from services.infra.restart import ServerUnit, ServiceUnit, Watchdog, serve_restart_metrics
+from services.infra.scaler import LocalScaler
 from services.infra.supervisor import LogSink, ProcSpec, Supervisor
 from services.preflight import preflight
 from services.serving_dtype import checkpoint_dtype, serving_dtype, weight_bytes
@@ -123,6 +124,7 @@ class Cluster:
         self._kvstore_addrs: list[str] = []
         self._infra_logs: list[IO[str]] = []
         self.watchdog: Watchdog | None = None
+        self.scaler: LocalScaler | None = None
         self.launcher_metrics_port = 0
         self.dtype = self.cfg.dtype  # what the model processes run: `serving_dtype` at start
         self.certs: dict[str, ServiceCert] = {}  # KV-plane mTLS: one per process, "client" too
@@ -215,6 +217,17 @@ class Cluster:
         self.wait_healthy(self.cfg.ready_timeout)
         if self.cfg.restart:
             self._start_watchdog()
+        if self.autoscaled:
+            self.scaler = LocalScaler(
+                self,
+                self.cfg.autoscale_max_decode,
+                lambda line: self.sup.sink.write("strata", line),
+            ).start()
+
+    @property
+    def autoscaled(self) -> bool:
+        """Autoscaling of decode instances between ``decode`` and ``autoscale_max_decode``."""
+        return self.cfg.autoscale_max_decode > self.cfg.decode
 
     @property
     def pki_dir(self) -> str:
@@ -301,6 +314,8 @@ class Cluster:
         """Stop every service (SIGTERM, then SIGKILL after stop_timeout), then NATS and MinIO.
         Model instances stop first, while the kvstores still run: they hand the pool the cached
         KV it lacks (``kv_pool_flush_s``), which a kvstore writes behind to MinIO as it stops."""
+        if self.scaler is not None:
+            self.scaler.stop()
         if self.watchdog is not None:
             self.watchdog.stop()
         models = self.names("prefill") + self.names("decode")
@@ -358,7 +373,8 @@ class Cluster:
             e["STRATA_TP"] = str(self.cfg.tp)
             e["STRATA_EP"] = str(self.cfg.ep)
             # the auto KV budget is a share of this machine's memory, split among its engines
-            e["STRATA_HOST_ENGINES"] = str(self.cfg.prefill + self.cfg.decode)
+            most = max(self.cfg.decode, self.cfg.autoscale_max_decode)
+            e["STRATA_HOST_ENGINES"] = str(self.cfg.prefill + most)
         else:  # services (vision too) stay single-threaded, on the spare cores if any
             e.update(SERVICE_THREAD_ENV)
             if role == "vision":
@@ -376,6 +392,12 @@ class Cluster:
                     STRATA_MINIO_ACCESS_KEY=self.minio.kv_access_key,
                     STRATA_MINIO_SECRET_KEY=self.minio.kv_secret_key,
                 )
+        if role == "scheduler" and index == 0 and self.autoscaled:  # one replica decides
+            e.update(
+                STRATA_AUTOSCALE="true",
+                STRATA_AUTOSCALE_MIN_DECODE=str(self.cfg.decode),
+                STRATA_AUTOSCALE_MAX_DECODE=str(self.cfg.autoscale_max_decode),
+            )
         if role == "gateway":
             e.update(STRATA_HOST=self.cfg.host, STRATA_PORT=str(self.port))
             if self.cfg.tls_cert:

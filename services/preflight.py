@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from services.cluster_config import ROLES, ClusterConfig, ensure_model
+from services.cluster_config import ROLES, ClusterConfig, check_autoscale, ensure_model
 from services.infra.gateway_tls import check_pair
 from services.infra.joined import JoinedMinio, JoinedNats
 from services.infra.minio_server import minio_binary
@@ -18,6 +18,7 @@ def preflight(cfg: ClusterConfig, port: int) -> tuple[str, JoinedNats | None, Jo
     checkpoint (`validate_checkpoint`), the MinIO binary. Returns the checkpoint directory and
     the joined NATS and MinIO (None: the cluster starts its own, or has no MinIO). Raises
     one-line errors (RuntimeError, CheckpointError)."""
+    check_autoscale(cfg)
     if port_open(cfg.host, port):
         raise RuntimeError(f"gateway port {port} is already in use (pass --port)")
     check_pair(cfg.tls_cert, cfg.tls_key)

@@ -19,6 +19,7 @@ from typing import IO
 from services.infra.procs import preexec, signal_group
 
 READY_LINE = "STRATA_READY"  # same constant as shared.service.READY_LINE (kept import-free)
+RETIRED_EXIT = 75  # shared.protocol.sched.RETIRED_EXIT: drained and retired by the autoscaler
 FATAL_LINE = "STRATA_FATAL"  # same as shared.service.FATAL_LINE: a service's one-line reason
 COLORS = (36, 33, 32, 35, 34, 91, 92, 93, 94, 95, 96)  # ANSI foreground codes, cycled
 TAIL_LINES = 40
@@ -141,6 +142,11 @@ class Supervised:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    @property
+    def retired(self) -> bool:
+        """It exited because the autoscaler retired it (drained first): an exit on purpose."""
+        return self.proc.poll() == RETIRED_EXIT
+
     def _read(self) -> None:
         assert self.proc.stdout is not None
         for raw in self.proc.stdout:
@@ -243,7 +249,7 @@ class Supervisor:
     def check(self) -> None:
         """ServiceFailed for the first process that exited without being asked to."""
         for p in self.procs.values():
-            if p.name not in self._expected_exit and not p.alive():
+            if p.name not in self._expected_exit and not p.alive() and not p.retired:
                 p._eof.wait(2.0)
                 raise ServiceFailed(
                     p.name, f"exited with code {p.returncode}", list(p.tail), p.fatal
@@ -252,7 +258,9 @@ class Supervisor:
     def exited(self) -> list[Supervised]:
         """Processes that died unexpectedly (each reported once)."""
         dead = [
-            p for p in self.procs.values() if p.name not in self._expected_exit and not p.alive()
+            p
+            for p in self.procs.values()
+            if p.name not in self._expected_exit and not p.alive() and not p.retired
         ]
         for p in dead:
             self._expected_exit.add(p.name)
@@ -260,8 +268,9 @@ class Supervisor:
         return dead
 
     def wanted(self, name: str) -> bool:
-        """False once ``name`` was stopped or killed on purpose (until it is started again)."""
-        return name not in self._expected_exit
+        """False once ``name`` was stopped, killed or retired on purpose (until it is started
+        again)."""
+        return name not in self._expected_exit and not self.procs[name].retired
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         """Signal one process group (a crash, for failure tests); it is then expected to exit."""

@@ -241,7 +241,7 @@ async def run_scheduler(
                 "instance %s declared down (no load report for %.1fs)", iid, core.members.timeout_s
             )
         await bus.publish(nc, subjects.SCHED_STATE, state)
-        for change in core.plan_roles():
+        for change in [*core.plan_roles(), *core.plan_scale()]:
             await bus.publish(nc, subjects.role_change(change.instance_id), change)
 
     t0 = time.perf_counter()

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
+from services.scheduler.autoscale import ScaleConfig
 from services.scheduler.degrade import DegradeThresholds
 from services.scheduler.planner import PlannerConfig
 from services.scheduler.policies import POLICY_NAMES
@@ -110,6 +111,58 @@ class SchedulerConfig(KVEventStreamConfig):
     autopd_cooldown_ticks: int = Field(
         20, ge=0, description="AutoPD: state ticks after a flip before another"
     )
+
+    autoscale: bool = Field(
+        False,
+        description="Autoscaling: size the prefill and decode fleets from their load against the "
+        "SLO targets, retire (drain, then exit) instances beyond the need, and export the need "
+        "as strata_scheduler_desired_instances (services/scheduler/autoscale.py)",
+    )
+    autoscale_min_decode: int = Field(1, ge=1, description="Autoscaling: fewest decode instances")
+    autoscale_max_decode: int = Field(4, ge=1, description="Autoscaling: most decode instances")
+    autoscale_min_prefill: int = Field(0, ge=0, description="Autoscaling: fewest prefill instances")
+    autoscale_max_prefill: int = Field(
+        0, ge=0, description="Autoscaling: most prefill instances (0: prefill is not scaled)"
+    )
+    autoscale_utilization: float = Field(
+        0.7, gt=0, le=1, description="Autoscaling: pressure per instance the fleet is sized for"
+    )
+    tpot_target_s: float = Field(
+        0.1, gt=0, description="Engine step seconds (time per output token) counted as load 1.0"
+    )
+    autoscale_up_ticks: int = Field(
+        4, ge=1, description="Autoscaling: state ticks the need must exceed the fleet before an add"
+    )
+    autoscale_down_ticks: int = Field(
+        20, ge=1, description="Autoscaling: state ticks the need must stay under it before a retire"
+    )
+    autoscale_cooldown_ticks: int = Field(
+        20, ge=0, description="Autoscaling: state ticks after a decision before another"
+    )
+
+    @model_validator(mode="after")
+    def _scale_bounds(self) -> SchedulerConfig:
+        for role in ("decode", "prefill"):
+            lo, hi = getattr(self, f"autoscale_min_{role}"), getattr(self, f"autoscale_max_{role}")
+            if lo > hi:
+                raise ValueError(f"autoscale_min_{role} {lo} is above autoscale_max_{role} {hi}")
+        return self
+
+    def scale_config(self) -> ScaleConfig:
+        return ScaleConfig(
+            min_prefill=self.autoscale_min_prefill,
+            max_prefill=self.autoscale_max_prefill,
+            min_decode=self.autoscale_min_decode,
+            max_decode=self.autoscale_max_decode,
+            utilization=self.autoscale_utilization,
+            ttft_s=self.queue_target_s,
+            tpot_s=self.tpot_target_s,
+            batch_norm=self.batch_norm,
+            up_ticks=self.autoscale_up_ticks,
+            down_ticks=self.autoscale_down_ticks,
+            cooldown_ticks=self.autoscale_cooldown_ticks,
+            default_rate=self.prefill_tokens_per_s,
+        )
 
     @field_validator("degrade_up", "degrade_down")
     @classmethod

@@ -10,6 +10,7 @@ import logging
 import time
 
 from services.scheduler import metrics
+from services.scheduler.autoscale import RETIRED, Autoscaler
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.degrade import Degrader, cluster_load
 from services.scheduler.membership import Membership
@@ -53,6 +54,7 @@ class SchedulerCore:
         self.planner = (
             RolePlanner(cfg.planner_config(), cfg.prefill_tokens_per_s) if cfg.autopd else None
         )
+        self.autoscaler = Autoscaler(cfg.scale_config()) if cfg.autoscale else None
 
     # --- inputs ---------------------------------------------------------------------------------
     def on_load(self, report: LoadReport, now: float | None = None) -> None:
@@ -131,21 +133,8 @@ class SchedulerCore:
         if self.planner is None:
             return []
         now = time.monotonic() if now is None else now
-        loads = [
-            RoleLoad(
-                iid,
-                m.view.role,
-                queued_tokens=m.view.queued_tokens,
-                num_running=m.view.num_running,
-                num_waiting=m.view.num_waiting,
-                prefill_tokens_per_s=m.view.prefill_tokens_per_s,
-                draining=m.draining,
-            )
-            for iid, m in sorted(self.members.members.items())
-            if m.alive and m.connected and m.view.role in ROLES
-        ]
         out = []
-        for f in self.planner.tick(loads):
+        for f in self.planner.tick(self.role_loads()):
             self.members.mark_draining(f.instance_id, now + 4 * self.members.timeout_s)
             metrics.AUTOPD_DECISIONS.labels(f.from_role, f.to_role).inc()
             log.info("AutoPD: %s %s -> %s", f.instance_id, f.from_role, f.to_role)
@@ -155,6 +144,54 @@ class SchedulerCore:
                     incarnation=self.members.members[f.instance_id].incarnation,
                     from_role=f.from_role,
                     to_role=f.to_role,
+                    scheduler_id=self.cfg.instance_id,
+                    ts=time.time(),
+                )
+            )
+        return out
+
+    def role_loads(self) -> list[RoleLoad]:
+        """The prefill and decode members the planners see: alive and connected."""
+        return [
+            RoleLoad(
+                iid,
+                m.view.role,
+                queued_tokens=m.view.queued_tokens,
+                num_running=m.view.num_running,
+                num_waiting=m.view.num_waiting,
+                prefill_tokens_per_s=m.view.prefill_tokens_per_s,
+                draining=m.draining,
+                step_s=m.view.step_s,
+            )
+            for iid, m in sorted(self.members.members.items())
+            if m.alive and m.connected and m.view.role in ROLES
+        ]
+
+    def plan_scale(self, now: float | None = None) -> list[RoleChange]:
+        """Autoscaling (one call per state tick): exports each role's need
+        (`strata_scheduler_desired_instances`, what a launcher or HPA starts instances up to)
+        and returns the retirements to order now: a `RoleChange` to ``RETIRED``, after which
+        the instance drains and exits. It is marked draining at once, so nothing more is routed
+        to it. An "add" is the raised need alone: this scheduler starts no process."""
+        if self.autoscaler is None:
+            return []
+        now = time.monotonic() if now is None else now
+        actions = self.autoscaler.tick(self.role_loads())
+        for role, need in self.autoscaler.need.items():
+            metrics.DESIRED_INSTANCES.labels(role=role).set(need)
+        out = []
+        for a in actions:
+            metrics.SCALE_DECISIONS.labels(a.role, a.action).inc()
+            log.info("autoscale: %s %s (need %d) %s", a.action, a.role, a.need, a.instance_id)
+            if a.action != "retire":
+                continue
+            self.members.mark_draining(a.instance_id, now + 3600.0)
+            out.append(
+                RoleChange(
+                    instance_id=a.instance_id,
+                    incarnation=self.members.members[a.instance_id].incarnation,
+                    from_role=a.role,
+                    to_role=RETIRED,
                     scheduler_id=self.cfg.instance_id,
                     ts=time.time(),
                 )

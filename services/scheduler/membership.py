@@ -99,6 +99,7 @@ class Membership:
         v.kv_blocks_free, v.kv_blocks_total = r.kv_blocks_free, r.kv_blocks_total
         v.prefill_tokens_per_s = r.prefill_tokens_per_s
         v.decode_tokens_per_s = r.decode_tokens_per_s
+        v.step_s = r.step_s
         v.block_size = r.block_size
         v.pending_tokens = v.pending_requests = 0  # the report now covers what we routed
         self.touch(v)

@@ -51,6 +51,18 @@ KV_EVENTS_MISSED = Gauge(
     "Stream sequences the last start-up replay needed that were already discarded",
 )
 SNAPSHOT_BYTES = Gauge("strata_scheduler_snapshot_bytes", "Size of the last prefix-index snapshot")
+SCALE_DECISIONS = Counter(
+    "strata_scheduler_scale_decisions_total",
+    "Autoscaling decisions this scheduler made: add (one more instance of the role) or retire "
+    "(an instance drains, then exits) (services/scheduler/autoscale.py)",
+    ["role", "action"],
+)
+DESIRED_INSTANCES = Gauge(
+    "strata_scheduler_desired_instances",
+    "Instances of the role the autoscaler sizes the fleet at now; `strata up --autoscale` "
+    "starts instances up to it (an HPA / KEDA target elsewhere)",
+    ["role"],
+)
 AUTOPD_DECISIONS = Counter(
     "strata_scheduler_autopd_decisions_total",
     "AutoPD role changes this scheduler ordered (services/scheduler/planner.py)",

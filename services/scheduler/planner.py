@@ -55,6 +55,7 @@ class RoleLoad:
     num_waiting: int = 0
     prefill_tokens_per_s: float = 0.0  # 0 = unknown: the planner's default rate
     draining: bool = False
+    step_s: float = 0.0  # recent engine step seconds (the autoscaler's TPOT signal)
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ class InstanceView:
     kv_blocks_total: int = 0
     prefill_tokens_per_s: float = 0.0  # measured by the engine (0 = unknown: use the cost model)
     decode_tokens_per_s: float = 0.0
+    step_s: float = 0.0  # mean engine step seconds over the last report interval
     block_size: int = 16
     reserved_long: bool = False  # length-aware: reserved for very long prompts
     # Work the scheduler routed here since the last load report (optimistic accounting, so a

@@ -31,3 +31,6 @@ class LoadReport(Msg):
     # AutoPD: the instance is draining its current role before a role change (the scheduler
     # routes nothing more to it); the report after the change carries the new role.
     draining: bool = False
+    # Mean engine step seconds over the last report interval (0: no step ran): one token of
+    # every running stream, the autoscaler's TPOT signal (`services.scheduler.autoscale`).
+    step_s: float = 0.0

@@ -96,11 +96,18 @@ class InstanceRecord(Msg):
     ts: float = 0.0
 
 
+RETIRED = "retired"
+"""`RoleChange.to_role` of a retirement (autoscaling): the instance drains its role, then exits
+with `RETIRED_EXIT`, which a launcher does not restart."""
+RETIRED_EXIT = 75
+
+
 class RoleChange(Msg):
     """`subjects.role_change(instance)`: scheduler -> one prefill / decode instance (AutoPD,
     `services.scheduler.planner`): stop taking ``from_role`` work, let what runs finish, then
-    serve ``to_role`` under a new incarnation. An instance whose incarnation or role differs (it
-    restarted, or already flipped) ignores it."""
+    serve ``to_role`` under a new incarnation. ``to_role`` "retired" (autoscaling,
+    `services.scheduler.autoscale`): drain the same way, then exit. An instance whose
+    incarnation or role differs (it restarted, or already flipped) ignores it."""
 
     instance_id: str
     incarnation: str

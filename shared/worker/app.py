@@ -17,7 +17,7 @@ from shared.logs import setup_logging
 from shared.model.validate import validate_checkpoint
 from shared.omp import in_fresh_thread, serial_torch_here
 from shared.protocol import subjects
-from shared.protocol.sched import InstanceRecord, RoleChange
+from shared.protocol.sched import RETIRED_EXIT, InstanceRecord, RoleChange
 from shared.protocol.work import HeldQuery
 from shared.registry import deregister_instance, register_instance
 from shared.service import StartupError, announce_ready, run
@@ -115,7 +115,8 @@ async def start_worker(
             replicas=cfg.js_replicas,
         )
 
-    roles = RoleSwitcher(rt, nc, register)
+    # a retirement (autoscaling) ends in the same stop as SIGTERM, when the caller gave one
+    roles = RoleSwitcher(rt, nc, register, retire=None if stop is None else stop.set)
     if make_service is not None:
         roles.services[role] = make_service(rt, nc)
     await roles.serve(role)
@@ -198,5 +199,9 @@ def run_worker(role: str, argv: list[str], make_service) -> None:
         await worker.stop()
         await nc.drain()
         await close_clients()
+        retired[0] = worker.roles.retired
 
+    retired = [False]
     run(main)
+    if retired[0]:  # drained and stopped by the autoscaler: a launcher must not restart it
+        raise SystemExit(RETIRED_EXIT)

@@ -31,7 +31,7 @@ from shared import bus
 from shared.config import new_incarnation
 from shared.kvtransfer.server import KVTransferHandler
 from shared.protocol import subjects
-from shared.protocol.sched import RoleChange
+from shared.protocol.sched import RETIRED, RoleChange
 from shared.protocol.work import DecodeWork, PrefillWork
 
 log = logging.getLogger(__name__)
@@ -43,6 +43,10 @@ ROLE = Gauge("strata_autopd_role", "1 for the role this instance serves now", ["
 OPEN_AT_SWITCH = Gauge(
     "strata_autopd_open_at_switch",
     "Requests of the old role still running when the last role change switched (0: drained)",
+)
+RETIREMENTS = Counter(
+    "strata_autoscale_retirements_total",
+    "Times autoscaling retired this instance (drained, then stopped; at most 1 per process)",
 )
 IGNORED = Counter(
     "strata_autopd_ignored_total",
@@ -86,8 +90,10 @@ class RoleSwitcher:
     runs one role change at a time. ``register()`` writes the registry record of the current
     role and incarnation; ``heartbeat`` (optional) gets its subject moved to the new role."""
 
-    def __init__(self, rt, nc, register, heartbeat=None) -> None:
+    def __init__(self, rt, nc, register, heartbeat=None, retire=None) -> None:
         self.rt, self.nc, self.register, self.heartbeat = rt, nc, register, heartbeat
+        self.retire = retire  # called once a retirement has drained (the process then exits)
+        self.retired = False
         self.services: dict[str, object] = {}
         self.subs: dict[str, object] = {}
         self.busy = False
@@ -128,27 +134,48 @@ class RoleSwitcher:
             or msg.instance_id != rt.cfg.instance_id
             or msg.incarnation != rt.incarnation
             or msg.from_role != rt.role
-            or msg.to_role not in SERVICES
+            or msg.to_role not in (*SERVICES, RETIRED)
             or msg.to_role == rt.role
+            or (msg.to_role == RETIRED and self.retire is None)
         ):
             IGNORED.inc()
             log.info("AutoPD: ignoring %s -> %s (role %s)", msg.from_role, msg.to_role, rt.role)
             return
         self.busy = True
         try:
-            await self._flip(msg.to_role)
+            if msg.to_role == RETIRED:
+                await self._retire()
+            else:
+                await self._flip(msg.to_role)
         finally:
             self.busy = False
+
+    async def _drain(self, why: str) -> None:
+        """Report ``draining`` (every scheduler stops routing here), then wait until the current
+        role's requests have all finished: nothing is cancelled or moved."""
+        rt = self.rt
+        log.info("%s: draining %s", why, rt.role)
+        rt.draining = True
+        await asyncio.sleep(2 * rt.cfg.load_interval)  # every scheduler has seen "draining"
+        while not self.svc.idle():
+            await asyncio.sleep(0.05)
+
+    async def _retire(self) -> None:
+        """Autoscaling retired this instance: drain, then hand over to ``retire`` (the worker
+        stops as on SIGTERM: pool flush, deregistration) and exit with `RETIRED_EXIT`."""
+        t0 = time.monotonic()
+        await self._drain("autoscale: retiring")
+        OPEN_AT_SWITCH.set(len(self.svc.tasks))
+        RETIREMENTS.inc()
+        self.retired = True
+        log.info("autoscale: retired (drained in %.2fs); stopping", time.monotonic() - t0)
+        self.retire()
 
     async def _flip(self, to_role: str) -> None:
         rt, old = self.rt, self.rt.role
         t0 = time.monotonic()
-        log.info("AutoPD: draining %s before becoming %s", old, to_role)
-        rt.draining = True
-        await asyncio.sleep(2 * rt.cfg.load_interval)  # every scheduler has seen "draining"
+        await self._drain(f"AutoPD: becoming {to_role}")
         old_svc = self.svc
-        while not old_svc.idle():
-            await asyncio.sleep(0.05)
         OPEN_AT_SWITCH.set(len(old_svc.tasks))
         await self.serve(to_role)
         rt.role, rt.incarnation, rt.draining = to_role, new_incarnation(), False

@@ -75,6 +75,7 @@ class ModelRuntime:
     prefilled_tokens: int = 0  # prompt tokens this instance computed (cached ones excluded)
     draining: bool = False  # AutoPD: draining its role before a change (`shared.worker.autopd`)
     _rate_mark: tuple[int, float] = (0, 0.0)
+    _step_mark: tuple[int, float] = (0, 0.0)  # (steps, step seconds) at the last load report
     _longest_forward: float = 0.0
     decode_rate: RateMeter = field(default_factory=lambda: RateMeter(5.0))
     _pool: PoolLink | None = None
@@ -183,7 +184,15 @@ class ModelRuntime:
             connected=connected,
             tp_size=self.cfg.tp,
             draining=self.draining,
+            step_s=self._step_s(s),
         )
+
+    def _step_s(self, s) -> float:
+        """Mean engine step seconds since the previous report (0 when no step ran)."""
+        steps, total = self._step_mark
+        self._step_mark = (s.steps, s.step_time_s)
+        n = s.steps - steps
+        return (s.step_time_s - total) / n if n > 0 else 0.0
 
     def observe_stats(self) -> None:
         """Engine metrics and the measured prefill rate (main loop, `housekeeping`)."""
