@@ -132,7 +132,7 @@ class RuntimeSettings(BaseModel):
         description="A Llama-family decoder layer in one native call on CPU float32 "
         "(off: one kernel or torch op at a time)",
     )
-    cpu_isa: Literal["auto", "portable", "avx2", "avx512"] = Field(
+    cpu_isa: Literal["auto", "portable", "avx2", "avx512", "avx512vnni"] = Field(
         "auto",
         description="Build of the native CPU kernels to load (shared/model/build_kernels.py; "
         "auto: the widest this CPU runs)",

@@ -45,7 +45,8 @@ class EngineConfig:
     ngram_max: int = 4
     """Longest suffix n-gram the proposer tries to match (tried first)."""
     quantization: str | None = None
-    """Weight quantization: None or "int8" (weight-only, per-output-channel scales)."""
+    """Weight quantization: None or "int8" (int8 weights, per-output-channel scales; on CPU the
+    activations are quantised per row at call time and the GEMM runs in int8: W8A8)."""
     device: str = "cpu"
     """Torch device of the model and KV cache."""
     dtype: str | None = None

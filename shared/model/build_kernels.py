@@ -9,8 +9,10 @@ the CPU runs it, tested) on any x86-64 box. ``scripts/setup.sh`` builds them all
 
 Which variant a process loads: ``STRATA_CPU_ISA`` (``auto``, the default: the widest this CPU
 runs, judged from the ``flags`` line of /proc/cpuinfo). Forcing one this CPU cannot run is a
-`ConfigError` naming the missing CPU flags. The sources have AVX-512 and AVX2 + FMA paths and a
-portable one (``#ifdef``); there is no bfloat16 / AMX path, so no variant for them.
+`ConfigError` naming the missing CPU flags. The sources have an AVX-512 VNNI path (the int8
+GEMM, ``gemm_int8.c``), AVX-512 and AVX2 + FMA paths and a portable one (``#ifdef``). The
+``avx512vnni`` variant needs AVX-512 VNNI beside x86-64-v4 (Cascade Lake, Ice Lake, Zen 4 and
+later). There is no bfloat16 or AMX variant: no code path uses them.
 
 Imports no torch: `strata serve` checks the setting with it before the service starts.
 """
@@ -34,13 +36,14 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(
     Path(__file__).with_name(f)
-    for f in ("decode_attention.c", "gemm.c", "fused.c", "layer.c", "isa.c")
+    for f in ("decode_attention.c", "gemm.c", "gemm_int8.c", "fused.c", "layer.c", "isa.c")
 )
 HEADERS = tuple(Path(__file__).with_name(f) for f in ("exp2_poly.h",))  # included by SOURCES
 COMMON_FLAGS = ("-O3", "-fopenmp", "-ffp-contract=fast", "-shared", "-fPIC")
 
 _V3 = ("avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm")  # x86-64-v3 (abm: LZCNT)
 _V4 = (*_V3, "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")  # x86-64-v4
+_VNNI = (*_V4, "avx512_vnni")  # Cascade Lake, Ice Lake, Zen 4 and later
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +61,7 @@ _X86 = (
     Variant("portable", ("-march=x86-64", "-mtune=generic"), ()),
     Variant("avx2", ("-march=x86-64-v3", "-mtune=generic"), _V3),
     Variant("avx512", ("-march=x86-64-v4", "-mtune=generic"), _V4),
+    Variant("avx512vnni", ("-march=x86-64-v4", "-mavx512vnni", "-mtune=generic"), _VNNI),
 )
 NAMES = tuple(v.name for v in _X86)
 """Every variant name (the values of ``STRATA_CPU_ISA`` beside ``auto``), narrowest first."""

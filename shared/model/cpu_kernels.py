@@ -1,4 +1,4 @@
-"""Native CPU kernels: decode attention over the paged KV cache, and float32 GEMM.
+"""Native CPU kernels: decode attention over the paged KV cache, float32 and int8 GEMMs.
 
 Decode attention in torch needs, per sequence and layer, two ``index_select`` copies of its
 context blocks and one small SDPA call: ~300 tiny ops per step for 16 sequences x 8 layers, which
@@ -11,9 +11,9 @@ the blocks (no copy) for every sequence and head in one call.
 faster than oneDNN's blocked GEMM and prefill-sized ones within ~10% of it
 (docs/benchmarks/engine.md), and `shared.model.layers.Gemm` uses it for float32 on CPU.
 
-All are plain C, built by ``build_kernels.py`` once per ISA variant (portable, AVX2, AVX-512:
-explicit target flags, one library each in ``$STRATA_CACHE/kernels``; at set-up, else on first
-use) and called through ctypes, which releases the GIL. No torch headers are needed. The variant
+All are plain C, built by ``build_kernels.py`` once per ISA variant (portable, AVX2, AVX-512,
+AVX-512 VNNI: explicit target flags, one library each in ``$STRATA_CACHE/kernels``; at set-up,
+else on first use) and called through ctypes, which releases the GIL. No torch headers are needed. The variant
 loaded is ``STRATA_CPU_ISA`` (auto: the widest this CPU runs; ``strata_kernel_isa{variant}``).
 Where there is no compiler, or ``STRATA_CPU_KERNELS=0``, or the dtype is not float32, the
 wrappers return ``None`` / ``False`` and the caller uses the torch path (oneDNN for linears);
@@ -21,6 +21,11 @@ each such call on the CPU counts in ``strata_kernel_fallback_total{op,reason}`` 
 
 ``gemm.c`` also holds causal prefill attention over the paged cache (:func:`prefill_attention`):
 both of its products run on the GEMM tile, with an online softmax between them.
+
+``gemm_int8.c`` multiplies by an int8 weight with per-output scales packed once
+(:func:`pack_int8`, :func:`linear_int8`), each row of activations quantised to int8 at call time
+(W8A8, int32 sums; `shared.model.int8.Int8Gemm` uses it): AVX-512 VNNI in the ``avx512vnni``
+variant, ``vpmaddubsw`` in ``avx512`` and ``avx2``, plain C in ``portable``, all bit-identical.
 
 ``fused.c`` holds the decoder layer's row-wise ops as one call each (:func:`rms_norm`, with the
 residual add; :func:`qk_norm_rope`), which as torch ops were 8-20 small calls apiece.
@@ -72,7 +77,7 @@ def fallback(op: str, reason: str) -> None:
     """Count one call of ``op`` that runs torch instead of its native kernel, and why:
     ``disabled`` (a STRATA_CPU_* switch), ``unavailable`` (no compiler, build failed),
     ``dtype`` (not float32), ``layout`` (strides the kernel does not take), ``shape`` (a size
-    it does not take), ``unsupported`` (a model part it has no code for: MoE, a quantised or
+    it does not take), ``unsupported`` (a model part it has no code for: MoE, a
     tensor-parallel projection). Returns None (the callers' "no kernel")."""
     child = _fallback_children.get((op, reason))
     if child is None:  # per call on a bf16 model's every layer: labels() once per pair
@@ -93,6 +98,12 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.strata_gemm_pack_f32.argtypes = (ptr, i64, i64, ptr)
     lib.strata_gemm_f32.restype = None
     lib.strata_gemm_f32.argtypes = (ptr, i64, i64, ptr, i64, ptr, ptr, i64)
+    lib.strata_gemm_s8_packed_bytes.restype = i64
+    lib.strata_gemm_s8_packed_bytes.argtypes = (i64, i64)
+    lib.strata_gemm_s8_pack.restype = None
+    lib.strata_gemm_s8_pack.argtypes = (ptr, ptr, i64, i64, ptr)
+    lib.strata_gemm_s8_f32.restype = i64
+    lib.strata_gemm_s8_f32.argtypes = (ptr, i64, i64, ptr, i64, ptr, ptr, i64)
     lib.strata_rms_norm_f32.restype = None
     lib.strata_rms_norm_f32.argtypes = (ptr, ptr, ptr, ptr, f32, i64, i64, ptr, i64)
     lib.strata_qk_norm_rope_f32.restype = None
@@ -340,6 +351,64 @@ def linear(x: torch.Tensor, w: PackedLinear, bias: torch.Tensor | None) -> torch
     return out.view(*lead, w.n)
 
 
+class PackedInt8:
+    """A ``[N, K]`` int8 weight and its ``[N]`` float32 scales packed for ``gemm_int8.c``
+    (panels of the kernel's width, then per output its column sum and scale); ``data`` keeps
+    the bytes alive; ``gen`` the `generation` it was packed for."""
+
+    __slots__ = ("data", "n", "k", "gen")
+
+    def __init__(self, data: torch.Tensor, n: int, k: int):
+        self.data, self.n, self.k, self.gen = data, n, k, _generation
+
+
+INT8_MAX_K = 65536  # gemm_int8.c's int32 sums are exact up to this many products per output
+
+
+def pack_int8(w: torch.Tensor, scale: torch.Tensor) -> PackedInt8 | None:
+    """``w`` (int8 ``[N, K]``, ``|w| <= 127``) with its per-output ``scale`` (float32 ``[N]``)
+    packed for :func:`linear_int8`, or ``None`` when the kernel does not apply (not on the CPU,
+    another dtype or shape, ``K`` past `INT8_MAX_K`, or no compiler / ``STRATA_CPU_KERNELS=0``)."""
+    if w.device.type != "cpu" or w.dtype != torch.int8 or w.dim() != 2:
+        return None
+    n, k = w.shape
+    if scale.dtype != torch.float32 or scale.shape != (n,) or scale.device != w.device:
+        return None
+    if k > INT8_MAX_K or not available():
+        return None
+    w, scale = w.detach().contiguous(), scale.detach().contiguous()
+    data = torch.empty(_lib.strata_gemm_s8_packed_bytes(n, k), dtype=torch.uint8)
+    _lib.strata_gemm_s8_pack(w.data_ptr(), scale.data_ptr(), n, k, data.data_ptr())
+    return PackedInt8(data, n, k)
+
+
+def linear_int8(x: torch.Tensor, w: PackedInt8, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ (w8 * scale[:, None]).T + bias`` for float32 CPU ``x`` of shape ``[..., K]``, each
+    row of ``x`` quantised to int8 by its own symmetric scale (``gemm_int8.c``: W8A8, int32
+    sums)."""
+    if w.gen != _generation:
+        raise RuntimeError("weight packed for other kernels than the loaded ones")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, w.k).contiguous()
+    out = torch.empty((x2.shape[0], w.n), dtype=torch.float32)
+    if bias is not None:
+        bias = bias.contiguous()
+    rc = _lib.strata_gemm_s8_f32(
+        x2.data_ptr(),
+        x2.shape[0],
+        w.k,
+        w.data.data_ptr(),
+        w.n,
+        None if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if rc:
+        raise MemoryError("strata_gemm_s8_f32: no memory for the quantised rows")
+    calls[_isa, "int8_gemm"] += 1
+    return out.view(*lead, w.n)
+
+
 def _plain(*ts: torch.Tensor | None) -> bool:
     """All given tensors CPU float32 and contiguous (None entries ignored)."""
     return not _why(*ts)
@@ -449,7 +518,9 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 class NativeLayer(ctypes.Structure):
     """One decoder layer's weights for ``strata_decoder_layer_f32`` (``strata_layer`` in
-    layer.c: pointers, int64 and double only). ``keep`` holds the tensors it points into."""
+    layer.c: pointers, int64 and double only); ``int8`` 1 when the projections are int8
+    (`PackedInt8`), 0 when float32 (`PackedLinear`). ``keep`` holds the tensors it points
+    into."""
 
     _fields_ = [
         (name, ctypes.c_void_p)
@@ -457,27 +528,33 @@ class NativeLayer(ctypes.Structure):
             "ln1_w", "qkv_p", "qkv_b", "qn_w", "kn_w", "o_p", "o_b", "ln2_w", "gu_p", "gu_b",
             "down_p", "down_b",
         )
-    ] + [(n, ctypes.c_int64) for n in ("hidden", "heads", "kv_heads", "head_dim", "inter")] + [
+    ] + [
+        (n, ctypes.c_int64) for n in ("hidden", "heads", "kv_heads", "head_dim", "inter", "int8")
+    ] + [
         (n, ctypes.c_double) for n in ("ln1_eps", "qk_eps", "ln2_eps", "scale")
     ]  # fmt: skip
 
 
+Projection = tuple[PackedLinear | PackedInt8, torch.Tensor | None]
+
+
 def native_layer(
     ln1: tuple[torch.Tensor, float],
-    qkv: tuple[PackedLinear, torch.Tensor | None],
+    qkv: Projection,
     qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None,
-    o: tuple[PackedLinear, torch.Tensor | None],
+    o: Projection,
     ln2: tuple[torch.Tensor, float],
-    gate_up: tuple[PackedLinear, torch.Tensor | None],
-    down: tuple[PackedLinear, torch.Tensor | None],
+    gate_up: Projection,
+    down: Projection,
     heads: int,
     kv_heads: int,
     head_dim: int,
     scale: float,
 ) -> NativeLayer | None:
     """The layer for :func:`decoder_layer` from its norms' ``(weight, eps)`` and its packed
-    projections' ``(weight, bias)`` (q/k/v and gate/up fused, SiLU gating); ``None`` when a
-    shape or tensor does not fit the kernels."""
+    projections' ``(weight, bias)`` (q/k/v and gate/up fused, SiLU gating; all four float32
+    `PackedLinear` or all four int8 `PackedInt8`); ``None`` when a shape or tensor does not fit
+    the kernels."""
     hidden = ln1[0].numel()
     att = heads * head_dim
     inter = gate_up[0].n // 2
@@ -490,7 +567,8 @@ def native_layer(
     )
     norms = [ln1[0], ln2[0], *(qk_norm[:2] if qk_norm else ())]
     biases = [b for _, b in (qkv, o, gate_up, down) if b is not None]
-    if not all(shapes) or not _plain(*norms, *biases) or not available():
+    kinds = {type(p) for p, _ in (qkv, o, gate_up, down)}
+    if not all(shapes) or not _plain(*norms, *biases) or len(kinds) != 1 or not available():
         return None
     if any(p.gen != _generation for p, _ in (qkv, o, gate_up, down)):
         raise RuntimeError("weights packed for other kernels than the loaded ones")
@@ -503,7 +581,7 @@ def native_layer(
         _ptr(qk_norm[0]) if qk_norm else None, _ptr(qk_norm[1]) if qk_norm else None,
         _ptr(o[0].data), _ptr(o[1]), _ptr(ln2[0]), _ptr(gate_up[0].data), _ptr(gate_up[1]),
         _ptr(down[0].data), _ptr(down[1]),
-        hidden, heads, kv_heads, head_dim, inter,
+        hidden, heads, kv_heads, head_dim, inter, int(kinds == {PackedInt8}),
         ln1[1], qk_norm[2] if qk_norm else 0.0, ln2[1], scale,
     )  # fmt: skip
     layer.keep = (norms, biases, qkv[0], o[0], gate_up[0], down[0])
@@ -586,6 +664,8 @@ def decoder_layer(
         ctypes.byref(layer), ctypes.byref(batch), h.data_ptr(), k_cache.data_ptr(),
         v_cache.data_ptr(),
     )  # fmt: skip
+    if rc == -2:
+        raise MemoryError("strata_decoder_layer_f32: no memory for the int8 GEMM's rows")
     if rc:
         raise RuntimeError("strata_decoder_layer_f32 refused the batch's head layout")
     layer_calls += 1

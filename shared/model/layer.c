@@ -10,10 +10,11 @@
  *     a = attention(q, cache);  h += a Wo^T (+b);  x = rmsnorm(h);  gu = x Wgu^T (+b);
  *     h += (silu(g) * u) Wdown^T (+b)
  *
- * with the same kernels the torch path calls (strata_gemm_f32, strata_rms_norm_f32,
- * strata_qk_norm_rope_f32, strata_prefill_attn_f32, strata_decode_attn_f32), so every result but
- * SiLU is bit-identical to it; SiLU's e^x is exp2_poly.h's polynomial (relative error <= 3e-7
- * for |x| <= 5, ~4e-6 at 87) where torch uses Sleef's. */
+ * with the same kernels the torch path calls (strata_gemm_f32, or strata_gemm_s8_f32 for an int8
+ * layer, strata_rms_norm_f32, strata_qk_norm_rope_f32, strata_prefill_attn_f32,
+ * strata_decode_attn_f32), so every result but SiLU is bit-identical to it; SiLU's e^x is
+ * exp2_poly.h's polynomial (relative error <= 3e-7 for |x| <= 5, ~4e-6 at 87) where torch uses
+ * Sleef's. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -23,6 +24,8 @@
 /* the kernels of decode_attention.c, gemm.c and fused.c */
 void strata_gemm_f32(const float *x, int64_t M, int64_t K, const float *p, int64_t N,
                      const float *bias, float *y, int64_t nthreads);
+int64_t strata_gemm_s8_f32(const float *x, int64_t M, int64_t K, const void *p, int64_t N,
+                           const float *bias, float *y, int64_t nthreads);
 void strata_rms_norm_f32(const float *x, const float *res, float *h_out, const float *w,
                          float eps, int64_t T, int64_t D, float *y, int64_t nthreads);
 void strata_qk_norm_rope_f32(float *qkv, int64_t T, int64_t ld, int64_t heads, int64_t nq,
@@ -39,11 +42,19 @@ void strata_decode_attn_f32(const float *q, const float *k, const float *v,
                             float scale, float *out, int64_t nthreads);
 
 /* One layer's weights, fixed while they are (cpu_kernels.NativeLayer mirrors this layout:
- * pointers, int64 and double only, so there is no padding to agree on). */
+ * pointers, int64 and double only, so there is no padding to agree on). The projections (*_p)
+ * are strata_gemm_pack_f32 panels, or strata_gemm_s8_pack blobs when ``int8`` is 1. */
 typedef struct {
-    const float *ln1_w, *qkv_p, *qkv_b, *qn_w, *kn_w, *o_p, *o_b, *ln2_w, *gu_p, *gu_b, *down_p,
-        *down_b;
-    int64_t hidden, heads, kv_heads, head_dim, inter;
+    const float *ln1_w;
+    const void *qkv_p;
+    const float *qkv_b, *qn_w, *kn_w;
+    const void *o_p;
+    const float *o_b, *ln2_w;
+    const void *gu_p;
+    const float *gu_b;
+    const void *down_p;
+    const float *down_b;
+    int64_t hidden, heads, kv_heads, head_dim, inter, int8;
     double ln1_eps, qk_eps, ln2_eps, scale;
 } strata_layer;
 
@@ -118,9 +129,18 @@ static void silu_mul(const float *gu, int64_t T, int64_t I, float *act, int64_t 
     }
 }
 
+/* y = x p^T (+ b) on the layer's float32 or int8 GEMM; nonzero when the int8 one failed. */
+static int64_t proj(const strata_layer *L, const float *x, int64_t M, int64_t K, const void *p,
+                    int64_t N, const float *b, float *y, int64_t nt) {
+    if (L->int8) return strata_gemm_s8_f32(x, M, K, p, N, b, y, nt);
+    strata_gemm_f32(x, M, K, (const float *)p, N, b, y, nt);
+    return 0;
+}
+
 /* h: [T, hidden], updated in place; k_cache, v_cache: this layer's [blocks, block_size,
  * kv_heads, head_dim]. Returns 0, or -1 when the prefill kernel refused the head layout (the
- * caller checks that first: then nothing is half done). */
+ * caller checks that first: then nothing is half done), or -2 when an int8 GEMM had no memory
+ * for its quantised rows. */
 int64_t strata_decoder_layer_f32(const strata_layer *L, const strata_batch *B, float *h,
                                  float *k_cache, float *v_cache) {
     const int64_t T = B->T, Hd = L->hidden, D = L->head_dim, nh = L->heads, nkv = L->kv_heads;
@@ -129,7 +149,7 @@ int64_t strata_decoder_layer_f32(const strata_layer *L, const strata_batch *B, f
     float *gu = tmp + T * Hd, *act = gu + T * 2 * I, *dq = act + T * I, *dout = dq + B->d_n * att;
 
     strata_rms_norm_f32(h, 0, 0, L->ln1_w, (float)L->ln1_eps, T, Hd, x, nt);
-    strata_gemm_f32(x, T, Hd, L->qkv_p, ld, L->qkv_b, qkv, nt);
+    if (proj(L, x, T, Hd, L->qkv_p, ld, L->qkv_b, qkv, nt)) return -2;
     strata_qk_norm_rope_f32(qkv, T, ld, nh + nkv, nh, D, L->qn_w, L->kn_w, (float)L->qk_eps,
                             B->cos_, B->sin_, nt);
     const int64_t tok = nkv * D;
@@ -154,11 +174,11 @@ int64_t strata_decoder_layer_f32(const strata_layer *L, const strata_batch *B, f
             for (int64_t i = 0; i < B->d_n; i++)
                 memcpy(a + B->d_rows[i] * att, dout + i * att, sizeof(float) * (size_t)att);
     }
-    strata_gemm_f32(a, T, att, L->o_p, Hd, L->o_b, tmp, nt);
+    if (proj(L, a, T, att, L->o_p, Hd, L->o_b, tmp, nt)) return -2;
     strata_rms_norm_f32(h, tmp, h, L->ln2_w, (float)L->ln2_eps, T, Hd, x, nt);
-    strata_gemm_f32(x, T, Hd, L->gu_p, 2 * I, L->gu_b, gu, nt);
+    if (proj(L, x, T, Hd, L->gu_p, 2 * I, L->gu_b, gu, nt)) return -2;
     silu_mul(gu, T, I, act, nt);
-    strata_gemm_f32(act, T, I, L->down_p, Hd, L->down_b, tmp, nt);
+    if (proj(L, act, T, I, L->down_p, Hd, L->down_b, tmp, nt)) return -2;
     for (int64_t i = 0; i < T * Hd; i++) h[i] += tmp[i];
     return 0;
 }

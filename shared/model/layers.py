@@ -4,7 +4,9 @@ Numerics follow transformers' Llama/Qwen code so logits match it: RMSNorm in flo
 computed in float32 then cast to the activation dtype, ``rotate_half`` RoPE layout. Every
 projection is a plain ``nn.Linear`` so it can be swapped for a quantised linear; the forward
 runs it through :class:`Gemm`, which on CPU packs the weight once: for the native float32 GEMM
-(``gemm.c``), or for oneDNN (bf16, or where the native kernels are off).
+(``gemm.c``), or for oneDNN (bf16, or where the native kernels are off). An int8 projection
+(`shared.model.int8.Int8Linear`) runs through its own `Int8Gemm` (native W8A8 on CPU float32),
+and q/k/v and gate/up are fused for it as for float ones.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared.config import RuntimeSettings
-from shared.model import cpu_kernels
+from shared.model import cpu_kernels, int8
 from shared.model.attention import AttentionPlan, paged_attention
+from shared.model.int8 import Int8Gemm, Int8Linear
 from shared.model.softcap import softcap_attention
 
 ACTIVATIONS = {
@@ -196,37 +199,47 @@ def _gemm_of(m: nn.Linear) -> Gemm:
     return g
 
 
-def _native(g: Gemm | None) -> tuple[cpu_kernels.PackedLinear, torch.Tensor | None] | None:
-    """``(packed weight, bias)`` when ``g`` runs on the native float32 GEMM, else ``None``."""
+Packed = tuple[cpu_kernels.PackedLinear | cpu_kernels.PackedInt8, torch.Tensor | None]
+
+
+def _native(g: Gemm | Int8Gemm | None) -> Packed | None:
+    """``(packed weight, bias)`` when ``g`` runs on the native float32 or int8 GEMM, else
+    ``None``."""
     return None if g is None or g.native is None else (g.native, g.b)
 
 
 def project(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``m(x)``, through a cached :class:`Gemm` when ``m`` is a plain ``nn.Linear``."""
+    """``m(x)``, through a cached :class:`Gemm` when ``m`` is a plain ``nn.Linear`` (an int8
+    one runs its own `Int8Gemm`, counting its own fallbacks)."""
     if type(m) is nn.Linear:
         return _gemm_of(m)(x)
-    _torch_on_cpu(x, "gemm")  # a quantised or replaced projection
+    if type(m) is not Int8Linear:
+        _torch_on_cpu(x, "gemm")  # a replaced projection (tensor parallel)
     return m(x)
 
 
-def _torch_on_cpu(x: torch.Tensor, op: str, n: int = 1) -> None:
-    """Count ``n`` calls of ``op`` that a CPU float32 ``x`` runs in torch because the module
-    is one the native kernel has no code for (`cpu_kernels.fallback` "unsupported")."""
+def _torch_on_cpu(x: torch.Tensor, op: str) -> None:
+    """Count a call of ``op`` that a CPU float32 ``x`` runs in torch because the module is one
+    the native kernel has no code for (`cpu_kernels.fallback` "unsupported")."""
     if x.device.type == "cpu" and x.dtype == torch.float32:
-        for _ in range(n):
-            cpu_kernels.fallback(op, "unsupported")
+        cpu_kernels.fallback(op, "unsupported")
 
 
-def native_linear(m: nn.Module) -> tuple[cpu_kernels.PackedLinear, torch.Tensor | None] | None:
-    """``(packed weight, bias)`` of a plain ``nn.Linear`` on the native float32 GEMM, else
-    ``None``."""
+def native_linear(m: nn.Module) -> Packed | None:
+    """``(packed weight, bias)`` of a plain ``nn.Linear`` on the native float32 GEMM or of an
+    `Int8Linear` on the native int8 GEMM, else ``None``."""
+    if type(m) is Int8Linear:
+        return _native(int8.gemm_of(m))
     return _native(_gemm_of(m)) if type(m) is nn.Linear else None
 
 
-def _fuse(linears: list[nn.Linear]) -> Gemm | None:
+def _fuse(linears: list[nn.Module]) -> Gemm | Int8Gemm | None:
     """Stack the weights of ``linears`` into one matrix and make each module's weight (and
     bias) a row slice of it, so one GEMM replaces several and the dense weights are not
-    doubled. Returns ``None`` when they cannot share one GEMM (a quantised or mixed module)."""
+    doubled (int8 ones: `int8.fuse`). Returns ``None`` when they cannot share one GEMM (a
+    mixed or replaced module, int8 off the CPU)."""
+    if all(type(m) is Int8Linear for m in linears):
+        return int8.fuse(linears)
     if any(type(m) is not nn.Linear for m in linears):
         return None
     if len({(m.weight.dtype, m.weight.device, m.bias is None) for m in linears}) != 1:
@@ -246,12 +259,15 @@ def _fuse(linears: list[nn.Linear]) -> Gemm | None:
     return g
 
 
-def _still_fused(fused: Gemm | None, linears: list[nn.Linear]) -> bool:
+def _still_fused(fused: Gemm | Int8Gemm | None, linears: list[nn.Module]) -> bool:
     """True while every module's weight is still the row slice of ``fused`` it was given."""
     if fused is None or not fused.current(fused.w, fused.b) or len(linears) != len(fused.rows):
         return False
-    for m, ptr in zip(linears, fused.rows, strict=True):  # per forward: no slicing of ``w``
-        if type(m) is not nn.Linear or m.weight.data_ptr() != ptr:
+    for m, row in zip(linears, fused.rows, strict=True):  # per forward: no slicing of ``w``
+        if type(m) is nn.Linear:
+            if m.weight.data_ptr() != row:
+                return False
+        elif type(m) is not Int8Linear or int8.row_key(m) != row:
             return False
     return True
 
@@ -318,11 +334,10 @@ class Attention(nn.Module):
                     qk = self._qk_norm(qk)
                 qk = apply_rope(qk, cos, sin)
             q, k = qk[:, :nh], qk[:, nh:]
-        else:  # quantised projections
-            _torch_on_cpu(x, "gemm", n=3)
-            q = self.q_proj(x).view(t, nh, self.head_dim)
-            k = self.k_proj(x).view(t, nkv, self.head_dim)
-            v = self.v_proj(x).view(t, nkv, self.head_dim)
+        else:  # projections that do not stack (int8 on CUDA, replaced ones)
+            q = project(self.q_proj, x).view(t, nh, self.head_dim)
+            k = project(self.k_proj, x).view(t, nkv, self.head_dim)
+            v = project(self.v_proj, x).view(t, nkv, self.head_dim)
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -338,16 +353,16 @@ class Attention(nn.Module):
             o = paged_attention(q, k, v, k_cache, v_cache, slot_mapping, plan, self.scale)
         return project(self.o_proj, o.reshape(t, self.num_heads * self.head_dim))
 
-    def _fused_qkv(self) -> Gemm | None:
+    def _fused_qkv(self) -> Gemm | Int8Gemm | None:
         """The one GEMM over q/k/v_proj, fused again when a projection changed; ``None`` when
-        they cannot share one (quantised)."""
+        they cannot share one."""
         projs = [self.q_proj, self.k_proj, self.v_proj]
         if not _still_fused(self._qkv, projs):
             self._qkv = _fuse(projs)
         return self._qkv
 
-    def native_qkv(self) -> tuple[cpu_kernels.PackedLinear, torch.Tensor | None] | None:
-        """``(packed weight, bias)`` of the fused q/k/v projection on the native GEMM, or None."""
+    def native_qkv(self) -> Packed | None:
+        """``(packed weight, bias)`` of the fused q/k/v projection on a native GEMM, or None."""
         return _native(self._fused_qkv())
 
     def _qk_norm(self, qk: torch.Tensor) -> torch.Tensor:
@@ -371,23 +386,24 @@ class MLP(nn.Module):
         self.act_name = act
         self._gate_up = None  # Gemm over the weight backing gate/up_proj, built on first forward
 
-    def _fused_gate_up(self) -> Gemm | None:
+    def _fused_gate_up(self) -> Gemm | Int8Gemm | None:
         """The one GEMM over gate/up_proj, fused again when one changed; ``None`` when they
-        cannot share one (quantised)."""
+        cannot share one."""
         projs = [self.gate_proj, self.up_proj]
         if not _still_fused(self._gate_up, projs):
             self._gate_up = _fuse(projs)
         return self._gate_up
 
-    def native_gate_up(self) -> tuple[cpu_kernels.PackedLinear, torch.Tensor | None] | None:
-        """``(packed weight, bias)`` of the fused gate/up projection on the native GEMM when the
+    def native_gate_up(self) -> Packed | None:
+        """``(packed weight, bias)`` of the fused gate/up projection on a native GEMM when the
         gating is SiLU (the one the native layer computes), or None."""
         return _native(self._fused_gate_up()) if self.act_name == "silu" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fused = self._fused_gate_up()
         if fused is None:
-            return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+            g, u = project(self.gate_proj, x), project(self.up_proj, x)
+            return project(self.down_proj, self.act(g) * u)
         n = self.gate_proj.out_features
         gu = fused(x)
         return project(self.down_proj, self.act(gu[..., :n]).mul_(gu[..., n:]))

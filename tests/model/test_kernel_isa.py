@@ -12,7 +12,7 @@ from prometheus_client import REGISTRY
 from services import cli
 from shared.config import ConfigError
 from shared.model import build_kernels, cpu_kernels
-from shared.model.build_kernels import _V3, _V4
+from shared.model.build_kernels import _V3, _V4, _VNNI
 from tests.model import test_native_layer as native_layer
 from tests.model.paged_driver import PagedDriver
 
@@ -22,16 +22,20 @@ def _counted(op: str, variant: str) -> int:
 
 
 def test_each_kernel_runs_on_the_variant(kernel_isa, monkeypatch):
-    """gemm, rms_norm, qk_norm_rope, decode and prefill attention, the one-call layer: each
-    called once under ``kernel_isa``, counted for it, and equal to the torch result."""
+    """gemm, int8_gemm, rms_norm, qk_norm_rope, decode and prefill attention, the one-call
+    layer: each called once under ``kernel_isa``, counted for it, and equal to the torch result
+    (int8: to its rounding; bit for bit in tests/model/test_int8_gemm.py)."""
     torch.manual_seed(0)
-    before = {
-        op: _counted(op, kernel_isa)
-        for op in ("gemm", "rms_norm", "qk_norm_rope", "decode_attention", "decoder_layer")
-    }
+    ops = ("gemm", "int8_gemm", "rms_norm", "qk_norm_rope", "decode_attention", "decoder_layer")
+    before = {op: _counted(op, kernel_isa) for op in ops}
     w, x = torch.randn(40, 70), torch.randn(5, 70)
     got = cpu_kernels.linear(x, cpu_kernels.pack_linear(w), None)
     torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-5)
+    scale = w.abs().amax(1) / 127
+    w8 = torch.round(w / scale[:, None]).to(torch.int8)
+    got = cpu_kernels.linear_int8(x, cpu_kernels.pack_int8(w8, scale), None)
+    want = F.linear(x, w8.float() * scale[:, None])
+    assert (got - want).abs().max().item() < 0.02 * want.abs().max().item()
 
     weight = torch.randn(64)
     _, y = cpu_kernels.rms_norm(x[:, :64].contiguous(), weight, 1e-6)
@@ -62,6 +66,7 @@ def test_each_kernel_runs_on_the_variant(kernel_isa, monkeypatch):
 
     after = {op: _counted(op, kernel_isa) for op in before}
     assert after["gemm"] - before["gemm"] >= 1
+    assert after["int8_gemm"] - before["int8_gemm"] == 1
     assert after["rms_norm"] - before["rms_norm"] >= 1
     assert after["qk_norm_rope"] - before["qk_norm_rope"] >= 1
     assert after["decode_attention"] - before["decode_attention"] == 1
@@ -73,7 +78,7 @@ def test_variants_are_separate_libraries_keyed_by_flags():
     assert len(paths) == len(build_kernels.variants())
     for v in build_kernels.variants():
         assert build_kernels.library_path(v.name).name.startswith(f"strata_kernels_{v.name}_")
-    assert build_kernels.NAMES == ("portable", "avx2", "avx512")  # = the fixture's params
+    assert build_kernels.NAMES == ("portable", "avx2", "avx512", "avx512vnni")  # the fixture's
 
 
 def test_build_step_builds_every_variant(capsys):
@@ -90,6 +95,8 @@ def test_auto_picks_the_widest_variant_the_cpu_runs():
     assert build_kernels.choose("auto", frozenset(_V3)) == "avx2"
     assert build_kernels.choose("auto", frozenset(_V4)) == "avx512"
     assert build_kernels.choose("auto", frozenset(_V4) - {"avx512bw"}) == "avx2"
+    assert build_kernels.choose("auto", frozenset(_VNNI)) == "avx512vnni"
+    assert build_kernels.choose("auto", frozenset(_VNNI) - {"avx512_vnni"}) == "avx512"
     assert build_kernels.choose("portable", frozenset(_V4)) == "portable"
     auto = build_kernels.choose("auto")
     assert auto == build_kernels.runnable()[-1]
@@ -130,7 +137,7 @@ def test_an_unknown_variant_lists_the_valid_ones(monkeypatch, capsys):
     assert err.count("\n") == 1 and "Traceback" not in err
     assert "STRATA_CPU_ISA" in err and "'avx9'" in err
     assert all(f"'{v}'" in err for v in ("auto", *build_kernels.NAMES))
-    with pytest.raises(ConfigError, match="use one of auto, portable, avx2, avx512"):
+    with pytest.raises(ConfigError, match="use one of auto, portable, avx2, avx512, avx512vnni$"):
         build_kernels.choose("avx9")
 
 
@@ -186,17 +193,19 @@ def test_each_fallback_is_counted_with_its_reason(monkeypatch, tmp_path):
 
 
 def test_auto_takes_the_next_variant_when_the_compiler_refuses_one(monkeypatch, tmp_path, capsys):
-    """A compiler without the widest variant's target (an old gcc and ``-march=x86-64-v4``):
-    the build step says so and goes on, and ``auto`` loads the next narrower variant."""
+    """A compiler without the widest variant's target (an old gcc: ``-march=x86-64-v4`` before
+    gcc 11, ``-mavx512bf16`` before gcc 10): the build step says so and goes on, and ``auto``
+    loads the next narrower variant."""
     order = build_kernels.runnable()
     if len(order) < 2:
         pytest.skip(f"this CPU runs only {order}: no narrower variant to take")
-    widest = {v.name: v for v in build_kernels.variants()}[order[-1]]
-    march = next(f for f in widest.flags if f.startswith("-march="))
+    by_name = {v.name: v for v in build_kernels.variants()}
+    widest, narrower = by_name[order[-1]], by_name[order[-2]]
+    flag = next(f for f in widest.flags if f not in narrower.flags)  # the flag it alone needs
     cc = tmp_path / "cc"
     cc.write_text(
-        f'#!/bin/sh\nfor a in "$@"; do [ "$a" = "{march}" ] && '
-        f'{{ echo "cc: error: bad value for {march}" >&2; exit 1; }}; done\nexec cc "$@"\n'
+        f'#!/bin/sh\nfor a in "$@"; do [ "$a" = "{flag}" ] && '
+        f'{{ echo "cc: error: bad value for {flag}" >&2; exit 1; }}; done\nexec cc "$@"\n'
     )
     cc.chmod(0o755)
     monkeypatch.setenv("CC", str(cc))
@@ -204,7 +213,7 @@ def test_auto_takes_the_next_variant_when_the_compiler_refuses_one(monkeypatch, 
     try:
         assert build_kernels.main([widest.name, order[-2]]) == 0
         err = capsys.readouterr().err
-        assert f"[kernels] {widest.name}: not built" in err and march in err
+        assert f"[kernels] {widest.name}: not built" in err and flag in err
         assert cpu_kernels.use(None) == order[-2]
         assert REGISTRY.get_sample_value("strata_kernel_isa", {"variant": order[-2]}) == 1
         assert build_kernels.main([widest.name]) == 1  # nothing this CPU runs was built

@@ -58,8 +58,9 @@ class DecoderLayer(nn.Module):
 
     def native(self) -> cpu_kernels.NativeLayer | None:
         """This layer for `cpu_kernels.decoder_layer`: every projection a plain linear on the
-        native GEMM, SiLU gating; rebuilt when a weight changes, ``None`` when it cannot run
-        (`native_reason` then says why)."""
+        native float32 GEMM, or every one an int8 linear on the native int8 GEMM, SiLU gating;
+        rebuilt when a weight changes, ``None`` when it cannot run (`native_reason` then says
+        why)."""
         a, m = self.self_attn, self.mlp
         if isinstance(m, SparseMoE):
             return None
@@ -67,8 +68,8 @@ class DecoderLayer(nn.Module):
             return None
         parts = (a.native_qkv(), native_linear(a.o_proj), m.native_gate_up())
         parts += (native_linear(m.down_proj),)
-        if any(p is None for p in parts):
-            self.native_reason = "a projection that is not a plain float32 linear"
+        if any(p is None for p in parts) or len({type(p[0]) for p in parts}) != 1:
+            self.native_reason = "a projection on neither native GEMM, or float32 and int8 mixed"
             self.__dict__["_native"] = None
             return None
         norms = (self.input_layernorm, self.post_attention_layernorm, a.q_norm, a.k_norm)
