@@ -142,11 +142,13 @@ class DecodeService(RequestTasks):
         await self.receiver.drop(rid)  # whatever part of a transfer arrived is not used
         pool = self.rt.pool_link()
         pooled = False
+        external = None  # pool blocks the engine's scheduler takes in at admission
         if item.kv_block_hashes and pool is not None:
             # Pool mode: pull the full blocks prefill stored; the tail (< 1 block) and anything
             # the pool lost are recomputed by the engine's normal prefix-cached prefill.
-            loaded, nbytes = await pool.load_blocks(item.kv_block_hashes)
+            external, nbytes = await pool.load_blocks(item.kv_block_hashes)
             KV_RECEIVED_BYTES.labels("pool").inc(nbytes)
+            loaded = 0 if external is None else len(external.hashes)
             if loaded < len(item.kv_block_hashes):
                 count_fallback("pool_miss")
             else:
@@ -158,6 +160,7 @@ class DecodeService(RequestTasks):
             # a failed-over stream's blocks written through by the instance that died).
             got = await pool.load_prefix(list(item.prompt_token_ids) + emitted, mm)
             KV_RECEIVED_BYTES.labels("pool").inc(got.nbytes)
+            external = got.external
         stream = port.generate(
             rid,
             item.prompt_token_ids,
@@ -166,5 +169,6 @@ class DecodeService(RequestTasks):
             mm_inputs=mm,
             output_token_ids=emitted,
             tenant=Tenant(item.tenant, item.tenant_weight),
+            external_kv=external,
         )
         return stream, pooled

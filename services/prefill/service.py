@@ -55,10 +55,10 @@ class PrefillService(RequestTasks):
         try:
             mm = await fetch_mm_inputs(item.images, self.rt.loaded.model.dtype)
             context = list(item.prompt_token_ids) + list(item.output_token_ids)
-            hashes, tiers = [], []
+            hashes, tiers, external = [], [], None
             if self.pool is not None and item.sampling.prompt_logprobs is None:
                 # (prompt logprobs need every prompt token computed: nothing to load for them)
-                hashes, tiers, _, _ = await self.pool.load_prefix(context, mm)
+                hashes, tiers, _, _, external = await self.pool.load_prefix(context, mm)
             params = item.sampling.model_copy(update={"max_tokens": 1, "min_tokens": 0})
             direct = not (item.transfer_mode == "pool" and self.pool is not None)
             if direct and self.tap is not None:
@@ -76,6 +76,7 @@ class PrefillService(RequestTasks):
                 output_token_ids=item.output_token_ids,
                 hold_kv=True,
                 tenant=Tenant(item.tenant, item.tenant_weight),
+                external_kv=external,
             ):
                 out = o
             held = True

@@ -169,22 +169,6 @@ class BlockManager:
             self._events.append(CacheEvent("stored", stored))
         return end
 
-    def insert_cached(self, h: bytes) -> int | None:
-        """Take a free block for externally loaded data under hash ``h``; None if already cached.
-
-        The block is left unowned at the warm end of the free queue, findable by ``h``.
-        """
-        if h in self.cached or not self.free_queue:
-            return None
-        b = self._pop_free()
-        self.ref_counts[b] = 0
-        self.free_queue[b] = None
-        self.block_hash[b] = h
-        self.cached[h] = b
-        self.pool_state[b] = POOLED  # loaded from the pool
-        self._events.append(CacheEvent("stored", [h.hex()]))
-        return b
-
     def _record(self, b: int, reason: str) -> None:
         self.pool_state[b] = RECORDED
         self._computed.append((self.block_hash[b], b))

@@ -20,6 +20,7 @@ from shared.engine.engine import LLMEngine
 from shared.engine.port_types import (
     BlockEvent,
     EvictedBlock,
+    ExternalKV,
     MMInput,
     RequestKV,
     Tenant,
@@ -46,6 +47,7 @@ class Add(Command):
     output_token_ids: Sequence[int] = ()
     hold_kv: bool = False
     tenant: Tenant | None = None
+    external_kv: ExternalKV | None = None
 
     def run(self, e: LLMEngine) -> None:
         e.add_request(
@@ -57,6 +59,7 @@ class Add(Command):
             self.output_token_ids,
             self.hold_kv,
             self.tenant,
+            self.external_kv,
         )
 
 
@@ -171,18 +174,6 @@ class Release(Query):
 
     def run(self, e: LLMEngine) -> None:
         e.release(self.request_id)
-
-
-@dataclass
-class InsertCachedBlocks(Query):
-    """Load blocks ``[L, 2, n, block_size, kvh, hd]`` with these hashes as cached blocks;
-    answers, per block, whether it was new."""
-
-    hashes: Sequence[str]
-    kv: torch.Tensor
-
-    def run(self, e: LLMEngine) -> list[bool]:
-        return e.kv.insert_cached(self.hashes, self.kv)
 
 
 @dataclass

@@ -30,7 +30,7 @@ from shared.engine.model_runner import ModelRunner, PreparedBatch, dtype_of
 from shared.engine.outputs import EngineStats, RequestOutput
 from shared.engine.overlap import OverlapStepper
 from shared.engine.params import EngineConfig
-from shared.engine.port_types import KVConnector
+from shared.engine.port_types import ExternalKV, KVConnector
 from shared.engine.sampler import Sampler, SampleRow
 from shared.engine.scheduler import FairShare, Scheduler, SchedulerOutput
 from shared.engine.sequence import MMInput, Sequence, SequenceStatus
@@ -181,7 +181,9 @@ class LLMEngine:
         self.trackers: dict[str, TextTracker] = {}
         self.pending: list[RequestOutput] = []  # outputs produced outside step()
         self.current: SchedulerOutput | None = None  # the step being executed
-        self.kv = EngineKV(self.runner, self.bm, self.salt, config.collect_evicted_kv)
+        self.kv = EngineKV(
+            self.runner, self.bm, self.salt, config.collect_evicted_kv, self.scheduler
+        )
         self.connector: KVConnector | None = None  # layer-wise KV saving
         self.times = StepTimes()
         overlap = config.async_scheduling
@@ -213,11 +215,17 @@ class LLMEngine:
         output_token_ids: Seq[int] = (),
         hold_kv: bool = False,
         tenant: Tenant | None = None,
+        external_kv: ExternalKV | None = None,
     ) -> None:
         """Queue a request. ``output_token_ids`` resumes one whose tokens were already emitted
         elsewhere: they become context and are not emitted again. ``tenant`` (default: the
-        default tenant, weight 1) orders it among waiting requests of its priority class."""
+        default tenant, weight 1) orders it among waiting requests of its priority class.
+        ``external_kv``: KV of some of its prompt's blocks from the pool, taken in at admission
+        (`Scheduler._admit`)."""
+        if external_kv is not None:
+            self._check_external(external_kv)
         seq = self._new_seq(request_id, prompt_token_ids, params, priority, mm_inputs, hold_kv)
+        seq.external = external_kv
         if tenant is not None:
             seq.tenant = tenant
         seq.queued_at = time.perf_counter()
@@ -226,6 +234,15 @@ class LLMEngine:
         seq.prompt_lps_sent = bool(output_token_ids)  # a resume: sent with its first token
         self._track(seq)
         self.scheduler.add(seq)
+
+    def _check_external(self, x: ExternalKV) -> None:
+        k = self.runner.kv.k  # [layers, blocks, block_size, kv_heads, head_dim]
+        want = (k.shape[0], 2, len(x.hashes), k.shape[2], self.runner.kv_heads, k.shape[4])
+        if tuple(x.kv.shape) != want or x.kv.dtype != k.dtype:
+            raise ValueError(
+                f"external KV of shape {list(x.kv.shape)} {x.kv.dtype}: this engine's "
+                f"{len(x.hashes)} blocks are {list(want)} {k.dtype}"
+            )
 
     def _new_seq(self, request_id, prompt, params, priority, mm_inputs, hold_kv) -> Sequence:
         if request_id in self.seqs:
@@ -621,6 +638,7 @@ class LLMEngine:
             last_step_s=t.last_step_s,
             spec_draft_tokens=self._spec[0],
             spec_accepted_tokens=self._spec[1],
+            external_blocks=dict(self.scheduler.external_blocks),
             spec_draft_forwards=getattr(getattr(self.proposer, "stats", None), "forwards", 0),
             pool_recorded=dict(self.bm.recorded),
         )

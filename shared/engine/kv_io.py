@@ -2,8 +2,9 @@
 
 Swap out/in, evicted cached blocks kept for the pool, newly computed blocks read out for the
 pool (write-through), blocks reserved for KV computed elsewhere
-(reserve -> write -> commit or cancel: the one write path of pushed KV), cached blocks loaded
-from the pool, and the per-layer views handed to a `KVConnector`. It works on the block manager
+(reserve -> write -> commit or cancel: the one write path of pushed KV), external KV the
+scheduler admitted with a request (pool blocks, written before its first forward), and the
+per-layer views handed to a `KVConnector`. It works on the block manager
 and the model runner it is given, never on the scheduler's tables; the engine owns one
 (``LLMEngine.kv``), and `shared.engine.port.EnginePort` is how services reach it.
 """
@@ -11,24 +12,15 @@ and the model runner it is given, never on the scheduler's tables; the engine ow
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
 
 import torch
 
 from shared.engine.block_manager import BlockManager
 from shared.engine.model_runner import ModelRunner
 from shared.engine.port_types import EvictedBlock, KVConnector, LayerKV
+from shared.engine.scheduler import Reservation, Scheduler
 from shared.engine.sequence import MMInput
-from shared.protocol.hashing import from_hex, hash_blocks, mm_extra_keys
-
-
-@dataclass
-class Reservation:
-    """Blocks reserved for a request whose KV is computed elsewhere."""
-
-    block_table: list[int]
-    num_tokens: int
-    num_cached: int  # leading tokens already in shared cached blocks (not rewritten)
+from shared.protocol.hashing import hash_blocks, mm_extra_keys
 
 
 def _spans(mm) -> list[tuple[int, int, str]]:
@@ -38,14 +30,21 @@ def _spans(mm) -> list[tuple[int, int, str]]:
 
 
 class EngineKV:
-    def __init__(self, runner: ModelRunner, bm: BlockManager, salt: bytes, collect_evicted: bool):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        bm: BlockManager,
+        salt: bytes,
+        collect_evicted: bool,
+        scheduler: Scheduler,
+    ):
         self.runner = runner
         self.bm = bm
         self.salt = salt
         self.collect_evicted = collect_evicted
+        self.scheduler = scheduler  # admits pushed requests (`Scheduler.admit_incoming`)
         self.swap_store: dict[str, torch.Tensor] = {}
         self.evicted: list[EvictedBlock] = []
-        self.reserved: dict[str, Reservation] = {}
 
     # ----- every step ------------------------------------------------------------------------
     def move(self, sched) -> None:
@@ -55,6 +54,8 @@ class EngineKV:
             self.swap_store[seq.request_id] = self.runner.read_blocks(blocks).cpu()
         for seq, blocks in sched.swap_in:
             self.runner.write_blocks(blocks, self.swap_store.pop(seq.request_id))
+        for blocks, kv in sched.load_in:  # external KV admitted this step (the pool)
+            self.runner.write_blocks(blocks, kv.to(self.runner.device))
 
     def collect_evicted_blocks(self) -> None:
         ev = self.bm.drain_evicted()
@@ -87,23 +88,17 @@ class EngineKV:
         return hash_blocks(list(token_ids), bs, self.salt, mm_extra_keys(_spans(mm), bs))
 
     def reserve(self, request_id: str, num_tokens: int, hashes: Seq[bytes] = ()) -> Reservation:
-        """Allocate blocks for ``num_tokens`` incoming tokens; with the prompt's ``hashes`` the
-        cached prefix blocks are shared and their tokens are not rewritten."""
-        if request_id in self.reserved:
-            raise ValueError(f"duplicate request id {request_id!r}")
-        cached = self.bm.find_cached_prefix(list(hashes)[: num_tokens // self.bm.block_size])
-        table: list[int] = []
-        if not self.bm.allocate_slots(table, num_tokens, cached):
-            raise MemoryError(f"no KV blocks for {num_tokens} prefilled tokens")
-        self.collect_evicted_blocks()
-        r = Reservation(table, num_tokens, len(cached) * self.bm.block_size)
-        self.reserved[request_id] = r
+        """Admission of a pushed request at its first frame (`Scheduler.admit_incoming`): blocks
+        for ``num_tokens`` incoming tokens, the cached prefix of ``hashes`` shared (those tokens
+        are not rewritten)."""
+        r = self.scheduler.admit_incoming(request_id, num_tokens, hashes)
+        self.collect_evicted_blocks()  # blocks it took from the cache are read out first
         return r
 
     def write(self, request_id: str, layers: range, token_start: int, kv: torch.Tensor) -> int:
         """Write ``kv`` = ``[len(layers), 2, n, kvh, hd]`` for tokens ``[token_start, +n)`` of a
         reservation; tokens in shared cached blocks are skipped. Returns the tokens written."""
-        r = self.reserved.get(request_id)
+        r = self.scheduler.incoming.get(request_id)
         if r is None:
             raise KeyError(f"no KV reservation for {request_id!r}")
         end = token_start + kv.shape[2]
@@ -125,17 +120,11 @@ class EngineKV:
 
     def take(self, request_id: str) -> Reservation:
         """Hand a fully written reservation over to the request that commits it."""
-        r = self.reserved.pop(request_id, None)
-        if r is None:
-            raise KeyError(f"no KV reservation for {request_id!r}")
-        return r
+        return self.scheduler.take_incoming(request_id)
 
     def cancel(self, request_id: str) -> bool:
         """Drop a reservation (transfer failed or cancelled) and free its blocks."""
-        r = self.reserved.pop(request_id, None)
-        if r is not None:
-            self.bm.free(r.block_table)
-        return r is not None
+        return self.scheduler.cancel_incoming(request_id)
 
     # ----- external KV pool ------------------------------------------------------------------
     def cached_tokens(self, hashes: Seq[bytes]) -> int:
@@ -145,19 +134,6 @@ class EngineKV:
     def read_blocks(self, block_ids: Seq[int], layers: range | None = None) -> torch.Tensor:
         """``[L', 2, n_blocks, block_size, kvh, hd]`` copy of blocks (all layers by default)."""
         return self.runner.read_blocks(block_ids, layers)
-
-    def insert_cached(self, hashes: Seq[str | bytes], kv: torch.Tensor) -> list[bool]:
-        """Load pool blocks ``[L, 2, n, block_size, kvh, hd]`` as cached blocks; per block,
-        whether it was new (a hash already cached is skipped)."""
-        new = []
-        for i, h in enumerate(hashes):
-            hb = from_hex([h])[0] if isinstance(h, str) else h
-            b = self.bm.insert_cached(hb)
-            if b is not None:
-                self.collect_evicted_blocks()
-                self.runner.write_blocks([b], kv[:, :, i : i + 1])
-            new.append(b is not None)
-        return new
 
     def drain_evicted(self) -> list[EvictedBlock]:
         """Evicted cached blocks, collected only with ``EngineConfig.collect_evicted_kv``."""

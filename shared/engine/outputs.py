@@ -58,6 +58,8 @@ class EngineStats:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_draft_forwards: int = 0  # forwards of the draft model (draft-model speculation)
+    # blocks of external KV (the pool) taken in at admission ("used") or not ("skipped")
+    external_blocks: dict[str, int] = field(default_factory=dict)
     share_preemptions: int = 0  # preempted so a tenant under its share got a batch slot
     contended_steps: int = 0  # steps whose token budget the tenant-contention cap lowered
     # blocks recorded for the KV pool by the save policy, by reason (block_manager.RECORD_REASONS)

@@ -27,6 +27,7 @@ from shared.engine.port_types import (
     BlockEvent,
     EngineStats,
     EvictedBlock,
+    ExternalKV,
     KVConnector,
     KVSpec,
     MMInput,
@@ -100,11 +101,15 @@ class EnginePort:
         output_token_ids: Sequence[int] = (),
         hold_kv: bool = False,
         tenant: Tenant | None = None,
+        external_kv: ExternalKV | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream outputs of one request; leaving the iterator early aborts it.
         ``output_token_ids`` resumes a request whose tokens were emitted elsewhere; with
         ``hold_kv`` its blocks stay after it finishes, until `release`; ``tenant`` is whose
-        request it is (fair queuing among waiting requests)."""
+        request it is (fair queuing among waiting requests); ``external_kv`` is KV of some of
+        its prompt's blocks fetched from the pool, which the scheduler takes in at admission
+        like a prefix hit (blocks held by then, or not continuing the engine's own prefix, are
+        skipped)."""
         add = cmd.Add(
             request_id,
             list(prompt_ids),
@@ -114,6 +119,7 @@ class EnginePort:
             list(output_token_ids),
             hold_kv,
             tenant,
+            external_kv,
         )
         async for out in self._stream(request_id, add):
             yield out
@@ -189,10 +195,6 @@ class EnginePort:
         kv = self._engine.kv
         hashes = kv.hashes(list(token_ids), list(mm_inputs))
         return PrefixMatch(to_hex(hashes), kv.cached_tokens(hashes))
-
-    async def insert_cached_blocks(self, hashes: Sequence[str], kv: torch.Tensor) -> list[bool]:
-        """Load blocks ``[L, 2, n, block_size, kvh, hd]`` as cached; per block, whether new."""
-        return await self._ask(cmd.InsertCachedBlocks(list(hashes), kv))
 
     async def drain_evicted(self) -> list[EvictedBlock]:
         """Cached blocks evicted since the last call (``collect_evicted_kv``)."""

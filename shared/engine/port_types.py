@@ -27,6 +27,7 @@ __all__ = [
     "KVConnector",
     "KVSpec",
     "LayerKV",
+    "ExternalKV",
     "MMInput",
     "PrefixMatch",
     "RequestKV",
@@ -60,6 +61,19 @@ class PrefixMatch(NamedTuple):
 
     hashes: list[str]
     cached_tokens: int
+
+
+class ExternalKV(NamedTuple):
+    """KV of a prompt's consecutive full blocks that comes from outside the engine (the pool),
+    handed over with the request (`EnginePort.generate`). The scheduler admits it like a prefix
+    hit (`Scheduler._admit`): the blocks right after the engine's own cached prefix whose hashes
+    match the prompt's are allocated with the request's other blocks, written before its first
+    forward and cached; blocks the engine holds by then, or that do not continue its prefix, are
+    skipped (counted in ``EngineStats.external_blocks``)."""
+
+    hashes: list[str]  # hex, chained and salted (`PrefixMatch.hashes`), in prompt order
+    kv: torch.Tensor  # [L, 2, len(hashes), block_size, kvh, hd], on the host
+    source: str = "pool"  # a label for the counters (a pool tier)
 
 
 class RequestKV(NamedTuple):

@@ -79,6 +79,9 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     swap_out: list[tuple[Sequence, list[int]]] = field(default_factory=list)
     swap_in: list[tuple[Sequence, list[int]]] = field(default_factory=list)
+    # external KV admitted this step: (block ids, their data [L, 2, n, bs, kvh, hd]), written
+    # before the forward (`EngineKV.move`)
+    load_in: list[tuple[list[int], object]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -87,6 +90,15 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+@dataclass
+class Reservation:
+    """Blocks admitted for a request whose KV is computed elsewhere and pushed here."""
+
+    block_table: list[int]
+    num_tokens: int
+    num_cached: int  # leading tokens already in shared cached blocks (not rewritten)
 
 
 def _rank(seq: Sequence) -> tuple[int, float, int]:
@@ -136,8 +148,15 @@ class Scheduler:
         self.share = share if share is not None else FairShare()
         self._arrived: dict[str, float] = {}  # tenant -> when its last request arrived
         self.contended_steps = 0  # steps whose budget the contention cap lowered
+        # blocks of external KV (`Sequence.external`) taken in at admission, and those skipped
+        # (held by then, or not continuing the local prefix)
+        self.external_blocks = {"used": 0, "skipped": 0}
         self.share_preemptions = 0  # running sequences preempted for another tenant's share
         self.newly_admitted: list[Sequence] = []  # first admissions, drained by the engine
+        # Requests whose KV a prefill instance pushes here, admitted at their first frame
+        # (`admit_incoming`): their blocks are allocated then and they count toward
+        # max_num_seqs (`batch_size`) until their decode starts (`take_incoming`).
+        self.incoming: dict[str, Reservation] = {}
 
     # ----- intake ----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -146,6 +165,44 @@ class Scheduler:
         if self.fair.enabled:
             self._arrived[seq.tenant.name] = self.share.clock()
         self.waiting.append(seq)
+
+    @property
+    def batch_size(self) -> int:
+        """Sequences holding a slot of the batch: running, and admitted with KV on its way."""
+        return len(self.running) + len(self.incoming)
+
+    def admit_incoming(
+        self, request_id: str, num_tokens: int, hashes: Seq[bytes] = ()
+    ) -> Reservation:
+        """Admit a request whose prompt KV is pushed here, at its first frame: blocks for
+        ``num_tokens`` tokens (the cached prefix of ``hashes`` shared, not rewritten), held
+        from now on. It takes a batch slot like a running sequence, but never preempts one: the
+        push is refused (MemoryError) when the blocks are not free, and the request is then
+        computed here instead."""
+        if request_id in self.incoming:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        bs = self.bm.block_size
+        cached = self.bm.find_cached_prefix(list(hashes)[: num_tokens // bs])
+        table: list[int] = []
+        if not self.bm.allocate_slots(table, num_tokens, cached):
+            raise MemoryError(f"no KV blocks for {num_tokens} prefilled tokens")
+        r = Reservation(table, num_tokens, len(cached) * bs)
+        self.incoming[request_id] = r
+        return r
+
+    def take_incoming(self, request_id: str) -> Reservation:
+        """The admitted blocks of a request whose pushed KV is complete (it starts running)."""
+        r = self.incoming.pop(request_id, None)
+        if r is None:
+            raise KeyError(f"no KV reservation for {request_id!r}")
+        return r
+
+    def cancel_incoming(self, request_id: str) -> bool:
+        """A push that failed or was cancelled: its blocks are freed."""
+        r = self.incoming.pop(request_id, None)
+        if r is not None:
+            self.bm.free(r.block_table)
+        return r is not None
 
     def add_running(self, seq: Sequence) -> None:
         """Admit a sequence whose blocks are already allocated and filled (prefilled elsewhere)."""
@@ -217,7 +274,7 @@ class Scheduler:
                     break
                 continue
             if (
-                len(self.running) >= self.max_num_seqs
+                self.batch_size >= self.max_num_seqs
                 and not self._evict_worse(seq, out)
                 and not self._evict_for_share(seq, out)
             ):
@@ -267,7 +324,7 @@ class Scheduler:
         if not prev.scheduled or len(prev.scheduled) != len(self.running):
             return None
         if self.waiting:  # they could only run by taking a slot from a worse class
-            if len(self.running) < self.max_num_seqs:
+            if self.batch_size < self.max_num_seqs:
                 return None
             worst = max(s.priority for s in self.running)
             if any(w.priority < worst for w in self.waiting):
@@ -297,13 +354,18 @@ class Scheduler:
         """Try to start a waiting or swapped sequence within the remaining budget."""
         swapped = seq.status == SequenceStatus.SWAPPED
         cached: list[int] = []
+        hashes: list[bytes] = []
+        ext = None  # (first block, count, data) of external KV taken in with the prefix
         # prompt_logprobs need every prompt token's logits: no prefix reuse until they are out
         # (vLLM skips the prefix cache for such requests too)
         if not swapped and (seq.params.prompt_logprobs is None or seq.prompt_lps_sent):
             hashes = seq.update_block_hashes(self.salt, self.bm.block_size)
             usable = (seq.num_tokens - 1) // self.bm.block_size  # always compute the last token
             cached = self.bm.find_cached_prefix(hashes[:usable])
+            ext = self._external(seq, hashes[:usable], len(cached))
         start = seq.num_computed_tokens if swapped else len(cached) * self.bm.block_size
+        if ext is not None:
+            start += ext[1] * self.bm.block_size
         n = seq.num_tokens - start
         if n > self._budget:
             if self.chunked:
@@ -317,19 +379,53 @@ class Scheduler:
         if swapped:
             out.swap_in.append((seq, seq.block_table[: self.bm.blocks_for(start)]))
         else:
+            if ext is not None:  # written before this step's forward, cached from now on
+                first, n_ext, data = ext
+                out.load_in.append((seq.block_table[first : first + n_ext], data))
+                self.bm.cache_full_blocks(
+                    seq.block_table, hashes, first, first + n_ext, computed=False
+                )
+            if seq.external is not None:
+                used = ext[1] if ext is not None else 0
+                self.external_blocks["used"] += used
+                self.external_blocks["skipped"] += len(seq.external.hashes) - used
+            seq.external = None
             seq.num_computed_tokens = start
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = start
                 self.prefix_query_tokens += seq.num_tokens
                 self.prefix_hit_tokens += start
                 self.newly_admitted.append(seq)
-            seq.num_committed_blocks = len(cached)
+            seq.num_committed_blocks = len(cached) + (ext[1] if ext is not None else 0)
         self.fair.served(seq.vstart)
         self.waiting.remove(seq)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         self._scheduled(out, ScheduledSeq(seq, n, 0))
         return True
+
+    def _external(self, seq: Sequence, hashes: Seq[bytes], local: int):
+        """The part of ``seq.external`` that continues the local cached prefix of ``local``
+        blocks, as (first block index, block count, data), or None. Blocks it carries that the
+        engine already holds, or that do not match the prompt's hashes, are skipped and
+        counted; all of it is skipped when it does not start at or before the local prefix's
+        end."""
+        x = seq.external
+        if x is None or not x.hashes:
+            return None
+        want = [h.hex() for h in hashes]
+        try:
+            first = want.index(x.hashes[0])
+        except ValueError:
+            first = len(want)
+        m = 0  # blocks of it that match the prompt from ``first`` on
+        while m < len(x.hashes) and first + m < len(want) and want[first + m] == x.hashes[m]:
+            m += 1
+        use = m - (local - first) if first <= local else 0
+        if use <= 0:
+            return None
+        skip = local - first
+        return local, use, x.kv[:, :, skip : skip + use]
 
     def _evict_worse(self, seq: Sequence, out: SchedulerOutput) -> bool:
         """Preempt the worst running sequence if its class is strictly worse than ``seq``'s."""
@@ -362,7 +458,7 @@ class Scheduler:
         """With the running batch full: the running sequence that the first of ``waiting``
         whose tenant is under its weighted share of the slots may preempt (the newest of the
         tenant furthest over its share, in that request's priority class or a worse one)."""
-        if not self.fair.enabled or len(self.running) < self.max_num_seqs:
+        if not self.fair.enabled or self.batch_size < self.max_num_seqs:
             return None
         held: dict[str, int] = {}
         weight: dict[str, float] = {}

@@ -65,6 +65,9 @@ class Sequence:
     # Grammar state of a structured request (`shared.engine.structured.Constraint`), built at
     # its first sampling by replaying the outputs so far.
     constraint: Any = None
+    # KV of some of its prompt's blocks from outside (`port_types.ExternalKV`, the pool), taken
+    # in at admission like a prefix hit and dropped then (`Scheduler._admit`).
+    external: Any = None
     # prompt_logprobs: position p (1..) -> ({token: logprob}, rank of prompt token p), filled
     # chunk by chunk; handed out once, with the first output (``prompt_lps_sent``).
     prompt_lps: dict[int, tuple[dict[int, float], int]] = field(default_factory=dict)

@@ -2,11 +2,12 @@
 
 - `load_prefix`: before a prefill (on a prefill instance, or on a decode instance that computes
   the prompt itself: the colocated shape, a failed push, a failover), find the longest reusable
-  prefix (own memory first, then the pool), load what the cost model says is cheaper to load
-  than to recompute (or every pool block / none, by ``kv_pool_load``), and insert it into the
-  engine as cached blocks, so the engine computes only the rest. Each decision is counted and
-  logged at debug level with its inputs.
-- `load_blocks`: pull given blocks (decode in pool mode), reporting the payload bytes written.
+  prefix (own memory first, then the pool) and fetch what the cost model says is cheaper to load
+  than to recompute (or every pool block / none, by ``kv_pool_load``) as an `ExternalKV` the
+  request carries into the engine: its scheduler takes the blocks in at admission, counted with
+  the request's other blocks, like a prefix hit, so the engine computes only the rest. Each
+  decision is counted and logged at debug level with its inputs.
+- `load_blocks`: fetch given blocks (decode in pool mode) as an `ExternalKV`.
 - `store_blocks`: offer blocks to the pool (prefill in pool mode, before decode pulls them).
 - `offer`: the blocks the engine's save policy recorded since the last call (every computed
   one, or those that recur) and those evicted before their copy left go to the pool, less those
@@ -24,6 +25,7 @@ import torch
 from prometheus_client import Counter
 
 from shared.engine.port import EnginePort
+from shared.engine.port_types import ExternalKV
 from shared.kvcache_rules import pool_continuation
 from shared.kvtransfer.frames import FrameError, frame_nbytes, frame_to_tensor, payload_nbytes
 from shared.kvtransfer.pool import PoolClient
@@ -63,12 +65,13 @@ would double its memory at exit)."""
 
 
 class PrefixLoad(NamedTuple):
-    """What `PoolLink.load_prefix` found and did for one prompt."""
+    """What `PoolLink.load_prefix` found and fetched for one prompt."""
 
     hashes: list[str]  # the prompt's full-block hashes
     tiers: list[str | None]  # pool tier of each block (None: not in the pool)
-    blocks: int  # blocks loaded from the pool into the engine
-    nbytes: int  # their payload bytes written into the engine
+    blocks: int  # blocks fetched from the pool for the engine
+    nbytes: int  # their payload bytes
+    external: ExternalKV | None = None  # what to hand `EnginePort.generate` (None: nothing)
 
 
 class PoolLink:
@@ -121,15 +124,14 @@ class PoolLink:
         )
         if not want:
             return PrefixLoad(hashes, tiers, 0, 0)
-        n, nbytes = await self.load_blocks(hashes[own : own + len(want)], want)
-        return PrefixLoad(hashes, tiers, n, nbytes)
+        ext, nbytes = await self.load_blocks(hashes[own : own + len(want)], want)
+        return PrefixLoad(hashes, tiers, 0 if ext is None else len(ext.hashes), nbytes, ext)
 
     async def load_blocks(
         self, want: list[str], tiers: list[str | None] | None = None
-    ) -> tuple[int, int]:
-        """Pull ``want`` from the pool and insert its present leading run into the engine as
-        cached blocks. Returns (blocks loaded, payload bytes of the blocks written into the
-        engine: blocks it already held are skipped and not counted)."""
+    ) -> tuple[ExternalKV | None, int]:
+        """Pull ``want`` from the pool: its present, usable leading run as an `ExternalKV` for
+        `EnginePort.generate` (None when the first block is missing), and its payload bytes."""
         t0 = time.perf_counter()
         frames = await self.pool.get_frames(want, self.fingerprint)
         run, blocks = [], []
@@ -144,17 +146,16 @@ class PoolLink:
             blocks.append(t)
         n = len(run)
         if n == 0:
-            return 0, 0
-        kv = torch.stack(blocks, dim=2)
-        written = await self.port.insert_cached_blocks(want[:n], kv)  # [L, 2, n, bs, kvh, hd]
-        nbytes = sum(frame_nbytes(f) for f, w in zip(run, written, strict=True) if w)
+            return None, 0
+        kv = torch.stack(blocks, dim=2)  # [L, 2, n, bs, kvh, hd]
+        nbytes = sum(frame_nbytes(f) for f in run)
         elapsed = time.perf_counter() - t0
         tiers = list(tiers or ["dram"] * n)[:n]
         for tier in set(tiers):
             cnt = sum(1 for t in tiers if t == tier)
             self.cost.observe_load(tier or "dram", cnt, elapsed * cnt / n)
             POOL_HIT_BLOCKS.labels(tier or "dram").inc(cnt)
-        return n, nbytes
+        return ExternalKV(want[:n], kv, tiers[0] or "dram"), nbytes
 
     def _block(self, h: str, frame) -> torch.Tensor | None:
         """The frame as this engine's block ``[L, 2, bs, kvh, hd]``, or None when it is not one

@@ -45,7 +45,7 @@ def test_prefix_cache_hit_revive_and_lru_eviction():
     assert bm.allocate_slots(d, 2, [0]) and d == [0] and bm.num_free_blocks == 0
 
 
-def test_duplicate_hash_not_registered_twice_and_insert_cached():
+def test_duplicate_hash_not_registered_twice():
     bm = BlockManager(3, 2)
     a: list[int] = []
     b: list[int] = []
@@ -54,9 +54,6 @@ def test_duplicate_hash_not_registered_twice_and_insert_cached():
     bm.cache_full_blocks(a, [H[5]], 0, 1)
     bm.cache_full_blocks(b, [H[5]], 0, 1)
     assert bm.cached == {H[5]: 0} and bm.block_hash[1] is None
-    assert bm.insert_cached(H[5]) is None
-    blk = bm.insert_cached(H[6])
-    assert blk == 2 and bm.ref_counts[2] == 0 and bm.find_cached_prefix([H[6]]) == [2]
     assert bm.num_free_blocks == 1
 
 
@@ -70,15 +67,14 @@ def test_prefix_caching_disabled():
 
 def test_computed_blocks_recorded_for_write_through_only_when_asked():
     """`drain_computed` with policy "all": blocks cached because this engine computed them, in
-    order; not blocks written from elsewhere (``computed=False``) or loaded (`insert_cached`),
-    and nothing with policy "off"."""
+    order; not blocks written from elsewhere (``computed=False``: pushed or pool KV), and nothing
+    with policy "off"."""
     h = [bytes([i]) * 16 for i in range(6)]
     bm = BlockManager(8, 4, save="all")
     t1, t2 = [], []
     assert bm.allocate_slots(t1, 8) and bm.allocate_slots(t2, 8)
     bm.cache_full_blocks(t1, h[:2], 0, 2)
     bm.cache_full_blocks(t2, h[2:4], 0, 2, computed=False)  # pushed KV
-    bm.insert_cached(h[4])
     assert bm.drain_computed() == [(h[0], t1[0]), (h[1], t1[1])]
     assert bm.drain_computed() == []
     off = BlockManager(8, 4)

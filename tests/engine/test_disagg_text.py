@@ -2,6 +2,7 @@
 engine, reserved, written (whole or frame by frame) and committed on another; prefix match,
 cached-block insertion, KV events and evicted blocks."""
 
+import asyncio
 import contextlib
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from shared.engine.engine import LLMEngine
 from shared.engine.params import EngineConfig
 from shared.engine.port import EnginePort
+from shared.engine.port_types import ExternalKV
 from shared.model.loader import load_model
 from shared.protocol.sampling import SamplingParams
 from tests.engine.conftest import prompts
@@ -99,14 +101,20 @@ async def test_pool_hooks_match_insert_and_evicted(qwen_ckpt):
         ev = await a.drain_kv_events()
         assert [e.kind for e in ev] == ["stored"] and ev[0].hashes == hashes
         assert await a.drain_kv_events() == []
-        # B loads the pool blocks and gets a prefix hit equal to single-engine output
+        # B takes the pool blocks in with the request (admitted like a prefix hit): the output
+        # equals the single engine's, and the blocks are cached from then on
         assert (await b.match_prefix(p)).cached_tokens == 0
-        assert await b.insert_cached_blocks(hashes, kv[:, :, :4]) == [True] * 4
-        assert await b.insert_cached_blocks(hashes[:2], kv[:, :, :2]) == [False] * 2
-        assert await b.match_prefix(p) == (hashes, 16)
-        outs = [o async for o in b.generate("y", p, SP)]
+        ext = ExternalKV(hashes, kv[:, :, :4])
+        outs = [o async for o in b.generate("y", p, SP, external_kv=ext)]
         assert outs[0].num_cached_tokens == 16
         assert sum((o.new_token_ids for o in outs), []) == want
+        assert b.stats().external_blocks == {"used": 4, "skipped": 0}
+        assert await b.match_prefix(p) == (hashes, 16)
+        # a second request carrying blocks B holds by now: skipped, not written again
+        ext = ExternalKV(hashes[:2], kv[:, :, :2])
+        outs = [o async for o in b.generate("z", p, SP, external_kv=ext)]
+        assert sum((o.new_token_ids for o in outs), []) == want
+        assert b.stats().external_blocks == {"used": 4, "skipped": 2}
         # fill B so the cached blocks get evicted; their bytes come out intact
         [long] = prompts(11, [159])
         _ = [o async for o in b.generate("z", long, SamplingParams(temperature=0, max_tokens=1))]
@@ -159,3 +167,37 @@ def test_abort_frees_blocks_and_reports(qwen_ckpt):
     assert eng.bm.num_free_blocks == eng.bm.num_blocks
     [o] = eng.step()
     assert o.finished and o.finish_reason == "abort" and not eng.has_unfinished_requests()
+
+
+async def test_pushed_kv_is_admitted_at_its_first_frame_and_holds_a_batch_slot(qwen_ckpt):
+    """A push is admitted by B's scheduler at its first frame (`Scheduler.admit_incoming`): its
+    blocks are allocated then, and with max_num_seqs=1 the slot it takes keeps a waiting
+    request out until its decode is done. A push whose blocks are not free is refused (the
+    caller computes the prompt instead), never by preempting a running sequence."""
+    _, path = qwen_ckpt
+    model = load_model(path)
+    [p, q] = prompts(21, [13, 9])
+    want_q = LLMEngine(model, EngineConfig(**CFG)).generate([q], SP)[0]
+    with _ports(model, 1) as (a,), _ports(model, 1, max_num_seqs=1) as (b,):
+        first, flat, _ = await _prefill(a, "p", p)
+        free = b.stats().kv_blocks_free
+        await b.reserve_kv("p", len(p))
+        assert b.stats().kv_blocks_free == free - 4  # admitted: its 4 blocks are held
+        waiting = asyncio.create_task(_collect(b.generate("q", q, SP)))
+        await asyncio.sleep(0.3)  # B steps meanwhile, but the incoming push holds the slot
+        assert b.stats().waiting == 1 and b.stats().running == 0 and not waiting.done()
+        await b.write_kv("p", range(flat.shape[0]), 0, flat)
+        await _decode(b, "p", p, first)
+        assert await waiting == want_q
+    with _ports(model, 1, kv_cache_bytes=11 * 2048) as (c,):  # 11 blocks of 4 tokens
+        held = await _collect(c.generate("r", prompts(22, [20])[0], SP, hold_kv=True))
+        assert len(held) == 10 and c.stats().kv_blocks_free == 3  # r keeps its 8 blocks
+        with pytest.raises(MemoryError, match="no KV blocks"):
+            await c.reserve_kv("p", len(p))  # 4 blocks: not free, and nothing is taken
+        await c.release("r")
+        await c.reserve_kv("p", len(p))
+        assert c.stats().kv_blocks_free == 7 and c.stats().preemptions == 0
+
+
+async def _collect(stream) -> list[int]:
+    return sum([o.new_token_ids async for o in stream], [])
