@@ -53,6 +53,13 @@ POOL_RECORDED = Counter(
     "leaving memory unsaved), flush (a graceful stop)",
     (*_L, "reason"),
 )
+EXTERNAL_BLOCKS = Counter(
+    "strata_kv_external_blocks",
+    "Pool blocks a request brought to the engine (ExternalKV), by outcome at its admission: "
+    "used (taken in like a prefix hit) or skipped (held by then, or not continuing the local "
+    "prefix)",
+    (*_L, "outcome"),
+)
 _T = (*_L, "tenant")
 TENANT_ADMITTED = Counter(
     "strata_tenant_admitted", "Requests taken from the engine's waiting queue, by tenant", _T
@@ -91,6 +98,12 @@ class EngineMetrics:
             delta = value - self._last[key]
             if delta > 0:
                 counter.labels(*lab).inc(delta)
+            self._last[key] = value
+        for outcome, value in s.external_blocks.items():
+            key = f"external:{outcome}"
+            delta = value - self._last.get(key, 0)
+            if delta > 0:
+                EXTERNAL_BLOCKS.labels(*lab, outcome).inc(delta)
             self._last[key] = value
         for reason, value in s.pool_recorded.items():
             delta = value - self._last.get(reason, 0)

@@ -166,9 +166,12 @@ async def test_prefix_written_through_by_a_is_loaded_by_b(two_decodes, nc):
     assert stored("computed") - before >= 10
 
     t, d = Transfers(), decisions()
+    used = cb.rt.port.stats().external_blocks.get("used", 0)
     got = await _run(nc, subjects.decode_submit("cb"), work("w-b", p2))
     moved = t.moved()
     assert moved.get("received:pool") == kv_bytes(cb.rt, 160)
+    # b's scheduler took the 10 blocks in at the request's admission, like a prefix hit
+    assert cb.rt.port.stats().external_blocks["used"] - used == 10
     assert moved.get("kvstore_hits:dram") == 10
     assert decisions()["load"] - d["load"] == 1
     last = max(got, key=lambda c: c.index)
