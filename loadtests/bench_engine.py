@@ -237,6 +237,79 @@ def spec(lm, n: int) -> list[str]:
     for wrong_from, label in ((99, "all drafts right"), (2, "drafts 3-4 wrong")):
         prop = OracleProposer(table, 4, wrong_from)
         rows += spec_run(lm, f"oracle, {label}", ps, sp, prop)
+    rows += draft_rows(lm, ps, sp, table)
+    return rows
+
+
+def truncated_draft(src: Path, layers: int) -> Path:
+    """A draft checkpoint made of the target's first ``layers`` decoder layers (embedding, final
+    norm and LM head kept: an early-exit draft), beside the target in ``.cache``."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = src.parent / f"{src.name}-draft{layers}"
+    if (out / "model.safetensors").exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
+            shutil.copy(f, out / f.name)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["num_hidden_layers"] = layers
+    (out / "config.json").write_text(json.dumps(cfg))
+    ts = load_file(src / "model.safetensors")
+    keep = {
+        k: v
+        for k, v in ts.items()
+        if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers
+    }
+    save_file(keep, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+class PacedProposer:
+    """Runs a draft model's forwards (its cost) and proposes an oracle's tokens instead."""
+
+    def __init__(self, draft, oracle):
+        self.draft, self.oracle, self.stats = draft, oracle, draft.stats
+
+    def propose_batch(self, seqs) -> list[list[int]]:
+        self.draft.propose_batch(seqs)
+        return [self.oracle.propose(s) for s in seqs]
+
+
+def draft_rows(lm, ps, sp, table) -> list[str]:
+    """Draft-model speculation (`DraftModelProposer`), batch 1. The benchmark model has random
+    weights, so no smaller model agrees with it: rows show the target as its own draft
+    (acceptance 1, a draft as costly as the target), a one-layer early-exit draft as it is
+    (acceptance ~0: the cost of drafting for nothing), and that draft's forwards with the
+    oracle's tokens put in their place (the cost of the real one-layer draft at the acceptance
+    of a draft that agrees)."""
+    from shared.engine.model_runner import ModelRunner
+    from shared.engine.spec_decode import DraftModelProposer
+
+    one = load_model(truncated_draft(lm.path, 1))
+
+    def proposer(draft, oracle=None):
+        eng = engine(lm, max_num_seqs=1, num_speculative_tokens=4)
+        runner = ModelRunner(draft.model, eng.bm.num_blocks, eng.config.block_size, torch.float32)
+        prop = DraftModelProposer(runner, 4, lm.config.vocab_size, 2048)
+        if oracle is None:
+            return prop
+
+        return PacedProposer(prop, oracle)
+
+    rows = spec_run(lm, "draft model = the target itself", ps, sp, proposer(lm))
+    rows += spec_run(lm, "draft model = its first layer", ps, sp, proposer(one))
+    for wrong_from, label in ((99, "all right"), (2, "drafts 3-4 wrong")):
+        prop = proposer(one, OracleProposer(table, 4, wrong_from))
+        rows += spec_run(lm, f"first-layer draft's forwards, oracle tokens ({label})", ps, sp, prop)
+    sampled = SamplingParams(temperature=0.8, seed=1, max_tokens=64, ignore_eos=True)
+    rows += spec_run(
+        lm, "draft model = the target itself, sampled at 0.8", ps, sampled, proposer(lm)
+    )
     return rows
 
 
@@ -263,7 +336,7 @@ def spec_run(lm, name: str, ps, sp, proposer=None, repeats: int = 3) -> list[str
     st = e1.stats()
     return [
         f"Spec decode, {name} (k=4, {len(ps)} prompts, 64 out, batch 1, best of {repeats}):",
-        f"- identical to greedy: {same}; acceptance {st.spec_acceptance_rate:.2f} "
+        f"- identical to plain: {same if sp.greedy else 'n/a (sampled)'}; acceptance {st.spec_acceptance_rate:.2f} "
         f"({st.spec_accepted_tokens}/{st.spec_draft_tokens}); plain {t0:.2f} s, spec {t1:.2f} s "
         f"-> speedup {t0 / t1:.2f}x",
     ]
