@@ -30,28 +30,10 @@ import time
 
 import torch
 
+from loadtests.bench_kernels import alternate
+from loadtests.bench_peer import cpu_name as cpu_model
+
 GEMM_ROWS = (1, 16, 64)
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        return "unknown CPU"
-
-
-def alternate(fns: dict, repeats: int) -> dict[str, float]:
-    """Median ms of each callable, called in turn ``repeats`` times (after one warm-up each)."""
-    for fn in fns.values():
-        fn()
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, fn in fns.items():
-            t = time.perf_counter()
-            fn()
-            times[k].append((time.perf_counter() - t) * 1e3)
-    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def projections(cfg) -> list[tuple[str, int, int]]:

@@ -21,7 +21,7 @@ from loadtests.simulator.sim import SimResult, Simulation, pct
 from loadtests.simulator.trace import TraceRequest
 from services.scheduler.planner import PlannerConfig, RoleLoad, RolePlanner
 from services.scheduler.policies import make_policy
-from services.scheduler.types import ClusterState, CostModel
+from services.scheduler.types import CostModel
 
 
 def bursty_trace(
@@ -89,13 +89,6 @@ class AutoPDSimulation(Simulation):
         if self.planner is not None:
             self.at(0.0, self.tick)
         return super().run(trace)
-
-    def decide(self, now, job, req):
-        if not self.draining:
-            return super().decide(now, job, req)
-        pre = [x.view for x in self.prefill if x.view.instance_id not in self.draining]
-        dec = [x.view for x in self.decode if x.view.instance_id not in self.draining]
-        return self.policy.choose(req, ClusterState(pre, dec, now))
 
     def tick(self, now: float) -> None:
         for x in self.prefill + self.decode:

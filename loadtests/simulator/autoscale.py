@@ -23,7 +23,7 @@ from loadtests.simulator.trace import TraceRequest
 from services.scheduler.autoscale import Autoscaler, ScaleConfig
 from services.scheduler.planner import RoleLoad
 from services.scheduler.policies import make_policy
-from services.scheduler.types import ClusterState, CostModel
+from services.scheduler.types import CostModel
 
 
 def wave_trace(
@@ -86,12 +86,6 @@ class AutoscaleSimulation(Simulation):
         self.total = len(trace)
         self.at(0.0, self.tick)
         return super().run(trace)
-
-    def decide(self, now, job, req):
-        if not self.draining:
-            return super().decide(now, job, req)
-        dec = [x.view for x in self.decode if x.view.instance_id not in self.draining]
-        return self.policy.choose(req, ClusterState([x.view for x in self.prefill], dec, now))
 
     def step_s(self, x: SimInstance) -> float:
         c = self.cfg

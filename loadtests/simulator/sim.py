@@ -71,6 +71,8 @@ class Simulation:
         self.rejected = 0
         self.self_prefills = 0
         self.decision_s: list[float] = []
+        # instances taken out of routing (AutoPD flips, autoscaling retirements): ids
+        self.draining: set[str] | dict[str, float] = set()
 
     def _inst(self, iid: str, role: str, long: bool) -> SimInstance:
         c = self.cfg
@@ -136,7 +138,9 @@ class Simulation:
 
     def decide(self, now: float, job: Job, req: RequestView) -> RouteDecision:
         """The policy's decision on the instances as their latest load reports show them."""
-        state = ClusterState([x.view for x in self.prefill], [x.view for x in self.decode], now)
+        pre = [x.view for x in self.prefill if x.view.instance_id not in self.draining]
+        dec = [x.view for x in self.decode if x.view.instance_id not in self.draining]
+        state = ClusterState(pre, dec, now)
         t0 = time.perf_counter()
         d = self.policy.choose(req, state)
         self.decision_s.append(time.perf_counter() - t0)
