@@ -35,6 +35,7 @@ from shared.engine.sampler import Sampler, SampleRow
 from shared.engine.scheduler import FairShare, Scheduler, SchedulerOutput
 from shared.engine.sequence import MMInput, Sequence, SequenceStatus
 from shared.engine.spec_decode import (
+    Backoff,
     DraftModelProposer,
     NgramProposer,
     Proposer,
@@ -192,6 +193,7 @@ class LLMEngine:
         # the overlapped step (forward thread, decode scheduled ahead); None: the plain step
         self.overlap = OverlapStepper(self) if overlap else None
         self._spec = [0, 0]  # drafted, accepted
+        self.backoff = Backoff(config.spec_min_acceptance)
         self._grammars: GrammarCache | None = None
 
     @property
@@ -455,6 +457,7 @@ class LLMEngine:
                 toks = self._verify(sch.seq, sch.num_draft_tokens, verify[i])
                 self._spec[0] += sch.num_draft_tokens
                 self._spec[1] += len(toks) - 1
+                self.backoff.observe(sch.seq, sch.num_draft_tokens, len(toks) - 1)
                 sampled.append(toks)
                 lps.append(None)
             else:
@@ -519,6 +522,7 @@ class LLMEngine:
             if s.num_computed_tokens == s.num_tokens - 1
             and eligible(s)
             and (s.params.structured is None or s.constraint is not None)
+            and self.backoff.allows(s)
         ]
         # called with none too: a draft model frees finished sequences' blocks here
         k = self.config.num_speculative_tokens
@@ -639,6 +643,7 @@ class LLMEngine:
             spec_draft_tokens=self._spec[0],
             spec_accepted_tokens=self._spec[1],
             external_blocks=dict(self.scheduler.external_blocks),
+            spec_paused_steps=self.backoff.paused_steps,
             spec_draft_forwards=getattr(getattr(self.proposer, "stats", None), "forwards", 0),
             pool_recorded=dict(self.bm.recorded),
         )

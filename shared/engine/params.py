@@ -36,6 +36,11 @@ class EngineConfig:
     num_speculative_tokens: int = 0
     """Draft tokens per decode step (n-gram prompt lookup, or ``speculative_model``'s); 0
     disables speculation."""
+    spec_min_acceptance: float = 0.1
+    """Speculation pauses for a sequence whose moving share of accepted drafts falls under this
+    (2 steps, doubled per further miss up to 64, then it probes again: `spec_decode.Backoff`);
+    0: never pauses. A verify step costs about 1 + 0.1 k plain steps on CPU, so with free
+    drafts (n-gram) speculation pays from about 10% acceptance; a draft model needs more."""
     speculative_model: str | None = None
     """Checkpoint directory of a small draft model with the target's vocabulary: it proposes
     the drafts (run greedily, its own KV cache inside ``kv_cache_bytes``) instead of n-gram
@@ -102,6 +107,8 @@ class EngineConfig:
             bad("eplb_interval_steps", "must be >= 0")
         if self.num_speculative_tokens < 0:
             bad("num_speculative_tokens", "must be >= 0")
+        if not 0.0 <= self.spec_min_acceptance <= 1.0:
+            bad("spec_min_acceptance", "must be between 0 and 1")
         if self.speculative_model and self.num_speculative_tokens < 1:
             bad("speculative_model", "needs num_speculative_tokens >= 1")
         if not 1 <= self.ngram_min <= self.ngram_max:

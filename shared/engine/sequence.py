@@ -68,6 +68,11 @@ class Sequence:
     # KV of some of its prompt's blocks from outside (`port_types.ExternalKV`, the pool), taken
     # in at admission like a prefix hit and dropped then (`Scheduler._admit`).
     external: Any = None
+    # Speculative decoding (`spec_decode.Backoff`): moving share of drafts accepted, steps left
+    # in the current pause, and that pause's length.
+    spec_rate: float = 1.0
+    spec_pause: int = 0
+    spec_backoff: int = 0
     # prompt_logprobs: position p (1..) -> ({token: logprob}, rank of prompt token p), filled
     # chunk by chunk; handed out once, with the first output (``prompt_lps_sent``).
     prompt_lps: dict[int, tuple[dict[int, float], int]] = field(default_factory=dict)

@@ -114,6 +114,43 @@ def verify_greedy(drafts: Seq[int], target: Seq[int]) -> list[int]:
     return out
 
 
+class Backoff:
+    """Pauses a sequence's speculation while its drafts are not being accepted.
+
+    A step with drafts costs more than a plain one (the verify rows, the draft model's
+    forwards), so drafts that are refused only slow a stream down. Per sequence, the share of
+    its drafts accepted is followed as an exponential moving average (weight ``alpha`` per
+    verify step, starting at 1); when it falls under ``min_acceptance`` the sequence proposes
+    nothing for a pause of 2 steps, doubled on each further miss up to ``max_pause``, then
+    probes again (the average restarts at the threshold, so one good step resumes drafting and
+    resets the pause). ``min_acceptance`` 0 never pauses. Output is unchanged either way
+    (greedy output is exact, sampled output keeps its distribution)."""
+
+    def __init__(self, min_acceptance: float, alpha: float = 0.5, max_pause: int = 64):
+        self.min, self.alpha, self.max_pause = min_acceptance, alpha, max_pause
+        self.paused_steps = 0  # sequence-steps without drafts because of a pause
+
+    def allows(self, seq: Sequence) -> bool:
+        """Whether ``seq`` may propose this step (a paused one counts a step of its pause)."""
+        if seq.spec_pause > 0:
+            seq.spec_pause -= 1
+            self.paused_steps += 1
+            return False
+        return True
+
+    def observe(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        """A verify step of ``seq`` kept ``accepted`` of its ``drafted`` drafts."""
+        if drafted <= 0 or self.min <= 0:
+            return
+        seq.spec_rate += self.alpha * (accepted / drafted - seq.spec_rate)
+        if seq.spec_rate < self.min:
+            seq.spec_backoff = min(self.max_pause, max(2, 2 * seq.spec_backoff))
+            seq.spec_pause = seq.spec_backoff
+            seq.spec_rate = self.min
+        else:
+            seq.spec_backoff = 0
+
+
 # ----- draft model ---------------------------------------------------------------------------
 
 

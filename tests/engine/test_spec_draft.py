@@ -175,3 +175,20 @@ def test_rejection_sampling_preserves_the_target_distribution(top_k):
     # every run emits accepted drafts then one token of its own
     assert all(1 <= len(o) <= 3 for o in outs)
     assert any(len(o) == 3 for o in outs) and any(len(o) == 1 for o in outs)
+
+
+def test_speculation_pauses_while_drafts_are_refused(ckpts, target):
+    """A draft that never agrees (the Llama draft) pauses each sequence's speculation with a
+    growing backoff: far fewer drafts, the same greedy output; with a threshold of 0 it drafts
+    every step; the self-draft (always accepted) never pauses."""
+    ps = prompts(15, [7, 12])
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ref = LLMEngine(target, EngineConfig(**CFG)).generate(ps, sp)
+    always = _spec(target, ckpts[1], spec_min_acceptance=0.0)
+    paused = _spec(target, ckpts[1])  # the default threshold, 0.1
+    assert always.generate(ps, sp) == ref == paused.generate(ps, sp)
+    a, p = always.stats(), paused.stats()
+    assert a.spec_paused_steps == 0 and p.spec_paused_steps > 40
+    assert p.spec_draft_tokens < a.spec_draft_tokens / 3
+    own = _spec(target, ckpts[0])
+    assert own.generate(ps, sp) == ref and own.stats().spec_paused_steps == 0
