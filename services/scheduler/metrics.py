@@ -59,8 +59,8 @@ SCALE_DECISIONS = Counter(
 )
 DESIRED_INSTANCES = Gauge(
     "strata_scheduler_desired_instances",
-    "Instances of the role the autoscaler sizes the fleet at now; `strata up --autoscale` "
-    "starts instances up to it (an HPA / KEDA target elsewhere)",
+    "Instances of the role the autoscaler sizes the fleet at now; `strata up` "
+    "starts instances up to it with --autoscale-max-decode (an HPA / KEDA target elsewhere)",
     ["role"],
 )
 AUTOPD_DECISIONS = Counter(
