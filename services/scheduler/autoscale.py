@@ -48,6 +48,9 @@ class ScaleConfig:
     up_ticks, down_ticks: ticks the need must stay above / below the count before a decision.
     cooldown_ticks: ticks after a decision during which no other is made.
     default_rate: prefill tokens per second of an instance that reports none.
+    lookahead_ticks: size for the load expected this many ticks ahead (about an instance's
+        start time): the load plus its rising trend (a moving average of the per-tick change,
+        never negative) times this; 0 sizes for the load now.
     """
 
     min_prefill: int = 0
@@ -62,6 +65,7 @@ class ScaleConfig:
     down_ticks: int = 20
     cooldown_ticks: int = 20
     default_rate: float = 8000.0
+    lookahead_ticks: int = 0
 
     def bounds(self, role: str) -> tuple[int, int]:
         return (
@@ -92,6 +96,8 @@ class Autoscaler:
         self.cooldown = 0
         self.need: dict[str, int] = {}
         self.actions = 0
+        self._load: dict[str, float] = {}  # last tick's load per role
+        self.trend: dict[str, float] = {r: 0.0 for r in ROLES}  # its moving per-tick change
 
     def pressure(self, x: RoleLoad) -> float:
         c = self.cfg
@@ -106,6 +112,11 @@ class Autoscaler:
         lo, hi = c.bounds(role)
         mine = [x for x in loads if x.role == role and not x.draining]
         load = sum(self.pressure(x) for x in mine)
+        if c.lookahead_ticks:
+            if role in self._load:
+                self.trend[role] += 0.2 * (load - self._load[role] - self.trend[role])
+            self._load[role] = load
+            load += max(0.0, self.trend[role]) * c.lookahead_ticks
         need = math.ceil(round(load / c.utilization, 6))
         if role == "decode":
             slowest = max((x.step_s for x in mine), default=0.0)

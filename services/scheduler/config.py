@@ -139,6 +139,12 @@ class SchedulerConfig(KVEventStreamConfig):
     autoscale_cooldown_ticks: int = Field(
         20, ge=0, description="Autoscaling: state ticks after a decision before another"
     )
+    autoscale_lookahead_ticks: int = Field(
+        0,
+        ge=0,
+        description="Autoscaling: size for the load expected this many state ticks ahead (about "
+        "an instance's start time) from its rising trend; 0 = the load now",
+    )
 
     @model_validator(mode="after")
     def _scale_bounds(self) -> SchedulerConfig:
@@ -162,6 +168,7 @@ class SchedulerConfig(KVEventStreamConfig):
             down_ticks=self.autoscale_down_ticks,
             cooldown_ticks=self.autoscale_cooldown_ticks,
             default_rate=self.prefill_tokens_per_s,
+            lookahead_ticks=self.autoscale_lookahead_ticks,
         )
 
     @field_validator("degrade_up", "degrade_down")

@@ -158,11 +158,13 @@ def test_simulated_wave_autoscaled_nearly_matches_the_max_fleet_at_far_less_cost
     fleet misses most of the TPOT target."""
     from loadtests.simulator.autoscale import compare
 
-    lo, hi, auto, fast = compare()
+    lo, hi, auto, fast, ahead = compare()
     assert lo.goodput < 0.2 and hi.goodput == 1.0
     assert auto.adds >= 2 and auto.retires >= 2 and auto.peak_decode == 4
     assert auto.goodput > 0.8 and fast.goodput > 0.95
     assert auto.decode_instance_s < 0.7 * hi.decode_instance_s
+    # looking ahead along the load's trend starts instances earlier: more goodput, more cost
+    assert auto.goodput < ahead.goodput and auto.decode_instance_s < ahead.decode_instance_s
 
 
 def test_a_max_below_the_starting_fleet_is_one_start_up_line():
