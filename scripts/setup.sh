@@ -87,8 +87,12 @@ fi
 
 # ---- 2b. the native CPU kernels: one library per ISA variant (docs/ENGINE.md) ----------------
 # Cached by source hash + flags: a no-op once built. Without a compiler the engine runs torch.
+# The kernels are called as torch custom ops: one C++ library per torch version (c++ and torch's
+# headers), built here too.
 if ! STRATA_CACHE="$CACHE" "$PY" -m shared.model.build_kernels; then
   log "native CPU kernels not built (is cc installed?): the engine will use torch on CPU"
+elif ! STRATA_CACHE="$CACHE" "$PY" -m shared.model.torch_ops; then
+  log "the kernels' torch ops not built (is c++ installed?): the engine will use torch on CPU"
 fi
 
 # ---- 3. MinIO (the SSD tier) ------------------------------------------------------------------

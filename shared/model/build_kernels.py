@@ -38,7 +38,8 @@ SOURCES = tuple(
     Path(__file__).with_name(f)
     for f in ("decode_attention.c", "gemm.c", "gemm_int8.c", "fused.c", "layer.c", "isa.c")
 )
-HEADERS = tuple(Path(__file__).with_name(f) for f in ("exp2_poly.h",))  # included by SOURCES
+# included by SOURCES (kernels.h: every entry point, and by torch_ops.cpp too)
+HEADERS = tuple(Path(__file__).with_name(f) for f in ("exp2_poly.h", "kernels.h"))
 COMMON_FLAGS = ("-O3", "-fopenmp", "-ffp-contract=fast", "-shared", "-fPIC")
 
 _V3 = ("avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm")  # x86-64-v3 (abm: LZCNT)

@@ -13,11 +13,14 @@ faster than oneDNN's blocked GEMM and prefill-sized ones within ~10% of it
 
 All are plain C, built by ``build_kernels.py`` once per ISA variant (portable, AVX2, AVX-512,
 AVX-512 VNNI: explicit target flags, one library each in ``$STRATA_CACHE/kernels``; at set-up,
-else on first use) and called through ctypes, which releases the GIL. No torch headers are needed. The variant
-loaded is ``STRATA_CPU_ISA`` (auto: the widest this CPU runs; ``strata_kernel_isa{variant}``).
-Where there is no compiler, or ``STRATA_CPU_KERNELS=0``, or the dtype is not float32, the
-wrappers return ``None`` / ``False`` and the caller uses the torch path (oneDNN for linears);
-each such call on the CPU counts in ``strata_kernel_fallback_total{op,reason}`` (`fallback`).
+else on first use) and called as torch custom ops, ``torch.ops.strata.*`` (`torch_ops`: one C++
+library per torch version, bound to the loaded variant's entry points; the dispatcher releases
+the GIL). The variant loaded is ``STRATA_CPU_ISA`` (auto: the widest this CPU runs;
+``strata_kernel_isa{variant}``). Where there is no compiler, or ``STRATA_CPU_KERNELS=0``, or the
+dtype is not float32, the wrappers here return ``None`` / ``False`` and the caller uses the torch
+path (oneDNN for linears); each such call on the CPU counts in
+``strata_kernel_fallback_total{op,reason}`` (`fallback`). The wrappers check what the kernels
+take and count the calls (`calls`); the ops check it again (a bad call raises, never falls back).
 
 ``gemm.c`` also holds causal prefill attention over the paged cache (:func:`prefill_attention`):
 both of its products run on the GEMM tile, with an online softmax between them.
@@ -32,13 +35,12 @@ residual add; :func:`qk_norm_rope`), which as torch ops were 8-20 small calls ap
 
 ``layer.c`` strings all of them into one call per decoder layer (:class:`NativeLayer`,
 :class:`LayerBatch`, :func:`decoder_layer`), so a forward of a Llama-family model in float32 on
-CPU runs no torch op and no Python between its layers' kernels.
+CPU runs one op per layer (``strata::decoder_layer_``) and no Python between its kernels.
 """
 
 from __future__ import annotations
 
 import collections
-import ctypes
 import logging
 import subprocess
 import threading
@@ -48,7 +50,7 @@ import torch
 from prometheus_client import Counter, Gauge
 
 from shared.config import RuntimeSettings
-from shared.model import build_kernels
+from shared.model import build_kernels, torch_ops
 
 log = logging.getLogger(__name__)
 
@@ -67,9 +69,10 @@ _fallback_children: dict[tuple[str, str], Counter] = {}
 calls: collections.Counter[tuple[str, str]] = collections.Counter()
 
 _lock = threading.Lock()
-_lib: ctypes.CDLL | None | bool = None  # False: tried and unavailable
+_loaded: bool | None = None  # True: a variant's kernels are bound to the ops; False: unavailable
+_width = 0  # the loaded variant's GEMM panel width (strata_gemm_panel_width)
 _isa = ""  # the loaded library's own report of its code paths (isa.c)
-_off = "unavailable"  # the fallback reason while _lib is False
+_off = "unavailable"  # the fallback reason while _loaded is False
 _generation = 0  # libraries loaded so far: what is packed for one is wrong for another
 
 
@@ -85,59 +88,31 @@ def fallback(op: str, reason: str) -> None:
     child.inc()
 
 
-def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
-    """Set the argument and result types of the library's entry points."""
-    ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-    lib.strata_kernel_isa.restype = ctypes.c_char_p
-    lib.strata_kernel_isa.argtypes = ()
-    lib.strata_decode_attn_f32.restype = None
-    lib.strata_decode_attn_f32.argtypes = [ptr] * 5 + [i64] * 6 + [f32, ptr, i64]
-    lib.strata_gemm_panel_width.restype = i64
-    lib.strata_gemm_panel_width.argtypes = ()
-    lib.strata_gemm_pack_f32.restype = None
-    lib.strata_gemm_pack_f32.argtypes = (ptr, i64, i64, ptr)
-    lib.strata_gemm_f32.restype = None
-    lib.strata_gemm_f32.argtypes = (ptr, i64, i64, ptr, i64, ptr, ptr, i64)
-    lib.strata_gemm_s8_packed_bytes.restype = i64
-    lib.strata_gemm_s8_packed_bytes.argtypes = (i64, i64)
-    lib.strata_gemm_s8_pack.restype = None
-    lib.strata_gemm_s8_pack.argtypes = (ptr, ptr, i64, i64, ptr)
-    lib.strata_gemm_s8_f32.restype = i64
-    lib.strata_gemm_s8_f32.argtypes = (ptr, i64, i64, ptr, i64, ptr, ptr, i64)
-    lib.strata_rms_norm_f32.restype = None
-    lib.strata_rms_norm_f32.argtypes = (ptr, ptr, ptr, ptr, f32, i64, i64, ptr, i64)
-    lib.strata_qk_norm_rope_f32.restype = None
-    lib.strata_qk_norm_rope_f32.argtypes = (ptr, *[i64] * 5, ptr, ptr, f32, ptr, ptr, i64)
-    lib.strata_prefill_attn_f32.restype = i64
-    lib.strata_prefill_attn_f32.argtypes = (
-        [ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr] + [i64] * 6 + [f32, ptr, i64, i64]
-    )
-    lib.strata_layer_scratch.restype = i64
-    lib.strata_layer_scratch.argtypes = (ptr, i64, i64)
-    lib.strata_decoder_layer_f32.restype = i64
-    lib.strata_decoder_layer_f32.argtypes = (ptr, ptr, ptr, ptr, ptr)
-    return lib
-
-
 def _load(variant: str | None) -> None:
     """Load ``variant`` (None: ``STRATA_CPU_ISA``), building it first when the cache lacks it;
-    for ``auto`` the next narrower variant when the compiler refuses one. A variant this CPU
-    cannot run raises `ConfigError`; a failed build leaves the kernels unavailable (torch
-    paths, counted)."""
-    global _lib, _isa, _off, _generation
+    for ``auto`` the next narrower variant when the compiler refuses one; then bind the torch
+    ops to it (`torch_ops.bind`, building the op library first when needed). A variant this CPU
+    cannot run raises `ConfigError`; a failed build leaves the kernels unavailable (torch paths,
+    counted)."""
+    global _loaded, _isa, _off, _generation, _width
     on = RuntimeSettings.from_env().cpu_kernels
     names = build_kernels.candidates(variant) if on else []  # ConfigError: nothing changed
-    _lib, _isa, _off = False, "", "disabled" if not on else "unavailable"
+    _loaded, _isa, _off = False, "", "disabled" if not on else "unavailable"
     for v in build_kernels.NAMES:
         ISA.labels(v).set(0)
     for name in names:
         try:
             path = build_kernels.build(name)
-            lib = _bind(ctypes.CDLL(str(path)))
         except (OSError, subprocess.SubprocessError) as e:
             log.warning("CPU kernels: the %s variant unavailable (%s)", name, e)
             continue
-        _lib, _isa, _generation = lib, lib.strata_kernel_isa().decode(), _generation + 1
+        try:
+            isa = torch_ops.bind(path)
+        except (OSError, subprocess.SubprocessError) as e:  # no C++ compiler, a bad library
+            log.warning("CPU kernels: no torch ops for the %s variant (%s)", name, e)
+            continue
+        _loaded, _isa, _generation = True, isa, _generation + 1
+        _width = torch.ops.strata.gemm_panel_width()
         ISA.labels(name).set(1)
         log.info("CPU kernels: the %s variant (%s)", name, Path(path).name)
         return
@@ -184,11 +159,11 @@ def native_half(dtype: str, flags: str | None = None) -> bool:
 
 
 def available() -> bool:
-    if _lib is None:
+    if _loaded is None:
         with _lock:
-            if _lib is None:
+            if _loaded is None:
                 _load(None)
-    return _lib is not False
+    return _loaded is not False
 
 
 def decode_attention(
@@ -208,28 +183,9 @@ def decode_attention(
         why = _off
     if why:
         return _fallback("decode_attention", why)
-    q = q.contiguous()
     tables = block_tables.to(torch.int64).contiguous()
     ctx = context_lens.to(torch.int64).contiguous()
-    b, h, d = q.shape
-    _, bs, kvh, _ = k_cache.shape
-    out = torch.empty_like(q)
-    _lib.strata_decode_attn_f32(
-        q.data_ptr(),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        tables.data_ptr(),
-        ctx.data_ptr(),
-        tables.shape[1],
-        b,
-        h,
-        kvh,
-        d,
-        bs,
-        scale,
-        out.data_ptr(),
-        torch.get_num_threads(),
-    )
+    out = torch.ops.strata.decode_attention(q.contiguous(), k_cache, v_cache, tables, ctx, scale)
     calls[_isa, "decode_attention"] += 1
     return out
 
@@ -250,7 +206,8 @@ def prefill_attention(
     heads contiguous), sequence ``s``'s ``qlen[s]`` rows from ``qstart[s]``, its context
     ``ctx[s]`` tokens (new ones last) in the blocks of ``tables[s]``; int64 index tensors.
     False (nothing done) when the kernel does not apply (not CPU float32, a head layout or size
-    it does not take, or no compiler)."""
+    it does not take, or no compiler). A sequence with more new tokens than context is no
+    batch at all: the op refuses it (RuntimeError, nothing written)."""
     t, h, d = q.shape
     why = _why(q, k_cache, v_cache, out, layout=False)
     if not why and q.shape != out.shape:
@@ -261,33 +218,12 @@ def prefill_attention(
         why = "layout"
     if not why and not available():
         why = _off
+    if not why and (d < _width or d % _width or k_cache.shape[2] < 1 or h % k_cache.shape[2]):
+        why = "shape"  # strata_prefill_attn_f32 takes head sizes of whole panels, whole groups
     if why:
         _fallback("prefill_attention", why)
         return False
-    _, bs, kvh, _ = k_cache.shape
-    ok = _lib.strata_prefill_attn_f32(
-        q.data_ptr(),
-        q.stride(0),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        tables.data_ptr(),
-        ctx.data_ptr(),
-        qstart.data_ptr(),
-        qlen.data_ptr(),
-        tables.shape[0],
-        tables.shape[1],
-        h,
-        kvh,
-        d,
-        bs,
-        scale,
-        out.data_ptr(),
-        out.stride(0),
-        torch.get_num_threads(),
-    )
-    if ok:  # a head size or grouping it does not take
-        _fallback("prefill_attention", "shape")
-        return False
+    torch.ops.strata.prefill_attention_(q, k_cache, v_cache, tables, ctx, qstart, qlen, scale, out)
     calls[_isa, "prefill_attention"] += 1
     return True
 
@@ -321,11 +257,7 @@ def pack_linear(w: torch.Tensor) -> PackedLinear | None:
     if not available():
         return None
     n, k = w.shape
-    width = _lib.strata_gemm_panel_width()
-    w = w.detach().contiguous()
-    data = torch.empty((n + width - 1) // width * width * k, dtype=torch.float32)
-    _lib.strata_gemm_pack_f32(w.data_ptr(), n, k, data.data_ptr())
-    return PackedLinear(data, n, k)
+    return PackedLinear(torch.ops.strata.pack_linear(w.detach().contiguous()), n, k)
 
 
 def linear(x: torch.Tensor, w: PackedLinear, bias: torch.Tensor | None) -> torch.Tensor:
@@ -334,19 +266,9 @@ def linear(x: torch.Tensor, w: PackedLinear, bias: torch.Tensor | None) -> torch
         raise RuntimeError("weight packed for other kernels than the loaded ones")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, w.k).contiguous()
-    out = torch.empty((x2.shape[0], w.n), dtype=torch.float32)
     if bias is not None:
         bias = bias.contiguous()
-    _lib.strata_gemm_f32(
-        x2.data_ptr(),
-        x2.shape[0],
-        w.k,
-        w.data.data_ptr(),
-        w.n,
-        None if bias is None else bias.data_ptr(),
-        out.data_ptr(),
-        torch.get_num_threads(),
-    )
+    out = torch.ops.strata.linear(x2, w.data, w.n, bias)
     calls[_isa, "gemm"] += 1
     return out.view(*lead, w.n)
 
@@ -376,9 +298,7 @@ def pack_int8(w: torch.Tensor, scale: torch.Tensor) -> PackedInt8 | None:
         return None
     if k > INT8_MAX_K or not available():
         return None
-    w, scale = w.detach().contiguous(), scale.detach().contiguous()
-    data = torch.empty(_lib.strata_gemm_s8_packed_bytes(n, k), dtype=torch.uint8)
-    _lib.strata_gemm_s8_pack(w.data_ptr(), scale.data_ptr(), n, k, data.data_ptr())
+    data = torch.ops.strata.pack_int8(w.detach().contiguous(), scale.detach().contiguous())
     return PackedInt8(data, n, k)
 
 
@@ -390,21 +310,9 @@ def linear_int8(x: torch.Tensor, w: PackedInt8, bias: torch.Tensor | None) -> to
         raise RuntimeError("weight packed for other kernels than the loaded ones")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, w.k).contiguous()
-    out = torch.empty((x2.shape[0], w.n), dtype=torch.float32)
     if bias is not None:
         bias = bias.contiguous()
-    rc = _lib.strata_gemm_s8_f32(
-        x2.data_ptr(),
-        x2.shape[0],
-        w.k,
-        w.data.data_ptr(),
-        w.n,
-        None if bias is None else bias.data_ptr(),
-        out.data_ptr(),
-        torch.get_num_threads(),
-    )
-    if rc:
-        raise MemoryError("strata_gemm_s8_f32: no memory for the quantised rows")
+    out = torch.ops.strata.linear_int8(x2, w.data, w.n, bias)  # OutOfMemoryError: no rows
     calls[_isa, "int8_gemm"] += 1
     return out.view(*lead, w.n)
 
@@ -451,21 +359,10 @@ def rms_norm(
         why = _off
     if why:
         return _fallback("rms_norm", why)
-    d = x.shape[-1]
-    rows = x.numel() // d if d else 0
-    h = x if residual is None else torch.empty_like(x)
-    y = torch.empty_like(x)
-    _lib.strata_rms_norm_f32(
-        x.data_ptr(),
-        None if residual is None else residual.data_ptr(),
-        None if residual is None else h.data_ptr(),
-        weight.data_ptr(),
-        eps,
-        rows,
-        d,
-        y.data_ptr(),
-        torch.get_num_threads(),
-    )
+    if residual is None:
+        h, y = x, torch.ops.strata.rms_norm(x, weight, eps)
+    else:
+        h, y = torch.ops.strata.add_rms_norm(x, residual, weight, eps)
     calls[_isa, "rms_norm"] += 1
     return h, y
 
@@ -493,46 +390,46 @@ def qk_norm_rope(
     if why:
         _fallback("qk_norm_rope", why)
         return False
-    _lib.strata_qk_norm_rope_f32(
-        qkv.data_ptr(),
-        t,
-        qkv.stride(0),
-        heads,
-        num_q,
-        d,
-        None if q_weight is None else q_weight.data_ptr(),
-        None if k_weight is None else k_weight.data_ptr(),
-        eps,
-        cos.data_ptr(),
-        sin.data_ptr(),
-        torch.get_num_threads(),
-    )
+    torch.ops.strata.qk_norm_rope_(qkv, heads, num_q, q_weight, k_weight, eps, cos, sin)
     calls[_isa, "qk_norm_rope"] += 1
     return True
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
-    """``t``'s address for a ``c_void_p`` field (NULL for None)."""
-    return None if t is None else t.data_ptr()
+_layer_arg_names: list[str] = []  # strata::decoder_layer_'s, in order (the op's schema)
 
 
-class NativeLayer(ctypes.Structure):
-    """One decoder layer's weights for ``strata_decoder_layer_f32`` (``strata_layer`` in
-    layer.c: pointers, int64 and double only); ``int8`` 1 when the projections are int8
-    (`PackedInt8`), 0 when float32 (`PackedLinear`). ``keep`` holds the tensors it points
-    into."""
+def _in_schema_order(args: dict[str, object]) -> tuple[object, ...]:
+    """The values of ``args``, named as arguments of ``torch.ops.strata.decoder_layer_``, in the
+    order of its schema (a run of consecutive arguments there): positional arguments cost the
+    call less than keywords, and the order comes from the schema, not from here."""
+    global _layer_arg_names
+    if not _layer_arg_names:
+        schema = torch.ops.strata.decoder_layer_.default._schema
+        _layer_arg_names = [a.name for a in schema.arguments]
+    names = _layer_arg_names
+    first = names.index(next(iter(args)))
+    run = names[first : first + len(args)]
+    if sorted(run) != sorted(args):
+        raise ValueError(f"not a run of strata::decoder_layer_'s arguments: {sorted(args)}")
+    return tuple(args[n] for n in run)
 
-    _fields_ = [
-        (name, ctypes.c_void_p)
-        for name in (
-            "ln1_w", "qkv_p", "qkv_b", "qn_w", "kn_w", "o_p", "o_b", "ln2_w", "gu_p", "gu_b",
-            "down_p", "down_b",
-        )
-    ] + [
-        (n, ctypes.c_int64) for n in ("hidden", "heads", "kv_heads", "head_dim", "inter", "int8")
-    ] + [
-        (n, ctypes.c_double) for n in ("ln1_eps", "qk_eps", "ln2_eps", "scale")
-    ]  # fmt: skip
+
+class NativeLayer:
+    """One decoder layer for :func:`decoder_layer`: ``args``, its weights and sizes as the
+    arguments of ``torch.ops.strata.decoder_layer_`` they are, by schema name (the op fills
+    kernels.h's ``strata_layer`` from them, checking each: nothing here restates its layout; the
+    projections' dtype, float32 panels or int8 bytes, says which GEMM); ``shape`` its
+    (hidden, heads, kv_heads, head_dim, inter); ``key`` what its owner built it from."""
+
+    __slots__ = ("args", "ordered", "shape", "key")
+
+    def __init__(self, args: dict[str, object], shape: tuple[int, int, int, int, int]):
+        self.args, self.shape, self.key = args, shape, None
+        self.ordered = _in_schema_order(args)
+
+    @property
+    def head_dim(self) -> int:
+        return self.shape[3]
 
 
 Projection = tuple[PackedLinear | PackedInt8, torch.Tensor | None]
@@ -576,31 +473,33 @@ def native_layer(
         return None
     if any(b.numel() != p.n for p, b in (qkv, o, gate_up, down) if b is not None):
         return None
-    layer = NativeLayer(
-        _ptr(ln1[0]), _ptr(qkv[0].data), _ptr(qkv[1]),
-        _ptr(qk_norm[0]) if qk_norm else None, _ptr(qk_norm[1]) if qk_norm else None,
-        _ptr(o[0].data), _ptr(o[1]), _ptr(ln2[0]), _ptr(gate_up[0].data), _ptr(gate_up[1]),
-        _ptr(down[0].data), _ptr(down[1]),
-        hidden, heads, kv_heads, head_dim, inter, int(kinds == {PackedInt8}),
-        ln1[1], qk_norm[2] if qk_norm else 0.0, ln2[1], scale,
+    return NativeLayer(
+        {
+            "ln1_w": ln1[0], "ln1_eps": ln1[1],
+            "qkv_p": qkv[0].data, "qkv_b": qkv[1],
+            "qn_w": qk_norm[0] if qk_norm else None, "kn_w": qk_norm[1] if qk_norm else None,
+            "qk_eps": qk_norm[2] if qk_norm else 0.0,
+            "o_p": o[0].data, "o_b": o[1],
+            "ln2_w": ln2[0], "ln2_eps": ln2[1],
+            "gu_p": gate_up[0].data, "gu_b": gate_up[1],
+            "down_p": down[0].data, "down_b": down[1],
+            "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "inter": inter,
+            "scale": scale,
+        },
+        (hidden, heads, kv_heads, head_dim, inter),
     )  # fmt: skip
-    layer.keep = (norms, biases, qkv[0], o[0], gate_up[0], down[0])
-    return layer
 
 
-class LayerBatch(ctypes.Structure):
-    """One forward's batch for :func:`decoder_layer` (``strata_batch`` in layer.c)."""
+class LayerBatch:
+    """One forward's batch for :func:`decoder_layer`: ``args``, the arguments of
+    ``torch.ops.strata.decoder_layer_`` it fills kernels.h's ``strata_batch`` from, by schema
+    name, and the ``scratch`` every layer of the forward shares."""
 
-    _fields_ = [
-        (name, ctypes.c_void_p)
-        for name in (
-            "cos", "sin", "slots", "p_tables", "p_ctx", "p_qstart", "p_qlen", "d_tables",
-            "d_ctx", "d_rows", "scratch",
-        )
-    ] + [
-        (n, ctypes.c_int64)
-        for n in ("T", "block_size", "p_n", "p_max_blocks", "d_n", "d_max_blocks", "nthreads")
-    ]  # fmt: skip
+    __slots__ = ("args", "ordered", "scratch")
+
+    def __init__(self, args: dict[str, torch.Tensor | None], scratch: torch.Tensor):
+        self.args, self.scratch = args, scratch
+        self.ordered = _in_schema_order(args)
 
 
 def layer_batch(
@@ -608,7 +507,6 @@ def layer_batch(
     cos: torch.Tensor,
     sin: torch.Tensor,
     slots: torch.Tensor,
-    block_size: int,
     prefill: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
     decode: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None,
 ) -> LayerBatch | None:
@@ -623,30 +521,22 @@ def layer_batch(
         return None
     if not _plain(cos, sin) or cos.shape != (t, d) or sin.shape != (t, d):
         return None
-    width = _lib.strata_gemm_panel_width()
-    if prefill is not None and (d < width or d % width):
+    if prefill is not None and (d < _width or d % _width):
         return None  # strata_prefill_attn_f32 takes head sizes of whole panels
     i64 = torch.int64
 
-    def index(x: torch.Tensor) -> torch.Tensor:
-        return x.to(i64).contiguous()
+    def index(x: torch.Tensor | None) -> torch.Tensor | None:
+        return None if x is None else x.to(i64).contiguous()
 
-    slots = index(slots)
-    p = tuple(index(x) for x in prefill) if prefill is not None else None
-    dec = tuple(None if x is None else index(x) for x in decode) if decode is not None else None
-    d_n = 0 if dec is None else dec[1].numel()
-    floats = max(_lib.strata_layer_scratch(ctypes.byref(x), t, d_n) for x in layers)
-    scratch = torch.empty(floats, dtype=torch.float32)
-    batch = LayerBatch(
-        _ptr(cos), _ptr(sin), _ptr(slots),
-        *(_ptr(x) for x in (p if p is not None else (None,) * 4)),
-        *(_ptr(x) for x in (dec if dec is not None else (None,) * 3)),
-        _ptr(scratch), t, block_size,
-        0 if p is None else p[0].shape[0], 0 if p is None else p[0].shape[1],
-        d_n, 0 if dec is None else dec[0].shape[1], torch.get_num_threads(),
-    )  # fmt: skip
-    batch.keep = (cos, sin, slots, p, dec, scratch)
-    return batch
+    p = tuple(index(x) for x in prefill) if prefill is not None else (None,) * 4
+    dec = tuple(index(x) for x in decode) if decode is not None else (None,) * 3
+    d_n = 0 if dec[1] is None else dec[1].numel()
+    sizes = {x.shape for x in layers}
+    floats = max(torch.ops.strata.layer_scratch(t, d_n, *shape) for shape in sizes)
+    args = {"cos": cos, "sin": sin, "slots": index(slots)}
+    args |= dict(zip(("p_tables", "p_ctx", "p_qstart", "p_qlen"), p, strict=True))
+    args |= dict(zip(("d_tables", "d_ctx", "d_rows"), dec, strict=True))
+    return LayerBatch(args, torch.empty(floats, dtype=torch.float32))
 
 
 # calls of decoder_layer in this process: tests read it to tell the one-call layer ran
@@ -658,15 +548,12 @@ def decoder_layer(
     v_cache: torch.Tensor,
 ) -> None:  # fmt: skip
     """One decoder layer over ``h [T, hidden]`` in place (CPU float32, contiguous), writing the
-    batch's new K/V into this layer's ``k_cache``/``v_cache [blocks, block_size, KVH, D]``."""
+    batch's new K/V into this layer's ``k_cache``/``v_cache [blocks, block_size, KVH, D]``
+    (``torch.ops.strata.decoder_layer_``: RuntimeError for arguments it does not take,
+    torch.OutOfMemoryError when an int8 GEMM had no memory for its rows)."""
     global layer_calls
-    rc = _lib.strata_decoder_layer_f32(
-        ctypes.byref(layer), ctypes.byref(batch), h.data_ptr(), k_cache.data_ptr(),
-        v_cache.data_ptr(),
-    )  # fmt: skip
-    if rc == -2:
-        raise MemoryError("strata_decoder_layer_f32: no memory for the int8 GEMM's rows")
-    if rc:
-        raise RuntimeError("strata_decoder_layer_f32 refused the batch's head layout")
+    torch.ops.strata.decoder_layer_(
+        h, k_cache, v_cache, batch.scratch, *layer.ordered, *batch.ordered
+    )
     layer_calls += 1
     calls[_isa, "decoder_layer"] += 1

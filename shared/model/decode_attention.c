@@ -4,6 +4,7 @@
 #include <stdlib.h>
 
 #include "exp2_poly.h"
+#include "kernels.h"
 
 /* How far ahead (tokens) the K and V passes prefetch, into L2 (_MM_HINT_T1), not L1: a 16-token
  * stretch of rows is 16 KB for 4 KV heads of 64, half of L1, so fetching one stretch ahead into

@@ -14,6 +14,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "kernels.h"
+
 #define NOFMA __attribute__((optimize("fp-contract=off")))
 #define PAR_MIN 65536 /* elements below which one thread does it all */
 

@@ -22,6 +22,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "kernels.h"
+
 #if defined(__AVX512F__)
 #define VW 16
 #define SPLAT(s) {s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s}

@@ -36,6 +36,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
+
 #define NOFMA __attribute__((optimize("fp-contract=off")))
 #define MB8 96 /* rows of x per work item */
 

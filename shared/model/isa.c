@@ -1,6 +1,8 @@
 /* Which of the kernels' code paths this library was compiled with (`build_kernels.py` builds one
  * library per ISA variant; the tests check each reports the variant it was built as). The same
  * macros pick the paths in decode_attention.c, gemm.c and gemm_int8.c. */
+#include "kernels.h"
+
 const char *strata_kernel_isa(void) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     return "avx512vnni";

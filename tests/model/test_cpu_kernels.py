@@ -262,15 +262,24 @@ def test_fused_ops_not_applicable():
     assert not cpu_kernels.qk_norm_rope(torch.randn(3, 4, 63), 2, 1, None, None, 0.0, cos, sin)
 
 
-def test_every_exported_kernel_has_a_ctypes_signature():
-    """A C function called without ``argtypes`` gets its pointers truncated to C ints (a
-    crash): every non-static ``strata_*`` function in the sources must have them set."""
+def test_every_exported_kernel_is_declared_once_and_bound():
+    """Every non-static ``strata_*`` function of the sources is declared in ``kernels.h`` (which
+    every source includes, so the compiler holds each definition to its declaration) and bound
+    by name by the torch ops (``STRATA_KERNELS`` in ``torch_ops.cpp``, typed from the header):
+    nothing restates a signature by hand, and a kernel left unbound fails here."""
     import re
+
+    from shared.model import torch_ops
 
     assert cpu_kernels.available()
     names = set()
     for src in cpu_kernels._SOURCES:
-        names |= set(re.findall(r"^\w[\w ]*?\b(strata_\w+)\(", src.read_text(), re.M))
+        text = src.read_text()
+        assert '#include "kernels.h"' in text, src.name
+        names |= set(re.findall(r"^\w[\w *]*?\b(strata_\w+)\(", text, re.M))
     assert {"strata_gemm_f32", "strata_rms_norm_f32", "strata_decode_attn_f32"} <= names
-    for name in sorted(names):
-        assert getattr(cpu_kernels._lib, name).argtypes is not None, name
+    header = torch_ops.HEADER.read_text()
+    declared = set(re.findall(r"\b(strata_\w+)\(", header))
+    bound = set(re.findall(r"X\((strata_\w+)\)", torch_ops.SOURCE.read_text()))
+    assert names == declared == bound
+    assert torch_ops.HEADER in cpu_kernels._HEADERS  # hashed into every variant's build

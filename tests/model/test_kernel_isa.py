@@ -4,6 +4,8 @@ torch; the dispatch and ``STRATA_CPU_ISA``'s bad values; the fallback counter's 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -190,6 +192,39 @@ def test_each_fallback_is_counted_with_its_reason(monkeypatch, tmp_path):
         monkeypatch.undo()
         cpu_kernels.use(None)
     assert cpu_kernels.available()
+
+
+def test_without_a_cpp_compiler_the_kernels_are_unavailable(tmp_path):
+    """The torch ops the kernels are called through are built with the system C++ compiler at
+    first use (or set-up): where that fails, in a fresh process with an empty cache, the
+    kernels are unavailable, each call counted so, and nothing else breaks."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from prometheus_client import REGISTRY\n"
+        "from shared.model import cpu_kernels as k\n"
+        "assert k.rms_norm(torch.randn(2, 8), torch.ones(8), 1e-6) is None\n"
+        "n = REGISTRY.get_sample_value('strata_kernel_fallback_total',"
+        " {'op': 'rms_norm', 'reason': 'unavailable'})\n"
+        "print(k.available(), k.off_reason(), n)\n"
+    )
+    env = {
+        **os.environ,
+        "STRATA_CACHE": str(tmp_path),
+        "CXX": "false",
+        "STRATA_CPU_ISA": "portable",
+    }
+    root = Path(__file__).parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "unavailable", "1.0"]
+    assert "no torch ops for the portable variant" in done.stderr
+    assert build_kernels.library_path("portable").name in {f.name for f in tmp_path.rglob("*.so")}
 
 
 def test_auto_takes_the_next_variant_when_the_compiler_refuses_one(monkeypatch, tmp_path, capsys):

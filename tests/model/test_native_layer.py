@@ -181,7 +181,6 @@ def test_silu_matches_torch_over_the_float_range():
         torch.ones(3, 64),
         torch.zeros(3, 64),
         torch.tensor([0, 1, 2]),
-        16,
         (torch.tensor([[0]]), torch.tensor([3]), torch.tensor([0]), torch.tensor([3])),
         None,
     )

@@ -106,9 +106,10 @@ def test_not_applicable():
     assert not cpu_kernels.prefill_attention(q.bfloat16(), bf, bf, *args, out.bfloat16())
     q3, kc3, vc3, *rest = _case(4, 2, 36, 16, [(20, 20)], seed=2)  # head dim not a vector
     assert not cpu_kernels.prefill_attention(q3, kc3, vc3, *rest, 0.1, torch.empty_like(q3))
-    # more new tokens than context: refused by the kernel, nothing written
+    # more new tokens than context is no batch at all: the op refuses it, nothing written
     bad = torch.full_like(q, 3.0)
-    assert not cpu_kernels.prefill_attention(q, kc, vc, tables, ctx - 5, starts, qlen, 0.1, bad)
+    with pytest.raises(RuntimeError, match="more new tokens than context"):
+        cpu_kernels.prefill_attention(q, kc, vc, tables, ctx - 5, starts, qlen, 0.1, bad)
     assert (bad == 3.0).all()
 
 

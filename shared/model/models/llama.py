@@ -200,9 +200,7 @@ class LlamaForCausalLM(nn.Module):
         decode = None
         if plan.decodes:
             decode = (plan.decode_tables, plan.decode_ctx, plan.decode_rows)
-        batch = cpu_kernels.layer_batch(
-            layers, cos, sin, slots, kv_cache.block_size, plan.prefill, decode
-        )
+        batch = cpu_kernels.layer_batch(layers, cos, sin, slots, plan.prefill, decode)
         if batch is None:
             return cpu_kernels.fallback("decoder_layer", "shape")
         # the layers update h in place: never the caller's embeddings
