@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -49,10 +50,20 @@ def _flags() -> list[str]:
     ]  # fmt: skip
 
 
+def compiler() -> str:
+    """The C++ compiler: ``CXX`` when set, else the first of ``c++`` and ``g++`` on the PATH (a
+    Debian box may have ``g++`` without the ``c++`` alternative), else ``c++`` (the build then
+    fails with a clear line)."""
+    given = os.environ.get("CXX")
+    if given:
+        return given
+    return next((c for c in ("c++", "g++") if shutil.which(c)), "c++")
+
+
 def library_path() -> Path:
     """Where the op library is (or will be) in the cache: named by a hash of the sources, the
     torch version, the compiler and the flags."""
-    cxx = os.environ.get("CXX", "c++")
+    cxx = compiler()
     key = "\0".join([SOURCE.read_text(), HEADER.read_text(), torch.__version__, cxx, *_flags()])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     cache = Path(RuntimeSettings.from_env().cache_dir) / "kernels"
@@ -62,7 +73,7 @@ def library_path() -> Path:
 def build() -> Path:
     """The op library, compiled first when the cache lacks it (`subprocess.SubprocessError`
     with the compiler's last line when that fails)."""
-    cxx = os.environ.get("CXX", "c++")
+    cxx = compiler()
     out = library_path()
     if out.exists():
         return out

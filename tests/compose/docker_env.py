@@ -6,7 +6,7 @@ images once with ``python -m tests.compose.docker_env prepare``).
   image layers persist between runs, and a throw-away exec root; ``--bridge=none`` (the only
   networks are the ones created here and by compose) and ``--ip=127.0.0.1`` (a published port
   without an address binds loopback only).
-- ``strata-base:bookworm``: ``debootstrap --variant=minbase bookworm`` with Python 3.11, gcc and
+- ``strata-base:bookworm``: ``debootstrap --variant=minbase bookworm`` with Python 3.11, gcc, g++ and
   wget from Debian (the mirror of ``STRATA_DEBIAN_MIRROR``, else the one this machine's apt
   uses; no default host), imported with ``docker import``.
 - Python packages: downloaded on the host by the host's pip (which has whatever CA bundle the
@@ -49,6 +49,7 @@ BASE_PACKAGES = (
     "python3.11-venv",
     "python3-distutils",
     "gcc",
+    "g++",
     "libc6-dev",
     "passwd",
     "wget",
