@@ -35,7 +35,7 @@ from shared.engine.sampler import Sampler, SampleRow
 from shared.engine.scheduler import FairShare, Scheduler, SchedulerOutput
 from shared.engine.sequence import MMInput, Sequence, SequenceStatus
 from shared.engine.spec_decode import (
-    Backoff,
+    DraftBackoff,
     DraftModelProposer,
     NgramProposer,
     Proposer,
@@ -193,7 +193,7 @@ class LLMEngine:
         # the overlapped step (forward thread, decode scheduled ahead); None: the plain step
         self.overlap = OverlapStepper(self) if overlap else None
         self._spec = [0, 0]  # drafted, accepted
-        self.backoff = Backoff(config.spec_min_acceptance)
+        self.backoff = DraftBackoff(config.spec_min_acceptance)
         self._grammars: GrammarCache | None = None
 
     @property

@@ -38,7 +38,7 @@ class EngineConfig:
     disables speculation."""
     spec_min_acceptance: float = 0.1
     """Speculation pauses for a sequence whose moving share of accepted drafts falls under this
-    (2 steps, doubled per further miss up to 64, then it probes again: `spec_decode.Backoff`);
+    (2 steps, doubled per further miss up to 64, then it probes again: `spec_decode.DraftBackoff`);
     0: never pauses. A verify step costs about 1 + 0.1 k plain steps on CPU, so with free
     drafts (n-gram) speculation pays from about 10% acceptance; a draft model needs more."""
     speculative_model: str | None = None

@@ -68,7 +68,7 @@ class Sequence:
     # KV of some of its prompt's blocks from outside (`port_types.ExternalKV`, the pool), taken
     # in at admission like a prefix hit and dropped then (`Scheduler._admit`).
     external: Any = None
-    # Speculative decoding (`spec_decode.Backoff`): moving share of drafts accepted, steps left
+    # Speculative decoding (`spec_decode.DraftBackoff`): moving share of drafts accepted, steps left
     # in the current pause, and that pause's length.
     spec_rate: float = 1.0
     spec_pause: int = 0

@@ -114,7 +114,7 @@ def verify_greedy(drafts: Seq[int], target: Seq[int]) -> list[int]:
     return out
 
 
-class Backoff:
+class DraftBackoff:
     """Pauses a sequence's speculation while its drafts are not being accepted.
 
     A step with drafts costs more than a plain one (the verify rows, the draft model's
