@@ -29,16 +29,16 @@ Proposers:
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from shared.engine.model_runner import PreparedBatch
 from shared.engine.sequence import Sequence
-
-log = logging.getLogger(__name__)
+from shared.model.api import AttentionMetadata
+from shared.model.errors import CheckpointError
 
 
 class Proposer(Protocol):
@@ -282,9 +282,6 @@ class DraftModelProposer:
     def _forward(self, rows: list[tuple[_DraftState, int, list[int]]], want: list[bool]):
         """One draft forward: ``rows`` are (state, first position, tokens); the argmax of the
         last row of each sequence with ``want`` set, in order."""
-        from shared.engine.model_runner import PreparedBatch
-        from shared.model.api import AttentionMetadata
-
         bs, dev = self.bs, self.runner.device
         ids, pos, slots, qsl, ctx, qlens, last = [], [], [], [0], [], [], []
         width = max(len(st.blocks) for st, _, _ in rows)
@@ -326,8 +323,6 @@ class DraftModelProposer:
 def check_draft_model(target_config, draft_config, path) -> None:
     """A draft model must share the target's vocabulary (its token ids mean the same text);
     raises `CheckpointError` naming the draft checkpoint and the mismatch."""
-    from shared.model.errors import CheckpointError
-
     tv, dv = target_config.vocab_size, draft_config.vocab_size
     if tv != dv:
         raise CheckpointError(
