@@ -61,6 +61,9 @@ class BlockManager:
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.cached: dict[bytes, int] = {}
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        # never-used blocks leave the queue in ascending order, so blocks [0, high_water) are
+        # the ones ever handed out (`shared.engine.prefault` faults pages in past it)
+        self.high_water = 0
         if save not in SAVE_POLICIES:
             raise ValueError(f"save policy {save!r}: expected one of {', '.join(SAVE_POLICIES)}")
         self.save = save
@@ -211,6 +214,8 @@ class BlockManager:
                 self._events.append(CacheEvent("removed", [h.hex()]))
         self.pool_state[b] = UNSAVED
         self.ref_counts[b] = 1
+        if b >= self.high_water:
+            self.high_water = b + 1
         return b
 
     # ----- outbox --------------------------------------------------------------------------

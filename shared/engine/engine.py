@@ -31,6 +31,7 @@ from shared.engine.outputs import EngineStats, RequestOutput
 from shared.engine.overlap import OverlapStepper
 from shared.engine.params import EngineConfig
 from shared.engine.port_types import ExternalKV, KVConnector
+from shared.engine.prefault import KVPrefaulter
 from shared.engine.sampler import Sampler, SampleRow
 from shared.engine.scheduler import FairShare, Scheduler, SchedulerOutput
 from shared.engine.sequence import MMInput, Sequence, SequenceStatus
@@ -195,6 +196,8 @@ class LLMEngine:
         self._spec = [0, 0]  # drafted, accepted
         self.backoff = DraftBackoff(config.spec_min_acceptance)
         self._grammars: GrammarCache | None = None
+        kv = self.runner.kv
+        self.prefault = KVPrefaulter(kv.k, kv.v, config.kv_prefault_bytes)
 
     @property
     def grammars(self) -> GrammarCache:
@@ -614,6 +617,12 @@ class LLMEngine:
             out.append(self.admissions.popleft())
         return out
 
+    def idle_work(self) -> bool:
+        """One chunk of work for the engine thread while no request is unfinished: KV cache
+        pages faulted in ahead of the blocks in use (`shared.engine.prefault`). False when
+        there is none left."""
+        return self.prefault.step(self.bm.high_water) > 0
+
     def stats(self) -> EngineStats:
         """Counters, readable from another thread while a step runs (the worker's heartbeat):
         the waiting queue is copied in one C call, so no Python iteration sees it change."""
@@ -644,6 +653,7 @@ class LLMEngine:
             spec_accepted_tokens=self._spec[1],
             external_blocks=dict(self.scheduler.external_blocks),
             spec_paused_steps=self.backoff.paused_steps,
+            kv_prefaulted_bytes=self.prefault.bytes,
             spec_draft_forwards=getattr(getattr(self.proposer, "stats", None), "forwards", 0),
             pool_recorded=dict(self.bm.recorded),
         )

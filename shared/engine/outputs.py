@@ -59,6 +59,7 @@ class EngineStats:
     spec_accepted_tokens: int = 0
     spec_draft_forwards: int = 0  # forwards of the draft model (draft-model speculation)
     spec_paused_steps: int = 0  # sequence-steps without drafts: acceptance too low (DraftBackoff)
+    kv_prefaulted_bytes: int = 0  # KV cache bytes faulted in ahead of use while idle (prefault)
     # blocks of external KV (the pool) taken in at admission ("used") or not ("skipped")
     external_blocks: dict[str, int] = field(default_factory=dict)
     share_preemptions: int = 0  # preempted so a tenant under its share got a batch slot

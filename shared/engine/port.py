@@ -313,6 +313,8 @@ class EnginePort:
         while not self._stop.is_set():
             self._drain_inbox()
             if not e.has_unfinished_requests():
+                if e.idle_work():  # a chunk of idle-time work; then the inbox again
+                    continue
                 self._wake.wait(timeout=0.05)
                 self._wake.clear()
                 continue

@@ -536,7 +536,24 @@ def layer_batch(
     args = {"cos": cos, "sin": sin, "slots": index(slots)}
     args |= dict(zip(("p_tables", "p_ctx", "p_qstart", "p_qlen"), p, strict=True))
     args |= dict(zip(("d_tables", "d_ctx", "d_rows"), dec, strict=True))
-    return LayerBatch(args, torch.empty(floats, dtype=torch.float32))
+    return LayerBatch(args, layer_scratch(floats))
+
+
+_scratch = threading.local()
+
+
+def layer_scratch(floats: int) -> torch.Tensor:
+    """``floats`` of the calling thread's layer scratch: one buffer per thread (the one that
+    runs forwards), grown to the largest batch it ran and reused by every later forward. A fresh
+    buffer per forward is, above glibc's mmap threshold (55 MB at a 2048-token step of the
+    benchmark model), a fresh mapping whose pages the kernel faults in and zeroes on every
+    forward: 5% of an 8 x 256-token prefill (docs/benchmarks/engine.md). A forward holds it
+    only while it runs, and one thread runs one forward at a time."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < floats:
+        _scratch.buf = None  # the old buffer goes before the larger one is allocated
+        buf = _scratch.buf = torch.empty(floats, dtype=torch.float32)
+    return buf[:floats]
 
 
 # calls of decoder_layer in this process: tests read it to tell the one-call layer ran
