@@ -20,6 +20,7 @@ from shared.worker.images import fetch_mm_inputs
 from shared.worker.kv_metrics import KV_RECEIVED_BYTES, count_fallback
 from shared.worker.kv_wire import KVReceiver, PagedSink, TransferFailed
 from shared.worker.outbox import Outbox
+from shared.worker.pool_link import count_pool_decision
 from shared.worker.runtime import REQUESTS_FAILED, ModelRuntime, error_chunk
 from shared.worker.service import RequestTasks
 
@@ -153,6 +154,10 @@ class DecodeService(RequestTasks):
                 count_fallback("pool_miss")
             else:
                 pooled = True
+        elif pool is not None and item.pool_blocks == 0 and not emitted:
+            # The scheduler's index places none of the prompt's blocks in the pool: no lookup
+            # (a round trip to the kvstore per cold prompt, on the way to its first token).
+            count_pool_decision("unlisted")
         elif pool is not None and item.sampling.prompt_logprobs is None:
             # This instance computes the context itself (the colocated shape, a failed push, a
             # failover): the prefix the pool holds beyond engine memory is loaded first when

@@ -285,6 +285,7 @@ class SchedulerCore:
             speculation=level == 0,
             predicted_ttft_ms=round(d.predicted_ttft_s * 1000, 3),
             policy=self.policy.name,
+            pool_blocks=sum(1 for t in view.pool_tiers if t is not None),
         )
 
     def _admit(self, req: RouteRequest, level: int) -> None:

@@ -50,6 +50,10 @@ class RouteReply(Msg):
     speculation: bool = True
     predicted_ttft_ms: float = 0.0
     policy: str = ""
+    # Prompt blocks the scheduler's index places in the pool (kvstore DRAM / MinIO) as far as
+    # its prefix walk went; 0 tells a decode instance that computes the prompt itself to skip
+    # its pool lookup (`DecodeWork.pool_blocks`); -1: not known (an older scheduler).
+    pool_blocks: int = -1
 
 
 class InstanceInfo(Msg):
@@ -141,4 +145,6 @@ def routed_submit(item: WorkItem, route: RouteReply) -> tuple[str, PrefillWork |
             transfer_mode=mode,
         )
         return subjects.prefill_submit(route.prefill_instance), work
-    return subjects.decode_submit(route.decode_instance), DecodeWork(**base)
+    return subjects.decode_submit(route.decode_instance), DecodeWork(
+        **base, pool_blocks=route.pool_blocks
+    )

@@ -99,6 +99,10 @@ class DecodeWork(WorkItem):
     kv_layerwise: bool = False  # the pushed KV left layer by layer (labels decode's byte counter)
     kv_block_hashes: list[str] = []  # pool mode: decode pulls these from the kvstore
     num_cached_tokens: int = 0
+    # From the route (`RouteReply.pool_blocks`): the prompt blocks the scheduler's index places
+    # in the pool; 0 and no emitted tokens: decode skips its pool lookup (a stale 0 costs a
+    # recompute, never a wrong token); -1: not known, decode looks the prompt up.
+    pool_blocks: int = -1
 
 
 class SubmitAck(Msg):

@@ -50,9 +50,17 @@ POOL_BAD_BLOCKS = Counter(
     "strata_kv_pool_bad_blocks_total",
     "Pool blocks that did not decode as this engine's blocks (corrupt, truncated, other shape)",
 )
-DECISIONS = ("miss", "load", "recompute")
+DECISIONS = ("miss", "load", "recompute", "unlisted")
 """``miss``: the pool holds no block right after the local prefix; ``load``: pool blocks were
-loaded; ``recompute``: the pool held some but loading them was judged (or set) not worth it."""
+loaded; ``recompute``: the pool held some but loading them was judged (or set) not worth it;
+``unlisted``: not looked up, the scheduler's index placing none of the prompt's blocks in the
+pool (`DecodeWork.pool_blocks`)."""
+
+
+def count_pool_decision(decision: str) -> None:
+    POOL_DECISIONS.labels(decision).inc()
+
+
 for _d in DECISIONS:
     POOL_DECISIONS.labels(_d)
 for _s in ("prefill", "computed", "evicted", "shutdown"):
@@ -109,7 +117,7 @@ class PoolLink:
         else:  # shared.kvcache_rules: local prefix, then the cost-worthy part of the pool's
             want = list(self.cost.plan(own, tiers).pool_tiers)
         decision = "miss" if not rest else "load" if want else "recompute"
-        POOL_DECISIONS.labels(decision).inc()
+        count_pool_decision(decision)
         log.debug(
             "pool prefix: %d blocks, %d local, pool continuation %s, recompute %.2e s/block, "
             "load %s s/block, mode %s: %s %d",

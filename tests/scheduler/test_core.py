@@ -79,6 +79,26 @@ def test_route_reply_fields_and_pending_accounting():
     assert c.members.members["p0"].view.pending_tokens == 0
 
 
+def test_route_reply_counts_the_prompt_blocks_the_pool_holds():
+    """``pool_blocks``: the prompt's blocks the index places in the pool (kvstore tiers), so a
+    decode instance computing a cold prompt skips its pool lookup (0), and one whose prefix
+    the pool holds looks it up."""
+    c = core()
+    assert c.route(req(block_hashes=["x1", "x2"])).pool_blocks == 0  # nothing anywhere
+    for seq, (tier, hashes) in enumerate((("dram", ["h1", "h2"]), ("ssd", ["h3"])), 1):
+        c.on_kv_event(
+            KVEvent(
+                instance_id="kv0",
+                incarnation="a",
+                seq=seq,
+                tier=tier,
+                kind="stored",
+                hashes=hashes,
+            )
+        )
+    assert c.route(req(block_hashes=["h1", "h2", "h3", "h4"])).pool_blocks == 3
+
+
 def test_degradation_levels_gate_admission():
     c = core(policy="least_loaded", queue_target_s=1.0, batch_max_tokens_cap=64)
     p0 = c.members.members["p0"].view

@@ -182,6 +182,30 @@ async def test_prefix_written_through_by_a_is_loaded_by_b(two_decodes, nc):
     assert len(_tokens(ref)) == PARAMS.max_tokens
 
 
+async def test_a_route_that_lists_no_pool_block_skips_the_lookup(two_decodes, nc):
+    """``pool_blocks`` 0 on the work (the scheduler's index places none of the prompt's blocks
+    in the pool): decode computes without asking the kvstore, even where the pool does hold
+    the prefix (a stale index costs a recompute, never a wrong token); a positive count (or -1,
+    not known) looks it up and loads as before."""
+    ca, cb = two_decodes
+    unlisted, listed = tokens(75, 160), tokens(76, 160)
+    for i, prefix in enumerate((unlisted, listed)):
+        await _run(nc, subjects.decode_submit("ca"), work(f"u-a{i}", prefix + [5]))
+        await wait_in_pool(ca, prefix, 10)
+    t, d = Transfers(), decisions()
+    cold = await _run(nc, subjects.decode_submit("cb"), work("u-b0", unlisted + [6], pool_blocks=0))
+    after = decisions()
+    assert after["unlisted"] - d["unlisted"] == 1
+    assert all(after[k] == d[k] for k in ("miss", "load", "recompute"))  # no lookup ran
+    assert "received:pool" not in t.moved()
+    assert max(cold, key=lambda c: c.index).usage.cached_tokens == 0  # computed in full
+    t, d = Transfers(), decisions()
+    got = await _run(nc, subjects.decode_submit("cb"), work("u-b1", listed + [7], pool_blocks=10))
+    assert decisions()["load"] - d["load"] == 1 and decisions()["unlisted"] == d["unlisted"]
+    assert t.moved().get("received:pool") == kv_bytes(cb.rt, 160)
+    assert max(got, key=lambda c: c.index).usage.cached_tokens == 160
+
+
 async def test_prefix_evicted_from_engine_memory_is_reloaded(nats_url, nc, model_dir, kvstore):
     """A small engine cache and the CPU default policy: a prefix two requests shared is pooled,
     other prompts evict it, and a later request loads it back from the pool rather than
