@@ -49,7 +49,8 @@ class StreamAssembler:
 
     Per route: `begin(route)`, then `ack` / `chunk` / `down` / `timed_out` as things arrive;
     `chunk` returns the client-visible chunk (duplicates dropped, partial overlaps trimmed to
-    the new tokens, stragglers of earlier routes ignored) and `down` / `timed_out` the
+    the new tokens, a chunk that arrived before an earlier one held until the gap is filled,
+    stragglers of earlier routes ignored) and `down` / `timed_out` the
     `Failover` that ends the route, which `fail` records (the next route excludes it and
     resumes after ``sent``).
     """
@@ -65,6 +66,11 @@ class StreamAssembler:
         self.got_chunk = False  # a chunk of this route arrived
         self.decode_streamed = False  # the route's decode instance sent a chunk
         self.finished = False  # the last chunk (with a finish reason) went out
+        # This route's chunks that came before an earlier one (index -> chunk). One request's
+        # chunks have several publishers (prefill's first token on the request's subject,
+        # decode's on the gateway's) and NATS orders only each publisher's own messages: in a
+        # NATS cluster decode's first chunk can arrive before prefill's, over another route.
+        self.ahead: dict[int, TokenChunk] = {}
 
     @property
     def target(self) -> str:
@@ -82,12 +88,13 @@ class StreamAssembler:
         self.attempt += 1
         self.steps = {}
         self.acked = self.got_chunk = self.decode_streamed = False
+        self.ahead = {}
 
     def wait_limit(self, ack: float, first_token: float, stall: float) -> float:
         """Seconds to wait for the next message: the ack, the first token, or the next token."""
         if self.awaiting_ack:
             return ack
-        return first_token if not self.sent else stall
+        return first_token if not (self.sent or self.ahead) else stall
 
     def engine_progressed(self, instance_id: str, steps: int) -> bool:
         """A probe of a silent route saw ``instance_id``'s engine at ``steps``: True the first
@@ -118,18 +125,40 @@ class StreamAssembler:
         self.got_chunk = True
         self.decode_streamed = self.decode_streamed or c.instance_id == self.route.decode_instance
         start = len(self.sent)
+        if c.index > start:  # an earlier chunk is still on its way: never send across a gap
+            self.ahead[c.index] = c
+            return None
         if c.index + len(c.token_ids) <= start and c.finish_reason is None:
             return None  # duplicate
-        if c.index < start:  # partial overlap: keep only the new tokens
-            skip = start - c.index
-            lps = c.logprobs[skip:] if c.logprobs else c.logprobs
-            c = c.model_copy(
-                update={"index": start, "logprobs": lps, "token_ids": c.token_ids[skip:]}
-            )
+        c = self._with_ahead(_from(c, start))
         self.sent.extend(c.token_ids)
         if c.finish_reason is not None:
             self.finished = True
         return c
+
+    def _with_ahead(self, c: TokenChunk) -> TokenChunk:
+        """``c`` joined with the held chunks that now follow it without a gap (one chunk)."""
+        parts, end = [c], c.index + len(c.token_ids)
+        while parts[-1].finish_reason is None and self.ahead:
+            i = min(self.ahead)
+            if i > end:
+                break
+            nxt = self.ahead.pop(i)
+            if nxt.index + len(nxt.token_ids) > end or nxt.finish_reason is not None:
+                parts.append(_from(nxt, end))
+                end += len(parts[-1].token_ids)
+        if len(parts) == 1:
+            return c
+        lps = [lp for p in parts for lp in p.logprobs or ()]
+        return c.model_copy(
+            update={
+                "token_ids": [t for p in parts for t in p.token_ids],
+                "text": "".join(p.text for p in parts),
+                "logprobs": lps if any(p.logprobs is not None for p in parts) else None,
+                "finish_reason": parts[-1].finish_reason,
+                "usage": parts[-1].usage,
+            }
+        )
 
     def down(self, instance_id: str) -> Failover | None:
         """The scheduler declared ``instance_id`` down: the failover, if it concerns this route."""
@@ -153,3 +182,12 @@ class StreamAssembler:
                 f"instances (last: {fo.instance}: {fo.why})",
             )
         self.exclude.append(fo.instance)
+
+
+def _from(c: TokenChunk, start: int) -> TokenChunk:
+    """``c`` without its tokens before index ``start`` (a partial overlap keeps the new ones)."""
+    if c.index >= start:
+        return c
+    skip = start - c.index
+    lps = c.logprobs[skip:] if c.logprobs else c.logprobs
+    return c.model_copy(update={"index": start, "logprobs": lps, "token_ids": c.token_ids[skip:]})

@@ -28,7 +28,7 @@ STREAMS = 20
 MAX_TOKENS = 320  # streams outlast the serial prefill of all 20 prompts
 
 
-def prompts() -> list[list[dict]]:
+def prompts(n: int = STREAMS) -> list[list[dict]]:
     topics = [
         "caches",
         "queues",
@@ -43,11 +43,13 @@ def prompts() -> list[list[dict]]:
     ]
     return [
         [{"role": "user", "content": f"Tell me story {i} about {topics[i % 10]}."}]
-        for i in range(STREAMS)
+        for i in range(n)
     ]
 
 
-def reference(model_dir: str, msgs: list[list[dict]]) -> list[list[tuple[str, float]]]:
+def reference(
+    model_dir: str, msgs: list[list[dict]], max_tokens: int = MAX_TOKENS
+) -> list[list[tuple[str, float]]]:
     """Greedy (token text, logprob) per output token, computed in-process by the same engine
     code with no services involved."""
     from shared.engine.engine import LLMEngine
@@ -58,7 +60,7 @@ def reference(model_dir: str, msgs: list[list[dict]]) -> list[list[tuple[str, fl
 
     tok = Tokenizer.from_dir(model_dir)
     engine = LLMEngine(load_model(model_dir), EngineConfig(kv_cache_bytes=64 << 20))
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0)
     out: dict[str, list[tuple[str, float]]] = {f"ref-{i}": [] for i in range(len(msgs))}
     with torch.inference_mode():
         for i, m in enumerate(msgs):

@@ -62,6 +62,40 @@ def test_duplicates_dropped_and_partial_overlap_trimmed():
     assert asm.sent == [10, 11, 12, 13] and asm.finished
 
 
+def test_a_chunk_ahead_of_an_earlier_one_waits_for_the_gap_to_fill():
+    """Prefill's first token (on the request's subject) and decode's next ones (on the
+    gateway's) have different publishers, and in a NATS cluster decode's can arrive first (seen
+    in tests/multihost/test_cluster_under_faults.py). They are held, then sent joined and in
+    order once the missing one arrives: none lost, none sent twice."""
+    asm = StreamAssembler(max_failovers=2)
+    asm.begin(DISAGG)
+    held = [
+        ch(2, [12, 13], logprobs=[{12: -0.2}, {13: -0.3}]),
+        ch(1, [11], logprobs=[{11: -0.1}]),
+        ch(1, [11], logprobs=[{11: -0.1}]),  # a duplicate of a held chunk
+    ]
+    assert feed(asm, held) == [] and asm.sent == []
+    assert asm.wait_limit(1.0, 2.0, 3.0) == 3.0  # the route streams: a stall, not a first token
+    got = asm.chunk(ch(0, [10], "pre-a", logprobs=[{10: -0.05}]).model_copy(update={"text": "a"}))
+    assert (got.index, got.token_ids, got.finish_reason) == (0, [10, 11, 12, 13], None)
+    assert got.logprobs == [{10: -0.05}, {11: -0.1}, {12: -0.2}, {13: -0.3}] and got.text == "a"
+    assert feed(asm, [ch(4, [14], finish="length")]) == [(4, [14], "length")]
+    assert asm.sent == [10, 11, 12, 13, 14] and asm.finished
+
+
+def test_held_chunks_overlapping_and_finishing_are_joined_once():
+    asm = StreamAssembler(max_failovers=2)
+    asm.begin(DISAGG)
+    assert feed(asm, [ch(3, [13], finish="stop"), ch(1, [11, 12]), ch(2, [12])]) == []
+    assert feed(asm, [ch(0, [10], "pre-a")]) == [(0, [10, 11, 12, 13], "stop")]
+    assert asm.sent == [10, 11, 12, 13] and asm.finished
+    asm = StreamAssembler(max_failovers=2)
+    asm.begin(DISAGG)
+    assert feed(asm, [ch(2, [12])]) == []
+    asm.begin(DEC_B)  # a new route: what the old one held is gone with it
+    assert asm.ahead == {}
+
+
 def test_failover_resume_splices_and_ignores_stragglers():
     asm = StreamAssembler(max_failovers=2)
     asm.begin(DISAGG)

@@ -5,7 +5,8 @@ and links of earlier runs whose process is gone (a killed run cannot clean up af
 The bridge lives in its own "switch" namespace, so nothing is added to the machine's own
 network namespace and no address of the test exists outside the namespaces it creates.
 Host ``i`` gets 10.77.0.<i+1>/24 on interface ``eth0``; its bridge port is ``<prefix>p<i>``
-in the switch namespace (`Net.link_down` takes it down to isolate the host).
+in the switch namespace (`Net.link_down` takes it down to isolate the host, `Net.kill_host`
+also kills what runs there: a machine that lost power, whose peers get no FIN or RST).
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ class Net:
     hosts: int
     prefix: str = field(default_factory=lambda: f"{PREFIX_ROOT}{os.getpid():x}")
     procs: list[subprocess.Popen] = field(default_factory=list)
+    proc_hosts: dict[int, int] = field(default_factory=dict)  # pid -> the host it runs on
     namespaces: list[str] = field(default_factory=list)
 
     def ns(self, i: int) -> str:
@@ -135,12 +137,30 @@ class Net:
         """Cut host ``i`` off the network (its bridge port down)."""
         _ip("-n", self.switch, "link", "set", f"{self.prefix}p{i}", "down")
 
+    def kill(self, proc: subprocess.Popen) -> None:
+        """SIGKILL ``proc``'s process group (started by `popen`) and reap it."""
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5)
+
+    def kill_host(self, i: int) -> list[subprocess.Popen]:
+        """Host ``i`` dies: its link goes down first (peers see no FIN or RST, as when a machine
+        loses power), then every process `popen` started there is killed; returns them."""
+        self.link_down(i)
+        dead = [p for p in self.procs if self.proc_hosts.get(p.pid) == i and p.poll() is None]
+        for proc in dead:
+            self.kill(proc)
+        return dead
+
     def popen(self, i: int, argv: list[str], **kw) -> subprocess.Popen:
         """Start ``argv`` inside host ``i``'s namespace (killed by `close`)."""
         proc = subprocess.Popen(
             ["ip", "netns", "exec", self.ns(i), *argv], start_new_session=True, **kw
         )
         self.procs.append(proc)
+        self.proc_hosts[proc.pid] = i
         return proc
 
     def run_in(self, i: int, fn: Callable[[], T]) -> T:
@@ -165,11 +185,7 @@ class Net:
 
     def close(self) -> None:
         for proc in self.procs:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(timeout=5)
+            self.kill(proc)
         self.procs.clear()
         for name in reversed(self.namespaces):
             _ip("netns", "del", name, check=False)

@@ -13,15 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import secrets
-import signal
 import time
 
 import pytest
 
-from services.infra import nats_auth
-from services.infra.nats_server import nats_binary
 from services.scheduler.app import follow_kv_events, watch_registry
 from shared import bus
 from shared.kv_events_stream import ensure_kv_events_stream
@@ -29,6 +24,7 @@ from shared.nats_auth import NatsAuth
 from shared.protocol import subjects
 from shared.protocol.sched import InstanceRecord
 from shared.registry import read_registry, register_instance
+from tests.multihost.hosts import NatsCluster
 from tests.multihost.netns import Net
 from tests.scheduler.test_nats_restart import Core, event
 
@@ -37,32 +33,6 @@ pytestmark = pytest.mark.timeout(150)
 NATS_HOSTS = (1, 2, 3)
 CLIENT_HOST = 4
 EVENTS = 120
-
-
-def start_cluster(net: Net, tmp_path) -> dict[str, object]:
-    """nats-server ``n<i>`` on host ``i`` (client port 4222, routes on 6222), secured as
-    deployed: the per-role users and permissions `strata up` writes, routes authenticated with
-    their own user and password; returns name->proc (and the passwords under ``"passwords"``)."""
-    procs: dict[str, object] = {}
-    passwords = nats_auth.ensure_credentials(str(tmp_path / "credentials"))
-    route_pw = secrets.token_urlsafe(24)
-    for i in NATS_HOSTS:
-        routes = ", ".join(
-            f"nats-route://route:{route_pw}@{net.addr(j)}:6222" for j in NATS_HOSTS if j != i
-        )
-        conf = tmp_path / f"n{i}.conf"
-        conf.write_text(
-            f'server_name: n{i}\nlisten: "{net.addr(i)}:4222"\n'
-            f'jetstream {{ store_dir: "{tmp_path / f"js{i}"}" }}\n'
-            f'cluster {{ name: strata, listen: "{net.addr(i)}:6222", routes: [{routes}],\n'
-            f'  authorization {{ user: route, password: "{route_pw}" }} }}\n'
-            + nats_auth.authorization_block(passwords)
-        )
-        conf.chmod(0o600)
-        log = open(tmp_path / f"n{i}.log", "wb")  # noqa: SIM115 - lives as long as the server
-        procs[f"n{i}"] = net.popen(i, [nats_binary(), "-c", str(conf)], stdout=log, stderr=log)
-    procs["passwords"] = passwords
-    return procs
 
 
 async def until(cond, what: str, timeout: float = 60.0) -> None:
@@ -91,9 +61,9 @@ async def publish_retrying(js, seq: int) -> None:
     raise AssertionError(f"event {seq} never acknowledged")
 
 
-async def scenario(net: Net, procs: dict, victim: str) -> dict:
-    seeds = ",".join(f"nats://{net.addr(i)}:4222" for i in NATS_HOSTS)
-    pw = procs["passwords"]  # the scheduler's user observes, decode's publishes and registers
+async def scenario(net: Net, cluster: NatsCluster, victim: str) -> dict:
+    seeds = cluster.url
+    pw = cluster.passwords  # the scheduler's user observes, decode's publishes and registers
     nc = await bus.connect(
         seeds, "scheduler-mh", NatsAuth(user="scheduler", password=pw["scheduler"])
     )
@@ -155,8 +125,7 @@ async def scenario(net: Net, procs: dict, victim: str) -> dict:
             leader = await watcher_off_its_connections_node()
         for seq in range(1, EVENTS + 1):
             if seq == EVENTS // 2:
-                os.killpg(procs[leader].pid, signal.SIGKILL)
-                procs[leader].wait(10)
+                cluster.kill(leader)
             await publish_retrying(pjs, seq)
             await asyncio.sleep(0.01)
         await register_instance(
@@ -196,9 +165,9 @@ async def scenario(net: Net, procs: dict, victim: str) -> dict:
 @pytest.mark.parametrize("victim", ["stream-leader", "registry-consumer"])
 def test_losing_one_nats_node_loses_no_kv_event_or_registry_record(net_factory, tmp_path, victim):
     net = net_factory(4)
-    procs = start_cluster(net, tmp_path)
+    cluster = NatsCluster(net, tmp_path, NATS_HOSTS)
     t0 = time.monotonic()
-    out = net.run_in(CLIENT_HOST, lambda: asyncio.run(scenario(net, procs, victim)))
+    out = net.run_in(CLIENT_HOST, lambda: asyncio.run(scenario(net, cluster, victim)))
     print(
         f"killed stream leader {out['killed']}, new leader {out['new_leader']}, "
         f"clients on {out['urls']}, {time.monotonic() - t0:.1f}s"
