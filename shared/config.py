@@ -129,17 +129,17 @@ class RuntimeSettings(BaseModel):
     )
     cpu_layer: bool = Field(
         True,
-        description="A Llama-family decoder layer in one native call on CPU float32 "
+        description="A Llama-family decoder layer in one native call on CPU, float32 or bf16 "
         "(off: one kernel or torch op at a time)",
     )
-    cpu_isa: Literal["auto", "portable", "avx2", "avx512", "avx512vnni"] = Field(
+    cpu_isa: Literal["auto", "portable", "avx2", "avx512", "avx512vnni", "avx512bf16"] = Field(
         "auto",
         description="Build of the native CPU kernels to load (shared/model/build_kernels.py; "
         "auto: the widest this CPU runs)",
     )
     cpu_gemm: Literal["auto", "native", "onednn"] = Field(
         "auto",
-        description="float32 CPU GEMM: native C kernel or oneDNN (auto: native)",
+        description="float32 and bf16 CPU GEMM: native C kernel or oneDNN (auto: native)",
     )
     app_package: str = Field(
         "", description="Package holding <role>/app.py for `strata serve` ('' = services)"

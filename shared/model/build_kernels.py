@@ -9,10 +9,13 @@ the CPU runs it, tested) on any x86-64 box. ``scripts/setup.sh`` builds them all
 
 Which variant a process loads: ``STRATA_CPU_ISA`` (``auto``, the default: the widest this CPU
 runs, judged from the ``flags`` line of /proc/cpuinfo). Forcing one this CPU cannot run is a
-`ConfigError` naming the missing CPU flags. The sources have an AVX-512 VNNI path (the int8
-GEMM, ``gemm_int8.c``), AVX-512 and AVX2 + FMA paths and a portable one (``#ifdef``). The
+`ConfigError` naming the missing CPU flags. The sources have an AVX-512 BF16 path (the bf16
+GEMM's ``vdpbf16ps`` path, ``gemm_bf16.c``), an AVX-512 VNNI path (the int8 GEMM,
+``gemm_int8.c``), AVX-512 and AVX2 + FMA paths and a portable one (``#ifdef``). The
 ``avx512vnni`` variant needs AVX-512 VNNI beside x86-64-v4 (Cascade Lake, Ice Lake, Zen 4 and
-later). There is no bfloat16 or AMX variant: no code path uses them.
+later); ``avx512bf16`` needs AVX-512 BF16 as well (Cooper Lake, Sapphire Rapids and later, whose
+AMX it does not use; Zen 4 and later) and holds the VNNI path too. The bf16 GEMM's other path
+(bf16 weights widened to float32 in registers) is in every variant.
 
 Imports no torch: `strata serve` checks the setting with it before the service starts.
 """
@@ -36,15 +39,24 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(
     Path(__file__).with_name(f)
-    for f in ("decode_attention.c", "gemm.c", "gemm_int8.c", "fused.c", "layer.c", "isa.c")
+    for f in (
+        "decode_attention.c",
+        "gemm.c",
+        "gemm_int8.c",
+        "gemm_bf16.c",
+        "fused.c",
+        "layer.c",
+        "isa.c",
+    )
 )
 # included by SOURCES (kernels.h: every entry point, and by torch_ops.cpp too)
-HEADERS = tuple(Path(__file__).with_name(f) for f in ("exp2_poly.h", "kernels.h"))
+HEADERS = tuple(Path(__file__).with_name(f) for f in ("bf16.h", "exp2_poly.h", "kernels.h"))
 COMMON_FLAGS = ("-O3", "-fopenmp", "-ffp-contract=fast", "-shared", "-fPIC")
 
 _V3 = ("avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm")  # x86-64-v3 (abm: LZCNT)
 _V4 = (*_V3, "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")  # x86-64-v4
 _VNNI = (*_V4, "avx512_vnni")  # Cascade Lake, Ice Lake, Zen 4 and later
+_BF16 = (*_VNNI, "avx512_bf16")  # Cooper Lake, Sapphire Rapids (AMX), Zen 4 and later
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +75,11 @@ _X86 = (
     Variant("avx2", ("-march=x86-64-v3", "-mtune=generic"), _V3),
     Variant("avx512", ("-march=x86-64-v4", "-mtune=generic"), _V4),
     Variant("avx512vnni", ("-march=x86-64-v4", "-mavx512vnni", "-mtune=generic"), _VNNI),
+    Variant(
+        "avx512bf16",
+        ("-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16", "-mtune=generic"),
+        _BF16,
+    ),
 )
 NAMES = tuple(v.name for v in _X86)
 """Every variant name (the values of ``STRATA_CPU_ISA`` beside ``auto``), narrowest first."""

@@ -12,11 +12,11 @@ faster than oneDNN's blocked GEMM and prefill-sized ones within ~10% of it
 (docs/benchmarks/engine.md), and `shared.model.layers.Gemm` uses it for float32 on CPU.
 
 All are plain C, built by ``build_kernels.py`` once per ISA variant (portable, AVX2, AVX-512,
-AVX-512 VNNI: explicit target flags, one library each in ``$STRATA_CACHE/kernels``; at set-up,
-else on first use) and called as torch custom ops, ``torch.ops.strata.*`` (`torch_ops`: one C++
-library per torch version, bound to the loaded variant's entry points; the dispatcher releases
-the GIL). The variant loaded is ``STRATA_CPU_ISA`` (auto: the widest this CPU runs;
-``strata_kernel_isa{variant}``). Where there is no compiler, or ``STRATA_CPU_KERNELS=0``, or the
+AVX-512 VNNI, AVX-512 BF16: explicit target flags, one library each in ``$STRATA_CACHE/kernels``;
+at set-up, else on first use) and called as torch custom ops, ``torch.ops.strata.*``
+(`torch_ops`: one C++ library per torch version, bound to the loaded variant's entry points;
+the dispatcher releases the GIL). The variant loaded is ``STRATA_CPU_ISA`` (auto: the widest
+this CPU runs; ``strata_kernel_isa{variant}``). Where there is no compiler, or ``STRATA_CPU_KERNELS=0``, or the
 dtype is not float32, the wrappers here return ``None`` / ``False`` and the caller uses the torch
 path (oneDNN for linears); each such call on the CPU counts in
 ``strata_kernel_fallback_total{op,reason}`` (`fallback`). The wrappers check what the kernels
@@ -29,6 +29,11 @@ both of its products run on the GEMM tile, with an online softmax between them.
 (:func:`pack_int8`, :func:`linear_int8`), each row of activations quantised to int8 at call time
 (W8A8, int32 sums; `shared.model.int8.Int8Gemm` uses it): AVX-512 VNNI in the ``avx512vnni``
 variant, ``vpmaddubsw`` in ``avx512`` and ``avx2``, plain C in ``portable``, all bit-identical.
+
+``gemm_bf16.c`` multiplies float32 rows by a bf16 weight packed once (its wrappers are in
+`shared.model.bf16`): the weight widened in registers on every variant, ``vdpbf16ps`` on bf16
+rows in ``avx512bf16`` (from `bf16.DOT_ROWS` rows). A bf16 model's layers run on it, one call
+each, over a bf16 KV cache (``layer.c``; the attention kernels widen it as they read it).
 
 ``fused.c`` holds the decoder layer's row-wise ops as one call each (:func:`rms_norm`, with the
 residual add; :func:`qk_norm_rope`), which as torch ops were 8-20 small calls apiece.
@@ -45,6 +50,7 @@ import logging
 import subprocess
 import threading
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from prometheus_client import Counter, Gauge
@@ -351,7 +357,11 @@ def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(h, weight * rmsnorm(h))`` over the last dim, with ``h = x + residual`` (a new
-    tensor) or ``h = x``; ``None`` when the kernel does not apply (not CPU float32 contiguous)."""
+    tensor) or ``h = x``; ``None`` when the kernel does not apply (not CPU float32 contiguous).
+    A bf16 ``weight`` over float32 rows (a bf16 model's final norm after the one-call layers)
+    is widened: what torch computes for them too."""
+    if weight.dtype == torch.bfloat16 and x.dtype == torch.float32:
+        weight = weight.float()
     why = _why(x, weight, residual)
     if not why and residual is not None and residual.shape != x.shape:
         why = "shape"
@@ -418,7 +428,7 @@ class NativeLayer:
     """One decoder layer for :func:`decoder_layer`: ``args``, its weights and sizes as the
     arguments of ``torch.ops.strata.decoder_layer_`` they are, by schema name (the op fills
     kernels.h's ``strata_layer`` from them, checking each: nothing here restates its layout; the
-    projections' dtype, float32 panels or int8 bytes, says which GEMM); ``shape`` its
+    projections' dtype, float32 panels, int8 bytes or bf16 pairs, says which GEMM); ``shape`` its
     (hidden, heads, kv_heads, head_dim, inter); ``key`` what its owner built it from."""
 
     __slots__ = ("args", "ordered", "shape", "key")
@@ -432,7 +442,22 @@ class NativeLayer:
         return self.shape[3]
 
 
-Projection = tuple[PackedLinear | PackedInt8, torch.Tensor | None]
+class PackedWeight(Protocol):
+    """What `native_layer` reads of a packed projection: `PackedLinear`, `PackedInt8` or
+    `shared.model.bf16.PackedBF16`."""
+
+    data: torch.Tensor
+    n: int
+    k: int
+    gen: int
+
+
+Projection = tuple[PackedWeight, torch.Tensor | None]
+
+
+def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A bf16 model's norm weight or bias widened for the kernels (exact); others as they are."""
+    return t.float() if t is not None and t.dtype == torch.bfloat16 else t
 
 
 def native_layer(
@@ -450,8 +475,13 @@ def native_layer(
 ) -> NativeLayer | None:
     """The layer for :func:`decoder_layer` from its norms' ``(weight, eps)`` and its packed
     projections' ``(weight, bias)`` (q/k/v and gate/up fused, SiLU gating; all four float32
-    `PackedLinear` or all four int8 `PackedInt8`); ``None`` when a shape or tensor does not fit
-    the kernels."""
+    `PackedLinear`, all four int8 `PackedInt8` or all four bf16 ``PackedBF16``, whose norms and
+    biases may be bf16: they are widened to float32 here); ``None`` when a shape or tensor does
+    not fit the kernels."""
+    ln1, ln2 = (_f32(ln1[0]), ln1[1]), (_f32(ln2[0]), ln2[1])
+    if qk_norm:
+        qk_norm = (_f32(qk_norm[0]), _f32(qk_norm[1]), qk_norm[2])
+    qkv, o, gate_up, down = ((p, _f32(b)) for p, b in (qkv, o, gate_up, down))
     hidden = ln1[0].numel()
     att = heads * head_dim
     inter = gate_up[0].n // 2
@@ -484,7 +514,7 @@ def native_layer(
             "gu_p": gate_up[0].data, "gu_b": gate_up[1],
             "down_p": down[0].data, "down_b": down[1],
             "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "inter": inter,
-            "scale": scale,
+            "scale": scale, "dot_rows": getattr(qkv[0], "dot_rows", 0),  # a PackedBF16's
         },
         (hidden, heads, kv_heads, head_dim, inter),
     )  # fmt: skip
@@ -566,8 +596,9 @@ def decoder_layer(
 ) -> None:  # fmt: skip
     """One decoder layer over ``h [T, hidden]`` in place (CPU float32, contiguous), writing the
     batch's new K/V into this layer's ``k_cache``/``v_cache [blocks, block_size, KVH, D]``
-    (``torch.ops.strata.decoder_layer_``: RuntimeError for arguments it does not take,
-    torch.OutOfMemoryError when an int8 GEMM had no memory for its rows)."""
+    (float32, or bf16: rounded as written, widened as read) (``torch.ops.strata.decoder_layer_``:
+    RuntimeError for arguments it does not take, torch.OutOfMemoryError when an int8 or bf16
+    GEMM had no memory for its rows or a bf16 cache's decode attention none for its copy)."""
     global layer_calls
     torch.ops.strata.decoder_layer_(
         h, k_cache, v_cache, batch.scratch, *layer.ordered, *batch.ordered

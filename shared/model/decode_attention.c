@@ -3,6 +3,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "bf16.h"
 #include "exp2_poly.h"
 #include "kernels.h"
 
@@ -425,4 +426,51 @@ void strata_decode_attn_f32(const float *q, const float *k, const float *v,
     for (int64_t b = 0; b < B; b++)
         attn_rows(q + b * H * D, k, v, tables + b * max_blocks, ctx + b, max_blocks, 1, H, KVH,
                   D, BS, scale, out + b * H * D);
+}
+
+/* strata_decode_attn_f32 over a bfloat16 cache (the one-call layer of a bf16 model): each
+ * sequence's context is widened, K then V, into a float32 copy of its own (exact), laid out as
+ * blocks in order, and the float32 code above runs on it: the output is bit-identical to
+ * strata_decode_attn_f32 over the widened cache. The copy is per thread, 2 x (longest context)
+ * x KVH x D floats, taken for the call; a sequence's context is read from memory once, at half
+ * float32's bytes, and its copy, in L2 for contexts of a few hundred tokens, twice. Returns 0,
+ * or -1 (nothing written) when a copy cannot be allocated. */
+int64_t strata_decode_attn_bf16kv(const float *q, const uint16_t *k, const uint16_t *v,
+                                  const int64_t *tables, const int64_t *ctx, int64_t max_blocks,
+                                  int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS,
+                                  float scale, float *out, int64_t nthreads) {
+    int64_t cap = 1;
+    for (int64_t b = 0; b < B; b++) cap = ctx[b] > cap ? ctx[b] : cap;
+    const int64_t nblk = (cap + BS - 1) / BS, tok = KVH * D, blk = BS * tok;
+    int failed = 0;
+    #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && B > 1)
+    {
+        float *kw = (float *)malloc(sizeof(float) * (size_t)(2 * nblk * blk));
+        int64_t *ident = (int64_t *)malloc(sizeof(int64_t) * (size_t)nblk);
+        if (!kw || !ident) {
+            #pragma omp atomic write
+            failed = 1;
+        } else
+            for (int64_t i = 0; i < nblk; i++) ident[i] = i;
+        #pragma omp barrier
+        if (!failed) {
+            float *vw = kw + nblk * blk;
+            #pragma omp for schedule(dynamic, 1)
+            for (int64_t b = 0; b < B; b++) {
+                const int64_t n = ctx[b], *tab = tables + b * max_blocks;
+                for (int64_t t = 0; t < n; t++) {
+                    const int64_t off = tab[t / BS] * blk + (t % BS) * tok;
+                    const uint16_t *kr = k + off, *vr = v + off;
+                    float *kd = kw + t * tok, *vd = vw + t * tok;
+                    for (int64_t e = 0; e < tok; e++) kd[e] = strata_bf16_to_f32(kr[e]);
+                    for (int64_t e = 0; e < tok; e++) vd[e] = strata_bf16_to_f32(vr[e]);
+                }
+                attn_rows(q + b * H * D, kw, vw, ident, ctx + b, nblk, 1, H, KVH, D, BS, scale,
+                          out + b * H * D);
+            }
+        }
+        free(ident);
+        free(kw);
+    }
+    return failed ? -1 : 0;
 }

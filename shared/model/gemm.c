@@ -162,6 +162,7 @@ void strata_gemm_f32(const float *x, int64_t M, int64_t K, const float *p, int64
 #include <math.h>
 #include <stdlib.h>
 
+#include "bf16.h"
 #include "exp2_poly.h"
 
 #define QB 64      /* query tokens per work item */
@@ -192,7 +193,7 @@ static inline vf vexp(vf x) {
 
 /* Query tokens [i0, i1) of a sequence with ``qn`` new tokens and context ``n`` (query i sits
  * at position n - qn + i), KV head ``g``; ``ws`` scratch of item_floats() floats. */
-static void attn_item(const float *q, int64_t q_ts, const float *kc, const float *vc,
+static void attn_item(const float *q, int64_t q_ts, const void *kc, const void *vc, int kv16,
                       const int64_t *tab, int64_t n, int64_t qn, int64_t i0, int64_t i1,
                       int64_t g, int64_t H, int64_t KVH, int64_t D, int64_t BS, float scale,
                       float *out, int64_t o_ts, float *ws) {
@@ -213,9 +214,16 @@ static void attn_item(const float *q, int64_t q_ts, const float *kc, const float
         /* K^T as KP panels [D][NW]; V as NP panels [KB keys][NW outputs]; zero past m */
         for (int64_t j = 0; j < KB; j++) {
             float *ktj = kt + (j / NW) * D * NW + j % NW;
-            if (j < m) {
+            if (j < m && kv16) { /* a bf16 cache: widened as it is packed (exact) */
                 const int64_t t = k0 + j, off = tab[t / BS] * blk + (t % BS) * tok + g * D;
-                const float *kr = kc + off, *vr = vc + off;
+                const uint16_t *kr = (const uint16_t *)kc + off, *vr = (const uint16_t *)vc + off;
+                for (int64_t d = 0; d < D; d++) ktj[d * NW] = strata_bf16_to_f32(kr[d]);
+                for (int64_t c = 0; c < NP; c++)
+                    for (int64_t u = 0; u < NW; u++)
+                        vp[(c * KB + j) * NW + u] = strata_bf16_to_f32(vr[c * NW + u]);
+            } else if (j < m) {
+                const int64_t t = k0 + j, off = tab[t / BS] * blk + (t % BS) * tok + g * D;
+                const float *kr = (const float *)kc + off, *vr = (const float *)vc + off;
                 for (int64_t d = 0; d < D; d++) ktj[d * NW] = kr[d];
                 for (int64_t c = 0; c < NP; c++)
                     memcpy(vp + (c * KB + j) * NW, vr + c * NW, sizeof(float) * NW);
@@ -282,16 +290,12 @@ static void attn_item(const float *q, int64_t q_ts, const float *kc, const float
     }
 }
 
-/* q: rows of the sequences' new tokens, row i of sequence s at q + (qstart[s] + i) * q_ts, heads
- * D apart; k_cache, v_cache: one layer [NB, BS, KVH, D] holding every sequence's context
- * including its new tokens; tables [S, max_blocks], ctx [S] (context length with the new
- * tokens), qlen [S] (new tokens); out like q with token stride o_ts. Returns 0, or -1 (nothing
- * done) for a shape it does not handle (D not a multiple of the panel width). */
-int64_t strata_prefill_attn_f32(const float *q, int64_t q_ts, const float *k_cache,
-                                const float *v_cache, const int64_t *tables, const int64_t *ctx,
-                                const int64_t *qstart, const int64_t *qlen, int64_t S,
-                                int64_t max_blocks, int64_t H, int64_t KVH, int64_t D, int64_t BS,
-                                float scale, float *out, int64_t o_ts, int64_t nthreads) {
+/* The body of both entry points below: ``kv16`` says the caches are bf16 (uint16_t). */
+static int64_t prefill_attn(const float *q, int64_t q_ts, const void *k_cache,
+                            const void *v_cache, int kv16, const int64_t *tables,
+                            const int64_t *ctx, const int64_t *qstart, const int64_t *qlen,
+                            int64_t S, int64_t max_blocks, int64_t H, int64_t KVH, int64_t D,
+                            int64_t BS, float scale, float *out, int64_t o_ts, int64_t nthreads) {
     if (D < NW || D % NW || KVH < 1 || H % KVH) return -1;
     int64_t items = 0;
     for (int64_t s = 0; s < S; s++) {
@@ -318,7 +322,7 @@ int64_t strata_prefill_attn_f32(const float *q, int64_t q_ts, const float *k_cac
         for (int64_t it = 0; it < items; it++) {
             const int64_t s = work[3 * it], b = work[3 * it + 1], g = work[3 * it + 2];
             const int64_t i0 = b * QB, i1 = i0 + QB < qlen[s] ? i0 + QB : qlen[s];
-            attn_item(q + qstart[s] * q_ts, q_ts, k_cache, v_cache, tables + s * max_blocks,
+            attn_item(q + qstart[s] * q_ts, q_ts, k_cache, v_cache, kv16, tables + s * max_blocks,
                       ctx[s], qlen[s], i0, i1, g, H, KVH, D, BS, scale, out + qstart[s] * o_ts,
                       o_ts, ws);
         }
@@ -326,4 +330,31 @@ int64_t strata_prefill_attn_f32(const float *q, int64_t q_ts, const float *k_cac
     }
     free(work);
     return 0;
+}
+
+/* q: rows of the sequences' new tokens, row i of sequence s at q + (qstart[s] + i) * q_ts, heads
+ * D apart; k_cache, v_cache: one layer [NB, BS, KVH, D] holding every sequence's context
+ * including its new tokens; tables [S, max_blocks], ctx [S] (context length with the new
+ * tokens), qlen [S] (new tokens); out like q with token stride o_ts. Returns 0, or -1 (nothing
+ * done) for a shape it does not handle (D not a multiple of the panel width). */
+int64_t strata_prefill_attn_f32(const float *q, int64_t q_ts, const float *k_cache,
+                                const float *v_cache, const int64_t *tables, const int64_t *ctx,
+                                const int64_t *qstart, const int64_t *qlen, int64_t S,
+                                int64_t max_blocks, int64_t H, int64_t KVH, int64_t D, int64_t BS,
+                                float scale, float *out, int64_t o_ts, int64_t nthreads) {
+    return prefill_attn(q, q_ts, k_cache, v_cache, 0, tables, ctx, qstart, qlen, S, max_blocks, H,
+                        KVH, D, BS, scale, out, o_ts, nthreads);
+}
+
+/* strata_prefill_attn_f32 over a bfloat16 cache (the one-call layer of a bf16 model): each
+ * key and value is widened (exactly) as the blocks are packed, so the output is bit-identical to
+ * strata_prefill_attn_f32 over the widened cache. */
+int64_t strata_prefill_attn_bf16kv(const float *q, int64_t q_ts, const uint16_t *k_cache,
+                                   const uint16_t *v_cache, const int64_t *tables,
+                                   const int64_t *ctx, const int64_t *qstart, const int64_t *qlen,
+                                   int64_t S, int64_t max_blocks, int64_t H, int64_t KVH,
+                                   int64_t D, int64_t BS, float scale, float *out, int64_t o_ts,
+                                   int64_t nthreads) {
+    return prefill_attn(q, q_ts, k_cache, v_cache, 1, tables, ctx, qstart, qlen, S, max_blocks, H,
+                        KVH, D, BS, scale, out, o_ts, nthreads);
 }

@@ -14,11 +14,18 @@
  * layer, strata_rms_norm_f32, strata_qk_norm_rope_f32, strata_prefill_attn_f32,
  * strata_decode_attn_f32), so every result but SiLU is bit-identical to it; SiLU's e^x is
  * exp2_poly.h's polynomial (relative error <= 3e-7 for |x| <= 5, ~4e-6 at 87) where torch uses
- * Sleef's. */
+ * Sleef's.
+ *
+ * A bf16 model's layer (wtype STRATA_W_BF16: strata_gemm_bf16_f32 projections) runs the same
+ * float32 arithmetic between its GEMMs: h, the norms, RoPE, attention's scores and sums and SiLU
+ * in float32. Its KV cache stays bf16 (kv_bf16): the new K/V rows are rounded to bf16 as they
+ * are written (nearest even, as torch's .to(bfloat16)), and the attention kernels widen them
+ * back exactly (strata_prefill_attn_bf16kv, strata_decode_attn_bf16kv). */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "exp2_poly.h"
 #include "kernels.h" /* the kernels it strings together, strata_layer and strata_batch */
 
@@ -83,20 +90,36 @@ static void silu_mul(const float *gu, int64_t T, int64_t I, float *act, int64_t 
     }
 }
 
-/* y = x p^T (+ b) on the layer's float32 or int8 GEMM; nonzero when the int8 one failed. */
+/* y = x p^T (+ b) on the layer's float32, int8 or bf16 GEMM; nonzero when the int8 or bf16
+ * one had no memory for its rows. */
 static int64_t proj(const strata_layer *L, const float *x, int64_t M, int64_t K, const void *p,
                     int64_t N, const float *b, float *y, int64_t nt) {
-    if (L->int8) return strata_gemm_s8_f32(x, M, K, p, N, b, y, nt);
+    if (L->wtype == STRATA_W_INT8) return strata_gemm_s8_f32(x, M, K, p, N, b, y, nt);
+    if (L->wtype == STRATA_W_BF16)
+        return strata_gemm_bf16_f32(x, M, K, (const uint16_t *)p, N, b, y, L->dot_rows, nt);
     strata_gemm_f32(x, M, K, (const float *)p, N, b, y, nt);
     return 0;
 }
 
+/* Row t's K and V (tok floats each, at kv and kv + tok) into cache slot s. */
+static void write_kv(const strata_batch *B, const float *kv, int64_t tok, int64_t s,
+                     void *k_cache, void *v_cache) {
+    if (!B->kv_bf16) {
+        memcpy((float *)k_cache + s * tok, kv, sizeof(float) * (size_t)tok);
+        memcpy((float *)v_cache + s * tok, kv + tok, sizeof(float) * (size_t)tok);
+        return;
+    }
+    uint16_t *kd = (uint16_t *)k_cache + s * tok, *vd = (uint16_t *)v_cache + s * tok;
+    for (int64_t e = 0; e < tok; e++) kd[e] = strata_f32_to_bf16(kv[e]);
+    for (int64_t e = 0; e < tok; e++) vd[e] = strata_f32_to_bf16(kv[tok + e]);
+}
+
 /* h: [T, hidden], updated in place; k_cache, v_cache: this layer's [blocks, block_size,
- * kv_heads, head_dim]. Returns 0, or -1 when the prefill kernel refused the head layout (the
- * caller checks that first: then nothing is half done), or -2 when an int8 GEMM had no memory
- * for its quantised rows. */
+ * kv_heads, head_dim], float32 or (kv_bf16) bfloat16. Returns 0, or -1 when the prefill kernel
+ * refused the head layout (the caller checks that first: then nothing is half done), or -2 when
+ * an int8 or bf16 GEMM or the bf16 cache's decode attention had no memory for its copies. */
 int64_t strata_decoder_layer_f32(const strata_layer *L, const strata_batch *B, float *h,
-                                 float *k_cache, float *v_cache) {
+                                 void *k_cache, void *v_cache) {
     const int64_t T = B->T, Hd = L->hidden, D = L->head_dim, nh = L->heads, nkv = L->kv_heads;
     const int64_t I = L->inter, nt = B->nthreads, att = nh * D, ld = (nh + 2 * nkv) * D;
     float *x = B->scratch, *qkv = x + T * Hd, *a = qkv + T * ld, *tmp = a + T * att;
@@ -107,23 +130,31 @@ int64_t strata_decoder_layer_f32(const strata_layer *L, const strata_batch *B, f
     strata_qk_norm_rope_f32(qkv, T, ld, nh + nkv, nh, D, L->qn_w, L->kn_w, (float)L->qk_eps,
                             B->cos_, B->sin_, nt);
     const int64_t tok = nkv * D;
-    for (int64_t t = 0; t < T; t++) {
-        const float *row = qkv + t * ld + att;
-        memcpy(k_cache + B->slots[t] * tok, row, sizeof(float) * (size_t)tok);
-        memcpy(v_cache + B->slots[t] * tok, row + tok, sizeof(float) * (size_t)tok);
+    for (int64_t t = 0; t < T; t++)
+        write_kv(B, qkv + t * ld + att, tok, B->slots[t], k_cache, v_cache);
+    if (B->p_n) {
+        const int64_t rc =
+            B->kv_bf16
+                ? strata_prefill_attn_bf16kv(qkv, ld, k_cache, v_cache, B->p_tables, B->p_ctx,
+                                             B->p_qstart, B->p_qlen, B->p_n, B->p_max_blocks, nh,
+                                             nkv, D, B->block_size, (float)L->scale, a, att, nt)
+                : strata_prefill_attn_f32(qkv, ld, k_cache, v_cache, B->p_tables, B->p_ctx,
+                                          B->p_qstart, B->p_qlen, B->p_n, B->p_max_blocks, nh,
+                                          nkv, D, B->block_size, (float)L->scale, a, att, nt);
+        if (rc) return -1;
     }
-    if (B->p_n &&
-        strata_prefill_attn_f32(qkv, ld, k_cache, v_cache, B->p_tables, B->p_ctx, B->p_qstart,
-                                B->p_qlen, B->p_n, B->p_max_blocks, nh, nkv, D, B->block_size,
-                                (float)L->scale, a, att, nt))
-        return -1;
     if (B->d_n) {
         for (int64_t i = 0; i < B->d_n; i++) /* q rows, contiguous */
             memcpy(dq + i * att, qkv + (B->d_rows ? B->d_rows[i] : i) * ld,
                    sizeof(float) * (size_t)att);
         float *o = B->d_rows ? dout : a;
-        strata_decode_attn_f32(dq, k_cache, v_cache, B->d_tables, B->d_ctx, B->d_max_blocks,
-                               B->d_n, nh, nkv, D, B->block_size, (float)L->scale, o, nt);
+        if (!B->kv_bf16)
+            strata_decode_attn_f32(dq, k_cache, v_cache, B->d_tables, B->d_ctx, B->d_max_blocks,
+                                   B->d_n, nh, nkv, D, B->block_size, (float)L->scale, o, nt);
+        else if (strata_decode_attn_bf16kv(dq, k_cache, v_cache, B->d_tables, B->d_ctx,
+                                           B->d_max_blocks, B->d_n, nh, nkv, D, B->block_size,
+                                           (float)L->scale, o, nt))
+            return -2;
         if (B->d_rows)
             for (int64_t i = 0; i < B->d_n; i++)
                 memcpy(a + B->d_rows[i] * att, dout + i * att, sizeof(float) * (size_t)att);

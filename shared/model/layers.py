@@ -4,9 +4,10 @@ Numerics follow transformers' Llama/Qwen code so logits match it: RMSNorm in flo
 computed in float32 then cast to the activation dtype, ``rotate_half`` RoPE layout. Every
 projection is a plain ``nn.Linear`` so it can be swapped for a quantised linear; the forward
 runs it through :class:`Gemm`, which on CPU packs the weight once: for the native float32 GEMM
-(``gemm.c``), or for oneDNN (bf16, or where the native kernels are off). An int8 projection
-(`shared.model.int8.Int8Linear`) runs through its own `Int8Gemm` (native W8A8 on CPU float32),
-and q/k/v and gate/up are fused for it as for float ones.
+(``gemm.c``), the native bf16-weight one (``gemm_bf16.c``, `shared.model.bf16`), or for oneDNN
+(where the native kernels are off). An int8 projection (`shared.model.int8.Int8Linear`) runs
+through its own `Int8Gemm` (native W8A8 on CPU float32), and q/k/v and gate/up are fused for it
+as for float ones.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared.config import RuntimeSettings
-from shared.model import cpu_kernels, int8
+from shared.model import bf16, cpu_kernels, int8
 from shared.model.attention import AttentionPlan, paged_attention
+from shared.model.bf16 import PackedBF16
 from shared.model.int8 import Int8Gemm, Int8Linear
 from shared.model.softcap import softcap_attention
 
@@ -122,7 +124,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # again at decode sizes (docs/benchmarks/engine.md). Either packed copy sits beside the dense
 # weight (which the loader, quantiser and KV tooling keep using): linear weights cost 2x host
 # memory. ``STRATA_CPU_PACKED_GEMM=0`` turns packing off (plain ``F.linear``);
-# ``STRATA_CPU_GEMM`` picks native (auto) or oneDNN for float32.
+# ``STRATA_CPU_GEMM`` picks native (auto) or oneDNN for float32 and bf16 weights.
 PACK_CPU_GEMM = RuntimeSettings.from_env().cpu_packed_gemm
 NATIVE_CPU_GEMM = cpu_kernels.native_gemm_chosen()  # STRATA_CPU_GEMM
 _PACK_ROWS_HINT = 16  # oneDNN picks its blocking for this many rows; 1-1024 all ran well
@@ -143,13 +145,15 @@ def _pack(w: torch.Tensor) -> torch.Tensor | None:
 
 def _pack_native(
     w: torch.Tensor, b: torch.Tensor | None
-) -> tuple[cpu_kernels.PackedLinear | None, str]:
-    """``(w packed for the native GEMM, "")``, or ``(None, why not)`` (a
+) -> tuple[cpu_kernels.PackedLinear | PackedBF16 | None, str]:
+    """``(w packed for the native float32 or bf16 GEMM, "")``, or ``(None, why not)`` (a
     `cpu_kernels.fallback` reason; "" off the CPU, where there is no native kernel)."""
     if w.device.type != "cpu":
         return None, ""
     if not (PACK_CPU_GEMM and NATIVE_CPU_GEMM):
         return None, "disabled"
+    if w.dtype == torch.bfloat16:
+        return bf16.pack(w, b)
     if w.dtype != torch.float32 or (b is not None and b.dtype != w.dtype):
         return None, "dtype"
     if b is not None and b.device != w.device:
@@ -159,8 +163,9 @@ def _pack_native(
 
 
 class Gemm:
-    """``x @ w.T + b`` with ``w`` packed once on CPU: for the native float32 kernel, else for
-    oneDNN (plain ``F.linear`` elsewhere).
+    """``x @ w.T + b`` with ``w`` packed once on CPU: for the native float32 or bf16 kernel, else
+    for oneDNN (plain ``F.linear`` elsewhere). Its fallbacks count as ``gemm``, or ``bf16_gemm``
+    for a bf16 weight.
 
     ``current`` tells whether it still describes ``w``: a new tensor or an in-place write
     (``_version``) makes the owner build a fresh one."""
@@ -169,6 +174,7 @@ class Gemm:
         self.w, self.b = w, b
         self.native, self.why = _pack_native(w, b)
         self.packed = None if self.native is not None else _pack(w)
+        self.op = "bf16_gemm" if w.dtype == torch.bfloat16 else "gemm"
         self.key = self._key(w, b)
         self.rows: list[int] = []  # `_fuse`: data_ptr of each fused module's weight slice
 
@@ -182,10 +188,13 @@ class Gemm:
         return self.key == self._key(w, b)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.native is not None and x.dtype == torch.float32 and x.device.type == "cpu":
-            return cpu_kernels.linear(x, self.native, self.b)
-        if x.device.type == "cpu":
-            cpu_kernels.fallback("gemm", self.why or "dtype")  # `why` "": x not float32
+        native, cpu = self.native, x.device.type == "cpu"
+        if cpu and type(native) is PackedBF16 and x.dtype in bf16.ACTIVATIONS:
+            return bf16.linear_bf16(x, native, self.b)
+        if cpu and type(native) is cpu_kernels.PackedLinear and x.dtype == torch.float32:
+            return cpu_kernels.linear(x, native, self.b)
+        if cpu:
+            cpu_kernels.fallback(self.op, self.why or "dtype")  # `why` "": x of another dtype
         if self.packed is None or x.dtype != self.w.dtype:
             return F.linear(x, self.w, self.b)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.b, "none", [], "")
@@ -199,11 +208,11 @@ def _gemm_of(m: nn.Linear) -> Gemm:
     return g
 
 
-Packed = tuple[cpu_kernels.PackedLinear | cpu_kernels.PackedInt8, torch.Tensor | None]
+Packed = tuple[cpu_kernels.PackedLinear | cpu_kernels.PackedInt8 | PackedBF16, torch.Tensor | None]
 
 
 def _native(g: Gemm | Int8Gemm | None) -> Packed | None:
-    """``(packed weight, bias)`` when ``g`` runs on the native float32 or int8 GEMM, else
+    """``(packed weight, bias)`` when ``g`` runs on the native float32, bf16 or int8 GEMM, else
     ``None``."""
     return None if g is None or g.native is None else (g.native, g.b)
 
@@ -226,8 +235,8 @@ def _torch_on_cpu(x: torch.Tensor, op: str) -> None:
 
 
 def native_linear(m: nn.Module) -> Packed | None:
-    """``(packed weight, bias)`` of a plain ``nn.Linear`` on the native float32 GEMM or of an
-    `Int8Linear` on the native int8 GEMM, else ``None``."""
+    """``(packed weight, bias)`` of a plain ``nn.Linear`` on the native float32 or bf16 GEMM or
+    of an `Int8Linear` on the native int8 GEMM, else ``None``."""
     if type(m) is Int8Linear:
         return _native(int8.gemm_of(m))
     return _native(_gemm_of(m)) if type(m) is nn.Linear else None
@@ -273,7 +282,13 @@ def _still_fused(fused: Gemm | Int8Gemm | None, linears: list[nn.Module]) -> boo
 
 
 class Attention(nn.Module):
-    """GQA self-attention over the paged cache, with optional qkv bias and q/k norm."""
+    """GQA self-attention over the paged cache, with optional qkv bias and q/k norm.
+
+    ``q_norm`` / ``k_norm`` are per-head `RMSNorm`s (Qwen3) that the fused norm + RoPE kernel
+    computes; a subclass with other norms (Gemma-3's, OLMo-2's) sets ``kernel_qk_norm`` False
+    and overrides `norm_qk`."""
+
+    kernel_qk_norm = True  # q_norm / k_norm are what `cpu_kernels.qk_norm_rope` computes
 
     def __init__(
         self,
@@ -318,7 +333,10 @@ class Attention(nn.Module):
         if gemm is not None:  # one GEMM, then q/k normed and rotated together
             qkv = gemm(x).view(t, nh + 2 * nkv, self.head_dim)
             qk, v = qkv[:, : nh + nkv], qkv[:, nh + nkv :]
-            qn, kn = (None, None) if self.q_norm is None else (self.q_norm, self.k_norm)
+            qn, kn = self.q_norm, self.k_norm
+            if qn is not None and not self.kernel_qk_norm:  # normed here, only rotated below
+                qkv = qk = torch.cat(self.norm_qk(qk[:, :nh], qk[:, nh:]), dim=1)
+                qn = kn = None
             fused = cpu_kernels.qk_norm_rope(  # in place on the fresh GEMM output, one call
                 qkv,
                 nh + nkv,
@@ -330,7 +348,7 @@ class Attention(nn.Module):
                 sin,
             )
             if not fused:
-                if self.q_norm is not None:
+                if qn is not None:
                     qk = self._qk_norm(qk)
                 qk = apply_rope(qk, cos, sin)
             q, k = qk[:, :nh], qk[:, nh:]
@@ -339,7 +357,7 @@ class Attention(nn.Module):
             k = project(self.k_proj, x).view(t, nkv, self.head_dim)
             v = project(self.v_proj, x).view(t, nkv, self.head_dim)
             if self.q_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
+                q, k = self.norm_qk(q, k)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.softcap is not None:  # the native attention kernels take no cap
             if plan.decodes:
@@ -364,6 +382,10 @@ class Attention(nn.Module):
     def native_qkv(self) -> Packed | None:
         """``(packed weight, bias)`` of the fused q/k/v projection on a native GEMM, or None."""
         return _native(self._fused_qkv())
+
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``q [T, H, D]`` and ``k [T, KVH, D]`` normed (before RoPE)."""
+        return self.q_norm(q), self.k_norm(k)
 
     def _qk_norm(self, qk: torch.Tensor) -> torch.Tensor:
         """``q_norm``/``k_norm`` over ``[T, H + KVH, D]`` in one pass (same ops per element)."""

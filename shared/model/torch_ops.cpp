@@ -8,6 +8,7 @@
 // Each op checks its tensors' dtypes, shapes and layouts with TORCH_CHECK before handing their
 // addresses to the bound function; the decoder layer op fills kernels.h's strata_layer and
 // strata_batch from its arguments. The kernels use torch's thread count (at::get_num_threads).
+// bf16 tensors (weights, a bf16 KV cache) are handed over as their uint16_t bit patterns.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -33,13 +34,18 @@ using OptTensor = std::optional<Tensor>;
 #define STRATA_KERNELS(X)                                                                         \
     X(strata_kernel_isa)                                                                          \
     X(strata_decode_attn_f32)                                                                     \
+    X(strata_decode_attn_bf16kv)                                                                  \
     X(strata_gemm_panel_width)                                                                    \
     X(strata_gemm_pack_f32)                                                                       \
     X(strata_gemm_f32)                                                                            \
     X(strata_prefill_attn_f32)                                                                    \
+    X(strata_prefill_attn_bf16kv)                                                                 \
     X(strata_gemm_s8_packed_bytes)                                                                \
     X(strata_gemm_s8_pack)                                                                        \
     X(strata_gemm_s8_f32)                                                                         \
+    X(strata_gemm_bf16_packed_numel)                                                              \
+    X(strata_gemm_bf16_pack)                                                                      \
+    X(strata_gemm_bf16_f32)                                                                       \
     X(strata_rms_norm_f32)                                                                        \
     X(strata_qk_norm_rope_f32)                                                                    \
     X(strata_layer_scratch)                                                                       \
@@ -97,9 +103,13 @@ const float *vec(const OptTensor &t, int64_t n, const char *op, const char *name
     return t->data_ptr<float>();
 }
 
-// an [n_blocks, block_size, kv_heads, head_dim] float32 cache layer
+// an [n_blocks, block_size, kv_heads, head_dim] cache layer: float32 or bfloat16 (the kernels
+// widen a bf16 cache as they read it and round what they write to it), on the CPU, contiguous
 void check_cache(const Tensor &c, int64_t kvh, int64_t d, const char *op, const char *name) {
-    check_f32(c, op, name);
+    TORCH_CHECK(c.device().is_cpu() && c.is_contiguous(), op, ": ", name,
+                " must be a contiguous CPU tensor");
+    TORCH_CHECK(c.scalar_type() == at::kFloat || c.scalar_type() == at::kBFloat16, op,
+                " takes a float32 or bfloat16 cache (", name, " is ", c.scalar_type(), ")");
     TORCH_CHECK(c.dim() == 4 && c.size(2) == kvh && c.size(3) == d, op, ": ", name, " of shape ",
                 c.sizes(), " for ", kvh, " KV heads of ", d);
 }
@@ -111,21 +121,44 @@ int64_t int8_packed_bytes(int64_t n, int64_t kk) {
     return kern("strata::int8_packed_bytes").strata_gemm_s8_packed_bytes(n, kk);
 }
 
-// elements of a packed [n, kk] weight: float32 panels, or int8 bytes
-int64_t packed_numel(bool int8, int64_t n, int64_t kk) {
-    if (int8) return int8_packed_bytes(n, kk);
+int64_t bf16_packed_numel(int64_t n, int64_t kk) {
+    TORCH_CHECK(n >= 0 && kk >= 0, "strata::bf16_packed_numel: negative size");
+    return kern("strata::bf16_packed_numel").strata_gemm_bf16_packed_numel(n, kk);
+}
+
+// what a packed weight holds: float32 panels, an int8 blob (uint8) or bf16 pair panels; the
+// dtype of its tensor says which
+enum class Packing { F32, INT8, BF16 };
+
+at::ScalarType packed_dtype(Packing kind) {
+    return kind == Packing::INT8 ? at::kByte : kind == Packing::BF16 ? at::kBFloat16 : at::kFloat;
+}
+
+Packing packing_of(const Tensor &p) {
+    return p.scalar_type() == at::kByte       ? Packing::INT8
+           : p.scalar_type() == at::kBFloat16 ? Packing::BF16
+                                              : Packing::F32;
+}
+
+// elements of a packed [n, kk] weight
+int64_t packed_numel(Packing kind, int64_t n, int64_t kk) {
+    if (kind == Packing::INT8) return int8_packed_bytes(n, kk);
+    if (kind == Packing::BF16) return bf16_packed_numel(n, kk);
     const int64_t w = panel_width();
     return (n + w - 1) / w * w * kk;
 }
 
-// a packed weight for an [n, kk] product: uint8 (int8 blob) or float32 (panels)
-void check_packed(const Tensor &p, bool int8, int64_t n, int64_t kk, const char *op,
+// a packed weight for an [n, kk] product, of the kind `kind`
+void check_packed(const Tensor &p, Packing kind, int64_t n, int64_t kk, const char *op,
                   const char *name) {
     TORCH_CHECK(p.device().is_cpu() && p.is_contiguous(), op, ": ", name,
                 " must be a contiguous CPU tensor");
-    TORCH_CHECK(p.scalar_type() == (int8 ? at::kByte : at::kFloat), op, ": ", name, " is ",
-                p.scalar_type(), ", not a packed ", int8 ? "int8 (uint8)" : "float32", " weight");
-    TORCH_CHECK(p.numel() == packed_numel(int8, n, kk), op, ": ", name, " has ", p.numel(),
+    const char *what = kind == Packing::INT8   ? "int8 (uint8)"
+                       : kind == Packing::BF16 ? "bfloat16"
+                                               : "float32";
+    TORCH_CHECK(p.scalar_type() == packed_dtype(kind), op, ": ", name, " is ", p.scalar_type(),
+                ", not a packed ", what, " weight");
+    TORCH_CHECK(p.numel() == packed_numel(kind, n, kk), op, ": ", name, " has ", p.numel(),
                 " elements, not those of a packed [", n, ", ", kk, "] weight");
 }
 
@@ -194,7 +227,9 @@ Tensor decode_attention(const Tensor &q, const Tensor &k_cache, const Tensor &v_
     const int64_t kvh = k_cache.size(2);
     check_cache(k_cache, kvh, d, op, "k_cache");
     check_cache(v_cache, kvh, d, op, "v_cache");
-    TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), op, ": v_cache and k_cache differ in shape");
+    TORCH_CHECK(v_cache.sizes() == k_cache.sizes() &&
+                    v_cache.scalar_type() == k_cache.scalar_type(),
+                op, ": v_cache and k_cache differ in shape or dtype");
     TORCH_CHECK(kvh > 0 && h % kvh == 0, op, ": ", h, " heads over ", kvh, " KV heads");
     check_index(block_tables, 2, op, "block_tables");
     check_index(context_lens, 1, op, "context_lens");
@@ -202,11 +237,19 @@ Tensor decode_attention(const Tensor &q, const Tensor &k_cache, const Tensor &v_
                 ": tables/lengths for ", block_tables.size(0), "/", context_lens.size(0),
                 " sequences, not ", b);
     Tensor out = at::empty_like(q);
-    kk.strata_decode_attn_f32(q.data_ptr<float>(), k_cache.data_ptr<float>(),
-                              v_cache.data_ptr<float>(), block_tables.data_ptr<int64_t>(),
-                              context_lens.data_ptr<int64_t>(), block_tables.size(1), b, h, kvh,
-                              d, k_cache.size(1), (float)scale, out.data_ptr<float>(),
-                              nthreads());
+    const int64_t *tab = block_tables.data_ptr<int64_t>(), *ctx = context_lens.data_ptr<int64_t>();
+    if (k_cache.scalar_type() == at::kFloat) {
+        kk.strata_decode_attn_f32(q.data_ptr<float>(), k_cache.data_ptr<float>(),
+                                  v_cache.data_ptr<float>(), tab, ctx, block_tables.size(1), b, h,
+                                  kvh, d, k_cache.size(1), (float)scale, out.data_ptr<float>(),
+                                  nthreads());
+        return out;
+    }
+    const int64_t rc = kk.strata_decode_attn_bf16kv(
+        q.data_ptr<float>(), static_cast<const uint16_t *>(k_cache.data_ptr()),
+        static_cast<const uint16_t *>(v_cache.data_ptr()), tab, ctx, block_tables.size(1), b, h,
+        kvh, d, k_cache.size(1), (float)scale, out.data_ptr<float>(), nthreads());
+    TORCH_CHECK_WITH(OutOfMemoryError, rc == 0, op, ": no memory for the bf16 cache's copy");
     return out;
 }
 
@@ -228,7 +271,9 @@ void prefill_attention_(const Tensor &q, const Tensor &k_cache, const Tensor &v_
     const int64_t kvh = k_cache.size(2);
     check_cache(k_cache, kvh, d, op, "k_cache");
     check_cache(v_cache, kvh, d, op, "v_cache");
-    TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), op, ": v_cache and k_cache differ in shape");
+    TORCH_CHECK(v_cache.sizes() == k_cache.sizes() &&
+                    v_cache.scalar_type() == k_cache.scalar_type(),
+                op, ": v_cache and k_cache differ in shape or dtype");
     check_index(tables, 2, op, "tables");
     const int64_t s = tables.size(0);
     for (const auto *t : {&ctx, &qstart, &qlen}) {
@@ -236,11 +281,21 @@ void prefill_attention_(const Tensor &q, const Tensor &k_cache, const Tensor &v_
         TORCH_CHECK(t->size(0) == s, op, ": ctx/qstart/qlen for ", t->size(0), " sequences, not ",
                     s);
     }
-    const int64_t rc = kk.strata_prefill_attn_f32(
-        q.data_ptr<float>(), q.stride(0), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-        tables.data_ptr<int64_t>(), ctx.data_ptr<int64_t>(), qstart.data_ptr<int64_t>(),
-        qlen.data_ptr<int64_t>(), s, tables.size(1), h, kvh, d, k_cache.size(1), (float)scale,
-        out.data_ptr<float>(), out.stride(0), nthreads());
+    const int64_t *tab = tables.data_ptr<int64_t>(), *cx = ctx.data_ptr<int64_t>();
+    const int64_t *qs = qstart.data_ptr<int64_t>(), *ql = qlen.data_ptr<int64_t>();
+    const int64_t rc =
+        k_cache.scalar_type() == at::kFloat
+            ? kk.strata_prefill_attn_f32(q.data_ptr<float>(), q.stride(0),
+                                         k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                                         tab, cx, qs, ql, s, tables.size(1), h, kvh, d,
+                                         k_cache.size(1), (float)scale, out.data_ptr<float>(),
+                                         out.stride(0), nthreads())
+            : kk.strata_prefill_attn_bf16kv(
+                  q.data_ptr<float>(), q.stride(0),
+                  static_cast<const uint16_t *>(k_cache.data_ptr()),
+                  static_cast<const uint16_t *>(v_cache.data_ptr()), tab, cx, qs, ql, s,
+                  tables.size(1), h, kvh, d, k_cache.size(1), (float)scale,
+                  out.data_ptr<float>(), out.stride(0), nthreads());
     TORCH_CHECK(rc == 0, op, ": refused (nothing written): head size ", d, " or ", h, "/", kvh,
                 " heads it does not take, or a sequence with more new tokens than context");
 }
@@ -250,24 +305,24 @@ Tensor pack_linear(const Tensor &w) {
     const auto &kk = kern(op);
     check_f32(w, op, "w");
     TORCH_CHECK(w.dim() == 2, op, ": w of shape ", w.sizes(), ", not [N, K]");
-    Tensor p = at::empty({packed_numel(false, w.size(0), w.size(1))}, w.options());
+    Tensor p = at::empty({packed_numel(Packing::F32, w.size(0), w.size(1))}, w.options());
     kk.strata_gemm_pack_f32(w.data_ptr<float>(), w.size(0), w.size(1), p.data_ptr<float>());
     return p;
 }
 
 // the rows of x [M, K] and the bias of a product by a packed [n, K] weight
-void check_product(const Tensor &x, const Tensor &packed, bool int8, int64_t n,
+void check_product(const Tensor &x, const Tensor &packed, Packing kind, int64_t n,
                    const OptTensor &bias, const char *op) {
     check_f32(x, op, "x");
     TORCH_CHECK(x.dim() == 2, op, ": x of shape ", x.sizes(), ", not [M, K]");
-    check_packed(packed, int8, n, x.size(1), op, "packed");
+    check_packed(packed, kind, n, x.size(1), op, "packed");
     vec(bias, n, op, "bias");
 }
 
 Tensor linear(const Tensor &x, const Tensor &packed, int64_t n, const OptTensor &bias) {
     const char *op = "strata::linear";
     const auto &kk = kern(op);
-    check_product(x, packed, false, n, bias, op);
+    check_product(x, packed, Packing::F32, n, bias, op);
     Tensor y = at::empty({x.size(0), n}, x.options());
     kk.strata_gemm_f32(x.data_ptr<float>(), x.size(0), x.size(1), packed.data_ptr<float>(), n,
                        bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), nthreads());
@@ -291,7 +346,7 @@ Tensor pack_int8(const Tensor &w, const Tensor &scale) {
 Tensor linear_int8(const Tensor &x, const Tensor &packed, int64_t n, const OptTensor &bias) {
     const char *op = "strata::linear_int8";
     const auto &kk = kern(op);
-    check_product(x, packed, true, n, bias, op);
+    check_product(x, packed, Packing::INT8, n, bias, op);
     TORCH_CHECK(x.size(1) <= 65536, op, ": ", x.size(1), " inputs, past the exact int32 sums");
     Tensor y = at::empty({x.size(0), n}, x.options());
     const int64_t rc = kk.strata_gemm_s8_f32(x.data_ptr<float>(), x.size(0), x.size(1),
@@ -299,6 +354,33 @@ Tensor linear_int8(const Tensor &x, const Tensor &packed, int64_t n, const OptTe
                                              bias ? bias->data_ptr<float>() : nullptr,
                                              y.data_ptr<float>(), nthreads());
     TORCH_CHECK_WITH(OutOfMemoryError, rc == 0, op, ": no memory for the quantised rows");
+    return y;
+}
+
+Tensor pack_bf16(const Tensor &w) {
+    const char *op = "strata::pack_bf16";
+    const auto &kk = kern(op);
+    TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kBFloat16 && w.is_contiguous() &&
+                    w.dim() == 2,
+                op, ": w must be a contiguous [N, K] bfloat16 CPU tensor");
+    const int64_t n = w.size(0), kdim = w.size(1);
+    Tensor p = at::empty({bf16_packed_numel(n, kdim)}, w.options());
+    kk.strata_gemm_bf16_pack(reinterpret_cast<const uint16_t *>(w.data_ptr()), n, kdim,
+                             reinterpret_cast<uint16_t *>(p.data_ptr()));
+    return p;
+}
+
+Tensor linear_bf16(const Tensor &x, const Tensor &packed, int64_t n, const OptTensor &bias,
+                   int64_t dot_rows) {
+    const char *op = "strata::linear_bf16";
+    const auto &kk = kern(op);
+    check_product(x, packed, Packing::BF16, n, bias, op);
+    Tensor y = at::empty({x.size(0), n}, x.options());
+    const int64_t rc = kk.strata_gemm_bf16_f32(
+        x.data_ptr<float>(), x.size(0), x.size(1),
+        reinterpret_cast<const uint16_t *>(packed.data_ptr()), n,
+        bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), dot_rows, nthreads());
+    TORCH_CHECK_WITH(OutOfMemoryError, rc == 0, op, ": no memory for the bf16 rows");
     return y;
 }
 
@@ -332,7 +414,8 @@ void decoder_layer_(const Tensor &h, const Tensor &k_cache, const Tensor &v_cach
                     const Tensor &ln2_w, double ln2_eps, const Tensor &gu_p,
                     const OptTensor &gu_b, const Tensor &down_p, const OptTensor &down_b,
                     int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t inter,
-                    double scale, const Tensor &cos, const Tensor &sin, const Tensor &slots,
+                    double scale, int64_t dot_rows, const Tensor &cos, const Tensor &sin,
+                    const Tensor &slots,
                     const OptTensor &p_tables, const OptTensor &p_ctx, const OptTensor &p_qstart,
                     const OptTensor &p_qlen, const OptTensor &d_tables, const OptTensor &d_ctx,
                     const OptTensor &d_rows) {
@@ -346,15 +429,17 @@ void decoder_layer_(const Tensor &h, const Tensor &k_cache, const Tensor &v_cach
                 ", intermediate size ", inter);
     check_cache(k_cache, kv_heads, head_dim, op, "k_cache");
     check_cache(v_cache, kv_heads, head_dim, op, "v_cache");
-    TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), op, ": v_cache and k_cache differ in shape");
+    TORCH_CHECK(v_cache.sizes() == k_cache.sizes() &&
+                    v_cache.scalar_type() == k_cache.scalar_type(),
+                op, ": v_cache and k_cache differ in shape or dtype");
 
     strata_layer l = layer_shape(hidden, heads, kv_heads, head_dim, inter);
-    const bool int8 = qkv_p.scalar_type() == at::kByte;
+    const Packing kind = packing_of(qkv_p);
     const int64_t ld = att + 2 * kv_heads * head_dim;
-    check_packed(qkv_p, int8, ld, hidden, op, "qkv_p");
-    check_packed(o_p, int8, hidden, att, op, "o_p");
-    check_packed(gu_p, int8, 2 * inter, hidden, op, "gu_p");
-    check_packed(down_p, int8, hidden, inter, op, "down_p");
+    check_packed(qkv_p, kind, ld, hidden, op, "qkv_p");
+    check_packed(o_p, kind, hidden, att, op, "o_p");
+    check_packed(gu_p, kind, 2 * inter, hidden, op, "gu_p");
+    check_packed(down_p, kind, hidden, inter, op, "down_p");
     TORCH_CHECK(qn_w.has_value() == kn_w.has_value(), op, ": qn_w and kn_w come together");
     l.ln1_w = vec(ln1_w, hidden, op, "ln1_w"), l.ln2_w = vec(ln2_w, hidden, op, "ln2_w");
     l.qkv_p = qkv_p.data_ptr(), l.qkv_b = vec(qkv_b, ld, op, "qkv_b");
@@ -362,10 +447,15 @@ void decoder_layer_(const Tensor &h, const Tensor &k_cache, const Tensor &v_cach
     l.o_p = o_p.data_ptr(), l.o_b = vec(o_b, hidden, op, "o_b");
     l.gu_p = gu_p.data_ptr(), l.gu_b = vec(gu_b, 2 * inter, op, "gu_b");
     l.down_p = down_p.data_ptr(), l.down_b = vec(down_b, hidden, op, "down_b");
-    l.int8 = int8, l.ln1_eps = ln1_eps, l.qk_eps = qk_eps, l.ln2_eps = ln2_eps, l.scale = scale;
+    l.wtype = kind == Packing::INT8   ? STRATA_W_INT8
+              : kind == Packing::BF16 ? STRATA_W_BF16
+                                      : STRATA_W_F32;
+    l.dot_rows = dot_rows;
+    l.ln1_eps = ln1_eps, l.qk_eps = qk_eps, l.ln2_eps = ln2_eps, l.scale = scale;
 
     strata_batch b{};
     b.T = t, b.block_size = k_cache.size(1), b.nthreads = nthreads();
+    b.kv_bf16 = k_cache.scalar_type() == at::kBFloat16;
     b.cos_ = vec(cos, t * head_dim, op, "cos"), b.sin_ = vec(sin, t * head_dim, op, "sin");
     b.slots = index_or_null(slots, 1, t, op, "slots");
     TORCH_CHECK(p_tables.has_value() == p_ctx.has_value() &&
@@ -402,9 +492,9 @@ void decoder_layer_(const Tensor &h, const Tensor &k_cache, const Tensor &v_cach
     b.scratch = scratch.data_ptr<float>();
 
     const int64_t rc = kk.strata_decoder_layer_f32(&l, &b, h.data_ptr<float>(),
-                                                   k_cache.data_ptr<float>(),
-                                                   v_cache.data_ptr<float>());
-    TORCH_CHECK_WITH(OutOfMemoryError, rc != -2, op, ": no memory for the int8 GEMM's rows");
+                                                   k_cache.data_ptr(), v_cache.data_ptr());
+    TORCH_CHECK_WITH(OutOfMemoryError, rc != -2, op,
+                     ": no memory for the int8 / bf16 GEMM's rows or the bf16 cache's copy");
     TORCH_CHECK(rc == 0, op, ": the prefill kernel refused the batch (a sequence with more new ",
                 "tokens than context)");
 }
@@ -416,6 +506,7 @@ TORCH_LIBRARY(strata, m) {
     m.def("bind(str path) -> str", &bind);
     m.def("gemm_panel_width() -> int", &panel_width);
     m.def("int8_packed_bytes(int n, int k) -> int", &int8_packed_bytes);
+    m.def("bf16_packed_numel(int n, int k) -> int", &bf16_packed_numel);
     m.def("layer_scratch(int tokens, int decodes, int hidden, int heads, int kv_heads, "
           "int head_dim, int inter) -> int",
           &layer_scratch);
@@ -432,13 +523,15 @@ TORCH_LIBRARY(strata, m) {
     m.def("linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
     m.def("pack_int8(Tensor w, Tensor scale) -> Tensor");
     m.def("linear_int8(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
+    m.def("pack_bf16(Tensor w) -> Tensor");
+    m.def("linear_bf16(Tensor x, Tensor packed, int n, Tensor? bias, int dot_rows) -> Tensor");
     m.def("decoder_layer_(Tensor(a!) h, Tensor(b!) k_cache, Tensor(c!) v_cache, "
           "Tensor(d!) scratch, Tensor ln1_w, float ln1_eps, Tensor qkv_p, Tensor? qkv_b, "
           "Tensor? qn_w, Tensor? kn_w, float qk_eps, Tensor o_p, Tensor? o_b, Tensor ln2_w, "
           "float ln2_eps, Tensor gu_p, Tensor? gu_b, Tensor down_p, Tensor? down_b, int heads, "
-          "int kv_heads, int head_dim, int inter, float scale, Tensor cos, Tensor sin, "
-          "Tensor slots, Tensor? p_tables, Tensor? p_ctx, Tensor? p_qstart, Tensor? p_qlen, "
-          "Tensor? d_tables, Tensor? d_ctx, Tensor? d_rows) -> ()");
+          "int kv_heads, int head_dim, int inter, float scale, int dot_rows, Tensor cos, "
+          "Tensor sin, Tensor slots, Tensor? p_tables, Tensor? p_ctx, Tensor? p_qstart, "
+          "Tensor? p_qlen, Tensor? d_tables, Tensor? d_ctx, Tensor? d_rows) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(strata, CPU, m) {
@@ -451,6 +544,8 @@ TORCH_LIBRARY_IMPL(strata, CPU, m) {
     m.impl("linear", &linear);
     m.impl("pack_int8", &pack_int8);
     m.impl("linear_int8", &linear_int8);
+    m.impl("pack_bf16", &pack_bf16);
+    m.impl("linear_bf16", &linear_bf16);
     m.impl("decoder_layer_", &decoder_layer_);
 }
 
@@ -459,6 +554,6 @@ TORCH_LIBRARY_IMPL(strata, CPU, m) {
 TORCH_LIBRARY_IMPL(strata, Autograd, m) {
     for (const char *op : {"rms_norm", "add_rms_norm", "qk_norm_rope_", "decode_attention",
                            "prefill_attention_", "pack_linear", "linear", "pack_int8",
-                           "linear_int8", "decoder_layer_"})
+                           "linear_int8", "pack_bf16", "linear_bf16", "decoder_layer_"})
         m.impl(op, torch::CppFunction::makeFallthrough());
 }

@@ -2,9 +2,10 @@
 
 ``torch_ops.cpp`` registers each kernel's schema and CPU kernel with torch's dispatcher:
 ``rms_norm``, ``add_rms_norm``, ``qk_norm_rope_``, ``decode_attention``, ``prefill_attention_``,
-``pack_linear`` / ``linear`` (float32 GEMM), ``pack_int8`` / ``linear_int8`` (W8A8 GEMM) and
-``decoder_layer_`` (the one-call layer), beside the kernels' own size queries
-(``gemm_panel_width``, ``int8_packed_bytes``, ``layer_scratch``) and ``bind``. The C kernels stay
+``pack_linear`` / ``linear`` (float32 GEMM), ``pack_int8`` / ``linear_int8`` (W8A8 GEMM),
+``pack_bf16`` / ``linear_bf16`` (bf16 weights, float32 activations) and ``decoder_layer_`` (the
+one-call layer), beside the kernels' own size queries (``gemm_panel_width``,
+``int8_packed_bytes``, ``bf16_packed_numel``, ``layer_scratch``) and ``bind``. The C kernels stay
 in the library of the ISA variant `cpu_kernels` loads: `bind` hands its path to the op library,
 which looks every entry point of ``kernels.h`` up by name, so the ops follow
 ``STRATA_CPU_ISA`` and this library is built once per torch version, not per variant. The fake
@@ -148,6 +149,15 @@ def _pack_int8_fake(w, scale):
     return w.new_empty((torch.ops.strata.int8_packed_bytes(n, k),), dtype=torch.uint8)
 
 
+def _pack_bf16_fake(w):
+    n, k = w.shape
+    return w.new_empty((torch.ops.strata.bf16_packed_numel(n, k),))
+
+
+def _linear_bf16_fake(x, packed, n, bias, dot_rows):
+    return x.new_empty((x.shape[0], n))
+
+
 _FAKES = {
     "rms_norm": _rms_norm_fake,
     "add_rms_norm": _add_rms_norm_fake,
@@ -158,6 +168,8 @@ _FAKES = {
     "linear": _linear_fake,
     "pack_int8": _pack_int8_fake,
     "linear_int8": _linear_fake,
+    "pack_bf16": _pack_bf16_fake,
+    "linear_bf16": _linear_bf16_fake,
     "decoder_layer_": _in_place_fake,
 }
 

@@ -14,7 +14,7 @@ def default_model_dir(tmp_path_factory):
     return build_default_model(tmp_path_factory.mktemp("default_model"))
 
 
-@pytest.fixture(params=["portable", "avx2", "avx512", "avx512vnni"])
+@pytest.fixture(params=["portable", "avx2", "avx512", "avx512vnni", "avx512bf16"])
 def kernel_isa(request):
     """Each native-kernel test once per ISA variant of the kernels (`build_kernels`): the
     variant loaded for the test (and the default one after it); one this CPU cannot run is

@@ -187,25 +187,32 @@ def test_native_gemm_choice(monkeypatch):
     assert not cpu_kernels.native_gemm_chosen()
 
 
-def test_layers_route_float32_to_the_chosen_gemm_and_bf16_to_onednn(monkeypatch):
-    """`Gemm` (every projection of the models) packs float32 weights for the native kernel
-    when it is chosen, for oneDNN otherwise, and leaves bf16 to oneDNN; all give F.linear's
-    result."""
+def test_layers_route_float32_and_bf16_to_the_chosen_gemm(monkeypatch):
+    """`Gemm` (every projection of the models) packs float32 and bf16 weights for the native
+    kernels when they are chosen, for oneDNN otherwise; all give F.linear's result (bf16: to
+    its rounding of the output)."""
     from shared.model import layers
+    from shared.model.bf16 import PackedBF16
     from shared.model.layers import Gemm
 
     w, b, x = torch.randn(40, 32), torch.randn(40), torch.randn(5, 32)
+    wb, bb, xb = w.bfloat16(), b.bfloat16(), x.bfloat16()
     monkeypatch.setattr(layers, "NATIVE_CPU_GEMM", True)
     g = Gemm(w, b)
     assert g.native is not None and g.packed is None
     torch.testing.assert_close(g(x), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
-    gb = Gemm(w.bfloat16(), b.bfloat16())
-    assert gb.native is None
-    torch.testing.assert_close(gb(x.bfloat16()), F.linear(x.bfloat16(), w.bfloat16(), b.bfloat16()))
+    gb = Gemm(wb, bb)
+    assert type(gb.native) is PackedBF16 and gb.packed is None
+    torch.testing.assert_close(gb(xb), F.linear(xb, wb, bb))  # bf16 in, bf16 out
+    wide = F.linear(xb.float(), wb.float(), bb.float())  # float32 rows: a float32 result
+    assert gb(xb.float()).dtype == torch.float32
+    torch.testing.assert_close(gb(xb.float()), wide, rtol=1e-5, atol=1e-5)
     monkeypatch.setattr(layers, "NATIVE_CPU_GEMM", False)
-    g = Gemm(w, b)
+    g, gb = Gemm(w, b), Gemm(wb, bb)
     assert g.native is None and g.packed is not None
+    assert gb.native is None and gb.packed is not None
     torch.testing.assert_close(g(x), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gb(xb), F.linear(xb, wb, bb))
 
 
 def _torch_rms(h, w, eps):

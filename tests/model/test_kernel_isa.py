@@ -14,7 +14,7 @@ from prometheus_client import REGISTRY
 from services import cli
 from shared.config import ConfigError
 from shared.model import build_kernels, cpu_kernels
-from shared.model.build_kernels import _V3, _V4, _VNNI
+from shared.model.build_kernels import _BF16, _V3, _V4, _VNNI
 from tests.model import test_native_layer as native_layer
 from tests.model.paged_driver import PagedDriver
 
@@ -80,7 +80,13 @@ def test_variants_are_separate_libraries_keyed_by_flags():
     assert len(paths) == len(build_kernels.variants())
     for v in build_kernels.variants():
         assert build_kernels.library_path(v.name).name.startswith(f"strata_kernels_{v.name}_")
-    assert build_kernels.NAMES == ("portable", "avx2", "avx512", "avx512vnni")  # the fixture's
+    assert build_kernels.NAMES == (  # the fixture's
+        "portable",
+        "avx2",
+        "avx512",
+        "avx512vnni",
+        "avx512bf16",
+    )
 
 
 def test_build_step_builds_every_variant(capsys):
@@ -99,6 +105,8 @@ def test_auto_picks_the_widest_variant_the_cpu_runs():
     assert build_kernels.choose("auto", frozenset(_V4) - {"avx512bw"}) == "avx2"
     assert build_kernels.choose("auto", frozenset(_VNNI)) == "avx512vnni"
     assert build_kernels.choose("auto", frozenset(_VNNI) - {"avx512_vnni"}) == "avx512"
+    assert build_kernels.choose("auto", frozenset(_BF16)) == "avx512bf16"
+    assert build_kernels.choose("auto", frozenset(_BF16) - {"avx512_vnni"}) == "avx512"
     assert build_kernels.choose("portable", frozenset(_V4)) == "portable"
     auto = build_kernels.choose("auto")
     assert auto == build_kernels.runnable()[-1]
@@ -139,7 +147,8 @@ def test_an_unknown_variant_lists_the_valid_ones(monkeypatch, capsys):
     assert err.count("\n") == 1 and "Traceback" not in err
     assert "STRATA_CPU_ISA" in err and "'avx9'" in err
     assert all(f"'{v}'" in err for v in ("auto", *build_kernels.NAMES))
-    with pytest.raises(ConfigError, match="use one of auto, portable, avx2, avx512, avx512vnni$"):
+    valid = "use one of auto, portable, avx2, avx512, avx512vnni, avx512bf16$"
+    with pytest.raises(ConfigError, match=valid):
         build_kernels.choose("avx9")
 
 
@@ -171,10 +180,17 @@ def test_each_fallback_is_counted_with_its_reason(monkeypatch, tmp_path):
     drv = PagedDriver(gelu, block_size=16)
     step = lambda: drv.step([(drv.new_seq(), [1, 2])])  # noqa: E731
     assert _counts("decoder_layer", "unsupported", step) == 1
-    linear = torch.nn.Linear(64, 8).bfloat16()
+    from shared.model import layers
     from shared.model.layers import project
 
-    assert _counts("gemm", "dtype", lambda: project(linear, bf)) == 1
+    half = torch.nn.Linear(64, 8).half()  # no native float16 GEMM
+    assert _counts("gemm", "dtype", lambda: project(half, x.half())) == 1
+    linear = torch.nn.Linear(64, 8).bfloat16()  # the native bf16 GEMM, unless it is off
+    assert _counts("bf16_gemm", "dtype", lambda: project(linear, bf)) == 0
+    monkeypatch.setattr(layers, "NATIVE_CPU_GEMM", False)  # STRATA_CPU_GEMM=onednn
+    bf_off = torch.nn.Linear(64, 8).bfloat16()
+    assert _counts("bf16_gemm", "disabled", lambda: project(bf_off, bf)) == 1
+    monkeypatch.setattr(layers, "NATIVE_CPU_GEMM", True)
     wrapped = torch.nn.Sequential(torch.nn.Linear(64, 8))  # as a quantised projection: no kernel
     assert _counts("gemm", "unsupported", lambda: project(wrapped, x)) == 1
     # off by the switch, and a compiler that fails: every kernel call is counted as such

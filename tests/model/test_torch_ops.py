@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from shared.model import cpu_kernels, torch_ops
+from shared.model import bf16, cpu_kernels, torch_ops
 from shared.model.api import AttentionMetadata
 from shared.model.attention import AttentionPlan
 from shared.model.models import llama
@@ -150,6 +150,25 @@ def test_pack_int8_and_linear_int8(bias):
     torch.library.opcheck(ops.linear_int8.default, (x, packed, 100, b))
 
 
+@pytest.mark.parametrize("bias,dot_rows", [(False, 0), (True, 0), (True, 1)])
+def test_pack_bf16_and_linear_bf16(bias, dot_rows):
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(100, 71, generator=g).bfloat16()
+    x = torch.randn(9, 71, generator=g)
+    b = torch.randn(100, generator=g) if bias else None
+    packed = ops.pack_bf16(w)
+    assert packed.dtype == torch.bfloat16 and packed.numel() == ops.bf16_packed_numel(100, 71)
+    got = ops.linear_bf16(x, packed, 100, b, dot_rows)
+    bf = bf16.pack_bf16(w, dot_rows=dot_rows)
+    assert torch.equal(bf16.linear_bf16(x, bf, b), got)
+    want = F.linear(x, w.float(), b)  # the dot path: within the rows' bf16 rounding
+    torch.testing.assert_close(
+        got, want, rtol=1e-5 if not dot_rows else 2e-2, atol=5e-2 * dot_rows + 1e-5
+    )
+    torch.library.opcheck(ops.pack_bf16.default, (w,))
+    torch.library.opcheck(ops.linear_bf16.default, (x, packed, 100, b, dot_rows))
+
+
 def _one_layer_batch(model, t: int):
     """A layer of ``model`` and the arguments of one prefill forward of ``t`` tokens over it."""
     layer = model.model.layers[0].native()
@@ -158,7 +177,7 @@ def _one_layer_batch(model, t: int):
     cos, sin = model.rotary()(pos, torch.float32)
     prefill = (torch.tensor([[0]]), torch.tensor([t]), torch.tensor([0]), torch.tensor([t]))
     batch = cpu_kernels.layer_batch([layer], cos, sin, pos, prefill, None)
-    kc, vc = torch.zeros(2, 16, model.num_kv_heads, d), torch.zeros(2, 16, model.num_kv_heads, d)
+    kc, vc = (torch.zeros(2, 16, model.num_kv_heads, d, dtype=model.dtype) for _ in "kv")
     return layer, batch, kc, vc
 
 
@@ -198,6 +217,19 @@ def test_decoder_layer_op_is_the_torch_layer():
     torch.library.opcheck(ops.decoder_layer_.default, args)
 
 
+def test_decoder_layer_op_takes_a_bf16_layer_and_cache():
+    """A bf16 model's layer: bf16 projections (widened norms and biases), a bf16 cache."""
+    model = native_layer._model(bias=True).bfloat16()
+    layer, batch, kc, vc = _one_layer_batch(model, 5)
+    assert layer.args["qkv_p"].dtype == kc.dtype == torch.bfloat16
+    assert layer.args["ln1_w"].dtype == layer.args["qkv_b"].dtype == torch.float32
+    h = torch.randn(5, model.hidden_size)
+    args = (h.clone(), kc, vc, batch.scratch, *layer.ordered, *batch.ordered)
+    torch.library.opcheck(ops.decoder_layer_.default, args)
+    cpu_kernels.decoder_layer(layer, batch, h, kc, vc)
+    assert kc.abs().sum() > 0 and torch.isfinite(h).all()
+
+
 def test_bad_input_is_refused_by_name():
     with pytest.raises(RuntimeError, match="strata::rms_norm takes float32"):
         ops.rms_norm(torch.randn(2, 8).bfloat16(), torch.randn(8).bfloat16(), 1e-6)
@@ -207,6 +239,8 @@ def test_bad_input_is_refused_by_name():
         ops.linear(torch.randn(2, 8), torch.randn(10), 4, None)
     with pytest.raises(RuntimeError, match="not a packed int8"):
         ops.linear_int8(torch.randn(2, 8), ops.pack_linear(torch.randn(4, 8)), 4, None)
+    with pytest.raises(RuntimeError, match="not a packed bfloat16"):
+        ops.linear_bf16(torch.randn(2, 8), ops.pack_linear(torch.randn(4, 8)), 4, None, 0)
     with pytest.raises(RuntimeError, match="block_tables must be a contiguous int64"):
         kc = torch.randn(2, 16, 2, 32)
         ops.decode_attention(torch.randn(1, 4, 32), kc, kc, torch.tensor([[0.0]]),
@@ -215,6 +249,8 @@ def test_bad_input_is_refused_by_name():
     layer, batch, kc, vc = _one_layer_batch(model, 5)
     with pytest.raises(RuntimeError, match="strata::decoder_layer_: k_cache of shape"):
         cpu_kernels.decoder_layer(layer, batch, torch.randn(5, 64), kc[..., :16].contiguous(), vc)
+    with pytest.raises(RuntimeError, match="v_cache and k_cache differ in shape or dtype"):
+        cpu_kernels.decoder_layer(layer, batch, torch.randn(5, 64), kc, vc.bfloat16())
     with pytest.raises(RuntimeError, match="scratch of 1 floats"):
         small = cpu_kernels.LayerBatch(batch.args, torch.empty(1))
         cpu_kernels.decoder_layer(layer, small, torch.randn(5, 64), kc, vc)
@@ -269,6 +305,25 @@ def test_the_forward_runs_through_the_torch_ops(one_call, monkeypatch):
     assert ran == counted  # every kernel call the wrappers count is one of these ops
 
 
+@pytest.mark.parametrize("one_call", [True, False])
+def test_a_bf16_forward_runs_its_linears_through_the_bf16_op(one_call, monkeypatch):
+    """A bf16 model: one call per layer (then only the final norm, widened, and the LM head
+    from Python), or op by op with every linear on ``linear_bf16`` and the rest in torch (bf16
+    rows: no other kernel)."""
+    monkeypatch.setattr(llama, "NATIVE_LAYER", one_call)
+    model = native_layer._model(head_dim=64).bfloat16()
+    drv = PagedDriver(model, block_size=16)
+    seq, layers = drv.new_seq(), model.config.num_layers
+    for toks in ([1, 2, 3], [4]):
+        with _StrataOps() as step:
+            drv.step([(seq, toks)])
+        kernels = {op: n for op, n in step.seen.items() if op in _COUNTED_AS}  # not packing
+        if one_call:
+            assert kernels == {"decoder_layer_": layers, "rms_norm": 1, "linear_bf16": 1}
+        else:
+            assert kernels == {"linear_bf16": 4 * layers + 1}
+
+
 # each kernel op by the `cpu_kernels.calls` name its wrapper counts it under
 _COUNTED_AS = {
     "decoder_layer_": "decoder_layer",
@@ -276,6 +331,7 @@ _COUNTED_AS = {
     "add_rms_norm": "rms_norm",
     "linear": "gemm",
     "linear_int8": "int8_gemm",
+    "linear_bf16": "bf16_gemm",
     "qk_norm_rope_": "qk_norm_rope",
     "decode_attention": "decode_attention",
     "prefill_attention_": "prefill_attention",

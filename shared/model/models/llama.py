@@ -19,8 +19,10 @@ from shared.model.config import ModelConfig
 from shared.model.layers import MLP, Attention, RMSNorm, Rotary, native_linear, project
 from shared.model.moe import SparseMoE
 
-# Each decoder layer in one native call on CPU float32 (`cpu_kernels.decoder_layer`) instead of
-# ~30 torch ops and kernel calls with Python between them; STRATA_CPU_LAYER=0 turns it off.
+# Each decoder layer in one native call on CPU (`cpu_kernels.decoder_layer`) instead of ~30 torch
+# ops and kernel calls with Python between them; STRATA_CPU_LAYER=0 turns it off. A float32
+# model's, and a bf16 model's with its hidden state in float32 between the layers (the KV cache
+# stays bf16); docs/ENGINE.md.
 NATIVE_LAYER = RuntimeSettings.from_env().cpu_layer
 
 
@@ -58,9 +60,9 @@ class DecoderLayer(nn.Module):
 
     def native(self) -> cpu_kernels.NativeLayer | None:
         """This layer for `cpu_kernels.decoder_layer`: every projection a plain linear on the
-        native float32 GEMM, or every one an int8 linear on the native int8 GEMM, SiLU gating;
-        rebuilt when a weight changes, ``None`` when it cannot run (`native_reason` then says
-        why)."""
+        native float32 (or every one on the bf16) GEMM, or every one an int8 linear on the native
+        int8 GEMM, SiLU gating; rebuilt when a weight changes, ``None`` when it cannot run
+        (`native_reason` then says why)."""
         a, m = self.self_attn, self.mlp
         if isinstance(m, SparseMoE):
             return None
@@ -69,7 +71,7 @@ class DecoderLayer(nn.Module):
         parts = (a.native_qkv(), native_linear(a.o_proj), m.native_gate_up())
         parts += (native_linear(m.down_proj),)
         if any(p is None for p in parts) or len({type(p[0]) for p in parts}) != 1:
-            self.native_reason = "a projection on neither native GEMM, or float32 and int8 mixed"
+            self.native_reason = "a projection on no native GEMM, or float32, bf16, int8 mixed"
             self.__dict__["_native"] = None
             return None
         norms = (self.input_layernorm, self.post_attention_layernorm, a.q_norm, a.k_norm)
@@ -164,10 +166,10 @@ class LlamaForCausalLM(nn.Module):
         """Run the flat batch through every layer; returns final-normed hidden ``[T, H]``."""
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         h = h.to(self.dtype)
-        cos, sin = self.rotary()(positions.to(self.device), self.dtype)
+        positions = positions.to(self.device)
         plan = AttentionPlan.build(meta, kv_cache.block_size, self.device)
         slots = meta.slot_mapping.to(self.device)
-        native = self._native_forward(h, cos, sin, plan, slots, kv_cache, inputs_embeds)
+        native = self._native_forward(h, positions, plan, slots, kv_cache, inputs_embeds)
         if native is not None:
             layers, batch, h = native
             for i, layer in enumerate(layers):
@@ -175,15 +177,17 @@ class LlamaForCausalLM(nn.Module):
                 if layer_callback is not None:
                     layer_callback(i)
             return self.model.norm(h)
+        cos, sin = self.rotary()(positions, self.dtype)
         for i, layer in enumerate(self.model.layers):
             h = layer(h, cos, sin, plan, slots, kv_cache.k[i], kv_cache.v[i])
             if layer_callback is not None:
                 layer_callback(i)
         return self.model.norm(h)
 
-    def _native_forward(self, h, cos, sin, plan, slots, kv_cache, inputs_embeds):
+    def _native_forward(self, h, positions, plan, slots, kv_cache, inputs_embeds):
         """``(native layers, their batch, h to update in place)`` when every layer runs as one
-        native call (CPU float32, `NATIVE_LAYER`), else ``None``."""
+        native call (CPU, `NATIVE_LAYER`), else ``None``. ``h`` is float32 for the layers: a
+        bf16 model's embeddings are widened (and RoPE's cos/sin are float32)."""
         if h.device.type != "cpu":
             return None  # no native layer off the CPU
         why = self._native_why(h, kv_cache)
@@ -200,12 +204,18 @@ class LlamaForCausalLM(nn.Module):
         decode = None
         if plan.decodes:
             decode = (plan.decode_tables, plan.decode_ctx, plan.decode_rows)
+        cos, sin = self.rotary()(positions, torch.float32)
         batch = cpu_kernels.layer_batch(layers, cos, sin, slots, plan.prefill, decode)
         if batch is None:
             return cpu_kernels.fallback("decoder_layer", "shape")
         # the layers update h in place: never the caller's embeddings
         fresh = inputs_embeds is None or h.data_ptr() != inputs_embeds.data_ptr()
-        h = h.contiguous() if fresh else h.clone(memory_format=torch.contiguous_format)
+        if h.dtype != torch.float32:
+            h = h.float()  # a new tensor
+        elif fresh:
+            h = h.contiguous()
+        else:
+            h = h.clone(memory_format=torch.contiguous_format)
         return layers, batch, h
 
     def _native_why(self, h: torch.Tensor, kv_cache: KVCache) -> str:
@@ -213,7 +223,8 @@ class LlamaForCausalLM(nn.Module):
         reason), "" when it can as far as the batch goes."""
         if not NATIVE_LAYER:
             return "disabled"
-        if h.dtype != torch.float32 or kv_cache.k.dtype != torch.float32:
+        kinds = (torch.float32, torch.bfloat16)  # a bf16 model's h runs in float32
+        if h.dtype not in kinds or kv_cache.k.dtype not in kinds:
             return "dtype"
         if not cpu_kernels.available():
             return cpu_kernels.off_reason()
