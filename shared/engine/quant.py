@@ -18,14 +18,15 @@ def quantize_model_(model: nn.Module, skip: tuple[str, ...] = ("lm_head",)) -> i
 
     The LM head stays in full precision by default: it decides the argmax and, when tied, shares
     its weight with the embedding. So does a MoE router (the ``gate`` beside ``experts``): a
-    rounded router logit flips which experts a token reaches. Stacked expert weights are not
+    rounded router logit flips which experts a token reaches; and Qwen2-MoE's one-output
+    ``shared_expert_gate``, which scales the whole shared expert. Stacked expert weights are not
     ``nn.Linear`` and stay as they are.
     """
     n = 0
     for name, mod in list(model.named_modules()):
         for child_name, child in list(mod.named_children()):
             full = f"{name}.{child_name}" if name else child_name
-            if child_name == "gate" and hasattr(mod, "experts"):
+            if child_name in ("gate", "shared_expert_gate") and hasattr(mod, "experts"):
                 continue
             if isinstance(child, nn.Linear) and not any(s in full for s in skip):
                 setattr(mod, child_name, Int8Linear(child))

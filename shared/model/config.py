@@ -21,7 +21,7 @@ from shared.model.archs import (
     sliding_window_of,
 )
 from shared.model.archs import TEXT_FAMILIES as _TEXT_FAMILIES
-from shared.model.config_fields import gemma2_fields, moe_fields
+from shared.model.config_fields import gemma_fields, granite_fields, moe_fields, rope_fields
 from shared.model.errors import CheckpointError
 from shared.model.validate import check_decoder, declared_dtype, read_config_json
 from shared.protocol.dtypes import torch_dtype
@@ -86,7 +86,7 @@ class ModelConfig:
     attention_bias: bool  # bias on q/k/v projections (always on for Qwen2)
     o_proj_bias: bool  # bias on the output projection (Llama: attention_bias; Qwen2: never)
     mlp_bias: bool
-    qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    qk_norm: bool  # RMSNorm on q and k before RoPE (Qwen3, Gemma-3 per head; OLMo-2 all heads)
     hidden_act: str
     dtype: torch.dtype  # checkpoint dtype (the loader may override)
     bos_token_id: int | None
@@ -103,7 +103,14 @@ class ModelConfig:
     sliding_window: int | None = None  # attention window some layer applies (None: full)
     attn_logit_softcapping: float | None = None  # Gemma-2: scores -> cap * tanh(scores / cap)
     final_logit_softcapping: float | None = None  # Gemma-2: logits -> cap * tanh(logits / cap)
-    query_pre_attn_scalar: float | None = None  # Gemma-2: attention scale is its -1/2 power
+    query_pre_attn_scalar: float | None = None  # Gemma-2/3: attention scale is its -1/2 power
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: the gated shared expert's width (0: none)
+    embedding_multiplier: float = 1.0  # Granite: token embeddings are multiplied by it
+    residual_multiplier: float = 1.0  # Granite: attention / MLP outputs times it before the add
+    attention_multiplier: float | None = None  # Granite: the attention scale (None: head_dim^-1/2)
+    logits_scaling: float = 1.0  # Granite: logits are divided by it
+    rope_local: tuple[float, dict | None] | None = None  # Gemma-3: sliding layers' (theta, scaling)
+    sliding_layers: tuple[int, ...] = ()  # Gemma-3: the layers on `rope_local` (layer_types)
 
     @property
     def is_multimodal(self) -> bool:
@@ -136,20 +143,9 @@ def _eos_tuple(value: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
-def _rope(cfg: dict, default_theta: float = 10000.0) -> tuple[float, dict | None]:
-    """Return (theta, scaling) from either the 4.x or the 5.x layout."""
-    params = cfg.get("rope_parameters")
-    if isinstance(params, dict):
-        theta = float(params.get("rope_theta", cfg.get("rope_theta", default_theta)))
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-    else:
-        theta = float(cfg.get("rope_theta", default_theta))
-        scaling = dict(cfg.get("rope_scaling") or {})
-    if "type" in scaling and "rope_type" not in scaling:
-        scaling["rope_type"] = scaling.pop("type")
-    if scaling.get("rope_type", "default") == "default":
-        return theta, None
-    return theta, scaling
+# families whose attention_bias puts a bias on o_proj too (Qwen2 / Qwen2-MoE, Mistral, Phi-3:
+# never)
+_O_PROJ_BIAS = ("llama", "qwen3", "qwen3_moe", "granite", "olmo2", "gemma3_text")
 
 
 def _text_fields(cfg: dict, source: str) -> dict[str, Any]:
@@ -161,22 +157,15 @@ def _text_fields(cfg: dict, source: str) -> dict[str, Any]:
     heads = int(cfg.get("num_attention_heads", 32))
     kv_heads = cfg.get("num_key_value_heads") or heads
     head_dim = cfg.get("head_dim") or defaults.get("head_dim") or hidden // heads
-    theta, scaling = _rope(cfg, defaults.get("rope_theta", 10000.0))
-    if scaling and scaling["rope_type"] not in ("llama3", "linear"):
-        raise CheckpointError(f"{source}: unsupported rope_type {scaling['rope_type']!r}")
-    partial = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor")
-    partial = cfg.get("partial_rotary_factor", 1.0) if partial is None else partial
-    if float(partial) != 1.0:
-        raise CheckpointError(
-            f"{source}: partial_rotary_factor {partial} is not supported (RoPE on the whole head)"
-        )
-    if scaling:
-        scaling.pop("partial_rotary_factor", None)
     bias = bool(cfg.get("attention_bias", False)) and model_type != "mixtral"
+    if model_type == "qwen2_moe":  # q/k/v bias unless qkv_bias is false (a 5.x key)
+        bias = bool(cfg.get("qkv_bias", True))
     check_decoder(cfg, source)
     return dict(
+        **rope_fields(cfg, source),
         **moe_fields(cfg),
-        **gemma2_fields(cfg, source),
+        **gemma_fields(cfg, source),
+        **granite_fields(cfg),
         sliding_window=sliding_window_of(cfg),
         text_model_type=model_type,
         vocab_size=int(cfg.get("vocab_size", 32000)),
@@ -189,15 +178,13 @@ def _text_fields(cfg: dict, source: str) -> dict[str, Any]:
         num_kv_heads=int(kv_heads),
         head_dim=int(head_dim),
         rms_norm_eps=float(cfg.get("rms_norm_eps", defaults["rms_norm_eps"])),
-        rope_theta=theta,
-        rope_scaling=scaling,
         max_position_embeddings=int(
             cfg.get("max_position_embeddings", defaults["max_position_embeddings"])
         ),
         attention_bias=True if model_type == "qwen2" else bias,
-        o_proj_bias=bias if model_type in ("llama", "qwen3", "qwen3_moe") else False,
+        o_proj_bias=bias and model_type in _O_PROJ_BIAS,
         mlp_bias=bool(cfg.get("mlp_bias", False)),
-        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        qk_norm=model_type in ("qwen3", "qwen3_moe", "olmo2", "gemma3_text"),
         hidden_act=str(
             cfg.get("hidden_activation")
             or cfg.get("hidden_act", defaults.get("hidden_act", "silu"))

@@ -62,6 +62,8 @@ class EPMoE(SparseMoE):
     def __init__(self, moe: SparseMoE, c, group, placement: eplb.Placement):
         nn.Module.__init__(self)
         self.gate, self.top_k, self.norm_topk_prob = moe.gate, moe.top_k, moe.norm_topk_prob
+        # Qwen2-MoE's shared expert stays whole on every rank, run over the rank's token slice
+        self.shared_expert, self.shared_expert_gate = moe.shared_expert, moe.shared_expert_gate
         self.layer, self._counters, self.group = moe.layer, moe._counters, group
         self.num_experts, self.act = c.num_experts, c.hidden_act
         self.experts = Experts(placement.slots, c.hidden_size, c.moe_intermediate_size, self.act)
@@ -125,6 +127,7 @@ class EPMoE(SparseMoE):
             self.alltoall_bytes += sent
             ALLTOALL_BYTES.inc(sent)
         self.micro_batches_run += len(plans)
+        out = self.add_shared(mine, out)
         if n == 1:
             return out
         pad = x.new_zeros((max(sizes), H))

@@ -210,6 +210,9 @@ def load_model(
     model = model.to(dtype=dtype).to_empty(device=device)
     model.tie_weights()
     files = _load_weights(model, config, path)
+    fold = getattr(model, "fold_constants", None)  # a LLaVA has none: its decoders fold nothing
+    if fold is not None:
+        fold()
     model.eval().requires_grad_(False)
     fp = fingerprint_of(config.architecture, files, dtype)
     return LoadedModel(model=model, config=config, fingerprint=fp, path=path)

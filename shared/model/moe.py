@@ -1,8 +1,9 @@
-"""Sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral) with a grouped expert forward.
+"""Sparse mixture-of-experts MLP (Qwen3-MoE, Qwen2-MoE, Mixtral) with a grouped expert forward.
 
 Routing follows transformers: router logits ``x @ gate.T``, softmax in float32, top-k, the top-k
 probabilities renormalised to sum to 1 when ``norm_topk_prob`` (always for Mixtral), cast to the
-activation dtype. The experts run grouped: the ``T x k`` (token, expert) pairs are sorted by
+activation dtype. Qwen2-MoE adds a shared expert, a gated MLP every token runs, scaled by
+``sigmoid(shared_expert_gate(x))``, to the routed sum. The experts run grouped: the ``T x k`` (token, expert) pairs are sorted by
 expert once, and each expert that received tokens runs one fused gate/up GEMM and one down GEMM
 over all of its rows; the weighted rows are summed back per token with one ``index_add_``.
 
@@ -20,7 +21,7 @@ import torch
 from prometheus_client import Counter
 from torch import nn
 
-from shared.model.layers import Gemm, activation, project
+from shared.model.layers import MLP, Gemm, activation, project
 
 # Rows each expert received, per layer: proves the grouped path ran and is the load signal an
 # expert-placement balancer (EPLB) reads.
@@ -58,7 +59,8 @@ class Experts(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """Router + experts (transformers' ``mlp.gate`` / ``mlp.experts`` names)."""
+    """Router + experts (transformers' ``mlp.gate`` / ``mlp.experts`` names), and Qwen2-MoE's
+    ``mlp.shared_expert`` / ``mlp.shared_expert_gate``."""
 
     def __init__(self, c, layer: int):
         super().__init__()
@@ -67,6 +69,18 @@ class SparseMoE(nn.Module):
         self.top_k, self.norm_topk_prob = c.num_experts_per_tok, c.norm_topk_prob
         self.layer = layer
         self._counters = [EXPERT_TOKENS.labels(str(layer), str(e)) for e in range(c.num_experts)]
+        self.shared_expert: MLP | None = None
+        self.shared_expert_gate: nn.Linear | None = None
+        if c.shared_expert_intermediate_size:
+            self.shared_expert = MLP(c.hidden_size, c.shared_expert_intermediate_size, c.hidden_act)
+            self.shared_expert_gate = nn.Linear(c.hidden_size, 1, bias=False)
+
+    def add_shared(self, x: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+        """``routed`` plus the gated shared expert over the same rows ``x`` (none: ``routed``)."""
+        if self.shared_expert is None:
+            return routed
+        gate = torch.sigmoid(project(self.shared_expert_gate, x))
+        return routed.add_(gate * self.shared_expert(x))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights [T, k] in x's dtype, expert ids [T, k])``."""
@@ -96,7 +110,7 @@ class SparseMoE(nn.Module):
             self._counters[e].inc(n)
             start, gemms = start + n, gemms + 2
         EXPERT_GEMMS.inc(gemms)
-        return torch.zeros_like(x).index_add_(0, rows, ys)
+        return self.add_shared(x, torch.zeros_like(x).index_add_(0, rows, ys))
 
 
 # Per-expert tensor names `save_pretrained` writes (and older hub checkpoints hold): Qwen3-MoE

@@ -99,6 +99,11 @@ def check_shardable(c, world_size: int, experts: bool = False) -> None:
         raise CheckpointError(f"tensor parallel size must be at least 1, not {world_size}")
     if world_size == 1:
         return
+    if c.text_model_type == "olmo2":
+        raise CheckpointError(
+            "tensor parallelism does not shard OLMo-2: its q/k norm spans every head; "
+            "serve it with --tp 1"
+        )
     if c.moe_layers and not experts:
         raise CheckpointError(
             f"tensor parallelism does not shard MoE experts: add --ep {world_size} to split "

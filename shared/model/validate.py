@@ -94,7 +94,8 @@ def check_decoder(cfg: dict, file: Path | str) -> str | None:
     line when the served context is capped at the sliding window, else None."""
     experts = cfg.get("num_experts", cfg.get("num_local_experts"))
     top_k = cfg.get("num_experts_per_tok")
-    if cfg.get("model_type") in ("qwen3_moe", "mixtral") and experts is not None and top_k:
+    moe = cfg.get("model_type") in ("qwen3_moe", "qwen2_moe", "mixtral")
+    if moe and experts is not None and top_k:
         if int(top_k) > int(experts):
             raise CheckpointError(
                 f"{file}: num_experts_per_tok {top_k} exceeds the {experts} experts per layer; "

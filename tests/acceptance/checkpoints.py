@@ -162,12 +162,34 @@ def _text_config(kind: str, tok) -> object:
             **_rope(1e4),
             **common,
         )
+    # (1 + w) q/k norms, a sliding layer on its local RoPE, head_dim 16; untied (tied, the
+    # sqrt(hidden)-scaled embedding of the last token decides every greedy token here)
+    if kind == "gemma3":
+        return transformers.Gemma3TextConfig(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            layer_types=["sliding_attention", "full_attention"],
+            tie_word_embeddings=False,
+            **common,
+        )
+    if kind == "olmo2":  # post-norms, q/k norm over all heads, GQA 4:2
+        return transformers.Olmo2Config(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            **_rope(5e5),
+            **common,
+        )
     raise ValueError(kind)
 
 
 def build_text(kind: str, path: Path) -> Checkpoint:
-    """``kind``: llama | qwen2 | qwen3 | qwen3_moe | mixtral | phi3 | gemma2 | mistral_window
-    (shapes above)."""
+    """``kind``: llama | qwen2 | qwen3 | qwen3_moe | mixtral | phi3 | gemma2 | gemma3 | olmo2 |
+    mistral_window (shapes above)."""
     tok = hf_tokenizer()
     cfg = _text_config(kind, tok)
     cls = {
@@ -178,6 +200,8 @@ def build_text(kind: str, path: Path) -> Checkpoint:
         "mixtral": transformers.MixtralForCausalLM,
         "phi3": transformers.Phi3ForCausalLM,
         "gemma2": transformers.Gemma2ForCausalLM,
+        "gemma3": transformers.Gemma3ForCausalLM,
+        "olmo2": transformers.Olmo2ForCausalLM,
         "mistral_window": transformers.MistralForCausalLM,
     }[kind]
     torch.manual_seed(0)

@@ -25,10 +25,13 @@ LOGPROB_TOL = 2e-3
 
 
 # Each costs one cluster start (10-25 s on a 2-core box): Qwen3-MoE (routed and dense layers)
-# and Mixtral are the MoE ones, Gemma-2 its own model class (soft-capping). Phi-3 differs from
-# Llama only in how the loader splits its fused tensors: tests/model covers it.
+# and Mixtral are the MoE ones, Gemma-2 its own model class (soft-capping), Gemma-3 its own
+# forward (a RoPE per layer type). Phi-3 differs from Llama only in how the loader splits its
+# fused tensors, Granite only by scalars, Qwen2-MoE by a shared expert, OLMo-2 by where its norms
+# sit: tests/model covers them.
 @pytest.fixture(
-    scope="module", params=["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma2", "llava"]
+    scope="module",
+    params=["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma2", "gemma3", "llava"],
 )
 def served(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(request.param)

@@ -1,5 +1,6 @@
-"""Expert parallelism at 2 gloo ranks: Qwen3-MoE and Mixtral against the unsharded model, and
-EPLB moving experts between steps on a router skewed towards two experts."""
+"""Expert parallelism at 2 gloo ranks: Qwen3-MoE, Mixtral and Qwen2-MoE (its shared expert run by
+each rank over its token slice) against the unsharded model, and EPLB moving experts between
+steps on a router skewed towards two experts."""
 
 from dataclasses import replace
 
@@ -75,7 +76,12 @@ def _run(path, tmp_path, rebalance=False, tp=False, mb=1):
 
 @pytest.mark.parametrize(
     "kind,tp,mb",
-    [("qwen3_moe", False, 1), ("mixtral", False, 2), ("qwen3_moe", True, 1)],
+    [
+        ("qwen3_moe", False, 1),
+        ("mixtral", False, 2),
+        ("qwen3_moe", True, 1),
+        ("qwen2_moe", True, 1),
+    ],
     ids=str,
 )
 def test_two_rank_experts_match_one_rank(tmp_path_factory, tmp_path, kind, tp, mb):

@@ -64,7 +64,7 @@ def _rank(rank, port, path, out):
     quit_rank()
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "default", "phi3", "gemma2"])
+@pytest.mark.parametrize("kind", ["qwen3", "default", "phi3", "gemma2", "gemma3", "granite"])
 def test_two_rank_engine_matches_one_rank(tmp_path_factory, tmp_path, kind):
     """``default``: the built-in LLaVA-style model (4 heads / 2 KV heads): its language model
     is sharded, its vision tower kept whole."""

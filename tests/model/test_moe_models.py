@@ -1,10 +1,12 @@
-"""Strata's Qwen3-MoE and Mixtral against transformers on random tiny checkpoints.
+"""Strata's Qwen3-MoE, Qwen2-MoE and Mixtral against transformers on random tiny checkpoints.
 
 Each case routes differently: Qwen3-MoE without and with ``norm_topk_prob`` (a dense layer from
-``mlp_only_layers``, resp. ``decoder_sparse_step``), Mixtral (always renormalised, every layer
-sparse). The grouped expert forward is proven by its counters: every (token, slot) pair lands
+``mlp_only_layers``, resp. ``decoder_sparse_step``), Qwen2-MoE (renormalised, a gated shared
+expert beside the routed ones, qkv bias), Mixtral (always renormalised, every layer sparse). The grouped expert forward is proven by its counters: every (token, slot) pair lands
 on exactly one expert's rows and two GEMMs run per active expert.
 """
+
+import copy
 
 import pytest
 import torch
@@ -41,6 +43,20 @@ CASES = {
             norm_topk_prob=True,
             decoder_sparse_step=2,
             head_dim=16,
+        ),
+        moe_layers=(1,),
+    ),
+    # Qwen2-MoE: 8 experts, top-2, renormalised, a shared expert (width 40) gated by a sigmoid,
+    # qkv bias; decoder_sparse_step 2 makes layer 0 dense (intermediate_size), layer 1 sparse
+    "qwen2_moe": dict(
+        cls="Qwen2Moe",
+        kw=dict(
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=40,
+            norm_topk_prob=True,
+            decoder_sparse_step=2,
         ),
         moe_layers=(1,),
     ),
@@ -104,13 +120,21 @@ def test_config_follows_the_checkpoint(pair):
     hf, ours, name = pair
     c, case = ours.config, CASES[name]
     assert c.moe_layers == case["moe_layers"]
-    assert c.num_experts == hf.config.num_local_experts
+    assert c.num_experts == getattr(hf.config, "num_local_experts", hf.config.num_experts)
     assert c.num_experts_per_tok == hf.config.num_experts_per_tok
     assert c.norm_topk_prob == (name != "qwen3_moe")
     want = hf.config.intermediate_size if name == "mixtral" else hf.config.moe_intermediate_size
     assert c.moe_intermediate_size == want
+    shared = 40 if name == "qwen2_moe" else 0
+    assert c.shared_expert_intermediate_size == shared
+    assert c.attention_bias == (name == "qwen2_moe") and not c.o_proj_bias
     for i, layer in enumerate(ours.model.model.layers):
         assert isinstance(layer.mlp, moe.SparseMoE) == (i in case["moe_layers"])
+        if i in case["moe_layers"]:  # Qwen2-MoE's shared expert and its one-output gate
+            assert (layer.mlp.shared_expert is not None) == bool(shared)
+            assert shared == (shared and layer.mlp.shared_expert.up_proj.out_features)
+        else:
+            assert layer.mlp.up_proj.out_features == 96
         # MoE layers say why they leave the one-call native layer; the model runs op by op
         assert (layer.native() is None) == (i in case["moe_layers"])
         assert (layer.native_reason is not None) == (i in case["moe_layers"])
@@ -131,6 +155,27 @@ def test_logits_match_and_the_grouped_path_ran(pair, block_size):
     assert _routed_rows(layers) - rows == len(ids) * k * len(layers)
     ran = moe.EXPERT_GEMMS._value.get() - gemms
     assert 2 * len(layers) * 2 <= ran <= 2 * len(layers) * ours.config.num_experts
+    # the whole model ran op by op (layer.c has no router), each MoE layer saying why
+    assert all(ours.model.model.layers[i].native_reason for i in layers)
+
+
+@pytest.mark.parametrize("block_size,chunk", [(4, 3), (16, 7)])
+def test_chunked_prefill_exact_in_fp64(pair, block_size, chunk):
+    """In float64 (transformers' experts op by op: its grouped GEMM takes no float64) routing,
+    shared expert and chunking leave nothing but float64 rounding."""
+    hf, ours, _ = pair
+    ids = _prompt(41)
+    cfg = copy.deepcopy(hf.config)
+    cfg._experts_implementation = "eager"
+    hf64 = type(hf)(cfg).double().eval()
+    hf64.load_state_dict(hf.state_dict())
+    with torch.no_grad():
+        ref = hf64(torch.tensor([ids])).logits[0]
+    m64 = load_model(ours.path, dtype=torch.float64).model
+    drv = PagedDriver(m64, block_size=block_size)
+    seq = drv.new_seq()
+    hidden = torch.cat([drv.step([(seq, ids[s : s + chunk])])[0] for s in range(0, 41, chunk)])
+    assert (m64.lm_head(hidden) - ref).abs().max().item() < 1e-9
 
 
 @pytest.mark.parametrize("block_size,chunk", [(4, 3), (16, 7)])
@@ -201,13 +246,18 @@ def test_int8_leaves_the_router_and_experts_in_full_precision(pair):
     _, ours, name = pair
     model = load_model(ours.path).model
     n = quantize_model_(model)
+    sparse, shared = CASES[name]["moe_layers"], name == "qwen2_moe"
     for i, layer in enumerate(model.model.layers):
         assert isinstance(layer.self_attn.q_proj, Int8Linear)
-        if i in CASES[name]["moe_layers"]:
+        if i in sparse:
             assert type(layer.mlp.gate) is torch.nn.Linear
+            if shared:  # the shared expert is int8, its sigmoid gate is not
+                assert isinstance(layer.mlp.shared_expert.down_proj, Int8Linear)
+                assert type(layer.mlp.shared_expert_gate) is torch.nn.Linear
         else:
             assert isinstance(layer.mlp.gate_proj, Int8Linear)
-    assert n == 4 * 2 + 3 * (2 - len(CASES[name]["moe_layers"]))
+    layers = model.config.num_layers
+    assert n == 4 * layers + 3 * (layers - len(sparse)) + 3 * len(sparse) * shared
     # it still runs; how close it stays is not asserted: with std-0.5 random weights int8's
     # ~1% error upstream of a router flips experts for some tokens
     drv = PagedDriver(model, block_size=4)

@@ -23,14 +23,25 @@ CASES = {
     "phi3": ("Phi3", dict(sliding_window=WINDOW, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     # Gemma-2: every other layer windowed (default layer_types), soft-capped attention
     "gemma2": ("Gemma2", dict(sliding_window=WINDOW, head_dim=16, query_pre_attn_scalar=16)),
+    # Gemma-3: layer 0 windowed (and on the local RoPE), layer 1 full
+    "gemma3": (
+        "Gemma3",
+        dict(
+            sliding_window=WINDOW,
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+    ),
 }
+_CONFIG = {"Gemma3": "Gemma3TextConfig"}  # config classes not named <cls>Config
 
 
 @pytest.fixture(scope="module", params=list(CASES))
 def pair(request, tmp_path_factory):
     cls, kw = CASES[request.param]
     path = tmp_path_factory.mktemp(request.param)
-    cfg = getattr(transformers, cls + "Config")(
+    cfg = getattr(transformers, _CONFIG.get(cls, cls + "Config"))(
         vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=96,

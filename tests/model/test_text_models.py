@@ -1,4 +1,5 @@
-"""Strata's Llama/Qwen2/Qwen3/Phi-3/Gemma-2 against transformers on random tiny checkpoints."""
+"""Strata's Llama/Qwen2/Qwen3/Phi-3/Gemma-2/Gemma-3/Granite/OLMo-2 against transformers on random
+tiny checkpoints."""
 
 import pytest
 import torch
@@ -49,6 +50,48 @@ CASES = {
             final_logit_softcapping=8.0,
         ),
     ),
+    # Gemma-3: (1 + w) per-head q/k norms, a sliding layer on its own RoPE base and a full one
+    # with linear scaling, query_pre_attn_scalar, a final logit cap; attn_logit_softcapping set
+    # to show it is ignored, as transformers' Gemma-3 attention ignores it
+    "gemma3": dict(
+        cls="Gemma3",
+        config="Gemma3TextConfig",
+        kw=dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=0.5,  # would bite hard: scores after q/k norm reach ~1-3
+            final_logit_softcapping=8.0,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+            },
+        ),
+        perturb_norms=True,
+    ),
+    # Granite: all four multipliers off 1 (attention scale 0.09, not 16 ** -0.5), attention and
+    # MLP bias (the folded residual multiplier scales them too), tied embeddings
+    "granite": dict(
+        cls="Granite",
+        kw=dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            embedding_multiplier=6.0,
+            residual_multiplier=0.3,
+            attention_multiplier=0.09,
+            logits_scaling=3.0,
+            attention_bias=True,
+            mlp_bias=True,
+            tie_word_embeddings=True,
+        ),
+        perturb_norms=True,
+    ),
+    # OLMo-2: post-norms only, q/k norm over all heads (perturbed so k_norm != q_norm), GQA 4:2
+    "olmo2": dict(
+        cls="Olmo2", kw=dict(num_attention_heads=4, num_key_value_heads=2), perturb_norms=True
+    ),
     # Llama 3 style: llama3 rope scaling, attention/mlp bias, MHA, head_dim 8
     "llama3": dict(
         cls="Llama",
@@ -72,7 +115,7 @@ CASES = {
 
 def _build(name, path):
     case = CASES[name]
-    cfg_cls = getattr(transformers, case["cls"] + "Config")
+    cfg_cls = getattr(transformers, case.get("config", case["cls"] + "Config"))
     model_cls = getattr(transformers, case["cls"] + "ForCausalLM")
     kw = dict(case["kw"])
     if "rope_theta" in kw or "rope_scaling" in kw:  # 5.x spells rope settings rope_parameters
@@ -95,6 +138,11 @@ def _build(name, path):
             for n, p in hf.named_parameters():
                 if "norm" in n:
                     p.normal_(0.0, 0.3)
+    elif case.get("perturb_norms"):  # off their start (1, Gemma's 0): a misplaced norm shows
+        with torch.no_grad():
+            for n, p in hf.named_parameters():
+                if "norm" in n:
+                    p.add_(torch.randn_like(p) * 0.3)
     hf.save_pretrained(path)
     return hf
 
@@ -125,11 +173,42 @@ def _prompt(n, seed=1):
 def test_config_flags(pair):
     _, ours, name = pair
     c = ours.config
-    assert c.qk_norm == (name == "qwen3")
-    assert c.attention_bias == (name in ("qwen2", "llama3"))
-    assert c.tie_word_embeddings == (name in ("qwen2", "gemma2"))
-    assert (c.rope_scaling or {}).get("rope_type") == ("llama3" if name == "llama3" else None)
+    assert c.qk_norm == (name in ("qwen3", "gemma3", "olmo2"))
+    assert c.attention_bias == (name in ("qwen2", "llama3", "granite"))
+    assert c.tie_word_embeddings == (name in ("qwen2", "gemma2", "gemma3", "granite"))
+    rope = {"llama3": "llama3", "gemma3": "linear"}.get(name)
+    assert (c.rope_scaling or {}).get("rope_type") == rope
+    if name == "gemma3":  # layer 0 sliding: the local RoPE; no attention cap (see CASES)
+        assert c.rope_local == (10000.0, None) and c.sliding_layers == (0,)
+        assert c.attn_logit_softcapping is None and c.final_logit_softcapping == 8.0
+    if name == "granite":
+        assert (c.embedding_multiplier, c.residual_multiplier) == (6.0, 0.3)
+        assert (c.attention_multiplier, c.logits_scaling) == (0.09, 3.0)
     assert ours.model.lm_head.weight is not None and isinstance(ours.model.lm_head, torch.nn.Linear)
+
+
+def test_the_decoder_layer_path_that_runs(pair, monkeypatch):
+    """Each decode step runs one native call per layer (`layer.c`) for the Llama-layer families,
+    Granite included (its residual multiplier folded into o_proj / down_proj at load); Gemma and
+    OLMo-2 layers (sandwich / post norms) say why they run op by op and make no such call."""
+    from shared.model import cpu_kernels
+    from shared.model.models import llama
+
+    _, ours, name = pair
+    if not cpu_kernels.available():
+        pytest.skip("no native kernels on this machine")
+    monkeypatch.setattr(llama, "NATIVE_LAYER", True)
+    drv = PagedDriver(ours.model, block_size=4)
+    seq = drv.new_seq()
+    drv.prefill(seq, _prompt(9))
+    before = cpu_kernels.layer_calls
+    for tok in (5, 6, 7):
+        drv.step([(seq, [tok])])
+    native = name not in ("gemma2", "gemma3", "olmo2")
+    assert cpu_kernels.layer_calls - before == (3 * ours.model.num_layers if native else 0)
+    for layer in ours.model.model.layers:
+        assert (layer.native() is None) == (not native)
+        assert (layer.native_reason is None) == native
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
@@ -163,7 +242,7 @@ def test_chunked_prefill_exact_in_fp64(pair, block_size, chunk):
             for s in range(0, len(ids), chunk)
         ]
     )
-    got = m64.lm_head(hidden)
+    got = m64.lm_head(hidden) / m64.config.logits_scaling  # compute_logits' (Granite), in fp64
     if cap := m64.config.final_logit_softcapping:  # compute_logits' cap, kept in float64
         got = torch.tanh(got / cap) * cap
     # Gemma-2's eager attention takes its softmax in float32 even in a float64 model, so a

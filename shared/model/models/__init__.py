@@ -9,7 +9,8 @@ from torch import nn
 from shared.model.config import LLAVA_ARCHITECTURE, TEXT_ARCHITECTURES, ModelConfig
 
 _REGISTRY = {arch: "shared.model.models.llama:LlamaForCausalLM" for arch in TEXT_ARCHITECTURES}
-_REGISTRY["Gemma2ForCausalLM"] = "shared.model.models.gemma2:Gemma2ForCausalLM"
+for _arch in ("Gemma2", "Gemma3", "Granite", "Olmo2"):  # their own layers (the rest: Llama's)
+    _REGISTRY[f"{_arch}ForCausalLM"] = f"shared.model.models.{_arch.lower()}:{_arch}ForCausalLM"
 _REGISTRY[LLAVA_ARCHITECTURE] = "shared.model.models.llava:LlavaForConditionalGeneration"
 
 

@@ -42,7 +42,15 @@ class Gemma2DecoderLayer(nn.Module):
 
     def __init__(self, c: ModelConfig, index: int = 0):
         super().__init__()
-        self.self_attn = Attention(
+        self.self_attn = self.attention(c)
+        self.mlp = MLP(c.hidden_size, c.intermediate_size, c.hidden_act)
+        for name in ("input", "post_attention", "pre_feedforward", "post_feedforward"):
+            setattr(self, f"{name}_layernorm", GemmaRMSNorm(c.hidden_size, c.rms_norm_eps))
+        self.native_reason = "Gemma-2 (soft-capped attention, sandwich norms) runs op by op"
+
+    def attention(self, c: ModelConfig) -> Attention:
+        """Gemma-2's: scale ``query_pre_attn_scalar ** -0.5``, scores capped."""
+        return Attention(
             c.hidden_size,
             c.num_heads,
             c.num_kv_heads,
@@ -52,10 +60,6 @@ class Gemma2DecoderLayer(nn.Module):
             softcap=c.attn_logit_softcapping,
             scale=(c.query_pre_attn_scalar or c.head_dim) ** -0.5,
         )
-        self.mlp = MLP(c.hidden_size, c.intermediate_size, c.hidden_act)
-        for name in ("input", "post_attention", "pre_feedforward", "post_feedforward"):
-            setattr(self, f"{name}_layernorm", GemmaRMSNorm(c.hidden_size, c.rms_norm_eps))
-        self.native_reason = "Gemma-2 (soft-capped attention, sandwich norms) runs op by op"
 
     def forward(self, h, cos, sin, plan, slot_mapping, k_cache, v_cache):
         a = self.self_attn(self.input_layernorm(h), cos, sin, plan, slot_mapping, k_cache, v_cache)
