@@ -27,12 +27,14 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from nats.aio.client import Client as NATS
+from nats.errors import NoRespondersError
 
 from services.gateway import metrics as m
 from services.gateway.assembly import Failover, StreamAssembler
 from services.gateway.config import GatewayConfig
 from services.gateway.constraints import constraint_error
 from services.gateway.core import GenerateSpec, block_hashes, sampling_for
+from services.gateway.schedulers import SchedulerReplicas
 from shared import bus
 from shared.protocol import subjects
 from shared.protocol.codec import decode
@@ -86,6 +88,7 @@ class Pipeline:
         self.degrade_level = 0
         self.degrade_rules = DegradeRules()  # replaced by the scheduler's with its first state
         self.down: set[str] = set()
+        self.schedulers = SchedulerReplicas()  # whose state came lately: where routes go
         self._watchers: dict[str, set[asyncio.Queue]] = {}
         self._cancel_cbs: dict[str, Callable[[bytes], None]] = {}
         self._open: set[asyncio.Queue] = set()  # every stream's queue, for `nats_lost`
@@ -106,6 +109,7 @@ class Pipeline:
                 st = decode(msg.data, SchedulerState)
             except (StrataError, ValueError):  # garbage on the subject (pydantic: a ValueError)
                 return
+            self.schedulers.heard(st.scheduler_id, time.monotonic())
             self.degrade_level = st.degrade_level
             self.degrade_rules = st.rules
             self.down = set(st.down)
@@ -343,16 +347,23 @@ class Pipeline:
             ttft_slo_ms=spec.ttft_slo_ms,
             submit=item,
         )
-        # Scheduler replicas share a queue group; one that dies mid-request leaves the request
-        # unanswered, so a timed-out route is asked once more (another replica answers).
+        # To a replica whose state came lately (`SchedulerReplicas`; the queue group before any
+        # did). One that dies mid-request leaves the request unanswered, so a timed-out route
+        # is asked once more, of another replica.
+        tried: list[str] = []
         for attempt in (0, 1):
+            sid = self.schedulers.pick(time.monotonic(), tried)
+            tried.append(sid)
+            subject = subjects.sched_route(sid) if sid else subjects.SCHED_ROUTE
             try:
                 route = await bus.request(
-                    self.nc, subjects.SCHED_ROUTE, req, RouteReply, self.cfg.bus_timeout / 2
+                    self.nc, subject, req, RouteReply, self.cfg.bus_timeout / 2
                 )
                 break
             except StrataError as exc:
-                if exc.code != "timeout":
+                # no responders on a replica's own subject: it stopped; ask another
+                gone = sid and isinstance(exc.__cause__, NoRespondersError)
+                if exc.code != "timeout" and not gone:
                     raise
                 if attempt == 1:
                     raise StrataError(

@@ -71,6 +71,7 @@ _TABLE: dict[str, tuple[list[str], list[str]]] = {
             s.VISION_ENCODE,
             s.VISION_PING,
             s.SCHED_ROUTE,
+            s.sched_route("*"),
             s.SCHED_INSTANCES,
             s.REQ_CANCEL_ALL,
             s.work_probe("*"),
@@ -102,7 +103,7 @@ _TABLE: dict[str, tuple[list[str], list[str]]] = {
             "$JS.FC.>",
             f"$O.{SNAPSHOT_BUCKET}.>",
         ],
-        [s.SCHED_ROUTE, s.SCHED_INSTANCES, s.LOAD_ALL],
+        [s.SCHED_ROUTE, s.sched_route("*"), s.SCHED_INSTANCES, s.LOAD_ALL],
     ),
     "kvstore": (
         [s.load_report("kvstore", "*"), _KV_EVENTS, *_EVENTS_STREAM],

@@ -4,7 +4,8 @@ Subscribes load reports (`strata.load.>`), replays then follows KV events from t
 stream `STRATA_KV_EVENTS` (so a restarted scheduler rebuilds its prefix index), watches the
 registry bucket, answers `strata.sched.route` and `strata.sched.instances` (queue group
 "scheduler": any number of active replicas; a route request that carries its `WorkItem` is
-also submitted to the chosen instance from here, see `RouteRequest.submit`), and publishes
+also submitted to the chosen instance from here, see `RouteRequest.submit`) and on its own
+`strata.sched.route.<instance_id>` (what gateways use once they heard its state), and publishes
 `SchedulerState` on `strata.sched.state` every ``state_interval``.
 """
 
@@ -275,6 +276,9 @@ async def run_scheduler(
             nc, subjects.SCHED_ROUTE, RouteRequest, route, queue=subjects.QUEUE_SCHEDULER, bad=BAD
         )
     )
+    # Its own route subject too, live before its first state names it to the gateways.
+    direct = subjects.sched_route(cfg.instance_id)
+    subs.append(await bus.serve(nc, direct, RouteRequest, route, bad=BAD))
     subs.append(
         await bus.serve(
             nc,

@@ -50,6 +50,12 @@ QUEUE_VISION = "vision"
 QUEUE_SCHEDULER = "scheduler"
 
 
+def sched_route(scheduler_id: str) -> str:
+    """One scheduler replica's own route subject (beside the queue group's `SCHED_ROUTE`): the
+    gateway sends a route to a replica whose `SchedulerState` it heard lately."""
+    return f"{SCHED_ROUTE}.{scheduler_id}"
+
+
 def prefill_submit(instance: str) -> str:
     return f"{PREFIX}.prefill.{instance}.submit"
 
