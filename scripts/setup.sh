@@ -4,8 +4,9 @@
 #     MinIO built into .cache/bin/minio when none is found, the default model in the cache
 #     (all that `strata up` runs: scripts/up.sh calls it this way);
 #   --compose (scripts/test.sh): also (as root) Docker, debootstrap, Docker Compose and the
-#     images of the live compose test, and helm with the MinIO chart for tests/compose/test_helm.py.
-# Needs no network beyond the package registries (PyPI, the Go module proxy, Debian).
+#     images of the live compose test, helm with the MinIO chart for tests/compose/test_helm.py,
+#     kustomize and npm's KEDA validators for tests/compose/test_k8s_autoscale.py.
+# Needs no network beyond the package registries (PyPI, the Go module proxy, npm, Debian).
 # Env: STRATA_PYTHON (interpreter to use), STRATA_CACHE (cache dir, default .cache),
 #      PIP_CACHE_DIR (default $STRATA_CACHE/pip), STRATA_MINIO_BIN (an existing minio binary),
 #      STRATA_SKIP_MODEL=1 (do not build the default model), STRATA_SKIP_COMPOSE=1 (with
@@ -192,6 +193,32 @@ if [ "$COMPOSE" = 1 ]; then
       || { log "MinIO module download failed"; exit 1; }
   fi
   log "helm: $CACHE/bin/helm ($HELM_VERSION), MinIO chart in the Go module cache"
+fi
+
+# ---- 3d. kustomize and KEDA's ScaledObject validators (tests/compose/test_k8s_autoscale.py) ---
+# The test builds compose/k8s and the compose/k8s-autoscale overlays with the kustomize that
+# kubectl 1.33 embeds (built from its Go module), and checks the KEDA ScaledObjects with the
+# validators npm's @kubernetes-models/keda compiles from KEDA's API schema.
+KUSTOMIZE_VERSION="v5.6.0"  # also tests/compose/test_k8s_autoscale.py
+KEDA_MODELS_VERSION="2.0.0"  # also tests/compose/test_k8s_autoscale.py
+if [ "$COMPOSE" = 1 ]; then
+  if [ "$("$CACHE/bin/kustomize" version 2>/dev/null)" != "$KUSTOMIZE_VERSION" ]; then
+    if ! find_go; then log "kustomize not built and Go cannot be installed"; exit 1; fi
+    log "building kustomize $KUSTOMIZE_VERSION from its Go module"
+    (export_go_env && GOBIN="$CACHE/bin" "$GO" install \
+      -ldflags "-s -w -X sigs.k8s.io/kustomize/api/provenance.version=$KUSTOMIZE_VERSION" \
+      "sigs.k8s.io/kustomize/kustomize/v5@$KUSTOMIZE_VERSION") || { log "kustomize build failed"; exit 1; }
+  fi
+  KEDA_DIR="$CACHE/node/keda"
+  KEDA_PKG="$KEDA_DIR/node_modules/@kubernetes-models/keda/package.json"
+  if [ "$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["version"])' "$KEDA_PKG" 2>/dev/null)" != "$KEDA_MODELS_VERSION" ]; then
+    command -v npm >/dev/null || apt_install nodejs npm || { log "npm cannot be installed"; exit 1; }
+    log "installing @kubernetes-models/keda@$KEDA_MODELS_VERSION (npm) into $KEDA_DIR"
+    mkdir -p "$KEDA_DIR"
+    npm install --prefix "$KEDA_DIR" --no-save --no-audit --no-fund --loglevel=error \
+      "@kubernetes-models/keda@$KEDA_MODELS_VERSION" >/dev/null || { log "npm install failed"; exit 1; }
+  fi
+  log "kustomize: $CACHE/bin/kustomize ($KUSTOMIZE_VERSION), KEDA validators in $KEDA_DIR"
 fi
 
 # ---- 4. the built-in default model ------------------------------------------------------------

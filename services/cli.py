@@ -8,6 +8,8 @@ strata compose-secrets [FILE]      compose's secrets, generated once (default co
 strata compose-minio-setup         (in compose) the kvstore's bucket-limited MinIO user
 strata nats-credentials FILE       NATS passwords per role only (the k8s Secret strata-nats)
 strata creds add|revoke|list NAME  NATS API clients of a (running) strata up, one user each
+strata drain [--socket PATH]       retire the prefill/decode instance listening there (a preStop
+                                   hook): it drains, then exits with code 75
 """
 
 from __future__ import annotations
@@ -303,8 +305,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(compose_minio_setup_cmd())
     if cmd == "creds":
         sys.exit(creds_cmd(rest))
+    if cmd == "drain":
+        sys.exit(drain_cmd(rest))
     say(
-        f"unknown command {cmd!r}; commands: serve, up, model, creds, compose-secrets, "
+        f"unknown command {cmd!r}; commands: serve, up, model, creds, drain, compose-secrets, "
         "compose-minio-setup"
     )
     sys.exit(2)
@@ -351,6 +355,30 @@ def creds_cmd(argv: list[str]) -> int:
     from services.infra.nats_clients import cli
 
     return cli(argv, default_data_dir=os.path.join(_root(), ".data"), say=say)
+
+
+def drain_cmd(argv: list[str]) -> int:
+    """`strata drain`: the retirement of one instance, asked over its drain socket
+    (`shared.worker.drain`); 0 once it drained, 1 if requests outlived its drain bound."""
+    p = argparse.ArgumentParser(prog="strata drain")
+    p.add_argument(
+        "--socket",
+        default=RuntimeSettings.from_env().drain_socket,
+        help="the instance's STRATA_DRAIN_SOCKET (default: that variable here, as in its pod)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds to wait at most (default: the instance's own bound, drain_timeout_s)",
+    )
+    a = p.parse_args(argv)
+    if not a.socket:
+        say("drain: no socket: pass --socket PATH or set STRATA_DRAIN_SOCKET (the instance's)")
+        return 2
+    from shared.worker.drain import request_drain
+
+    return request_drain(a.socket, say, a.timeout)
 
 
 def compose_minio_setup_cmd() -> int:

@@ -145,6 +145,11 @@ class RuntimeSettings(BaseModel):
         "", description="Package holding <role>/app.py for `strata serve` ('' = services)"
     )
     cpu_affinity: str = Field("", description="Cores this process pins itself to ('0-3,6')")
+    drain_socket: str = Field(
+        "",
+        description="`strata drain`: the Unix socket of the instance to drain (the instance's "
+        "own STRATA_DRAIN_SOCKET, as its pod sets it)",
+    )
     nats_user: str = Field("", description="NATS user")
     nats_password: str = Field("", repr=False, description="NATS password")
     nats_password_file: str = Field("", description="File holding the NATS password")

@@ -50,6 +50,13 @@ def sandbox(tmp: Path, stamp: str | None) -> tuple[Path, Path, dict[str, str]]:
     if not os.access(helm, os.X_OK):
         pytest.fail(f"helm not in {helm}: run scripts/setup.sh --compose", pytrace=False)
     (cache / "bin" / "helm").symlink_to(helm)
+    # kustomize and the KEDA validators, built and installed by a real --compose run
+    kustomize, keda = Path(cache_dir()) / "bin" / "kustomize", Path(cache_dir()) / "node" / "keda"
+    if not os.access(kustomize, os.X_OK) or not keda.is_dir():
+        pytest.fail(f"kustomize or {keda} missing: run scripts/setup.sh --compose", pytrace=False)
+    (cache / "bin" / "kustomize").symlink_to(kustomize)
+    (cache / "node").mkdir()
+    (cache / "node" / "keda").symlink_to(keda)
     setup = (root / "scripts" / "setup.sh").read_text()
     minio_version = setup.split(MINIO_VERSION_LINE, 1)[1].split('"', 1)[0]
     chart = cache / "go" / "mod" / "github.com" / "minio" / f"minio@{minio_version}"
@@ -91,7 +98,7 @@ def test_first_run_installs_the_project_only(tmp_path):
         ".",
     ]
     assert "no Docker, Compose images or helm" in out
-    assert "helm:" not in out and "docker compose:" not in out
+    assert "helm:" not in out and "docker compose:" not in out and "kustomize:" not in out
     assert "[setup] ready" in out
     # the next first run: nothing to install
     pip_log.unlink()
@@ -104,6 +111,7 @@ def test_compose_adds_the_test_extras_and_helm(tmp_path):
     out = run_setup(root, env, "--compose")
     assert pip_log.read_text().split()[-2:] == ["-e", ".[test,bench]"]
     assert f"helm: {tmp_path}/cache/bin/helm ({HELM_VERSION})" in out
+    assert f"kustomize: {tmp_path}/cache/bin/kustomize (v5.6.0)" in out
     assert "STRATA_SKIP_COMPOSE=1: no Docker set-up" in out
     pip_log.unlink()
     run_setup(root, env)  # a full install satisfies the first run too

@@ -98,6 +98,10 @@ class DecodeService(RequestTasks):
         except asyncio.CancelledError:
             log.info("decode of %s cancelled", eid)
             port.abort(eid)
+            if self.stopping:  # not the client's cancel: the stream goes on elsewhere
+                err = error_chunk(rid, self.stopped_error(), self.instance_id, item.attempt)
+                self.outbox.send(err, item.gateway_id)
+                return
             abort = TokenChunk(
                 request_id=rid,
                 index=index,

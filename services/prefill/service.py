@@ -133,6 +133,11 @@ class PrefillService(RequestTasks):
         except asyncio.CancelledError:
             log.info("prefill of %s cancelled", eid)
             port.abort(eid)
+            if self.stopping:  # not the client's cancel: the request goes on elsewhere
+                await publish_error(
+                    self.nc, rid, self.stopped_error(), self.instance_id, item.attempt
+                )
+                return
             await bus.publish(
                 self.nc,
                 subjects.req_out(rid),

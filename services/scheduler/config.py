@@ -118,6 +118,12 @@ class SchedulerConfig(KVEventStreamConfig):
         "SLO targets, retire (drain, then exit) instances beyond the need, and export the need "
         "as strata_scheduler_desired_instances (services/scheduler/autoscale.py)",
     )
+    autoscale_retire: bool = Field(
+        True,
+        description="Autoscaling: retire the instances beyond the need (strata up); off: only "
+        "export the need, for Kubernetes, where KEDA or an HPA scales the Deployments on "
+        "strata_scheduler_desired_instances and a removed pod drains in its preStop hook",
+    )
     autoscale_min_decode: int = Field(1, ge=1, description="Autoscaling: fewest decode instances")
     autoscale_max_decode: int = Field(4, ge=1, description="Autoscaling: most decode instances")
     autoscale_min_prefill: int = Field(0, ge=0, description="Autoscaling: fewest prefill instances")

@@ -172,7 +172,8 @@ class SchedulerCore:
         (`strata_scheduler_desired_instances`, what a launcher or HPA starts instances up to)
         and returns the retirements to order now: a `RoleChange` to ``RETIRED``, after which
         the instance drains and exits. It is marked draining at once, so nothing more is routed
-        to it. An "add" is the raised need alone: this scheduler starts no process."""
+        to it. An "add" is the raised need alone: this scheduler starts no process; so is a
+        "retire" with ``autoscale_retire`` off (Kubernetes removes a pod, which drains)."""
         if self.autoscaler is None:
             return []
         now = time.monotonic() if now is None else now
@@ -183,8 +184,8 @@ class SchedulerCore:
         for a in actions:
             metrics.SCALE_DECISIONS.labels(a.role, a.action).inc()
             log.info("autoscale: %s %s (need %d) %s", a.action, a.role, a.need, a.instance_id)
-            if a.action != "retire":
-                continue
+            if a.action != "retire" or not self.cfg.autoscale_retire:
+                continue  # an add, or a retirement left to Kubernetes: the lower need alone
             self.members.mark_draining(a.instance_id, now + 3600.0)
             out.append(
                 RoleChange(

@@ -23,6 +23,7 @@ from shared.registry import deregister_instance, register_instance
 from shared.service import StartupError, announce_ready, run
 from shared.worker.autopd import CurrentKV, RoleSwitcher
 from shared.worker.config import WorkerConfig
+from shared.worker.drain import DrainEndpoint
 from shared.worker.heartbeat import Heartbeat
 from shared.worker.runtime import (
     ModelRuntime,
@@ -46,6 +47,7 @@ class Worker:
     addr: str
     tasks: list[asyncio.Task]
     heartbeat: Heartbeat | None = None
+    drain: DrainEndpoint | None = None
 
     @property
     def svc(self):
@@ -53,6 +55,8 @@ class Worker:
         return self.roles.svc
 
     async def stop(self) -> None:
+        if self.drain is not None:
+            await self.drain.close()
         for t in [*self.tasks, *self.roles.lingering]:
             t.cancel()
         if self.heartbeat is not None:
@@ -60,8 +64,7 @@ class Worker:
         with contextlib.suppress(Exception):
             await deregister_instance(self.nc.jetstream(), self.rt.cfg.instance_id)
         for svc in self.roles.services.values():
-            for t in list(svc.tasks.values()):
-                t.cancel()
+            svc.hand_off()  # what is still open fails over to another instance
         pool = self.rt.pool_link() if self.rt.port is not None else None
         if pool is not None and self.rt.cfg.kv_pool_flush_s > 0:
             try:  # what engine memory holds and the pool lacks, so a restart finds it
@@ -85,10 +88,10 @@ async def start_worker(
 
     ``make_service(runtime, nc)`` (default: the role's class, `shared.worker.autopd.SERVICES`)
     returns an object with ``submit(work)`` (a `PrefillWork` or `DecodeWork`),
-    ``cancel(request_id)``, ``held(query)``, ``idle()``, ``tasks`` and optionally ``receiver``
-    (its KVTransfer handler). A role change (AutoPD) makes the other role's service from its
-    class.
-    """
+    ``cancel(request_id)``, ``held(query)``, ``idle()``, ``hand_off()``, ``tasks`` and
+    optionally ``receiver`` (its KVTransfer handler). A role change (AutoPD) makes the other
+    role's service from its class. With ``stop`` and ``cfg.drain_socket``, `strata drain`
+    reaches the instance there (`shared.worker.drain`)."""
     if rt is None:
         rt = ModelRuntime(cfg, role)
         # The load and warm-up forward lead an OpenMP team; on a thread that then exits, so the
@@ -129,7 +132,10 @@ async def start_worker(
     hb = await asyncio.to_thread(start_heartbeat, rt, nc, addr)
     roles.heartbeat = hb
     chores = asyncio.create_task(housekeeping(nc, rt, stop or asyncio.Event()))
-    return Worker(rt, roles, nc, server, addr, [chores], hb)
+    drain = None
+    if cfg.drain_socket and roles.retire is not None:  # `strata drain` (a preStop hook)
+        drain = await DrainEndpoint(roles, cfg.drain_socket, cfg.instance_id).start()
+    return Worker(rt, roles, nc, server, addr, [chores], hb, drain)
 
 
 def _no_reply(roles: RoleSwitcher):

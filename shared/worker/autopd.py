@@ -46,7 +46,8 @@ OPEN_AT_SWITCH = Gauge(
 )
 RETIREMENTS = Counter(
     "strata_autoscale_retirements_total",
-    "Times autoscaling retired this instance (drained, then stopped; at most 1 per process)",
+    "Times this instance was retired, by autoscaling or `strata drain` (drained, then stopped; "
+    "at most 1 per process)",
 )
 IGNORED = Counter(
     "strata_autopd_ignored_total",
@@ -94,6 +95,7 @@ class RoleSwitcher:
         self.rt, self.nc, self.register, self.heartbeat = rt, nc, register, heartbeat
         self.retire = retire  # called once a retirement has drained (the process then exits)
         self.retired = False
+        self._retiring: asyncio.Future | None = None  # the retirement's drain, once started
         self.services: dict[str, object] = {}
         self.subs: dict[str, object] = {}
         self.busy = False
@@ -141,35 +143,67 @@ class RoleSwitcher:
             IGNORED.inc()
             log.info("AutoPD: ignoring %s -> %s (role %s)", msg.from_role, msg.to_role, rt.role)
             return
+        if msg.to_role == RETIRED:
+            await self._retire()  # marks the instance busy itself, for good
+            return
         self.busy = True
         try:
-            if msg.to_role == RETIRED:
-                await self._retire()
-            else:
-                await self._flip(msg.to_role)
+            await self._flip(msg.to_role)
         finally:
             self.busy = False
 
-    async def _drain(self, why: str) -> None:
+    async def _drain(self, why: str, timeout: float | None = None) -> None:
         """Report ``draining`` (every scheduler stops routing here), then wait until the current
-        role's requests have all finished: nothing is cancelled or moved."""
+        role's requests have all finished, or ``timeout`` seconds: nothing is cancelled or
+        moved here."""
         rt = self.rt
         log.info("%s: draining %s", why, rt.role)
         rt.draining = True
         await asyncio.sleep(2 * rt.cfg.load_interval)  # every scheduler has seen "draining"
+        deadline = None if timeout is None else time.monotonic() + timeout
         while not self.svc.idle():
+            if deadline is not None and time.monotonic() >= deadline:
+                return
             await asyncio.sleep(0.05)
 
-    async def _retire(self) -> None:
-        """Autoscaling retired this instance: drain, then hand over to ``retire`` (the worker
-        stops as on SIGTERM: pool flush, deregistration) and exit with `RETIRED_EXIT`."""
+    def open_requests(self) -> int:
+        """Requests the current role's service holds now."""
+        return len(self.svc.tasks)
+
+    async def retire_drain(self) -> int:
+        """The drain of a retirement (the scheduler's `RoleChange` to ``RETIRED``, or `strata
+        drain`'s, `shared.worker.drain`), run once: a later caller waits for the same one.
+        Returns the requests still open when it ended: 0, or those ``drain_timeout_s`` gave up
+        on (the stop that follows cancels them; their streams fail over)."""
+        if self._retiring is None:
+            self._retiring = asyncio.ensure_future(self._retire_drain())
+        return await asyncio.shield(self._retiring)
+
+    async def _retire_drain(self) -> int:
+        while self.busy:  # a role change under way: it finishes, then its new role drains
+            await asyncio.sleep(0.05)
+        self.busy = True  # no role change from here on
         t0 = time.monotonic()
-        await self._drain("autoscale: retiring")
-        OPEN_AT_SWITCH.set(len(self.svc.tasks))
-        RETIREMENTS.inc()
+        await self._drain("retiring", self.rt.cfg.drain_timeout_s)
+        still = self.open_requests()
+        OPEN_AT_SWITCH.set(still)
+        log.info("retire: drained in %.2fs, %d requests still open", time.monotonic() - t0, still)
+        return still
+
+    def finish_retire(self) -> None:
+        """After `retire_drain`: hand over to ``retire`` once (the worker stops as on SIGTERM:
+        pool flush, deregistration, and exits with `RETIRED_EXIT`)."""
+        if self.retired:
+            return
         self.retired = True
-        log.info("autoscale: retired (drained in %.2fs); stopping", time.monotonic() - t0)
+        RETIREMENTS.inc()
+        log.info("retire: stopping")
         self.retire()
+
+    async def _retire(self) -> None:
+        """Autoscaling retired this instance: drain, then stop."""
+        await self.retire_drain()
+        self.finish_retire()
 
     async def _flip(self, to_role: str) -> None:
         rt, old = self.rt, self.rt.role

@@ -27,6 +27,12 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 from shared.config import ModelServiceConfig, attribute_docs
 from shared.engine.params import EngineConfig, EngineConfigError
 
+MAX_SOCKET_PATH = 107
+"""Longest Unix socket path Linux binds (``sun_path`` is 108 bytes with its NUL)."""
+STOP_MARGIN_S = 10.0
+"""Beyond a drain and the pool flush, seconds a stop takes at most: the gRPC server's 1 s grace,
+deregistration, NATS drain, and slack for a loaded node (`drain_grace_s`)."""
+
 LAYERWISE_SPARE_CORES = 2
 """Cores beyond its torch threads a CPU prefill process needs for `auto` layer-wise transfer."""
 
@@ -238,6 +244,29 @@ class WorkerConfig(EngineSettings):  # type: ignore[misc, valid-type]
         "served once idle (work routed before the change whose prefill ran elsewhere)",
     )
 
+    drain_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="A retirement's drain (the autoscaler's, or `strata drain`'s): seconds this "
+        "instance waits for its open requests to finish once no scheduler routes to it; what "
+        "is still open then is stopped as on SIGTERM (its streams fail over to another "
+        "instance). Kubernetes' terminationGracePeriodSeconds is sized from it (drain_grace_s)",
+    )
+    drain_socket: str = Field(
+        "",
+        description="Unix socket (mode 0600) on which `strata drain` asks this instance to retire "
+        "(drain, then exit with code 75): the Kubernetes preStop hook; empty: none",
+    )
+
+    @field_validator("drain_socket")
+    @classmethod
+    def _socket_path(cls, v: str) -> str:
+        if v and len(os.fsencode(v)) > MAX_SOCKET_PATH:
+            raise ValueError(f"longer than a Unix socket path may be ({MAX_SOCKET_PATH} bytes)")
+        if v and not os.path.isdir(os.path.dirname(os.path.abspath(v))):
+            raise ValueError("its folder does not exist")
+        return v
+
     @field_validator("kv_pool_save", mode="before")
     @classmethod
     def _resolve_pool_save(cls, v, info: ValidationInfo):
@@ -289,3 +318,11 @@ class WorkerConfig(EngineSettings):  # type: ignore[misc, valid-type]
         return EngineConfig(
             **values, collect_evicted_kv=pool, pool_save=self.kv_pool_save if pool else "off"
         )
+
+
+def drain_grace_s(cfg: WorkerConfig) -> float:
+    """The longest a retirement takes from the drain request to the exit: two load-report
+    intervals (every scheduler sees ``draining``), ``drain_timeout_s``, the pool flush and
+    `STOP_MARGIN_S`. A Kubernetes pod's terminationGracePeriodSeconds must be at least this,
+    or the kubelet kills the instance mid-drain."""
+    return 2 * cfg.load_interval + cfg.drain_timeout_s + cfg.kv_pool_flush_s + STOP_MARGIN_S

@@ -22,6 +22,7 @@ class RequestTasks:
         self.nc = nc
         self.tasks: dict[str, asyncio.Task] = {}  # by `WorkItem.engine_id`
         self.last_submit = 0.0  # monotonic time of the last submit (AutoPD drains until quiet)
+        self.stopping = False  # set by `hand_off`: a cancelled request goes on elsewhere
 
     @property
     def instance_id(self) -> str:
@@ -53,6 +54,17 @@ class RequestTasks:
         a later route of the same request may run here too and must go on)."""
         for eid in self.running(request_id, attempt):
             self.tasks[eid].cancel()
+
+    def hand_off(self) -> None:
+        """The instance stops (SIGTERM, or a drain that reached ``drain_timeout_s``): cancel
+        every request here, each ending with an ``unavailable`` error that names this instance,
+        so the gateway fails its stream over (resuming after the tokens sent), not an abort."""
+        self.stopping = True
+        for t in list(self.tasks.values()):
+            t.cancel()
+
+    def stopped_error(self) -> StrataError:
+        return StrataError("unavailable", f"instance {self.instance_id} stopped")
 
     def idle(self) -> bool:
         """No request runs here (and, for decode, no KV transfer is arriving)."""

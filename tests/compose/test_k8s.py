@@ -16,6 +16,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from services import cli
 from services.cluster_config import ROLES
 from services.gateway.config import GatewayConfig
 from services.gateway.http import OPEN_PATHS, build_app
@@ -29,7 +30,7 @@ from services.tokenizer.app import TokenizerConfig
 from services.vision.app import VisionServiceConfig
 from shared.config import ENV_PREFIX
 from shared.nats_auth import NatsAuth
-from shared.worker.config import WorkerConfig
+from shared.worker.config import WorkerConfig, drain_grace_s
 
 K8S = os.path.join(repo_root(), "compose", "k8s")
 KUBE_VERSION = "1.33.0"  # the schema every manifest must satisfy (strict: no unknown fields)
@@ -240,6 +241,32 @@ def test_prefill_and_decode_have_autoscaler_hints(docs):
         assert "replicas" not in find(docs, "Deployment", role)["spec"]  # the HPA owns it
         (metric,) = hpa["spec"]["metrics"]
         assert metric["resource"]["name"] == "cpu"  # needs the cpu request set above
+
+
+def test_prefill_and_decode_drain_before_the_sigterm(docs, common, monkeypatch, tmp_path, capsys):
+    """A pod removed (scale-down, rollout, eviction) retires as the planner retires an instance
+    locally: its preStop hook `strata drain` reaches the instance on the socket the pod's env
+    names, and the grace period covers the longest drain its settings allow (the drain itself on
+    a real instance: tests/cluster/test_drain.py)."""
+    for role in ("prefill", "decode"):
+        w = find(docs, "Deployment", role)
+        c = container(w)
+        assert c["lifecycle"]["preStop"]["exec"]["command"] == ["strata", "drain"]
+        env = {**common, **{e["name"]: e["value"] for e in c["env"] if "value" in e}}
+        fields = {k[len(ENV_PREFIX) :].lower(): v for k, v in env.items()}
+        cfg = WorkerConfig.load(
+            [], role=role, **{k: v for k, v in fields.items() if k in WorkerConfig.model_fields}
+        )
+        assert cfg.drain_socket
+        grace = w["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+        assert grace >= drain_grace_s(cfg), (role, grace, drain_grace_s(cfg))
+    # `strata drain` without arguments asks the socket STRATA_DRAIN_SOCKET names: the pod's env
+    sock = tmp_path / "drain.sock"
+    monkeypatch.setenv("STRATA_DRAIN_SOCKET", str(sock))
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["drain"])
+    assert exit_.value.code == 1
+    assert f"cannot reach the instance at {sock}" in capsys.readouterr().err
 
 
 def commands(readme: str) -> list[str]:

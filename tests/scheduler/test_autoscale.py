@@ -130,6 +130,30 @@ def test_core_orders_a_retirement_and_stops_routing_there():
         SchedulerConfig(autoscale_min_decode=3, autoscale_max_decode=2)
 
 
+def test_without_retire_the_need_falls_and_no_instance_is_retired():
+    """Kubernetes (``autoscale_retire`` off): the gauge drops as with `strata up`, but the
+    scheduler orders no retirement and keeps routing to every instance: KEDA or the HPA removes
+    a pod, and that pod drains in its preStop hook."""
+    cfg = SchedulerConfig(
+        autoscale=True,
+        autoscale_retire=False,
+        autoscale_min_decode=1,
+        autoscale_max_decode=2,
+        batch_norm=4,
+        autoscale_up_ticks=1,
+        autoscale_down_ticks=2,
+        autoscale_cooldown_ticks=0,
+    )
+    core = SchedulerCore(cfg)
+    for iid, n in (("d0", 0), ("d1", 1)):
+        core.on_load(_report(iid, n), now=0.0)
+    assert core.plan_scale(now=0.1) == [] and core.plan_scale(now=0.2) == []
+    assert [v.instance_id for v in core.members.live("decode")] == ["d0", "d1"]
+    from prometheus_client import REGISTRY
+
+    assert REGISTRY.get_sample_value("strata_scheduler_desired_instances", {"role": "decode"}) == 1
+
+
 def test_need_is_read_from_the_schedulers_metrics():
     text = (
         "# HELP strata_scheduler_desired_instances x\n"
