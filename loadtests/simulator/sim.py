@@ -215,7 +215,8 @@ class Simulation:
         span = max(1e-9, end - first)
         slo_ok = sum(1 for t in ttfts if t <= self.cfg.ttft_slo_s)
         local = sum(j.local_tokens for j in done)
-        work = [x.prefilled_tokens for x in self.prefill]
+        # the instances that prefill: the prefill fleet, or (colocated) the decode instances
+        work = [x.prefilled_tokens for x in self.prefill or self.decode]
         mean = sum(work) / len(work) if work else 0.0
         return SimResult(
             policy=self.policy.name,

@@ -229,3 +229,27 @@ def test_per_request_disaggregation_by_predicted_ttft():
     assert route(9000, D("d0", total=0))[:2] == ("p0", "remote")
     assert pol.choose(R(300), ClusterState([P("p0")], [d0])).path == "short_uncached"
     assert pol.choose(R(3000), ClusterState([], [d0])).path == "no_prefill"
+
+
+def test_colocated_prefix_aware_places_prompts_by_the_prefill_rule():
+    """No prefill fleet: the decode instance prefills, so the prefill rule places the prompt
+    over the decode instances: a shared first block alone (under ``cache_match_min`` of the
+    prompt) is no reason to pile onto its holder (the least-filled cache takes a new prompt),
+    a real prefix hit keeps its holder while its queue is within the load bound, and an
+    instance without room for the request's KV is left out."""
+    pol = make_policy("prefix_aware", COST)
+
+    def dec(iid, waiting=0, blocks=0, free=100):
+        v = D(iid, free=free)
+        v.waiting_tokens, v.cached_blocks, v.prefill_tokens_per_s = waiting, blocks, 1000.0
+        return v
+
+    fleet = [dec("d0", blocks=50), dec("d1", blocks=10), dec("d2", blocks=30)]
+    one_block = pol.choose(R(1000, cached={"d0": 16}), ClusterState([], fleet))
+    assert (one_block.decode_instance, one_block.path) == ("d1", "no_prefill")
+    hit = pol.choose(R(1000, cached={"d2": 800}), ClusterState([], fleet))
+    assert (hit.decode_instance, hit.cached_tokens) == ("d2", 800)
+    busy = [dec("d0", blocks=50), dec("d1", blocks=10), dec("d2", waiting=9000, blocks=30)]
+    assert pol.choose(R(1000, cached={"d2": 800}), ClusterState([], busy)).decode_instance != "d2"
+    full = [dec("d0", blocks=50), dec("d1", blocks=10, free=1), dec("d2", blocks=30)]
+    assert pol.choose(R(1000), ClusterState([], full)).decode_instance == "d2"

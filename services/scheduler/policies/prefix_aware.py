@@ -17,7 +17,9 @@ rule SGLang's cache-aware router uses). All of it is a few numpy operations over
 columns plus a Python step per instance that holds the prefix.
 Decode: the instance holding most of the prompt's prefix (cache affinity), unless its load exceeds
 the least loaded one by more than ``affinity_imbalance``; instances without room for the request's
-KV are skipped while any other has room.
+KV are skipped while any other has room. With no prefill fleet (the colocated shape) the decode
+instance prefills the prompt itself, so the prefill rule above places it over the decode
+instances with room for its KV.
 Per-request disaggregation: the chosen decode instance prefills the prompt itself when it is not
 busy and either the prompt left uncached there is shorter than ``short_prompt_tokens`` (cheap
 enough to run beside its decodes) or the remote path's predicted time to a continuing stream (the
@@ -193,6 +195,8 @@ class PrefixAware:
         return prefill[i], float(ttft[i]), int(cached[i])
 
     def choose(self, request: RequestView, state: ClusterState) -> RouteDecision:
+        if not state.prefill:
+            return self._colocated(request, state)
         dec, dec_load = self.choose_decode(request, state.decode, state.decode_table)
         self_ttft, self_cached = predicted_ttft(request, dec, self.cost)
         uncached_on_decode = request.num_prompt_tokens - self_cached
@@ -231,6 +235,32 @@ class PrefixAware:
                 predicted_ttft_s=ttft,
                 reason=self.last_reason,
                 path=path,
+            ),
+        )
+
+    def _colocated(self, request: RequestView, state: ClusterState) -> RouteDecision:
+        """No prefill fleet: the decode instance prefills the prompt itself, so the prefill
+        rule places it over the decode instances with room for its KV (cache affinity bounded
+        by the prefill queue, a prompt with less than ``cache_match_min`` of it cached anywhere
+        to the least-filled cache among the least queued). The decode rule's affinity (any
+        cached block, kept until 16 more sequences than the least loaded) let one shared first
+        block pin a whole trace's traffic to one instance (`loadtests.simulator.realreplay`)."""
+        t = table_of(state.decode, state.decode_table)
+        room = (t.kv_total <= 0) | (
+            t.kv_free_tokens >= request.num_prompt_tokens + request.max_tokens
+        )
+        views = [v for v, ok in zip(state.decode, room, strict=True) if ok] or state.decode
+        dec, ttft, cached = self.choose_prefill(
+            request, views, t if len(views) == len(state.decode) else None
+        )
+        return self._admit(
+            request,
+            RouteDecision(
+                decode_instance=dec.instance_id,
+                cached_tokens=cached,
+                predicted_ttft_s=ttft,
+                reason=f"{PREFILL_PATHS['no_prefill']} ({self.last_reason})",
+                path="no_prefill",
             ),
         )
 
