@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 CLIENT_HOST = 2  # the gateway's host
 RUNNING = "strata:engine_num_requests_running"
 WAITING = "strata:engine_num_requests_waiting"
-STREAMS = 6
+STREAMS = 12  # each engine runs one: its queue outlasts the ~1 s the cut takes to read the load
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +71,10 @@ async def run_streams(d: Deployment, msgs, on_way=None) -> list:
             asyncio.create_task(stream_one(cl, d.gateway_url, model, m, progress, i))
             for i, m in enumerate(msgs)
         ]
-        while on_way and min(progress) < 2 and not any(t.done() for t in tasks):
+        # the fault once a stream is decoding: each engine (one running sequence each) still
+        # holds its queued streams then; waiting for every stream let a fast engine finish
+        # most of them first, leaving nothing on the cut host to fail over
+        while on_way and max(progress) < 2 and not any(t.done() for t in tasks):
             await asyncio.sleep(0.05)
         if on_way:
             await asyncio.to_thread(on_way)
@@ -91,7 +94,7 @@ def test_isolated_decode_host_fails_over_token_identical(net_factory, model_dir,
 
     def cut() -> None:
         """Isolate the host of the decode instance holding the most streams (the scheduler may
-        put all six on one): the precondition is that its engine's running batch and queue,
+        put all twelve on one): the precondition is that its engine's running batch and queue,
         reported every load interval, are not empty (a count of the submits it took would also
         count streams that already finished)."""
         end = time.monotonic() + 30
@@ -112,7 +115,7 @@ def test_isolated_decode_host_fails_over_token_identical(net_factory, model_dir,
     failovers = net.run_in(
         CLIENT_HOST, lambda: d.metric("gateway-0", "strata:stream_failovers_total")
     )
-    print(f"gateway failovers {failovers} (cut {victim})")
+    print(f"gateway failovers {failovers} (cut {victim}, held {held})")
     assert failovers >= 1  # its streams, cut off with its host, moved to the other one
     assert d.services[victim].proc.poll() is None  # isolated, not killed
 
