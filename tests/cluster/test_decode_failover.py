@@ -144,13 +144,19 @@ async def kill_decode_0_under_streams(
 
 
 async def stream_one(
-    client: httpx.AsyncClient, url: str, model: str, msgs: list[dict], progress: list[int], i: int
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    msgs: list[dict],
+    progress: list[int],
+    i: int,
+    max_tokens: int = MAX_TOKENS,
 ) -> list[tuple[str, float]]:
     """The streamed (token text, logprob) of every output token."""
     body = {
         "model": model,
         "messages": msgs,
-        "max_tokens": MAX_TOKENS,
+        "max_tokens": max_tokens,
         "temperature": 0.0,
         "ignore_eos": True,
         "stream": True,
@@ -161,7 +167,7 @@ async def stream_one(
     parts: list[tuple[str, float]] = []
     async for obj in sse_chunks(client, url, body):
         if obj.get("usage"):  # no token lost or duplicated
-            assert obj["usage"]["completion_tokens"] == MAX_TOKENS, obj["usage"]
+            assert obj["usage"]["completion_tokens"] == max_tokens, obj["usage"]
         for ch in obj["choices"]:
             for t in (ch.get("logprobs") or {}).get("content") or ():
                 parts.append((t["token"], t["logprob"]))

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from services.cluster_config import ensure_model
-from tests.cluster.test_decode_failover import prompts, reference, stream_one
+from tests.cluster.test_decode_failover import MAX_TOKENS, prompts, reference, stream_one
 from tests.multihost.hosts import API_KEY, Deployment
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
@@ -24,7 +24,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 CLIENT_HOST = 2  # the gateway's host
 RUNNING = "strata:engine_num_requests_running"
 WAITING = "strata:engine_num_requests_waiting"
-STREAMS = 12  # each engine runs one: its queue outlasts the ~1 s the cut takes to read the load
+STREAMS = 12  # each engine runs one at a time, the rest queued there
+TOKENS = 1000  # a stream lasts about 0.5 s on the tiny model: the cut host's queue, seconds
 
 
 @pytest.fixture(scope="module")
@@ -62,13 +63,13 @@ def deploy(
     return d
 
 
-async def run_streams(d: Deployment, msgs, on_way=None) -> list:
+async def run_streams(d: Deployment, msgs, on_way=None, max_tokens: int = MAX_TOKENS) -> list:
     progress = [0] * len(msgs)
     auth = {"Authorization": f"Bearer {API_KEY}"}
     async with httpx.AsyncClient(timeout=180.0, headers=auth) as cl:
         model = (await cl.get(d.gateway_url + "/v1/models")).json()["data"][0]["id"]
         tasks = [
-            asyncio.create_task(stream_one(cl, d.gateway_url, model, m, progress, i))
+            asyncio.create_task(stream_one(cl, d.gateway_url, model, m, progress, i, max_tokens))
             for i, m in enumerate(msgs)
         ]
         # the fault once a stream is decoding: each engine (one running sequence each) still
@@ -83,7 +84,7 @@ async def run_streams(d: Deployment, msgs, on_way=None) -> list:
 
 def test_isolated_decode_host_fails_over_token_identical(net_factory, model_dir, tmp_path):
     msgs = prompts()[:STREAMS]
-    expected = reference(model_dir, msgs)
+    expected = reference(model_dir, msgs, TOKENS)
     net = net_factory(7)
     hosts = {"decode-0": 5, "decode-1": 6}
     # one stream at a time per decode engine, the rest queued there, load reported every 0.1 s:
@@ -93,23 +94,28 @@ def test_isolated_decode_host_fails_over_token_identical(net_factory, model_dir,
     held: dict[str, float] = {}
 
     def cut() -> None:
-        """Isolate the host of the decode instance holding the most streams (the scheduler may
-        put all twelve on one): the precondition is that its engine's running batch and queue,
-        reported every load interval, are not empty (a count of the submits it took would also
-        count streams that already finished)."""
+        """Isolate the first decode host found holding streams: the precondition is that its
+        engine's running batch and queue, reported every load interval, are not empty (a count
+        of the submits it took would also count streams that already finished). Its link goes
+        down right after that one reading, before the other host is read: the two readings took
+        long enough for a fast engine to finish the streams the first one saw."""
         end = time.monotonic() + 30
-        while time.monotonic() < end and max(held.values(), default=0.0) < 1:
+        while time.monotonic() < end:
             for name, host in hosts.items():
                 held[name] = net.run_in(
                     host, lambda n=name: d.metric(n, RUNNING) + d.metric(n, WAITING)
                 )
+                if held[name] >= 1:
+                    held["cut"] = host
+                    net.link_down(host)
+                    return
             time.sleep(0.02)
-        held["cut"] = hosts[max(hosts, key=lambda n: held.get(n, 0.0))]
-        net.link_down(held["cut"])
+        raise AssertionError(f"no decode instance held a stream: {held}")
 
-    got = net.run_in(CLIENT_HOST, lambda: asyncio.run(run_streams(d, msgs, on_way=cut)))
+    got = net.run_in(
+        CLIENT_HOST, lambda: asyncio.run(run_streams(d, msgs, on_way=cut, max_tokens=TOKENS))
+    )
     victim = next(n for n, h in hosts.items() if h == held["cut"])
-    assert held[victim] >= 1, held  # it was streaming when it was cut off
     for i in range(STREAMS):
         assert [t for t, _ in got[i]] == [t for t, _ in expected[i]], f"stream {i}"
     failovers = net.run_in(
