@@ -2,7 +2,8 @@
 pip installs the project without the test extras and nothing of Docker, Compose or helm is
 touched; with ``--compose`` (scripts/test.sh) the extras and helm come too. Run in a sandbox
 copy: a fake venv whose python records pip calls (and runs everything else with this
-interpreter), the real MinIO and helm linked into a scratch cache; the shared venv is untouched."""
+interpreter), the real MinIO, helm and built kernels linked into a scratch cache; the shared venv
+is untouched."""
 
 from __future__ import annotations
 
@@ -57,6 +58,9 @@ def sandbox(tmp: Path, stamp: str | None) -> tuple[Path, Path, dict[str, str]]:
     (cache / "bin" / "kustomize").symlink_to(kustomize)
     (cache / "node").mkdir()
     (cache / "node" / "keda").symlink_to(keda)
+    # the native kernels and torch ops the real set-up built (each build is keyed by its
+    # sources' digest, so the sandbox's run finds them and does not compile them again)
+    (cache / "kernels").symlink_to(Path(cache_dir()) / "kernels", target_is_directory=True)
     setup = (root / "scripts" / "setup.sh").read_text()
     minio_version = setup.split(MINIO_VERSION_LINE, 1)[1].split('"', 1)[0]
     chart = cache / "go" / "mod" / "github.com" / "minio" / f"minio@{minio_version}"
