@@ -33,6 +33,12 @@ class SimConfig:
         pool_enabled: False = no pool at all (evicted blocks are dropped).
         expect_ttl_s: seconds a routed prompt's blocks count as held by its prefill instance
             before their KV event (the scheduler's ``expect_ttl_s``).
+        load_interval_s: seconds between an instance's load reports (the workers'
+            ``STRATA_LOAD_INTERVAL``); between two, the policy sees the last report plus what
+            was routed since, as `SchedulerCore` counts it. 0: a fresh report at every decision.
+        cache_holds_running: the engine cache and the running sequences share the instance's
+            ``engine_cache_blocks`` (one paged KV cache, as in a real engine): the blocks only a
+            running sequence holds (its output and its partial last block) are not cache.
     """
 
     num_prefill: int = 6
@@ -53,6 +59,8 @@ class SimConfig:
     pool_write_through: bool = True
     pool_enabled: bool = True
     expect_ttl_s: float = 30.0
+    load_interval_s: float = 0.0
+    cache_holds_running: bool = False
 
 
 class LRU:
@@ -152,6 +160,18 @@ class SimInstance:
     running: int = 0
     kv_used: int = 0
     decode_wait: deque = field(default_factory=deque)
+    next_report: float = 0.0  # when its next load report arrives (``load_interval_s`` > 0)
+    private_blocks: int = 0  # blocks its running sequences hold outside the cache
+
+    def report_due(self, now: float, interval: float) -> bool:
+        """Whether a load report arrived since the last one the policy saw (every decision
+        when ``interval`` is 0; else on the instance's own period)."""
+        if interval <= 0:
+            return True
+        if now < self.next_report:
+            return False
+        self.next_report += interval * (int((now - self.next_report) / interval) + 1)
+        return True
 
     def refresh(self, now: float, kv_total: int) -> None:
         """What a fresh load report would carry."""

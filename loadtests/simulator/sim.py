@@ -63,6 +63,8 @@ class Simulation:
             for i in range(cfg.num_prefill)
         ]
         decode = [self._inst(f"d{i}", "decode", False) for i in range(cfg.num_decode)]
+        for i, x in enumerate(prefill + decode):  # reports spread over the period, as in a fleet
+            x.next_report = cfg.load_interval_s * i / max(1, len(prefill) + len(decode))
         # in id order, as `Membership.live` lists them (ties and round robin depend on it)
         self.prefill = sorted(prefill, key=lambda x: x.view.instance_id)
         self.decode = sorted(decode, key=lambda x: x.view.instance_id)
@@ -112,7 +114,8 @@ class Simulation:
 
     def route(self, now: float, job: Job) -> None:
         for x in self.prefill + self.decode:
-            x.refresh(now, self.cfg.decode_kv_blocks if x.view.role == "decode" else 0)
+            if x.report_due(now, self.cfg.load_interval_s):
+                x.refresh(now, self.cfg.decode_kv_blocks if x.view.role == "decode" else 0)
         m = self.index.lookup(list(job.hashes), now)
         req = request_view(
             str(job.rid),
@@ -131,6 +134,11 @@ class Simulation:
         self.self_prefills += not d.prefill_instance
         expect_routed(self.index, target.view.instance_id, job.hashes, now, self.cfg.expect_ttl_s)
         est = max(1, job.input_len - d.cached_tokens)
+        # what the scheduler adds to the instances' last reports until their next ones
+        target.view.pending_tokens += max(0, job.input_len - d.cached_tokens)
+        target.view.pending_requests += 1
+        if target is not job.decode:
+            job.decode.view.pending_requests += 1
         target.queued_tokens += est
         target.queue.append((job, est))
         if target.busy_until <= now and len(target.queue) == 1:
@@ -196,15 +204,27 @@ class Simulation:
             dec.decode_wait.popleft()
             dec.running += 1
             dec.kv_used += need
+            self.hold(dec, need - len(job.hashes))
             step = c.decode_step_s + c.decode_step_per_seq_s * dec.running
             self.at(now + (job.output_len - 1) * step, self.end_decode, dec, job, need)
 
     def end_decode(self, now: float, dec: SimInstance, job: Job, need: int) -> None:
         dec.running -= 1
         dec.kv_used -= need
+        self.hold(dec, len(job.hashes) - need)
         job.finish = now
         self.done.append(job)
         self.admit_decode(now, dec)
+
+    def hold(self, inst: SimInstance, blocks: int) -> None:
+        """``cache_holds_running``: a running sequence's own blocks (not in the cache) take
+        ``blocks`` more (or, when it ends, fewer) of the instance's cache; the LRU evicts to
+        fit at once, announcing what it dropped."""
+        if not self.cfg.cache_holds_running:
+            return
+        inst.private_blocks += blocks
+        inst.cache.capacity = max(0, self.cfg.engine_cache_blocks - inst.private_blocks)
+        self.store(inst, ())
 
     # --- report ---------------------------------------------------------------------------------
     def result(self, n: int, end: float) -> SimResult:

@@ -70,6 +70,11 @@ class StepTimes:
     last_step_s: float = 0.0
     device_idle_s: float = 0.0  # the forward thread's wait between two forwards
     ahead_steps: int = 0  # steps scheduled and prepared while the previous forward ran
+    # forwards whose batch is mostly prompt chunks (at least PROMPT_SHARE of its tokens): their
+    # prompt tokens and seconds, so an instance that prefills beside its decodes can measure
+    # its prefill rate from real work (`shared.worker.runtime`)
+    prefill_tokens: int = 0
+    prefill_forward_s: float = 0.0
     _step_end: float | None = field(default=None, init=False, repr=False)
     _forward_end: float | None = field(default=None, init=False, repr=False)
 
@@ -92,10 +97,29 @@ class StepTimes:
             self.device_idle_s += t - self._forward_end
         return t
 
-    def forward_ended(self, t0: float) -> None:
+    def forward_ended(self, t0: float, sched: SchedulerOutput | None = None) -> None:
         self._forward_end = end = time.perf_counter()
         self.last_forward_s = end - t0
         self.forward_s += end - t0
+        if sched is not None:
+            prompt, total = prompt_tokens(sched)
+            if prompt and prompt >= PROMPT_SHARE * total:
+                self.prefill_tokens += prompt
+                self.prefill_forward_s += end - t0
+
+
+PROMPT_SHARE = 0.75  # a forward counts as prefill work when prompt chunks are this much of it
+
+
+def prompt_tokens(sched: SchedulerOutput) -> tuple[int, int]:
+    """(tokens of the step's prompt chunks, all its tokens): a sequence computing more than
+    one known token (beyond its drafts) is prefilling; one token is a decode."""
+    prompt = total = 0
+    for s in sched.scheduled:
+        total += s.num_new_tokens
+        if s.num_new_tokens - s.num_draft_tokens > 1:
+            prompt += s.num_new_tokens - s.num_draft_tokens
+    return prompt, total
 
 
 class StepResult(NamedTuple):
@@ -403,7 +427,7 @@ class LLMEngine:
         logits = self.runner.execute(batch, layer_callback)
         if self.connector is not None:
             self.connector.wait_for_save()
-        self.times.forward_ended(t)
+        self.times.forward_ended(t, sched)
         return StepResult(sched, batch, *self._sample(sched, batch.logit_rows, logits))
 
     def _postprocess(self, ran: StepResult) -> list[RequestOutput]:
@@ -643,6 +667,8 @@ class LLMEngine:
             contended_steps=s.contended_steps,
             steps=t.steps,
             forward_time_s=t.forward_s,
+            prefill_tokens=t.prefill_tokens,
+            prefill_forward_s=t.prefill_forward_s,
             step_time_s=t.step_s,
             idle_gap_s=t.idle_s,
             last_forward_s=t.last_forward_s,

@@ -55,6 +55,9 @@ class EngineStats:
     last_step_s: float = 0.0
     device_idle_s: float = 0.0  # time the forward thread waited between two forwards
     ahead_steps: int = 0  # steps scheduled and prepared while the previous forward ran
+    # prompt tokens and forward seconds of the forwards that were mostly prefill (StepTimes)
+    prefill_tokens: int = 0
+    prefill_forward_s: float = 0.0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_draft_forwards: int = 0  # forwards of the draft model (draft-model speculation)

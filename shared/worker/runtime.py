@@ -75,6 +75,7 @@ class ModelRuntime:
     prefilled_tokens: int = 0  # prompt tokens this instance computed (cached ones excluded)
     draining: bool = False  # AutoPD: draining its role before a change (`shared.worker.autopd`)
     _rate_mark: tuple[int, float] = (0, 0.0)
+    _mixed_mark: tuple[int, float] = (0, 0.0)  # (prompt tokens, s) of mostly-prefill forwards
     _step_mark: tuple[int, float] = (0, 0.0)  # (steps, step seconds) at the last load report
     _longest_forward: float = 0.0
     decode_rate: RateMeter = field(default_factory=lambda: RateMeter(5.0))
@@ -117,7 +118,9 @@ class ModelRuntime:
         )
         self.cost = ReuseCostModel(self.cfg.block_size)
         self.cost.prefill_s_per_token = self.port.warm_up_s_per_token
-        self._rate_mark = (0, self.port.stats().forward_time_s)
+        st = self.port.stats()
+        self._rate_mark = (0, st.forward_time_s)
+        self._mixed_mark = (st.prefill_tokens, st.prefill_forward_s)  # the warm-up is its own
         log.info(
             "loaded %s (%s) in %.1fs",
             self.cfg.model,
@@ -207,6 +210,8 @@ class ModelRuntime:
             LONGEST_FORWARD.labels(self.role, self.cfg.instance_id).set(s.last_forward_s)
         if self.role == "prefill":
             self._observe_prefill_rate(s)
+        else:
+            self._observe_mixed_prefill_rate(s)
 
     def _observe_prefill_rate(self, s) -> None:
         """Seconds per prompt token from the engine's own forward time (not queue time): on a
@@ -216,6 +221,19 @@ class ModelRuntime:
         if tokens >= self.cfg.block_size and seconds > 0:
             self.cost.observe_prefill(tokens, seconds)
             self._rate_mark = (self.prefilled_tokens, s.forward_time_s)
+
+    def _observe_mixed_prefill_rate(self, s) -> None:
+        """Seconds per prompt token on an instance that prefills beside its decodes (the
+        colocated shape, short prompts in PD): from its forwards that were mostly prompt chunks
+        (`shared.engine.engine.StepTimes`). Without it the instance would report its warm-up's
+        rate for its whole life, taken while every instance of the box started at once, and the
+        scheduler's prefill rule would send one instance more than its share of prompts for as
+        long as it runs (`loadtests.simulator.realreplay`: 1.3-1.5x the mean)."""
+        tokens = s.prefill_tokens - self._mixed_mark[0]
+        seconds = s.prefill_forward_s - self._mixed_mark[1]
+        if tokens >= self.cfg.block_size and seconds > 0:
+            self.cost.observe_prefill(tokens, seconds)
+            self._mixed_mark = (s.prefill_tokens, s.prefill_forward_s)
 
     async def kv_events(self) -> list[KVEvent]:
         """The engine's block events since the last call (drained on the engine thread)."""

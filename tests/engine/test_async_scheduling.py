@@ -51,6 +51,7 @@ def _counters(eng: LLMEngine) -> dict:
         "last_step_s",
         "device_idle_s",
         "ahead_steps",
+        "prefill_forward_s",
     ):
         s.pop(k)
     return s
