@@ -239,6 +239,11 @@ def _check_vllm_extras(req: ChatCompletionRequest | CompletionRequest) -> None:
             "bad_request", "allowed_token_ids must not be empty", param="allowed_token_ids"
         )
     if isinstance(req, ChatCompletionRequest):
+        if req.reasoning_effort is not None:
+            req.chat_template_kwargs = {
+                "reasoning_effort": req.reasoning_effort,
+                **(req.chat_template_kwargs or {}),
+            }
         if req.continue_final_message and req.add_generation_prompt:
             raise ApiError(
                 "bad_request",

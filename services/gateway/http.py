@@ -63,7 +63,7 @@ async def _race(coro, request: Request):
             t.cancel()  # no await: the task cleans up (bus cancel) on its own
 
 
-OPEN_PATHS = frozenset({"/health", "/health/live", "/health/ready"})
+OPEN_PATHS = frozenset({"/health", "/health/live", "/health/ready", "/ping"})
 """Routes that need no API key when keys are on (probes); every other route needs one."""
 
 
@@ -92,10 +92,12 @@ class _CountStatus:
     """Pure ASGI middleware counting responses by route and status (no body buffering, so
     streaming and disconnect detection are untouched). An unexpected error before the response
     started becomes a 500 body here, so the connection stays usable (raised further, the server
-    would log it again and close the keep-alive connection)."""
+    would log it again and close the keep-alive connection). The route label is the app's
+    route template (``known``: filled once the routes exist) or "other": a label per requested
+    path would let any client grow the metric without bound."""
 
-    def __init__(self, app):
-        self.app = app
+    def __init__(self, app, known: dict[str, str]):
+        self.app, self.known = app, known
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -108,7 +110,9 @@ class _CountStatus:
             await send(msg)
 
         path = scope.get("path", "")
-        route = path if path.startswith(("/v1/", "/health")) or path == "/metrics" else "other"
+        route = self.known.get(path) or (
+            "/v1/models/{model_id}" if path.startswith("/v1/models/") else "other"
+        )
         started = [False]
 
         async def send_started(msg):
@@ -141,7 +145,8 @@ def build_app(service: GatewayService) -> FastAPI:
         return error_response(StrataError("internal", f"{type(exc).__name__}: {exc}"))
 
     app.add_middleware(_RequireKey, auth=service.auth)
-    app.add_middleware(_CountStatus)
+    known: dict[str, str] = {}  # request path -> its route label (filled below)
+    app.add_middleware(_CountStatus, known=known)
 
     async def handle(kind: str, request: Request) -> Response:
         length = request.headers.get("content-length")
@@ -277,19 +282,28 @@ def build_app(service: GatewayService) -> FastAPI:
         except StrataError as exc:
             return anthropic_error(exc)
 
+    def model_card() -> dict[str, Any]:
+        return {
+            "id": service.served_model,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "strata",
+        }
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": service.served_model,
-                    "object": "model",
-                    "created": int(time.time()),
-                    "owned_by": "strata",
-                }
-            ],
-        }
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        """OpenAI's retrieve-model (``client.models.retrieve``): the served model, or 404."""
+        if model_id != service.served_model:
+            raise ApiError(
+                "not_found",
+                f"model '{model_id}' does not exist; this gateway serves '{service.served_model}'",
+                param="model",
+            )
+        return model_card()
 
     async def ready() -> Response:
         st = await service.readiness.state()
@@ -307,6 +321,15 @@ def build_app(service: GatewayService) -> FastAPI:
     async def health_ready() -> Response:
         return await ready()
 
+    @app.get("/ping")
+    async def ping() -> Response:
+        """vLLM's (and SageMaker's) probe: readiness, as ``/health``."""
+        return await ready()
+
+    @app.post("/ping")
+    async def ping_post() -> Response:
+        return await ready()
+
     @app.get("/health/live")
     async def health_live() -> dict[str, str]:
         """The process is up and serving HTTP (no bus traffic)."""
@@ -317,6 +340,7 @@ def build_app(service: GatewayService) -> FastAPI:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     openapi.install(app)
+    known.update((r.path, r.path) for r in app.routes if "{" not in r.path)
     return app
 
 

@@ -162,6 +162,16 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Tool] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # OpenAI fields with no effect on a server that keeps nothing and has one tier (vLLM
+    # accepts them too): taken so the SDK's callers need not strip them; docs/api.md
+    store: bool | None = None
+    metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | (
+        None
+    ) = Field(None, max_length=16)
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    # handed to the chat template as the kwarg of that name (as vLLM does; templates that do
+    # not read it ignore it); an explicit chat_template_kwargs entry wins
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
 
 
 class CompletionRequest(_Sampling):

@@ -326,3 +326,64 @@ def test_prompt_logprobs_reach_the_engine_and_are_bounded_by_the_bus():
     with pytest.raises(ApiError) as ei:  # 21 pairs of ~14 bytes per token > 6 MiB
         sampling_for(spec, 30000, 0, cfg)
     assert ei.value.param == "prompt_logprobs" and "at most 21112 prompt tokens" in ei.value.message
+
+
+async def test_openai_sdk_fields_with_no_effect_and_reasoning_effort(nats_url):
+    """`store`, `metadata` and `service_tier` (OpenAI's; vLLM takes them too) are accepted and
+    change nothing; `reasoning_effort` reaches the chat template as its kwarg, under an explicit
+    `chat_template_kwargs` entry of that name; a bad value is a 400 naming the field."""
+    async with gateway(nats_url) as (url, peers, _):
+        async with httpx.AsyncClient(base_url=url) as c:
+            body = {
+                **CHAT,
+                "store": False,
+                "metadata": {"team": "search"},
+                "service_tier": "auto",
+                "reasoning_effort": "low",
+                "chat_template_kwargs": {"enable_thinking": False},
+            }
+            r = await c.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            assert peers.tok_reqs[-1].chat_template_kwargs == {
+                "reasoning_effort": "low",
+                "enable_thinking": False,
+            }
+            plain = peers.items[-1].sampling
+            body["chat_template_kwargs"] = {"reasoning_effort": "high"}
+            assert (await c.post("/v1/chat/completions", json=body)).status_code == 200
+            assert peers.tok_reqs[-1].chat_template_kwargs == {"reasoning_effort": "high"}
+            assert peers.items[-1].sampling == plain  # the no-effect fields changed nothing
+            for field, value in (
+                ("reasoning_effort", "extreme"),
+                ("service_tier", "gold"),
+                ("metadata", {f"k{i}": "v" for i in range(17)}),
+                ("metadata", {"k": "v" * 513}),
+            ):
+                r = await c.post("/v1/chat/completions", json={**CHAT, field: value})
+                assert r.status_code == 400, (field, r.text)
+                assert r.json()["error"]["param"].startswith(field), r.json()
+
+
+async def test_retrieve_model_ping_and_bounded_route_labels(nats_url, tmp_path):
+    """`GET /v1/models/{id}` (the SDK's `models.retrieve`) answers the served model and 404s
+    another, behind the API key; `/ping` is the open probe vLLM has; requests to paths the app
+    does not route share one "other" label, so no client can grow the route label set."""
+    from services.gateway.metrics import HTTP
+
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"keys": {"sk-a": {"models": ["tiny"]}}}))
+    async with gateway(nats_url, api_key_file=str(keys)) as (url, _peers, _):
+        async with httpx.AsyncClient(base_url=url) as c:
+            assert (await c.get("/v1/models/tiny")).status_code == 401
+            assert (await c.get("/ping")).status_code in (200, 503)  # open, like /health
+            assert (await c.post("/ping")).status_code == (await c.get("/health")).status_code
+            c.headers["Authorization"] = "Bearer sk-a"
+            m = (await c.get("/v1/models/tiny")).json()
+            assert (m["id"], m["object"]) == ("tiny", "model")
+            r = await c.get("/v1/models/other-model")
+            assert r.status_code == 404 and "other-model" in r.json()["error"]["message"]
+            for i in range(5):
+                assert (await c.get(f"/v1/no-such-route-{i}")).status_code == 404
+    routes = {s.labels["route"] for s in next(iter(HTTP.collect())).samples if "route" in s.labels}
+    assert not any(r.startswith("/v1/no-such-route") for r in routes), routes
+    assert {"other", "/v1/models/{model_id}", "/ping"} <= routes
