@@ -292,11 +292,15 @@ def build_app(service: GatewayService) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
+        """The served model; 503 until the cluster was first ready (`Readiness.require_started`:
+        clients poll this as vLLM's readiness and send their first request after the 200)."""
+        await service.readiness.require_started()
         return {"object": "list", "data": [model_card()]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict[str, Any]:
         """OpenAI's retrieve-model (``client.models.retrieve``): the served model, or 404."""
+        await service.readiness.require_started()
         if model_id != service.served_model:
             raise ApiError(
                 "not_found",

@@ -113,6 +113,7 @@ class Readiness:
         self.clock = clock
         self.probes = 0  # probe rounds sent (each is 2-3 bus requests)
         self._seen: set[str] = set()
+        self.was_ready = False  # some probe round found every check ok
         self._state: ReadyState | None = None
         self._at = 0.0
         self._task: asyncio.Future | None = None
@@ -140,6 +141,17 @@ class Readiness:
         if not st.ready:
             raise StrataError("unavailable", st.message, retry_after=self.cfg.unready_retry_after)
 
+    async def require_started(self) -> None:
+        """Raise ``unavailable`` (503, Retry-After) while the cluster has never been ready since
+        this gateway started; once it was, never (a later outage is the request path's to
+        report). For ``/v1/models``: vLLM answers it only once it can serve, so clients and
+        scripts poll it as a readiness check and send their first request after its 200."""
+        if self.was_ready:
+            return
+        st = await self.state()
+        if st.status == "starting":
+            raise StrataError("unavailable", st.message, retry_after=self.cfg.unready_retry_after)
+
     async def _refresh(self) -> ReadyState:
         self.probes += 1
         names = ["tokenizer", "scheduler"] + (["vision"] if self.need_vision else [])
@@ -160,6 +172,7 @@ class Readiness:
                 known = res == BUSY and last in ("ok", "down", "starting")
                 results["decode"] = last == "ok" if known else None
         st = summarize(results, self._seen)
+        self.was_ready = self.was_ready or st.ready
         self._state, self._at = st, self.clock()
         return st
 

@@ -120,7 +120,10 @@ async def test_not_ready_until_each_role_appears(nats_url):
     async with gateway(nats_url, decodes=(), roles=(), ready_cache_s=0) as (url, peers, svc):
         async with httpx.AsyncClient(base_url=url) as c:
             assert (await c.get("/health/live")).json() == {"status": "live"}
-            assert (await c.get("/v1/models")).status_code == 200
+            # /v1/models: 503 until first ready (clients poll it as vLLM's readiness)
+            r = await c.get("/v1/models")
+            assert r.status_code == 503 and r.headers["Retry-After"]
+            assert r.json()["error"]["message"].startswith("starting: tokenizer not ready")
             status, msg, headers = await _chat_error(c)
             assert status == 503 and int(headers["Retry-After"]) >= 1
             assert msg.startswith("starting: tokenizer not ready") and "strata." not in msg
@@ -154,7 +157,9 @@ async def test_not_ready_until_each_role_appears(nats_url):
             }
             assert (await c.get("/health/live")).status_code == 200
 
+            assert (await c.get("/v1/models/tiny")).status_code == 503
             await peers.add_decode("dec-0")
+            assert (await c.get("/v1/models")).json()["data"][0]["id"] == "tiny"
             r = await c.get("/health")
             assert r.status_code == 200 and r.json()["status"] == "ready"
             assert (await c.get("/health/ready")).status_code == 200
@@ -168,6 +173,7 @@ async def test_not_ready_until_each_role_appears(nats_url):
             status, msg, _ = await _chat_error(c)
             assert (status, msg) == (503, "tokenizer not available")
             assert (await c.get("/health/live")).status_code == 200
+            assert (await c.get("/v1/models")).status_code == 200  # ready once: it answers
         assert len(peers.items) == 1  # only the request sent while ready reached a decode
 
 
