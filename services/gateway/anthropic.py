@@ -34,8 +34,13 @@ class ResultBlock(_Body):
 
 
 class ContentBlock(_Body):
-    type: Literal["text", "image", "tool_use", "tool_result"]
+    type: Literal["text", "image", "tool_use", "tool_result", "thinking", "redacted_thinking"]
     text: str | None = None
+    # an earlier assistant turn's reasoning, sent back as Anthropic asks: not put in the prompt
+    # (chat templates that think drop earlier turns' reasoning too)
+    thinking: str | None = None
+    signature: str | None = None
+    data: str | None = None
     source: ImageSource | None = None
     cache_control: dict[str, Any] | None = None  # a prompt-caching hint: Strata caches anyway
     id: str | None = Field(None, max_length=256)  # tool_use
@@ -65,6 +70,15 @@ class AnthropicMessage(_Body):
     content: str | list[ContentBlock]
 
 
+class ThinkingConfig(_Body):
+    """Extended thinking: ``enabled`` with a ``budget_tokens`` (at least 1,024, under
+    ``max_tokens``, as Anthropic checks; the model's own end of thinking or ``max_tokens`` ends
+    it), or ``disabled``. Handed to the chat template as ``enable_thinking``."""
+
+    type: Literal["enabled", "disabled"]
+    budget_tokens: int | None = Field(None, ge=1024)
+
+
 class AnthropicMetadata(_Body):
     user_id: str | None = None
 
@@ -84,6 +98,7 @@ class MessagesRequest(_Body):
     metadata: AnthropicMetadata | None = None
     tools: list[AnthropicTool] | None = Field(None, max_length=128)
     tool_choice: AnthropicToolChoice | None = None
+    thinking: ThinkingConfig | None = None
 
 
 class CountTokensRequest(_Body):
@@ -214,6 +229,21 @@ def parse_messages(body: dict[str, Any]) -> MessagesRequest:
     req = _parse(MessagesRequest, body)
     if any(s == "" for s in req.stop_sequences or ()):
         raise ApiError("bad_request", "stop_sequences must be non-empty", param="stop_sequences")
+    t = req.thinking
+    if t is not None and t.type == "enabled":
+        if t.budget_tokens is None:
+            raise ApiError(
+                "bad_request",
+                "thinking.budget_tokens is required when thinking is enabled",
+                param="thinking.budget_tokens",
+            )
+        if t.budget_tokens >= req.max_tokens:
+            raise ApiError(
+                "bad_request",
+                f"thinking.budget_tokens ({t.budget_tokens}) must be less than max_tokens "
+                f"({req.max_tokens})",
+                param="thinking.budget_tokens",
+            )
     return req
 
 
@@ -243,7 +273,15 @@ def to_chat(req: MessagesRequest) -> dict[str, Any]:
     if req.metadata and req.metadata.user_id:
         body["user"] = req.metadata.user_id
     body.update(chat_tools(req))
+    if req.thinking is not None:
+        body["chat_template_kwargs"] = {"enable_thinking": req.thinking.type == "enabled"}
     return body
+
+
+def thinking_block(reasoning: str) -> dict[str, Any]:
+    """The chat answer's ``reasoning_content`` (the gateway's reasoning parser) as a thinking
+    block; Strata signs nothing, so the signature is empty."""
+    return {"type": "thinking", "thinking": reasoning, "signature": ""}
 
 
 def tool_use_block(call: dict[str, Any]) -> dict[str, Any]:
@@ -274,7 +312,10 @@ def message(resp: dict[str, Any], req: MessagesRequest) -> dict[str, Any]:
     )
     use = resp.get("usage") or {}
     calls = choice["message"].get("tool_calls") or []
-    content = [{"type": "text", "text": text}] if text or not calls else []
+    reasoning = choice["message"].get("reasoning_content")
+    thinks = req.thinking is not None and req.thinking.type == "enabled"
+    content = [thinking_block(reasoning)] if reasoning and thinks else []
+    content += [{"type": "text", "text": text}] if text or not calls else []
     content += [tool_use_block(c) for c in calls]
     if calls and reason != "max_tokens":
         reason, seq = "tool_use", None
@@ -307,8 +348,13 @@ class EventStream:
         self.pending = ""
         self.output_tokens = 0
         self.finish: str | None = None
-        self.text_open = True  # block 0 (text) is open until a tool_use block follows it
-        self.blocks = 1  # content blocks started so far
+        # with thinking on, blocks open as the answer comes (a thinking block first, when the
+        # model reasons); else the text block 0 opens at once, as before thinking existed
+        self.lazy = req.thinking is not None and req.thinking.type == "enabled"
+        self.text_open = not self.lazy  # the text block is open until a tool_use follows it
+        self.text_index = 0
+        self.thinking_open = False
+        self.blocks = 0 if self.lazy else 1  # content blocks started so far
         self.calls = 0  # tool_use blocks
 
     def start(self) -> list[tuple[str, dict[str, Any]]]:
@@ -322,33 +368,63 @@ class EventStream:
             "stop_sequence": None,
             "usage": {"input_tokens": self.input_tokens, "output_tokens": 0},
         }
-        return [
-            ("message_start", {"type": "message_start", "message": msg}),
-            (
-                "content_block_start",
-                {
-                    "type": "content_block_start",
-                    "index": 0,
-                    "content_block": {"type": "text", "text": ""},
-                },
-            ),
-        ]
+        out = [("message_start", {"type": "message_start", "message": msg})]
+        if not self.lazy:
+            out.append(self._block_start(0, {"type": "text", "text": ""}))
+        return out
+
+    @staticmethod
+    def _block_start(index: int, block: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        data = {"type": "content_block_start", "index": index, "content_block": block}
+        return ("content_block_start", data)
+
+    def _thinking(self, reasoning: str) -> list[tuple[str, dict[str, Any]]]:
+        """Reasoning before the answer: a thinking block (opened on its first piece)."""
+        if not reasoning:
+            return []
+        out = []
+        if not self.thinking_open:
+            if self.text_open or self.blocks:  # reasoning after the answer began: not a block
+                return []
+            out.append(self._block_start(0, {"type": "thinking", "thinking": "", "signature": ""}))
+            self.thinking_open, self.blocks = True, 1
+        delta = {"type": "thinking_delta", "thinking": reasoning}
+        data = {"type": "content_block_delta", "index": 0, "delta": delta}
+        return [*out, ("content_block_delta", data)]
+
+    def _open_text(self) -> list[tuple[str, dict[str, Any]]]:
+        """Thinking on: the text block opens when the answer starts (closing the thinking)."""
+        if self.text_open or not self.lazy or self.text_index or self.calls:
+            return []
+        out = []
+        if self.thinking_open:
+            sig = {"type": "signature_delta", "signature": ""}
+            out.append(
+                ("content_block_delta", {"type": "content_block_delta", "index": 0, "delta": sig})
+            )
+            out.append(("content_block_stop", {"type": "content_block_stop", "index": 0}))
+            self.thinking_open = False
+        self.text_index, self.text_open = self.blocks, True
+        self.blocks += 1
+        return [*out, self._block_start(self.text_index, {"type": "text", "text": ""})]
 
     def _delta(self, text: str) -> list[tuple[str, dict[str, Any]]]:
         if not text:
             return []
+        opened = self._open_text()  # first: it sets the text block's index
         data = {
             "type": "content_block_delta",
-            "index": 0,
+            "index": self.text_index,
             "delta": {"type": "text_delta", "text": text},
         }
-        return [("content_block_delta", data)]
+        return [*opened, ("content_block_delta", data)]
 
     def feed(self, chunk: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
         if chunk.get("usage"):
             self.output_tokens = chunk["usage"].get("completion_tokens", self.output_tokens)
         out: list[tuple[str, dict[str, Any]]] = []
         for c in chunk.get("choices", ()):
+            out += self._thinking(c.get("delta", {}).get("reasoning_content") or "")
             self.pending += c.get("delta", {}).get("content") or ""
             for frag in c.get("delta", {}).get("tool_calls") or ():
                 out += self._tool(frag)
@@ -366,11 +442,12 @@ class EventStream:
     def _tool(self, frag: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
         """A chat tool-call fragment (`Run._tool_chunks` sends each call whole: the head with id
         and name, then the arguments) as a ``tool_use`` block: start, input_json_delta, stop."""
-        out: list[tuple[str, dict[str, Any]]] = []
+        out: list[tuple[str, dict[str, Any]]] = self._open_text()
         if self.text_open:  # the text before a call is final: nothing held back can be a stop
             out += self._delta(self.pending)
             self.pending = ""
-            out.append(("content_block_stop", {"type": "content_block_stop", "index": 0}))
+            stop = {"type": "content_block_stop", "index": self.text_index}
+            out.append(("content_block_stop", stop))
             self.text_open = False
         if "id" in frag:
             block = {
@@ -395,8 +472,10 @@ class EventStream:
         text, reason, seq = split_stop(self.pending, self.finish, self.stops)
         if self.calls and reason != "max_tokens":
             reason, seq = "tool_use", None
-        closing = [("content_block_stop", {"type": "content_block_stop", "index": 0})]
+        opened = self._open_text()  # thinking on: a text block even when empty, as before
+        closing = [("content_block_stop", {"type": "content_block_stop", "index": self.text_index})]
         return [
+            *opened,
             *self._delta(text),
             *(closing if self.text_open else []),
             (

@@ -72,6 +72,11 @@ class GatewayConfig(ServiceConfig):
     tls_client_ca: str = Field(
         "", description="Require client certificates signed by this CA (mutual TLS; '' = off)"
     )
+    reasoning_parser: str = Field(
+        "",
+        description="Split chat answers' reasoning at <think> tags into reasoning_content: "
+        "'qwen3', 'deepseek_r1' or 'think' (one rule; vLLM's names), '' or 'none' = off",
+    )
     # timeouts
     bus_timeout: float = Field(10.0, gt=0, description="Seconds to wait for a bus reply")
     first_token_timeout: float = Field(60.0, gt=0, description="Seconds to wait for token one")
@@ -118,4 +123,14 @@ class GatewayConfig(ServiceConfig):
             raise ValueError("give STRATA_TLS_CERT and STRATA_TLS_KEY both, or neither")
         if info.field_name == "tls_client_ca" and v and not cert:
             raise ValueError("needs STRATA_TLS_CERT and STRATA_TLS_KEY (HTTPS)")
+        return v
+
+    @field_validator("reasoning_parser", mode="after")
+    @classmethod
+    def _reasoning_parser(cls, v: str) -> str:
+        from services.gateway.reasoning import PARSERS
+
+        if v not in PARSERS:
+            names = ", ".join(repr(k) for k in PARSERS if k)
+            raise ValueError(f"unknown reasoning parser {v!r} (one of {names}, or '')")
         return v

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.gateway.reasoning import split
 from services.gateway.tools import parse_tool_calls
 from shared.protocol.stream import TokenChunk
 
@@ -79,6 +80,9 @@ class Formatter:
         self.top_n = logprobs
         self.tool_format: str | None = None  # set: chat output is parsed for tool calls
         self.token_ids = False  # vLLM return_token_ids: prompt and output token ids too
+        # reasoning parser on (chat): per choice, whether its output starts inside a thinking
+        # block the template opened (`services.gateway.reasoning`); None: off
+        self.reasoning: list[bool] | None = None
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -210,11 +214,16 @@ class Formatter:
         out = []
         for c in sorted(choices, key=lambda c: c.index):
             prefix = echo[c.index] if echo else ""
-            text = prefix + "".join(c.text)
+            gen, reasoning = "".join(c.text), None
+            if self.kind == "chat" and self.reasoning is not None:
+                reasoning, gen = split(gen, self.reasoning[c.index])
+            text = prefix + gen
             lps = self._logprobs(c.token_ids, c.logprobs, 0) if self.top_n is not None else None
             if self.kind == "chat" and self.tool_format:
                 content, calls = parse_tool_calls(text, self.tool_format)
                 message: dict[str, Any] = {"role": "assistant", "content": content}
+                if self.reasoning is not None:
+                    message["reasoning_content"] = reasoning
                 reason = c.finish_reason
                 if calls:
                     message["tool_calls"] = calls
@@ -223,10 +232,13 @@ class Formatter:
                     {"index": c.index, "message": message, "logprobs": lps, "finish_reason": reason}
                 )
             elif self.kind == "chat":
+                message = {"role": "assistant", "content": text}
+                if self.reasoning is not None:
+                    message["reasoning_content"] = reasoning
                 out.append(
                     {
                         "index": c.index,
-                        "message": {"role": "assistant", "content": text},
+                        "message": message,
                         "logprobs": lps,
                         "finish_reason": c.finish_reason,
                     }

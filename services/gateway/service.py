@@ -29,6 +29,7 @@ from services.gateway.images import load_image
 from services.gateway.pipeline import Pipeline, Prepared
 from services.gateway.prefilter import PatternFileError, Prefilter
 from services.gateway.readiness import Readiness
+from services.gateway.reasoning import PARSERS, ThinkSplitter, opens_in_reasoning
 from services.gateway.responses import ChoiceState, Formatter, usage
 from services.gateway.schemas import DetokenizeBody, TokenizeBody, dump_messages
 from services.gateway.tenants import Tenants
@@ -162,6 +163,11 @@ class GatewayService:
         if kind == "chat" and parses_tools(spec.request):
             fmt.tool_format = spec.tool_format
         fmt.token_ids = spec.request.return_token_ids
+        if kind == "chat" and PARSERS.get(self.cfg.reasoning_parser):
+            fmt.reasoning = [
+                opens_in_reasoning(prepared[i // spec.n].prompt_text)
+                for i in range(len(prepared) * spec.n)
+            ]
         run = Run(self.pipeline, spec, rid, prepared, fmt, arrival)
         if cache_wanted:  # lazy: response_cache_run subclasses Run
             from services.gateway.response_cache_run import cached_run
@@ -295,6 +301,8 @@ class Run:
         self.on_close: Callable[[], None] | None = None  # GatewayService frees the id
         tf = fmt.tool_format  # tool calls parsed out of each choice's stream
         self._tools = [ToolStream(tf) for _ in self.choices] if tf else None
+        # reasoning split off each choice's stream before its tool calls are looked for
+        self._think = [ThinkSplitter(f) for f in fmt.reasoning] if fmt.reasoning else None
 
     def _sub_id(self, i: int) -> str:
         return self.request_id if len(self.choices) == 1 else f"{self.request_id}-{i}"
@@ -467,11 +475,22 @@ class Run:
         for i, c in got or ():
             if not c.token_ids and not c.text and c.finish_reason is None:
                 continue
+            width, reasoning = len(c.text), ""
+            if self._think is not None:
+                reasoning, content = self._think[i].feed(c.text)
+                if c.finish_reason is not None:
+                    r2, c2 = self._think[i].finish()
+                    reasoning, content = reasoning + r2, content + c2
+                c = c.model_copy(update={"text": content})
             if self._tools is not None:
                 made = self._tool_chunks(i, c)
             else:
                 made = [self.fmt.chunk(i, c, self._offsets[i])]
-            self._offsets[i] += len(c.text)
+            if reasoning:  # on the chunk's first event (its content, if any, rides with it)
+                if not made:
+                    made = [self.fmt.chunk(i, c.model_copy(update={"text": ""}))]
+                made[0]["choices"][0]["delta"]["reasoning_content"] = reasoning
+            self._offsets[i] += width
             if continuous:
                 done += len(c.token_ids)
                 use = {"prompt_tokens": prompt, "completion_tokens": done}

@@ -53,6 +53,7 @@ class Peers:
         self.script: list[str] | None = None  # texts decode emits instead of "t<i> " (then stops)
         self.batches = 0  # `TokenChunkBatch` messages the batched decodes sent
         self.fingerprint = "fp"  # the model fingerprint the tokenizer reports
+        self.chat_prompt_text = ""  # the rendered prompt text it reports for chat messages
 
     async def start(self, roles: tuple[str, ...] = ROLES) -> Peers:
         for role in roles:
@@ -143,7 +144,7 @@ class Peers:
             ids = ids[-req.truncate_prompt_tokens :]
         return TokenizeReply(
             token_ids=ids,
-            text="".join(chr(t) for t in ids) if req.messages is None else "",
+            text="".join(chr(t) for t in ids) if req.messages is None else self.chat_prompt_text,
             vocab_size=500,
             bad_words_ids=[[ord(c) % 500 for c in w] for w in req.bad_words],
             image_spans=spans,
