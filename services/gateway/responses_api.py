@@ -21,7 +21,7 @@ from services.gateway.schemas import JsonSchemaFormat, _Body
 
 
 class InputPart(_Body):
-    type: Literal["input_text", "output_text", "input_image"]
+    type: Literal["input_text", "output_text", "input_image", "reasoning_text"]
     text: str | None = None
     image_url: str | None = Field(None, max_length=64 << 20)
     detail: str | None = None
@@ -31,8 +31,12 @@ class InputPart(_Body):
 class InputItem(_Body):
     """A message, a function call the model made, or a function's output."""
 
-    type: Literal["message", "function_call", "function_call_output"] = "message"
+    type: Literal["message", "function_call", "function_call_output", "reasoning"] = "message"
     role: Literal["user", "assistant", "system", "developer"] | None = None
+    # a reasoning item of an earlier turn, sent back as OpenAI asks: taken, not prompted (chat
+    # templates that think drop earlier turns' reasoning too)
+    summary: list[Any] | None = None
+    encrypted_content: str | None = None
     content: str | list[InputPart] | None = None
     id: str | None = None
     status: str | None = None
@@ -63,6 +67,16 @@ class TextOptions(_Body):
     format: TextFormat | None = None
 
 
+class ReasoningOptions(_Body):
+    """OpenAI's ``reasoning``: ``effort`` goes to the chat template as ``reasoning_effort`` (as
+    vLLM does); Strata writes no summaries, so ``summary`` is taken and the items' summary is
+    empty."""
+
+    effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+
+
 class ResponsesRequest(_Body):
     """The fields of ``POST /v1/responses`` that Strata serves (docs/api.md)."""
 
@@ -82,6 +96,7 @@ class ResponsesRequest(_Body):
     text: TextOptions | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+    reasoning: ReasoningOptions | None = None
 
 
 _ITEMS = TypeAdapter(list[InputItem])
@@ -124,6 +139,10 @@ def _text(content: str | list[InputPart] | None, where: str) -> str | list[dict[
         return content
     parts: list[dict[str, Any]] = []
     for p in content:
+        if p.type == "reasoning_text":
+            raise ApiError(
+                "bad_request", f"{where}: reasoning_text belongs to a reasoning item", "input"
+            )
         if p.type == "input_image":
             if not p.image_url:
                 raise ApiError("bad_request", f"{where}: input_image needs an image_url", "input")
@@ -142,6 +161,8 @@ def chat_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
         return [*msgs, {"role": "user", "content": req.input}]
     for k, it in enumerate(req.input):
         where = f"input[{k}]"
+        if it.type == "reasoning":
+            continue
         if it.type == "message":
             if it.role is None:
                 raise ApiError("bad_request", f"{where}: a message needs a role", param="input")
@@ -199,6 +220,8 @@ def to_chat(req: ResponsesRequest) -> dict[str, Any]:
         )
     if req.parallel_tool_calls is not None:
         body["parallel_tool_calls"] = req.parallel_tool_calls
+    if req.reasoning is not None and req.reasoning.effort is not None:
+        body["reasoning_effort"] = req.reasoning.effort
     fmt = req.text.format if req.text else None
     if fmt is not None and fmt.type != "text":
         rf: dict[str, Any] = {"type": fmt.type}
@@ -219,6 +242,18 @@ def _message_item(rid: str, text: str, status: str = "completed") -> dict[str, A
         "content": [{"type": "output_text", "text": text, "annotations": []}]
         if text or status == "completed"
         else [],
+    }
+
+
+def _reasoning_item(rid: str, text: str, status: str = "completed") -> dict[str, Any]:
+    """The chat answer's ``reasoning_content`` (the gateway's reasoning parser) as a reasoning
+    item: its text as ``reasoning_text`` content, no summary."""
+    return {
+        "type": "reasoning",
+        "id": "rs_" + rid,
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": text}] if status == "completed" else [],
+        "status": status,
     }
 
 
@@ -295,6 +330,8 @@ def response(chat: dict[str, Any], req: ResponsesRequest, request_id: str) -> di
     choice = chat["choices"][0]
     msg, finish = choice["message"], choice["finish_reason"]
     output: list[dict[str, Any]] = []
+    if msg.get("reasoning_content"):
+        output.append(_reasoning_item(request_id, msg["reasoning_content"]))
     if msg.get("content"):
         output.append(_message_item(request_id, msg["content"]))
     for k, call in enumerate(msg.get("tool_calls") or []):
@@ -315,6 +352,7 @@ class ResponseEvents:
         self.seq = 0
         self.items: list[dict[str, Any]] = []  # output so far (done items)
         self.text: str | None = None  # the open message item's text
+        self.thought: str | None = None  # the open reasoning item's text
         self.calls: dict[int, dict[str, Any]] = {}  # chat tool-call index -> call so far
         self.usage: dict | None = None
         self.finish: str | None = None
@@ -328,6 +366,35 @@ class ResponseEvents:
         return [
             self._ev("response.created", response=snap),
             self._ev("response.in_progress", response=snap),
+        ]
+
+    def _reasoning(self, delta: str) -> list[dict[str, Any]]:
+        """Reasoning before the answer: a reasoning item (added on its first piece), its
+        ``reasoning_text`` part, ``response.reasoning_text.delta`` events."""
+        out: list[dict[str, Any]] = []
+        k, iid = len(self.items), "rs_" + self.rid
+        ids = {"item_id": iid, "output_index": k, "content_index": 0}
+        if self.thought is None:
+            self.thought = ""
+            item = _reasoning_item(self.rid, "", "in_progress")
+            out.append(self._ev("response.output_item.added", output_index=k, item=item))
+            part = {"type": "reasoning_text", "text": ""}
+            out.append(self._ev("response.content_part.added", **ids, part=part))
+        self.thought += delta
+        return [*out, self._ev("response.reasoning_text.delta", **ids, delta=delta)]
+
+    def _close_reasoning(self) -> list[dict[str, Any]]:
+        if self.thought is None:
+            return []
+        k, text = len(self.items), self.thought
+        ids = {"item_id": "rs_" + self.rid, "output_index": k, "content_index": 0}
+        item = _reasoning_item(self.rid, text)
+        self.items.append(item)
+        self.thought = None
+        return [
+            self._ev("response.reasoning_text.done", **ids, text=text),
+            self._ev("response.content_part.done", **ids, part=item["content"][0]),
+            self._ev("response.output_item.done", output_index=k, item=item),
         ]
 
     def _close_text(self) -> list[dict[str, Any]]:
@@ -351,6 +418,10 @@ class ResponseEvents:
         out: list[dict[str, Any]] = []
         for c in chunk.get("choices", ()):
             delta = c.get("delta") or {}
+            if delta.get("reasoning_content"):
+                out += self._reasoning(delta["reasoning_content"])
+            if delta.get("content") or delta.get("tool_calls") or c.get("finish_reason"):
+                out += self._close_reasoning()
             if delta.get("content"):
                 if self.text is None:
                     k, iid = len(self.items), "msg_" + self.rid
@@ -426,7 +497,7 @@ class ResponseEvents:
         ]
 
     def end(self) -> list[dict[str, Any]]:
-        out = self._close_text()
+        out = [*self._close_reasoning(), *self._close_text()]
         status = _status(self.finish)
         snap = self.shell.build(status, self.items, self.usage, self.finish)
         kind = "response.incomplete" if status == "incomplete" else "response.completed"

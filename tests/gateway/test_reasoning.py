@@ -191,3 +191,45 @@ async def test_anthropic_thinking_blocks_through_the_sdk(nats_url):
 
 
 CALL = '<tool_call>\n{"name": "get_w", "arguments": {"city": "Oslo"}}\n</tool_call>'
+
+
+async def test_responses_reasoning_items_through_the_sdk(nats_url):
+    """The Responses API returns the reasoning as a reasoning item (``reasoning_text`` content,
+    no summary) before the message, streamed as ``response.reasoning_text.delta`` events, as
+    the official SDK assembles them; ``reasoning.effort`` reaches the chat template; reasoning
+    items sent back as input are taken and not prompted."""
+    sdk = pytest.importorskip("openai")
+    async with gateway(nats_url, reasoning_parser="qwen3") as (url, peers, _):
+        client = sdk.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        peers.script = PIECES
+        r = await client.responses.create(
+            model="tiny", input="hi", max_output_tokens=32, reasoning={"effort": "high"}
+        )
+        assert [o.type for o in r.output] == ["reasoning", "message"]
+        assert r.output[0].content[0].text == "plan it" and r.output[0].summary == []
+        assert r.output_text == "\n\nThe answer"
+        assert peers.tok_reqs[-1].chat_template_kwargs == {"reasoning_effort": "high"}
+        async with client.responses.stream(model="tiny", input="hi", max_output_tokens=32) as s:
+            kinds = [ev.type async for ev in s]
+            final = await s.get_final_response()
+        assert [o.type for o in final.output] == ["reasoning", "message"]
+        assert final.output[0].content[0].text == "plan it"
+        assert final.output_text == "\n\nThe answer"
+        assert "response.reasoning_text.delta" in kinds
+        assert kinds.index("response.reasoning_text.done") < kinds.index(
+            "response.output_text.delta"
+        )
+        peers.script = ["ok"]
+        back = [
+            {"role": "user", "content": "hi"},
+            {
+                "type": "reasoning",
+                "id": "rs_1",
+                "summary": [],
+                "content": [{"type": "reasoning_text", "text": "secret"}],
+            },
+            {"role": "assistant", "content": "prev"},
+            {"role": "user", "content": "more"},
+        ]
+        r = await client.responses.create(model="tiny", input=back, max_output_tokens=8)
+        assert r.output_text == "ok" and "secret" not in json.dumps(peers.tok_reqs[-1].messages)
