@@ -66,14 +66,65 @@ TEXT_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             "rope_theta": 1e6,
         },
     ),
+    # Gemma (1): Llama's layer with (1 + w) RMSNorms, GELU-tanh and the sqrt(hidden) embedding
+    # scale of Gemma-2 (no sandwich norms, caps nor window)
+    "gemma": (
+        "GemmaForCausalLM",
+        {
+            "rms_norm_eps": 1e-6,
+            "max_position_embeddings": 8192,
+            "intermediate_size": 24576,
+            "head_dim": 256,
+            "tie_word_embeddings": True,
+            "hidden_act": "gelu_pytorch_tanh",
+        },
+    ),
+    # SmolLM3: Llama whose no_rope_layers (0) apply no RoPE; sliding layers (layer_types) when
+    # use_sliding_window
+    "smollm3": (
+        "SmolLM3ForCausalLM",
+        {
+            "rms_norm_eps": 1e-6,
+            "max_position_embeddings": 32768,
+            "tie_word_embeddings": True,
+            "rope_theta": 2e6,
+        },
+    ),
+    # OLMo-3: OLMo-2 with sliding layers (layer_types, default 3 in 4) on their own RoPE
+    "olmo3": (
+        "Olmo3ForCausalLM",
+        {"rms_norm_eps": 1e-5, "max_position_embeddings": 2048, "rope_theta": 5e5},
+    ),
+    # Phi (1 / 1.5 / 2): attention and MLP in parallel on one LayerNorm (with bias), RoPE on
+    # part of each head (partial_rotary_factor), biases everywhere, lm_head with a bias
+    "phi": (
+        "PhiForCausalLM",
+        {
+            "rms_norm_eps": 1e-5,  # layer_norm_eps
+            "max_position_embeddings": 2048,
+            "intermediate_size": 8192,
+            "hidden_act": "gelu_new",
+        },
+    ),
+    # StarCoder2: LayerNorms with bias, biased projections (use_bias), an ungated GELU MLP
+    "starcoder2": (
+        "Starcoder2ForCausalLM",
+        {
+            "rms_norm_eps": 1e-5,  # norm_epsilon
+            "max_position_embeddings": 4096,
+            "intermediate_size": 12288,
+            "hidden_act": "gelu_pytorch_tanh",
+            "tie_word_embeddings": True,
+        },
+    ),
 }
 TEXT_ARCHITECTURES = {arch: mt for mt, (arch, _) in TEXT_FAMILIES.items()}
 LLAVA_ARCHITECTURE = "LlavaForConditionalGeneration"
 # decoders a LLaVA may hold: those of the Llama-family class its language model is (Gemma,
-# Granite and OLMo-2 have their own)
-LLAVA_TEXT_TYPES = tuple(
-    mt for mt in TEXT_FAMILIES if mt not in ("gemma2", "gemma3_text", "granite", "olmo2")
-)
+# Granite and OLMo have their own; SmolLM3's NoPE layers are not wired through a LLaVA)
+_OWN_LAYERS = ("gemma2", "gemma3_text", "granite", "olmo2", "gemma", "smollm3", "olmo3")
+_OWN_LAYERS += ("phi", "starcoder2")  # LayerNorms, ungated MLPs (Phi: parallel, partial RoPE)
+LLAVA_TEXT_TYPES = tuple(mt for mt in TEXT_FAMILIES if mt not in _OWN_LAYERS)
 SUPPORTED = (*TEXT_ARCHITECTURES, LLAVA_ARCHITECTURE)
 
 
@@ -94,35 +145,54 @@ def architecture_of(cfg: dict) -> str | None:
 # refused (a context that short serves no real prompt).
 MIN_WINDOW_LEN = 32
 _QWEN = ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe")
-_WINDOWED = ("mistral", "mixtral", "phi3", "gemma2", "gemma3_text", *_QWEN)
+_WINDOWED = ("mistral", "mixtral", "phi3", "gemma2", "gemma3_text", "smollm3", "olmo3", *_QWEN)
+_WINDOWED += ("starcoder2",)  # every layer, like Mistral
 # families that window only the layers `layer_types_of` marks
-_TYPED = ("qwen2", "qwen3", "qwen2_moe", "gemma2", "gemma3_text")
+_TYPED = ("qwen2", "qwen3", "qwen2_moe", "gemma2", "gemma3_text", "smollm3", "olmo3")
 # transformers' default when config.json has no sliding_window key
 _DEFAULT_WINDOW = {
     "mistral": 4096,
     "gemma2": 4096,
     "gemma3_text": 4096,
+    "olmo3": 4096,
     **dict.fromkeys(_QWEN, 4096),
 }
-_DEFAULT_LAYERS = {"gemma2": 26, "gemma3_text": 26, "qwen2_moe": 24}
+_DEFAULT_LAYERS = {"gemma2": 26, "gemma3_text": 26, "qwen2_moe": 24, "smollm3": 36}
+
+
+def rope_layers_of(cfg: dict) -> list[int]:
+    """SmolLM3's ``no_rope_layers`` as transformers reads it: per layer 1 (RoPE) or 0 (none);
+    default a NoPE layer every ``no_rope_layer_interval``-th (4). Other families: all 1."""
+    n = int(cfg.get("num_hidden_layers", _DEFAULT_LAYERS.get(cfg.get("model_type"), 32)))
+    if cfg.get("model_type") != "smollm3":
+        return [1] * n
+    if cfg.get("no_rope_layers") is not None:
+        return [int(x) for x in cfg["no_rope_layers"]]
+    interval = int(cfg.get("no_rope_layer_interval", 4))
+    return [int((i + 1) % interval != 0) for i in range(n)]
 
 
 def layer_types_of(cfg: dict) -> list[str]:
     """Each decoder layer's attention, ``"sliding_attention"`` or ``"full_attention"``, as
     transformers reads ``cfg`` of a family in `_TYPED`: ``layer_types``, else the family's
     default. Gemma-2 windows every other layer (0, 2, 4...), Gemma-3 all but every
-    ``sliding_window_pattern``-th (default 6), Qwen2-MoE every other one below
-    ``max_window_layers``, Qwen2 / Qwen3 those from ``max_window_layers`` on."""
+    ``sliding_window_pattern``-th (default 6), OLMo-3 all but every 4th, Qwen2-MoE every other
+    one below ``max_window_layers``, Qwen2 / Qwen3 those from ``max_window_layers`` on, SmolLM3
+    its NoPE layers when ``use_sliding_window`` and a ``sliding_window`` are set."""
     if cfg.get("layer_types") is not None:
         return list(cfg["layer_types"])
     mt = cfg.get("model_type", "llama")
     n = int(cfg.get("num_hidden_layers", _DEFAULT_LAYERS.get(mt, 32)))
     first = int(cfg.get("max_window_layers", 28))
     pattern = int(cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", 6)))
+    smol = cfg.get("use_sliding_window") and cfg.get("sliding_window") is not None
+    rope = rope_layers_of(cfg) if mt == "smollm3" else []
     sliding = {
         "gemma2": lambda i: (i + 1) % 2,
         "gemma3_text": lambda i: (i + 1) % pattern,
+        "olmo3": lambda i: (i + 1) % 4,
         "qwen2_moe": lambda i: (i + 1) % 2 and i < first,
+        "smollm3": lambda i: smol and not rope[i],
     }.get(mt, lambda i: i >= first)
     return ["sliding_attention" if sliding(i) else "full_attention" for i in range(n)]
 
@@ -131,10 +201,11 @@ def sliding_window_of(cfg: dict) -> int | None:
     """The attention window (in tokens) some layer of the decoder config ``cfg`` applies, as
     transformers reads it; None when every layer attends to the full context.
 
-    Mistral / Mixtral / Phi-3: ``sliding_window`` (null: none); Gemma-2 / Gemma-3 the layers
-    `layer_types_of` marks. Qwen2 / Qwen3 / Qwen3-MoE / Qwen2-MoE: only with
+    Mistral / Mixtral / Phi-3 / StarCoder2: ``sliding_window`` (null: none); Gemma-2 /
+    Gemma-3 / OLMo-3 / SmolLM3 the layers `layer_types_of` marks (SmolLM3's mask windows them
+    whatever ``use_sliding_window`` says). Qwen2 / Qwen3 / Qwen3-MoE / Qwen2-MoE: only with
     ``use_sliding_window``; Qwen2 / Qwen3 / Qwen2-MoE then only the layers `layer_types_of`
-    marks. Llama, Granite and OLMo-2 have no window."""
+    marks. Llama, Gemma, Granite, OLMo-2 and Phi have no window."""
     mt = cfg.get("model_type", "llama")
     window = cfg.get("sliding_window", _DEFAULT_WINDOW.get(mt))
     if window is None or mt not in _WINDOWED:

@@ -21,7 +21,13 @@ from shared.model.archs import (
     sliding_window_of,
 )
 from shared.model.archs import TEXT_FAMILIES as _TEXT_FAMILIES
-from shared.model.config_fields import gemma_fields, granite_fields, moe_fields, rope_fields
+from shared.model.config_fields import (
+    gemma_fields,
+    granite_fields,
+    layernorm_fields,
+    moe_fields,
+    rope_fields,
+)
 from shared.model.errors import CheckpointError
 from shared.model.validate import check_decoder, declared_dtype, read_config_json
 from shared.protocol.dtypes import torch_dtype
@@ -78,7 +84,7 @@ class ModelConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    rms_norm_eps: float
+    rms_norm_eps: float  # the norms' eps (Phi / StarCoder2: their LayerNorms')
     rope_theta: float
     rope_scaling: dict | None  # rope parameters besides theta when rope_type != "default"
     max_position_embeddings: int
@@ -109,8 +115,10 @@ class ModelConfig:
     residual_multiplier: float = 1.0  # Granite: attention / MLP outputs times it before the add
     attention_multiplier: float | None = None  # Granite: the attention scale (None: head_dim^-1/2)
     logits_scaling: float = 1.0  # Granite: logits are divided by it
-    rope_local: tuple[float, dict | None] | None = None  # Gemma-3: sliding layers' (theta, scaling)
-    sliding_layers: tuple[int, ...] = ()  # Gemma-3: the layers on `rope_local` (layer_types)
+    rope_local: tuple[float, dict | None] | None = None  # Gemma-3/OLMo-3: sliding layers' RoPE
+    sliding_layers: tuple[int, ...] = ()  # Gemma-3/OLMo-3: the layers on `rope_local`
+    nope_layers: tuple[int, ...] = ()  # SmolLM3: layers that apply no RoPE (no_rope_layers 0)
+    partial_rotary_factor: float = 1.0  # Phi: RoPE on the first int(head_dim * this) dims
 
     @property
     def is_multimodal(self) -> bool:
@@ -146,6 +154,11 @@ def _eos_tuple(value: Any) -> tuple[int, ...]:
 # families whose attention_bias puts a bias on o_proj too (Qwen2 / Qwen2-MoE, Mistral, Phi-3:
 # never)
 _O_PROJ_BIAS = ("llama", "qwen3", "qwen3_moe", "granite", "olmo2", "gemma3_text")
+_O_PROJ_BIAS += ("gemma", "smollm3", "olmo3")
+
+
+# Gemma's legacy "gelu" means the tanh approximation (transformers' GemmaConfig rewrites it)
+_GEMMA_GELU = {("gemma", "gelu"): "gelu_pytorch_tanh"}
 
 
 def _text_fields(cfg: dict, source: str) -> dict[str, Any]:
@@ -161,6 +174,9 @@ def _text_fields(cfg: dict, source: str) -> dict[str, Any]:
     if model_type == "qwen2_moe":  # q/k/v bias unless qkv_bias is false (a 5.x key)
         bias = bool(cfg.get("qkv_bias", True))
     check_decoder(cfg, source)
+    act = str(
+        cfg.get("hidden_activation") or cfg.get("hidden_act", defaults.get("hidden_act", "silu"))
+    )
     return dict(
         **rope_fields(cfg, source),
         **moe_fields(cfg),
@@ -184,12 +200,9 @@ def _text_fields(cfg: dict, source: str) -> dict[str, Any]:
         attention_bias=True if model_type == "qwen2" else bias,
         o_proj_bias=bias and model_type in _O_PROJ_BIAS,
         mlp_bias=bool(cfg.get("mlp_bias", False)),
-        qk_norm=model_type in ("qwen3", "qwen3_moe", "olmo2", "gemma3_text"),
-        hidden_act=str(
-            cfg.get("hidden_activation")
-            or cfg.get("hidden_act", defaults.get("hidden_act", "silu"))
-        ),
-    )
+        qk_norm=model_type in ("qwen3", "qwen3_moe", "olmo2", "gemma3_text", "olmo3"),
+        hidden_act=_GEMMA_GELU.get((model_type, act), act),
+    ) | layernorm_fields(cfg)  # Phi / StarCoder2: their eps, biases, q/k LayerNorm
 
 
 def _vision_config(cfg: dict) -> VisionConfig:

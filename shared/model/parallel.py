@@ -1,8 +1,10 @@
 """Tensor parallelism for the Llama family: attention heads and MLP columns over N ranks.
 
 Each rank keeps the q/k/v rows of its heads, the matching o_proj columns, its gate/up rows and
-the matching down_proj columns; o_proj and down_proj outputs are summed over ranks with one
-all-reduce each (bias added once, on rank 0). Embeddings, norms and lm_head are replicated.
+the matching down_proj columns (an ungated MLP: its input projection's rows and its output
+projection's columns; Phi's per-head q/k LayerNorms and partial RoPE need nothing more);
+o_proj and down_proj outputs are summed over ranks with one all-reduce each (bias added once,
+on rank 0). Embeddings, norms and lm_head are replicated.
 The same code runs on gloo (CPU) and NCCL (CUDA): only the process group differs.
 """
 
@@ -99,9 +101,10 @@ def check_shardable(c, world_size: int, experts: bool = False) -> None:
         raise CheckpointError(f"tensor parallel size must be at least 1, not {world_size}")
     if world_size == 1:
         return
-    if c.text_model_type == "olmo2":
+    if c.text_model_type in ("olmo2", "olmo3"):
+        name = {"olmo2": "OLMo-2", "olmo3": "OLMo-3"}[c.text_model_type]
         raise CheckpointError(
-            "tensor parallelism does not shard OLMo-2: its q/k norm spans every head; "
+            f"tensor parallelism does not shard {name}: its q/k norm spans every head; "
             "serve it with --tp 1"
         )
     if c.moe_layers and not experts:
@@ -132,10 +135,16 @@ def shard_model(model: nn.Module, tp: TPGroup, experts: bool = False) -> nn.Modu
         _rows(a.q_proj, r * nh * d, (r + 1) * nh * d)
         _rows(a.k_proj, r * nkv * d, (r + 1) * nkv * d)
         _rows(a.v_proj, r * nkv * d, (r + 1) * nkv * d)
-        a.o_proj = _row_parallel(a.o_proj, r * nh * d, (r + 1) * nh * d, tp)
+        o = getattr(a, "o_name", "o_proj")  # Phi's is ``dense``
+        setattr(a, o, _row_parallel(getattr(a, o), r * nh * d, (r + 1) * nh * d, tp))
         a.num_heads, a.num_kv_heads, a._qkv = nh, nkv, None
         # layer.c has no collective between attention and MLP: the layer runs op by op
         layer.native_reason = "tensor parallel (an all-reduce after o_proj and down_proj)"
+        if hasattr(m, "fc_names"):  # ungated (Phi's fc1 / fc2, StarCoder2's c_fc / c_proj)
+            fc_in, fc_out = m.fc_names
+            _rows(getattr(m, fc_in), r * ff, (r + 1) * ff)
+            setattr(m, fc_out, _row_parallel(getattr(m, fc_out), r * ff, (r + 1) * ff, tp))
+            continue
         if not hasattr(m, "gate_proj"):  # a sparse MoE block: its experts go by --ep
             continue
         _rows(m.gate_proj, r * ff, (r + 1) * ff)

@@ -23,6 +23,7 @@ from shared.model.archs import (
     decoder_config,
     sliding_window_of,
 )
+from shared.model.config_fields import check_phi_rotary
 from shared.model.errors import CheckpointError
 
 INDEX = "model.safetensors.index.json"
@@ -90,8 +91,9 @@ def check_architecture(cfg: dict, file: Path) -> str:
 
 def check_decoder(cfg: dict, file: Path | str) -> str | None:
     """Settings of the decoder config ``cfg`` Strata cannot serve raise `CheckpointError`: a
-    router top-k above the expert count, a sliding window under `MIN_WINDOW_LEN`. Returns one
-    line when the served context is capped at the sliding window, else None."""
+    router top-k above the expert count, a sliding window under `MIN_WINDOW_LEN`, Phi's RoPE on
+    an odd or empty part of the head (`check_phi_rotary`). Returns one line when the served
+    context is capped at the sliding window, else None."""
     experts = cfg.get("num_experts", cfg.get("num_local_experts"))
     top_k = cfg.get("num_experts_per_tok")
     moe = cfg.get("model_type") in ("qwen3_moe", "qwen2_moe", "mixtral")
@@ -101,6 +103,8 @@ def check_decoder(cfg: dict, file: Path | str) -> str | None:
                 f"{file}: num_experts_per_tok {top_k} exceeds the {experts} experts per layer; "
                 "fix config.json"
             )
+    if cfg.get("model_type") == "phi":
+        check_phi_rotary(cfg, str(file))
     window = sliding_window_of(cfg)
     if window is None:
         return None

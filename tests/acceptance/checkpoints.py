@@ -184,12 +184,60 @@ def _text_config(kind: str, tok) -> object:
             **_rope(5e5),
             **common,
         )
+    if kind == "phi":  # parallel attention + MLP, half the head rotated, q/k LayerNorms, GQA 4:2
+        return transformers.PhiConfig(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            qk_layernorm=True,
+            tie_word_embeddings=False,
+            **_rope(1e4, dict(partial_rotary_factor=0.5)),
+            **common,
+        )
+    if kind == "starcoder2":  # LayerNorms, biases, ungated GELU MLP, GQA 4:2, untied
+        return transformers.Starcoder2Config(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            **_rope(1e5),
+            **common,
+        )
+    if kind == "gemma":  # (1 + w) norms, GELU-tanh, head_dim 16; untied (as gemma3's, above)
+        return transformers.GemmaConfig(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            tie_word_embeddings=False,
+            **_rope(1e4),
+            **common,
+        )
+    if kind == "smollm3":  # layer 1 NoPE, GQA 4:2, untied
+        return transformers.SmolLM3Config(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            no_rope_layers=[1, 0],
+            tie_word_embeddings=False,
+            **_rope(2e6),
+            **common,
+        )
+    if kind == "olmo3":  # OLMo-2's layer, layer 0 sliding (window 4096: the whole context)
+        return transformers.Olmo3Config(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            layer_types=["sliding_attention", "full_attention"],
+            tie_word_embeddings=False,
+            **common,
+        )
     raise ValueError(kind)
 
 
 def build_text(kind: str, path: Path) -> Checkpoint:
     """``kind``: llama | qwen2 | qwen3 | qwen3_moe | mixtral | phi3 | gemma2 | gemma3 | olmo2 |
-    mistral_window (shapes above)."""
+    phi | starcoder2 | gemma | smollm3 | olmo3 | mistral_window (shapes above)."""
     tok = hf_tokenizer()
     cfg = _text_config(kind, tok)
     cls = {
@@ -202,6 +250,11 @@ def build_text(kind: str, path: Path) -> Checkpoint:
         "gemma2": transformers.Gemma2ForCausalLM,
         "gemma3": transformers.Gemma3ForCausalLM,
         "olmo2": transformers.Olmo2ForCausalLM,
+        "phi": transformers.PhiForCausalLM,
+        "starcoder2": transformers.Starcoder2ForCausalLM,
+        "gemma": transformers.GemmaForCausalLM,
+        "smollm3": transformers.SmolLM3ForCausalLM,
+        "olmo3": transformers.Olmo3ForCausalLM,
         "mistral_window": transformers.MistralForCausalLM,
     }[kind]
     torch.manual_seed(0)

@@ -9,7 +9,10 @@ from torch import nn
 from shared.model.config import LLAVA_ARCHITECTURE, TEXT_ARCHITECTURES, ModelConfig
 
 _REGISTRY = {arch: "shared.model.models.llama:LlamaForCausalLM" for arch in TEXT_ARCHITECTURES}
-for _arch in ("Gemma2", "Gemma3", "Granite", "Olmo2"):  # their own layers (the rest: Llama's)
+# their own layers (the rest, SmolLM3 included: Llama's)
+for _arch in ("Gemma2", "Gemma3", "Granite", "Olmo2", "Gemma", "Olmo3"):
+    _REGISTRY[f"{_arch}ForCausalLM"] = f"shared.model.models.{_arch.lower()}:{_arch}ForCausalLM"
+for _arch in ("Phi", "Starcoder2"):  # LayerNorm families with ungated MLPs
     _REGISTRY[f"{_arch}ForCausalLM"] = f"shared.model.models.{_arch.lower()}:{_arch}ForCausalLM"
 _REGISTRY[LLAVA_ARCHITECTURE] = "shared.model.models.llava:LlavaForConditionalGeneration"
 

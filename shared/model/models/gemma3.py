@@ -14,12 +14,8 @@ native layer does not (sandwich norms, GELU): the model runs op by op.
 
 from __future__ import annotations
 
-import torch
-
-from shared.model.api import AttentionMetadata, KVCache, LayerCallback
-from shared.model.attention import AttentionPlan
 from shared.model.config import ModelConfig
-from shared.model.layers import Attention, Rotary
+from shared.model.layers import Attention
 from shared.model.models.gemma2 import Gemma2DecoderLayer, Gemma2ForCausalLM, GemmaRMSNorm
 
 
@@ -54,39 +50,8 @@ class Gemma3DecoderLayer(Gemma2DecoderLayer):
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
-    """Paged-KV Gemma-3; the batch contract of ``shared/model/api.py``."""
+    """Paged-KV Gemma-3; the batch contract of ``shared/model/api.py``. Every layer runs op by
+    op, each on its layer type's RoPE (`LlamaForCausalLM.layer_ropes`: the layers
+    ``sliding_layers`` lists on ``rope_local``)."""
 
     layer_class = Gemma3DecoderLayer
-    _local: Rotary | None = None
-
-    def local_rotary(self) -> Rotary:
-        """The sliding layers' RoPE (`ModelConfig.rope_local`)."""
-        if self._local is None or self._local.inv_freq.device != self.device:
-            theta, scaling = self.config.rope_local or (self.config.rope_theta, None)
-            self._local = Rotary(self.config.head_dim, theta, scaling, self.device)
-        return self._local
-
-    @torch.inference_mode()
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        kv_cache: KVCache,
-        inputs_embeds: torch.Tensor | None = None,
-        layer_callback: LayerCallback | None = None,
-    ) -> torch.Tensor:
-        """Every layer op by op, each on its layer type's RoPE; final-normed hidden ``[T, H]``."""
-        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        h = h.to(self.dtype)
-        positions = positions.to(self.device)
-        ropes = (self.rotary()(positions, self.dtype), self.local_rotary()(positions, self.dtype))
-        plan = AttentionPlan.build(meta, kv_cache.block_size, self.device)
-        slots = meta.slot_mapping.to(self.device)
-        sliding = self.config.sliding_layers
-        for i, layer in enumerate(self.model.layers):
-            cos, sin = ropes[i in sliding]
-            h = layer(h, cos, sin, plan, slots, kv_cache.k[i], kv_cache.v[i])
-            if layer_callback is not None:
-                layer_callback(i)
-        return self.model.norm(h)

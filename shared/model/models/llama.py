@@ -128,6 +128,7 @@ class LlamaForCausalLM(nn.Module):
         self.head_dim = config.head_dim
         self.hidden_size = config.hidden_size
         self._rotary: Rotary | None = None
+        self._local: Rotary | None = None
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -148,6 +149,34 @@ class LlamaForCausalLM(nn.Module):
             c = self.config
             self._rotary = Rotary(c.head_dim, c.rope_theta, c.rope_scaling, self.device)
         return self._rotary
+
+    def local_rotary(self) -> Rotary:
+        """The sliding layers' RoPE (`ModelConfig.rope_local`: Gemma-3, OLMo-3)."""
+        if self._local is None or self._local.inv_freq.device != self.device:
+            theta, scaling = self.config.rope_local or (self.config.rope_theta, None)
+            self._local = Rotary(self.config.head_dim, theta, scaling, self.device)
+        return self._local
+
+    def layer_ropes(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's RoPE tables ``(cos, sin)`` ``[T, head_dim]``: the global RoPE's, but
+        `ModelConfig.sliding_layers`' on `local_rotary` when ``rope_local`` is set (Gemma-3,
+        OLMo-3) and `ModelConfig.nope_layers`' the identity, ``cos = 1``, ``sin = 0`` (SmolLM3:
+        ``x * 1 + rotate_half(x) * 0 == x`` exactly, so the native layer and the fused RoPE
+        kernel take a NoPE layer as they are). Layers on the same RoPE share one pair."""
+        c = self.config
+        full = self.rotary()(positions, dtype)
+        ropes = [full] * self.num_layers
+        if c.rope_local is not None and c.sliding_layers:
+            local = self.local_rotary()(positions, dtype)
+            for i in c.sliding_layers:
+                ropes[i] = local
+        if c.nope_layers:
+            none = (torch.ones_like(full[0]), torch.zeros_like(full[1]))
+            for i in c.nope_layers:
+                ropes[i] = none
+        return ropes
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings ``[T, H]``."""
@@ -171,23 +200,25 @@ class LlamaForCausalLM(nn.Module):
         slots = meta.slot_mapping.to(self.device)
         native = self._native_forward(h, positions, plan, slots, kv_cache, inputs_embeds)
         if native is not None:
-            layers, batch, h = native
+            layers, batches, h = native
             for i, layer in enumerate(layers):
-                cpu_kernels.decoder_layer(layer, batch, h, kv_cache.k[i], kv_cache.v[i])
+                cpu_kernels.decoder_layer(layer, batches[i], h, kv_cache.k[i], kv_cache.v[i])
                 if layer_callback is not None:
                     layer_callback(i)
             return self.model.norm(h)
-        cos, sin = self.rotary()(positions, self.dtype)
+        ropes = self.layer_ropes(positions, self.dtype)
         for i, layer in enumerate(self.model.layers):
+            cos, sin = ropes[i]
             h = layer(h, cos, sin, plan, slots, kv_cache.k[i], kv_cache.v[i])
             if layer_callback is not None:
                 layer_callback(i)
         return self.model.norm(h)
 
     def _native_forward(self, h, positions, plan, slots, kv_cache, inputs_embeds):
-        """``(native layers, their batch, h to update in place)`` when every layer runs as one
-        native call (CPU, `NATIVE_LAYER`), else ``None``. ``h`` is float32 for the layers: a
-        bf16 model's embeddings are widened (and RoPE's cos/sin are float32)."""
+        """``(native layers, each one's batch, h to update in place)`` when every layer runs as
+        one native call (CPU, `NATIVE_LAYER`), else ``None``. ``h`` is float32 for the layers: a
+        bf16 model's embeddings are widened (and RoPE's cos/sin are float32). Layers on the same
+        RoPE tables (`layer_ropes`) share one batch."""
         if h.device.type != "cpu":
             return None  # no native layer off the CPU
         why = self._native_why(h, kv_cache)
@@ -204,9 +235,15 @@ class LlamaForCausalLM(nn.Module):
         decode = None
         if plan.decodes:
             decode = (plan.decode_tables, plan.decode_ctx, plan.decode_rows)
-        cos, sin = self.rotary()(positions, torch.float32)
-        batch = cpu_kernels.layer_batch(layers, cos, sin, slots, plan.prefill, decode)
-        if batch is None:
+        made: dict[int, cpu_kernels.LayerBatch | None] = {}
+        batches = []
+        for cos, sin in self.layer_ropes(positions, torch.float32):
+            if id(cos) not in made:
+                made[id(cos)] = cpu_kernels.layer_batch(
+                    layers, cos, sin, slots, plan.prefill, decode
+                )
+            batches.append(made[id(cos)])
+        if any(b is None for b in batches):
             return cpu_kernels.fallback("decoder_layer", "shape")
         # the layers update h in place: never the caller's embeddings
         fresh = inputs_embeds is None or h.data_ptr() != inputs_embeds.data_ptr()
@@ -216,7 +253,7 @@ class LlamaForCausalLM(nn.Module):
             h = h.contiguous()
         else:
             h = h.clone(memory_format=torch.contiguous_format)
-        return layers, batch, h
+        return layers, batches, h
 
     def _native_why(self, h: torch.Tensor, kv_cache: KVCache) -> str:
         """Why this forward cannot run one native call per layer (a `cpu_kernels.fallback`
