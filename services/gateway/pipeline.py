@@ -34,6 +34,7 @@ from services.gateway.assembly import Failover, StreamAssembler
 from services.gateway.config import GatewayConfig
 from services.gateway.constraints import constraint_error
 from services.gateway.core import GenerateSpec, block_hashes, sampling_for
+from services.gateway.reasoning import PARSERS, opens_in_reasoning
 from services.gateway.schedulers import SchedulerReplicas
 from shared import bus
 from shared.protocol import subjects
@@ -85,6 +86,7 @@ class Pipeline:
     def __init__(self, nc: NATS, cfg: GatewayConfig):
         self.nc = nc
         self.cfg = cfg
+        self.reasoning = bool(PARSERS.get(cfg.reasoning_parser))  # chat answers may think first
         self.degrade_level = 0
         self.degrade_rules = DegradeRules()  # replaced by the scheduler's with its first state
         self.down: set[str] = set()
@@ -236,6 +238,12 @@ class Pipeline:
             tok.bad_words_ids,
             tok.vocab_size,
         )
+        if sampling.structured is not None and spec.kind == "chat" and self.reasoning:
+            # the grammar holds after the reasoning (a block the template opened, or one the
+            # answer may start with), as vLLM applies it with a reasoning parser on
+            think = "open" if opens_in_reasoning(tok.text) else "optional"
+            structured = sampling.structured.model_copy(update={"think": think})
+            sampling = sampling.model_copy(update={"structured": structured})
         hashes = block_hashes(
             tok.token_ids,
             [(r.offset, r.length, r.hash) for r in refs],

@@ -100,8 +100,38 @@ def tool_call_grammar(fmt: str, call_schema: dict, parallel: bool) -> xgr.Gramma
     return xgr.Grammar.from_ebnf(f"{ebnf}\nroot ::= {one}{more}\n")
 
 
+# Text up to the first "</think>": the states of a matcher of that tag (how much of it the text
+# ends with), each able to stop; ">" after "</think" is the one character no state takes, so
+# the body never contains the tag and the block ends at its first one, as the gateway's
+# reasoning parser splits it ("</think>" has no proper border: a partial match restarts only
+# at "<").
+_THINK_BODY = """
+tb0 ::= "" | [^<] tb0 | "<" tb1
+tb1 ::= "" | "<" tb1 | "/" tb2 | [^</] tb0
+tb2 ::= "" | "<" tb1 | "t" tb3 | [^<t] tb0
+tb3 ::= "" | "<" tb1 | "h" tb4 | [^<h] tb0
+tb4 ::= "" | "<" tb1 | "i" tb5 | [^<i] tb0
+tb5 ::= "" | "<" tb1 | "n" tb6 | [^<n] tb0
+tb6 ::= "" | "<" tb1 | "k" tb7 | [^<k] tb0
+tb7 ::= "" | "<" tb1 | [^<>] tb0
+"""
+_THINK = {
+    "optional": 'root ::= ("<think>" tb0 "</think>" [ \\n]*)?' + _THINK_BODY,
+    "open": 'root ::= tb0 "</think>" [ \\n]*' + _THINK_BODY,
+}
+
+
 def build_grammar(spec: StructuredSpec) -> xgr.Grammar:
-    """The (uncompiled) grammar of ``spec``; `GrammarError` for a bad one."""
+    """The (uncompiled) grammar of ``spec``; `GrammarError` for a bad one. With ``think`` the
+    answer's grammar follows a thinking block (as vLLM applies a grammar after the reasoning
+    when a reasoning parser is on): optional, or already opened by the template."""
+    grammar = _answer_grammar(spec)
+    if spec.think:
+        return xgr.Grammar.concat(xgr.Grammar.from_ebnf(_THINK[spec.think]), grammar)
+    return grammar
+
+
+def _answer_grammar(spec: StructuredSpec) -> xgr.Grammar:
     try:
         if spec.kind == "json":
             return _json_schema_grammar('{"type": "object"}', strict=False)
@@ -132,8 +162,8 @@ def build_grammar(spec: StructuredSpec) -> xgr.Grammar:
 
 
 def spec_key(spec: StructuredSpec) -> str:
-    """Cache key: a hash of the kind and spec text (not of ``resumed_tokens``)."""
-    return hashlib.sha256(f"{spec.kind}\0{spec.spec}".encode()).hexdigest()
+    """Cache key: a hash of the kind, spec text and thinking block (not of ``resumed_tokens``)."""
+    return hashlib.sha256(f"{spec.kind}\0{spec.spec}\0{spec.think}".encode()).hexdigest()
 
 
 class GrammarCache:

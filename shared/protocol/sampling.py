@@ -17,6 +17,12 @@ class StructuredSpec(BaseModel):
 
     kind: StructuredKind = Field(..., description="What ``spec`` is (see structured.py).")
     spec: str = Field("", description="JSON schema / regex / JSON list of choices / EBNF.")
+    think: Literal["", "optional", "open"] = Field(
+        "",
+        description="A thinking block before the constrained answer (the gateway's reasoning "
+        "parser): 'optional' (the answer may start with <think>...</think>), 'open' (the "
+        "template opened the block: the answer starts inside it), '' (none).",
+    )
     resumed_tokens: int = Field(
         0,
         ge=0,

@@ -335,3 +335,32 @@ def test_length_bounded_strings_refuse_raw_control_characters(tok):
     spec = StructuredSpec(kind="json_schema", spec=json.dumps({"type": "string", "maxLength": 4}))
     assert not xgr.GrammarMatcher(cache.get(spec)).accept_string('"\x1e')
     assert xgr.GrammarMatcher(cache.get(spec)).accept_string('"ab"')
+
+
+def _walk(cache: GrammarCache, spec: StructuredSpec, tok, text: str) -> tuple[bool, bool]:
+    """(every token of ``text`` accepted, the grammar can end there)."""
+    from shared.engine.structured import Constraint
+
+    c = Constraint(cache.get(spec))
+    ok = all(c.accept(t) for t in tok.encode(text))
+    return ok, ok and c.matcher.is_terminated() or ok and c.matcher.accept_token(2)
+
+
+def test_a_thinking_block_before_the_constrained_answer(tok):
+    """`StructuredSpec.think` (the gateway's reasoning parser on): the answer's grammar holds
+    after an optional ``<think>`` block, or after the block the template opened; the block ends
+    at its first ``</think>`` (text with tag-like pieces in it is reasoning), and a bad answer
+    after it is refused. Without it, a thinking block is not valid JSON."""
+    cache = GrammarCache(tokenizer_info(tok, 2240, [2]))
+    answer = '{"ok": true, "n": 3, "color": "red", "tag": "ab"}'
+    opt = SPEC.model_copy(update={"think": "optional"})
+    opened = SPEC.model_copy(update={"think": "open"})
+    body = "plan: a < b, </ and </thin are not the end"
+    assert _walk(cache, opt, tok, answer) == (True, True)
+    assert _walk(cache, opt, tok, f"<think>{body}</think>\n\n{answer}") == (True, True)
+    assert not _walk(cache, opt, tok, f"<think>{body}</think>not json")[0]
+    assert not _walk(cache, opt, tok, f"<think>a</think>{answer}</think>")[0]
+    assert _walk(cache, opened, tok, f"{body}</think>\n{answer}") == (True, True)
+    assert _walk(cache, opened, tok, answer) == (True, False)  # still inside the block
+    assert not _walk(cache, SPEC, tok, f"<think>{body}</think>{answer}")[0]
+    assert cache.get(opt) is not cache.get(SPEC)  # the block is part of the cache key

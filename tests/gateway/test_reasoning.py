@@ -233,3 +233,24 @@ async def test_responses_reasoning_items_through_the_sdk(nats_url):
         ]
         r = await client.responses.create(model="tiny", input=back, max_output_tokens=8)
         assert r.output_text == "ok" and "secret" not in json.dumps(peers.tok_reqs[-1].messages)
+
+
+async def test_a_constrained_answer_may_think_first(nats_url):
+    """With the parser on, a chat request's grammar goes to the engine with a thinking block
+    before the answer (`StructuredSpec.think`, checked in tests/engine/test_structured.py):
+    optional, or open when the template opened it; off, none; completions never."""
+    body = {**CHAT, "response_format": {"type": "json_object"}}
+    async with gateway(nats_url, reasoning_parser="qwen3") as (url, peers, _):
+        async with httpx.AsyncClient(base_url=url) as c:
+            assert (await c.post("/v1/chat/completions", json=body)).status_code == 200
+            assert peers.items[-1].sampling.structured.think == "optional"
+            peers.chat_prompt_text = "<|im_start|>assistant\n<think>\n"
+            assert (await c.post("/v1/chat/completions", json=body)).status_code == 200
+            assert peers.items[-1].sampling.structured.think == "open"
+            cmpl = {"model": "tiny", "prompt": "q", "max_tokens": 4, "guided_regex": "[a-z]+"}
+            assert (await c.post("/v1/completions", json=cmpl)).status_code == 200
+            assert peers.items[-1].sampling.structured.think == ""
+    async with gateway(nats_url) as (url, peers, _):
+        async with httpx.AsyncClient(base_url=url) as c:
+            assert (await c.post("/v1/chat/completions", json=body)).status_code == 200
+            assert peers.items[-1].sampling.structured.think == ""
