@@ -429,3 +429,34 @@ class MLP(nn.Module):
         n = self.gate_proj.out_features
         gu = fused(x)
         return project(self.down_proj, self.act(gu[..., :n]).mul_(gu[..., n:]))
+
+
+class PreNormBlock(nn.Module):
+    """The pre-norm decoder block, ``h += attn(norm1(h)); h += mlp(norm2(h))``, for families
+    whose norm or MLP the one-call native layer does not take (Gemma's ``(1 + w)`` RMSNorm,
+    StarCoder2's LayerNorms and ungated MLP): run op by op, ``native_reason`` saying why. The
+    submodules keep the checkpoints' names (``self_attn``, ``mlp``, ``input_layernorm``,
+    ``post_attention_layernorm``)."""
+
+    def __init__(self, c, mlp: nn.Module, norm, native_reason: str):
+        super().__init__()
+        self.self_attn = Attention(
+            c.hidden_size,
+            c.num_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            qkv_bias=c.attention_bias,
+            o_bias=c.o_proj_bias,
+        )
+        self.mlp = mlp
+        self.input_layernorm = norm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = norm(c.hidden_size, c.rms_norm_eps)
+        self.native_reason = native_reason
+
+    def forward(self, h, cos, sin, plan, slot_mapping, k_cache, v_cache):
+        a = self.self_attn(self.input_layernorm(h), cos, sin, plan, slot_mapping, k_cache, v_cache)
+        h = h + a
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def native(self) -> None:
+        return None

@@ -13,38 +13,17 @@ runs op by op (fused q/k/v and gate/up GEMMs, native RoPE and attention kernels)
 
 from __future__ import annotations
 
-from torch import nn
-
 from shared.model.config import ModelConfig
-from shared.model.layers import MLP, Attention
+from shared.model.layers import MLP, PreNormBlock
 from shared.model.models.gemma2 import Gemma2ForCausalLM, GemmaRMSNorm
 
 
-class GemmaDecoderLayer(nn.Module):
+class GemmaDecoderLayer(PreNormBlock):
     """Llama's pre-norm block on `GemmaRMSNorm` (see the module doc)."""
 
     def __init__(self, c: ModelConfig, index: int = 0):
-        super().__init__()
-        self.self_attn = Attention(
-            c.hidden_size,
-            c.num_heads,
-            c.num_kv_heads,
-            c.head_dim,
-            qkv_bias=c.attention_bias,
-            o_bias=c.o_proj_bias,
-        )
-        self.mlp = MLP(c.hidden_size, c.intermediate_size, c.hidden_act)
-        self.input_layernorm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.post_attention_layernorm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.native_reason = "Gemma ((1 + w) norms, GELU) runs op by op"
-
-    def forward(self, h, cos, sin, plan, slot_mapping, k_cache, v_cache):
-        a = self.self_attn(self.input_layernorm(h), cos, sin, plan, slot_mapping, k_cache, v_cache)
-        h = h + a
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-    def native(self) -> None:
-        return None
+        mlp = MLP(c.hidden_size, c.intermediate_size, c.hidden_act)
+        super().__init__(c, mlp, GemmaRMSNorm, "Gemma ((1 + w) norms, GELU) runs op by op")
 
 
 class GemmaForCausalLM(Gemma2ForCausalLM):

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from shared.model.config import ModelConfig
-from shared.model.layers import Attention, activation, project
+from shared.model.layers import PreNormBlock, activation, project
 from shared.model.models.llama import LlamaForCausalLM
 
 
@@ -40,31 +40,13 @@ class PlainMLP(nn.Module):
         return project(fc_out, self.act(project(fc_in, x)))
 
 
-class Starcoder2DecoderLayer(nn.Module):
+class Starcoder2DecoderLayer(PreNormBlock):
     """Pre-LayerNorm block: ``h += attn(ln1(h)); h += mlp(ln2(h))``."""
 
     def __init__(self, c: ModelConfig, index: int = 0):
-        super().__init__()
-        self.self_attn = Attention(
-            c.hidden_size,
-            c.num_heads,
-            c.num_kv_heads,
-            c.head_dim,
-            qkv_bias=c.attention_bias,
-            o_bias=c.o_proj_bias,
-        )
-        self.mlp = PlainMLP(c, ("c_fc", "c_proj"))
-        self.input_layernorm = nn.LayerNorm(c.hidden_size, c.rms_norm_eps)
-        self.post_attention_layernorm = nn.LayerNorm(c.hidden_size, c.rms_norm_eps)
-        self.native_reason = "StarCoder2 (LayerNorms, ungated GELU MLP) runs op by op"
-
-    def forward(self, h, cos, sin, plan, slot_mapping, k_cache, v_cache):
-        a = self.self_attn(self.input_layernorm(h), cos, sin, plan, slot_mapping, k_cache, v_cache)
-        h = h + a
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-    def native(self) -> None:
-        return None
+        mlp = PlainMLP(c, ("c_fc", "c_proj"))
+        reason = "StarCoder2 (LayerNorms, ungated GELU MLP) runs op by op"
+        super().__init__(c, mlp, nn.LayerNorm, reason)
 
 
 class Starcoder2ForCausalLM(LlamaForCausalLM):
