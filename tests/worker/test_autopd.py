@@ -134,8 +134,8 @@ async def test_decode_instance_drains_then_serves_prefill(
         assert running.tokens() == long_reference
         assert running.role_at_end == "decode"
         assert {c.instance_id for c in running.chunks} == {"ap-d1"}
-        for _ in range(600):
-            if d1.rt.role == "prefill":
+        for _ in range(600):  # the flip is counted once it re-registered (after the new role)
+            if d1.rt.role == "prefill" and FLIPS.labels("decode", "prefill")._value.get() > flips0:
                 break
             await asyncio.sleep(0.05)
         assert d1.rt.role == "prefill" and d1.rt.incarnation != old_inc
