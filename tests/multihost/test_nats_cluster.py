@@ -61,6 +61,19 @@ async def publish_retrying(js, seq: int) -> None:
     raise AssertionError(f"event {seq} never acknowledged")
 
 
+async def retrying(call, what: str, timeout: float = 30.0):
+    """A JetStream API call made after the kill: the stream or consumer it reaches may be
+    mid-election (a request then times out), so retry it as a client would."""
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            return await call()
+        except Exception as e:  # noqa: BLE001 - timeout / no responders during the election
+            if time.monotonic() > end:
+                raise AssertionError(f"{what}: still failing after {timeout:.0f} s: {e!r}") from e
+            await asyncio.sleep(0.5)
+
+
 async def scenario(net: Net, cluster: NatsCluster, victim: str) -> dict:
     seeds = cluster.url
     pw = cluster.passwords  # the scheduler's user observes, decode's publishes and registers
@@ -128,8 +141,13 @@ async def scenario(net: Net, cluster: NatsCluster, victim: str) -> dict:
                 cluster.kill(leader)
             await publish_retrying(pjs, seq)
             await asyncio.sleep(0.01)
-        await register_instance(
-            pjs, InstanceRecord(instance_id="decode-1", role="decode", incarnation="b"), replicas=3
+        await retrying(
+            lambda: register_instance(
+                pjs,
+                InstanceRecord(instance_id="decode-1", role="decode", incarnation="b"),
+                replicas=3,
+            ),
+            "registering decode-1 after the kill",
         )
 
         async def all_applied() -> bool:
@@ -142,8 +160,10 @@ async def scenario(net: Net, cluster: NatsCluster, victim: str) -> dict:
                 f"{e}: killed {leader} ({victim}); {len(core.events)} of {EVENTS} events, "
                 f"records {sorted(core.records)}"
             ) from None
-        after = await js.stream_info(subjects.KV_EVENTS_STREAM)
-        records = await read_registry(js)
+        after = await retrying(
+            lambda: js.stream_info(subjects.KV_EVENTS_STREAM), "the stream's info after the kill"
+        )
+        records = await retrying(lambda: read_registry(js), "reading the registry after the kill")
         return {
             "replicas": (info.config.num_replicas, reg.config.num_replicas),
             "peers": len(info.cluster.replicas or []),
