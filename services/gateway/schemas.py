@@ -148,6 +148,8 @@ class _Sampling(_Body):
     ttft_slo_ms: float | None = Field(None, gt=0, le=3_600_000)
     # Strata extra: use the response cache (also X-Strata-Cache: use / off); docs/api.md
     cache: StrictBool | None = None
+    # vLLM: cached KV (prefix cache, pool) is shared only between requests of the same salt
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
 
 
 class ChatCompletionRequest(_Sampling):
@@ -240,11 +242,21 @@ def dump_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     return out
 
 
+def _bus_int(text: str) -> int:
+    """A JSON integer msgpack can carry (-2**63 .. 2**64-1), else ValueError."""
+    v = int(text)
+    if not -(1 << 63) <= v < (1 << 64):
+        raise ValueError(f"integer out of range: {text[:24]}")
+    return v
+
+
 def _arguments(args: str | dict[str, Any]) -> Any:
+    """A tool call's arguments as an object when they are JSON the bus can carry; else the
+    string as sent (an integer beyond 64 bits inside it stays text, never reaches msgpack)."""
     if isinstance(args, dict):
         return args
     try:
-        return json.loads(args)
+        return json.loads(args, parse_int=_bus_int)
     except ValueError:
         return args
 

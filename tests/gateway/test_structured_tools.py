@@ -196,6 +196,19 @@ def test_messages_with_tool_calls_and_results_reach_the_template(tmp_path):
     )
     msgs = dump_messages(req)
     assert msgs[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
+    # arguments holding an integer beyond 64 bits stay the string sent: msgpack (the bus to the
+    # tokenizer) cannot carry the int (schemathesis found the 500 it caused)
+    big = '{"n": 18446744073709551616}'
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": big}}
+    huge = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "assistant", "tool_calls": [call]}]}
+    )
+    assert dump_messages(huge)[0]["tool_calls"][0]["function"]["arguments"] == big
+    call["function"]["arguments"] = '{"n": 18446744073709551615}'  # 2**64 - 1: parsed
+    fits = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "assistant", "tool_calls": [call]}]}
+    )
+    assert dump_messages(fits)[0]["tool_calls"][0]["function"]["arguments"] == {"n": 2**64 - 1}
     assert msgs[2]["tool_call_id"] == "call_1"
     # a Qwen-style template sees tools, the call and the tool result, as transformers renders it
     template = (
