@@ -167,7 +167,9 @@ class DecodeService(RequestTasks):
             # failover): the prefix the pool holds beyond engine memory is loaded first when
             # the cost model says loading beats recomputing (a restart, an evicted prefix, or
             # a failed-over stream's blocks written through by the instance that died).
-            got = await pool.load_prefix(list(item.prompt_token_ids) + emitted, mm)
+            got = await pool.load_prefix(
+                list(item.prompt_token_ids) + emitted, mm, item.sampling.cache_salt
+            )
             KV_RECEIVED_BYTES.labels("pool").inc(got.nbytes)
             external = got.external
         stream = port.generate(

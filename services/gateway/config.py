@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, ValidationInfo, field_validator
 
 from shared.config import ServiceConfig
@@ -22,6 +24,12 @@ class GatewayConfig(ServiceConfig):
         description="Fair-queuing weights 'keyname:weight' (comma-separated; a key's name: "
         "env-<i> for STRATA_API_KEYS, its 'name' in the key file; 'default' with auth off); "
         "a tenant not listed has weight 1",
+    )
+    cache_isolation: Literal["none", "tenant"] = Field(
+        "none",
+        description="'tenant': each tenant's prompts hash under its own salt, so cached KV "
+        "(prefix cache, pool) is never shared between tenants (no cross-tenant prefix-cache "
+        "timing signal; a request's cache_salt splits it further); 'none': shared by content",
     )
     prefilter_lists: list[str] = Field(
         [],

@@ -19,7 +19,7 @@ from services.gateway.config import GatewayConfig
 from services.gateway.constraints import request_constraint
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest, body_schema
 from shared.protocol.errors import StrataError
-from shared.protocol.hashing import hash_blocks, mm_extra_keys, model_salt, to_hex
+from shared.protocol.hashing import hash_blocks, mm_extra_keys, model_salt, request_salt, to_hex
 from shared.protocol.sampling import SamplingParams, StructuredSpec
 from shared.protocol.sched import DegradeRules
 
@@ -48,6 +48,9 @@ class GenerateSpec:
     tool_format: str = "hermes"  # call syntax parsed from the output (services/gateway/tools.py)
     tenant: str = "default"  # fair queuing: the caller's tenant and weight (tenants.py)
     tenant_weight: float = 1.0
+    # the root of the prompt's block-hash chain beside the model's (`request_salt`): the
+    # request's vLLM cache_salt, prefixed with its tenant under STRATA_CACHE_ISOLATION=tenant
+    cache_salt: str = ""
 
     @property
     def n(self) -> int:
@@ -222,7 +225,17 @@ def build_spec(
             raise ApiError("bad_request", f"len(prompt) * n must be <= {cfg.max_n}", param="n")
     param, constraint = found if found else ("", None)
     return GenerateSpec(
-        kind, req, prompts, urls, priority, slo, ttft_slo_ms, constraint, param, tool_format
+        kind,
+        req,
+        prompts,
+        urls,
+        priority,
+        slo,
+        ttft_slo_ms,
+        constraint,
+        param,
+        tool_format,
+        cache_salt=req.cache_salt or "",
     )
 
 
@@ -409,6 +422,7 @@ def sampling_for(
             allowed_token_ids=list(r.allowed_token_ids) if r.allowed_token_ids else None,
             bad_words_ids=bad_words_ids or [],
             include_stop_str_in_output=r.include_stop_str_in_output,
+            cache_salt=spec.cache_salt,
         )
     except ValidationError as exc:
         raise validation_error(exc) from None
@@ -429,10 +443,12 @@ def block_hashes(
     fingerprint: str,
     kv_dtype: str,
     block_size: int,
+    cache_salt: str = "",
 ) -> list[str]:
-    """Chained hashes of the prompt's full blocks; image hashes are extra keys of the blocks
-    their spans overlap (same function the engine and kvstore use)."""
-    salt = model_salt(fingerprint, kv_dtype, block_size)
+    """Chained hashes of the prompt's full blocks, rooted at the model and ``cache_salt``;
+    image hashes are extra keys of the blocks their spans overlap (same function the engine
+    and kvstore use)."""
+    salt = request_salt(model_salt(fingerprint, kv_dtype, block_size), cache_salt)
     return to_hex(hash_blocks(token_ids, block_size, salt, mm_extra_keys(image_spans, block_size)))
 
 

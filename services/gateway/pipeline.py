@@ -250,6 +250,7 @@ class Pipeline:
             tok.model_fingerprint,
             tok.kv_dtype or "float32",
             tok.block_size,
+            sampling.cache_salt,
         )
         return Prepared(
             tok.token_ids, sampling, refs, hashes, tok.text, tok.model_fingerprint, tok.kv_dtype

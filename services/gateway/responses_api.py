@@ -97,6 +97,7 @@ class ResponsesRequest(_Body):
     metadata: dict[str, str] | None = None
     user: str | None = None
     reasoning: ReasoningOptions | None = None
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)  # vLLM: as in chat
 
 
 _ITEMS = TypeAdapter(list[InputItem])
@@ -205,7 +206,7 @@ def to_chat(req: ResponsesRequest) -> dict[str, Any]:
         body["stream_options"] = {"include_usage": True}
     if req.max_output_tokens is not None:
         body["max_tokens"] = req.max_output_tokens
-    for name in ("temperature", "top_p", "user"):
+    for name in ("temperature", "top_p", "user", "cache_salt"):
         if getattr(req, name) is not None:
             body[name] = getattr(req, name)
     if req.tools:

@@ -144,6 +144,9 @@ class GatewayService:
         cache_wanted = response_cache.wanted(spec.request, headers)  # a bad header: 400 here
         tenant, weight = self.tenants.of(policy, who.get("client", ""))
         spec = dataclasses.replace(spec, tenant=tenant, tenant_weight=weight)
+        if self.cfg.cache_isolation == "tenant":  # the tenant roots every hash chain it has
+            salt = f"tenant\x1f{tenant}\x1f{spec.cache_salt}"
+            spec = dataclasses.replace(spec, cache_salt=salt)
         if request_id and not _REQUEST_ID.fullmatch(request_id):
             raise StrataError(
                 "bad_request",

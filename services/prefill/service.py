@@ -58,7 +58,9 @@ class PrefillService(RequestTasks):
             hashes, tiers, external = [], [], None
             if self.pool is not None and item.sampling.prompt_logprobs is None:
                 # (prompt logprobs need every prompt token computed: nothing to load for them)
-                hashes, tiers, _, _, external = await self.pool.load_prefix(context, mm)
+                hashes, tiers, _, _, external = await self.pool.load_prefix(
+                    context, mm, item.sampling.cache_salt
+                )
             params = item.sampling.model_copy(update={"max_tokens": 1, "min_tokens": 0})
             direct = not (item.transfer_mode == "pool" and self.pool is not None)
             if direct and self.tap is not None:

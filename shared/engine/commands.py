@@ -112,6 +112,7 @@ class ReserveKV(Query):
     num_tokens: int
     prompt_token_ids: Sequence[int] | None = None
     mm_inputs: Sequence[MMInput] = ()
+    cache_salt: str = ""
 
     def run(self, e: LLMEngine) -> int:
         if self.request_id in e.seqs:
@@ -119,7 +120,7 @@ class ReserveKV(Query):
         hashes = (
             ()
             if self.prompt_token_ids is None
-            else e.kv.hashes(self.prompt_token_ids, self.mm_inputs)
+            else e.kv.hashes(self.prompt_token_ids, self.mm_inputs, self.cache_salt)
         )
         return e.kv.reserve(self.request_id, self.num_tokens, hashes).num_cached
 

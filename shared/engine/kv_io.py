@@ -20,7 +20,7 @@ from shared.engine.model_runner import ModelRunner
 from shared.engine.port_types import EvictedBlock, KVConnector, LayerKV
 from shared.engine.scheduler import Reservation, Scheduler
 from shared.engine.sequence import MMInput
-from shared.protocol.hashing import hash_blocks, mm_extra_keys
+from shared.protocol.hashing import hash_blocks, mm_extra_keys, request_salt
 
 
 def _spans(mm) -> list[tuple[int, int, str]]:
@@ -83,9 +83,10 @@ class EngineKV:
             connector.save_layer(rid, layer, view)
 
     # ----- KV computed elsewhere (disaggregated prefill) ---------------------------------------
-    def hashes(self, token_ids: Seq[int], mm=()) -> list[bytes]:
+    def hashes(self, token_ids: Seq[int], mm=(), cache_salt: str = "") -> list[bytes]:
         bs = self.bm.block_size
-        return hash_blocks(list(token_ids), bs, self.salt, mm_extra_keys(_spans(mm), bs))
+        root = request_salt(self.salt, cache_salt)
+        return hash_blocks(list(token_ids), bs, root, mm_extra_keys(_spans(mm), bs))
 
     def reserve(self, request_id: str, num_tokens: int, hashes: Seq[bytes] = ()) -> Reservation:
         """Admission of a pushed request at its first frame (`Scheduler.admit_incoming`): blocks

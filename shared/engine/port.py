@@ -153,10 +153,14 @@ class EnginePort:
         num_tokens: int,
         prompt_ids: Sequence[int] | None = None,
         mm_inputs: Sequence[MMInput] = (),
+        cache_salt: str = "",
     ) -> int:
         """Reserve blocks for KV computed elsewhere; returns the leading tokens already cached
-        here (given the prompt), which `write_kv` skips. MemoryError when the cache is full."""
-        return await self._ask(cmd.ReserveKV(request_id, num_tokens, prompt_ids, mm_inputs))
+        here (given the prompt and its ``cache_salt``), which `write_kv` skips. MemoryError
+        when the cache is full."""
+        return await self._ask(
+            cmd.ReserveKV(request_id, num_tokens, prompt_ids, mm_inputs, cache_salt)
+        )
 
     async def write_kv(
         self, request_id: str, layers: range, token_start: int, kv: torch.Tensor
@@ -183,8 +187,11 @@ class EnginePort:
         await self._ask(cmd.Release(request_id))
 
     # ----- prefix cache and pool -------------------------------------------------------------
-    async def match_prefix(self, token_ids: Sequence[int], mm_inputs: Sequence = ()) -> PrefixMatch:
-        """The prompt's block hashes and how many of its leading tokens are cached here.
+    async def match_prefix(
+        self, token_ids: Sequence[int], mm_inputs: Sequence = (), cache_salt: str = ""
+    ) -> PrefixMatch:
+        """The prompt's block hashes (rooted at its ``cache_salt``) and how many of its leading
+        tokens are cached here.
 
         Answered on the caller's thread, without waiting for the engine's step (a prompt's pool
         lookup before its submit would otherwise wait one more step, up to a whole prefill
@@ -193,7 +200,7 @@ class EnginePort:
         a snapshot: the engine may evict or cache blocks right after, which costs a recompute
         or a redundant load, never a wrong token."""
         kv = self._engine.kv
-        hashes = kv.hashes(list(token_ids), list(mm_inputs))
+        hashes = kv.hashes(list(token_ids), list(mm_inputs), cache_salt)
         return PrefixMatch(to_hex(hashes), kv.cached_tokens(hashes))
 
     async def drain_evicted(self) -> list[EvictedBlock]:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shared.engine.fair_queue import Tenant
-from shared.protocol.hashing import hash_blocks, mm_extra_keys
+from shared.protocol.hashing import hash_blocks, mm_extra_keys, request_salt
 from shared.protocol.sampling import SamplingParams
 
 
@@ -111,13 +111,15 @@ class Sequence:
         return [(m.offset, m.length, m.content_hash) for m in self.mm_inputs]
 
     def update_block_hashes(self, salt: bytes, block_size: int) -> list[bytes]:
-        """Extend ``block_hashes`` to cover every full block of ``token_ids``."""
+        """Extend ``block_hashes`` to cover every full block of ``token_ids`` (the chain rooted
+        at ``salt`` and the request's ``cache_salt``)."""
         done = len(self.block_hashes)
         if (done + 1) * block_size <= self.num_tokens:
             start = done * block_size
             extra = mm_extra_keys(self.mm_spans, block_size, first_block=done)
             parent = self.block_hashes[-1] if done else None
+            root = salt if done else request_salt(salt, self.params.cache_salt)
             self.block_hashes += hash_blocks(
-                self.token_ids[start:], block_size, salt, extra, parent=parent
+                self.token_ids[start:], block_size, root, extra, parent=parent
             )
         return self.block_hashes

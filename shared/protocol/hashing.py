@@ -4,7 +4,9 @@ A KV block is ``block_size`` tokens across all layers. Its identity is a chained
 ``h_i = xxh3_128(h_{i-1} || tokens_i as little-endian int32 || extra_i)`` whose root parent is a
 salt derived from the model fingerprint, the KV dtype and the block size. Only FULL blocks get a
 hash. ``extra_i`` carries the content hashes of image spans overlapping block ``i``, so the same
-placeholder tokens with different images never collide. The engine, the kvstore and the global
+placeholder tokens with different images never collide. A request with a ``cache_salt``
+(`request_salt`) roots its chain on a salt derived from both, so its blocks match only those of
+requests with the same salt. The engine, the kvstore and the global
 scheduler all import this module; hashes travel as hex strings on the wire.
 """
 
@@ -22,6 +24,15 @@ def model_salt(fingerprint: str, dtype: str, block_size: int) -> bytes:
     """Root parent of every hash chain for one (model weights, KV dtype, block size)."""
     key = b"|".join([_VERSION, fingerprint.encode(), str(dtype).encode(), str(block_size).encode()])
     return xxhash.xxh3_128_digest(key)
+
+
+def request_salt(salt: bytes, cache_salt: str = "") -> bytes:
+    """The root of one request's hash chain: ``salt`` (`model_salt`), or with a ``cache_salt``
+    (vLLM's per-request prefix-cache isolation) a root derived from both, so no block of it
+    hashes like a block of a request without that salt."""
+    if not cache_salt:
+        return salt
+    return xxhash.xxh3_128_digest(salt + b"|cache_salt|" + cache_salt.encode())
 
 
 def hash_blocks(

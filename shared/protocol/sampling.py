@@ -83,6 +83,14 @@ class SamplingParams(BaseModel):
     include_stop_str_in_output: bool = Field(
         False, description="A stop string that ends the output stays in its text."
     )
+    cache_salt: str = Field(
+        "",
+        max_length=4096,
+        description="vLLM cache_salt: part of the root of the prompt's block-hash chain, so "
+        "cached KV (engine prefix cache, pool, the scheduler's index) is shared only between "
+        "requests with the same salt; '' none. Not a sampling control: it rides here because "
+        "every path that hashes a prompt carries these params.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> SamplingParams:

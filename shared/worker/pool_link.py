@@ -102,9 +102,10 @@ class PoolLink:
         spec = port.kv_spec
         self.block_shape = (spec.num_layers, 2, spec.block_size, spec.kv_heads, spec.head_dim)
 
-    async def load_prefix(self, context: list[int], mm) -> PrefixLoad:
-        """Load the pool blocks worth loading right after the engine's own cached prefix."""
-        hashes, cached = await self.port.match_prefix(context, mm)
+    async def load_prefix(self, context: list[int], mm, cache_salt: str = "") -> PrefixLoad:
+        """Load the pool blocks worth loading right after the engine's own cached prefix (the
+        prompt's blocks hashed under its ``cache_salt``)."""
+        hashes, cached = await self.port.match_prefix(context, mm, cache_salt)
         if not hashes:
             return PrefixLoad(hashes, [], 0, 0)
         own = cached // self.cost.block_size

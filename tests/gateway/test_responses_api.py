@@ -172,6 +172,13 @@ async def test_bad_bodies_are_400s_naming_the_problem(nats_url, body, param, say
             await client.responses.create(**{"model": "tiny", "input": "hi", **body})
 
 
+def test_cache_salt_goes_to_the_chat_body():
+    from services.gateway.responses_api import parse_request, to_chat
+
+    assert to_chat(parse_request({"model": "m", "input": "hi", "cache_salt": "s"}))["cache_salt"]
+    assert "cache_salt" not in to_chat(parse_request({"model": "m", "input": "hi"}))
+
+
 def test_docs_responses_table_is_true_to_the_schema():
     """Every field docs/api.md's Responses table lists is in the schema, or is a 400 naming it
     when it says refused."""

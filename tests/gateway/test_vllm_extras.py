@@ -387,3 +387,58 @@ async def test_retrieve_model_ping_and_bounded_route_labels(nats_url, tmp_path):
     routes = {s.labels["route"] for s in next(iter(HTTP.collect())).samples if "route" in s.labels}
     assert not any(r.startswith("/v1/no-such-route") for r in routes), routes
     assert {"other", "/v1/models/{model_id}", "/ping"} <= routes
+
+
+@pytest.mark.parametrize("isolation", ["none", "tenant"])
+async def test_cache_salt_and_tenant_isolation_root_the_block_hashes(nats_url, isolation):
+    """vLLM's ``cache_salt`` reaches the engine (``SamplingParams.cache_salt``) and roots the
+    block hashes the scheduler routes by, so a salted prompt matches only prompts with the same
+    salt; ``STRATA_CACHE_ISOLATION=tenant`` adds the caller's tenant to every request's salt, so
+    two API keys sending the same prompt share no block (the same key does)."""
+    long = [{"role": "user", "content": "two full blocks of prompt and a bit"}]
+    body = {**CHAT, "messages": long}
+    keys = {"api_keys": ["sk-a", "sk-b"], "cache_isolation": isolation}
+    async with gateway(nats_url, **keys) as (url, peers, _):
+        async with httpx.AsyncClient(base_url=url) as c:
+
+            async def route(key: str, **extra) -> tuple[list[str], str]:
+                r = await c.post(
+                    "/v1/chat/completions",
+                    json={**body, **extra},
+                    headers={"Authorization": f"Bearer {key}"},
+                )
+                assert r.status_code == 200, r.text
+                return peers.routes[-1].block_hashes, peers.items[-1].sampling.cache_salt
+
+            a, salt_a = await route("sk-a")
+            assert len(a) >= 2 and (await route("sk-a"))[0] == a  # content-addressed
+            b, salt_b = await route("sk-b")
+            s1, salt_s1 = await route("sk-a", cache_salt="s1")
+            assert (await route("sk-a", cache_salt="s1"))[0] == s1
+            s2, _ = await route("sk-a", cache_salt="s2")
+            assert len({a[0], s1[0], s2[0]}) == 3  # the root differs: every block differs
+            assert not set(a) & set(s1) and not set(s1) & set(s2)
+            if isolation == "none":
+                assert b == a and salt_a == salt_b == "" and salt_s1 == "s1"
+            else:
+                assert not set(a) & set(b) and salt_a != salt_b
+                assert "env-0" in salt_a and "env-1" in salt_b and salt_s1.endswith("s1")
+            r = await c.post(
+                "/v1/chat/completions",
+                json={**body, "cache_salt": ""},
+                headers={"Authorization": "Bearer sk-a"},
+            )
+            assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
+
+
+def test_request_salt_roots_a_chain_of_its_own():
+    from shared.protocol.hashing import hash_blocks, model_salt, request_salt
+
+    root = model_salt("fp", "float32", 4)
+    assert request_salt(root, "") is root  # no salt: the model's chain, as before
+    ids = list(range(12))
+    plain = hash_blocks(ids, 4, root)
+    salted = hash_blocks(ids, 4, request_salt(root, "x"))
+    assert len(salted) == 3 and not set(plain) & set(salted)
+    assert salted == hash_blocks(ids, 4, request_salt(root, "x"))
+    assert hash_blocks(ids, 4, request_salt(root, "y"))[0] != salted[0]

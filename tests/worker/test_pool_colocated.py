@@ -56,9 +56,11 @@ def work(rid: str, prompt: list[int], **kw) -> DecodeWork:
     return DecodeWork(request_id=rid, prompt_token_ids=prompt, sampling=PARAMS, **kw)
 
 
-async def wait_in_pool(w, prompt: list[int], blocks: int, timeout: float = 10.0) -> None:
+async def wait_in_pool(
+    w, prompt: list[int], blocks: int, timeout: float = 10.0, salt: str = ""
+) -> None:
     link = w.rt.pool_link()
-    hashes = (await w.rt.port.match_prefix(prompt)).hashes[:blocks]
+    hashes = (await w.rt.port.match_prefix(prompt, (), salt)).hashes[:blocks]
     deadline = asyncio.get_running_loop().time() + timeout
     while asyncio.get_running_loop().time() < deadline:
         if all(t is not None for t in await link.pool.lookup(hashes, link.fingerprint)):
@@ -180,6 +182,39 @@ async def test_prefix_written_through_by_a_is_loaded_by_b(two_decodes, nc):
     # the same tokens as a's, which computed p2's new tail over its own cached prefix
     assert _tokens(got) == _tokens(await _run(nc, subjects.decode_submit("ca"), work("w-a2", p2)))
     assert len(_tokens(ref)) == PARAMS.max_tokens
+
+
+async def test_cache_salt_isolates_engine_memory_and_the_pool(two_decodes, nc):
+    """vLLM's ``cache_salt``: a salted prompt shares no cached block with the same prompt
+    unsalted (engine memory or pool) nor with another salt, only with the same salt, on any
+    instance: its blocks are written through under the salted hashes and loaded from there."""
+    ca, cb = two_decodes
+    prefix = tokens(83, 160)  # 10 full blocks
+    p1, p2 = prefix + [5, 6, 7], prefix + [21, 22, 23, 24]
+
+    def salted(rid: str, prompt: list[int], salt: str) -> DecodeWork:
+        params = PARAMS.model_copy(update={"cache_salt": salt})
+        return DecodeWork(request_id=rid, prompt_token_ids=prompt, sampling=params)
+
+    def cached(chunks) -> int:
+        return max(chunks, key=lambda c: c.index).usage.cached_tokens
+
+    ref = await _run(nc, subjects.decode_submit("ca"), work("s-plain", p1))
+    await wait_in_pool(ca, p1, 10)  # the unsalted blocks: in ca's memory and in the pool
+    d = decisions()
+    got = await _run(nc, subjects.decode_submit("ca"), salted("s-1", p1, "tenant-1"))
+    assert cached(got) == 0  # neither ca's prefix cache nor the pool served it
+    assert decisions()["miss"] - d["miss"] == 1
+    assert _tokens(got) == _tokens(ref)  # the salt changes what is shared, never the output
+
+    await wait_in_pool(ca, p1, 10, salt="tenant-1")  # written through under the salted hashes
+    t, d = Transfers(), decisions()
+    got = await _run(nc, subjects.decode_submit("cb"), salted("s-2", p2, "tenant-1"))
+    assert cached(got) == 160 and decisions()["load"] - d["load"] == 1
+    assert t.moved().get("received:pool") == kv_bytes(cb.rt, 160)
+    d = decisions()
+    got = await _run(nc, subjects.decode_submit("cb"), salted("s-3", p1, "tenant-2"))
+    assert cached(got) == 0 and decisions()["miss"] - d["miss"] == 1
 
 
 async def test_a_route_that_lists_no_pool_block_skips_the_lookup(two_decodes, nc):
