@@ -57,6 +57,14 @@ class GenerateSpec:
         return self.request.n
 
     @property
+    def echo_only(self) -> bool:
+        """Completions with echo and ``max_tokens: 0`` (OpenAI's legacy API, vLLM): the
+        prompt comes back (with its logprobs when asked), nothing is generated; the engine
+        computes one token, which the gateway drops."""
+        r = self.request
+        return isinstance(r, CompletionRequest) and r.echo and r.max_tokens == 0
+
+    @property
     def include_usage(self) -> bool:
         opts = self.request.stream_options
         return bool(opts and opts.include_usage)
@@ -186,6 +194,13 @@ def build_spec(
     except StrataError as exc:
         raise ApiError("bad_request", exc.message, param=getattr(exc, "param", None)) from None
     mt = _max_tokens(req)
+    if mt == 0 and not (isinstance(req, CompletionRequest) and req.echo):
+        raise ApiError(
+            "bad_request",
+            "max_tokens must be >= 1 (0 only on completions with echo: the prompt is scored, "
+            "nothing generated)",
+            param="max_tokens",
+        )
     if mt is not None and mt > cfg.max_tokens_limit:
         raise ApiError(
             "bad_request", f"max_tokens must be <= {cfg.max_tokens_limit}", param="max_tokens"
@@ -237,6 +252,20 @@ def build_spec(
         tool_format,
         cache_salt=req.cache_salt or "",
     )
+
+
+def echo_scores_prompt(spec: GenerateSpec) -> bool:
+    """Completions with ``echo`` and ``logprobs``: as vLLM (and OpenAI's legacy API) do, the
+    choice's logprobs cover the echoed prompt's tokens too (what lm-evaluation-harness reads
+    to score a context), computed as prompt logprobs with the same number of alternatives."""
+    return spec.kind == "completion" and bool(spec.request.echo) and spec.logprobs is not None
+
+
+def prompt_logprobs_of(spec: GenerateSpec) -> int | None:
+    """The prompt logprobs the engine computes: the request's ``prompt_logprobs``, else the
+    ``logprobs`` count when `echo_scores_prompt` (as vLLM sets them)."""
+    n = spec.request.prompt_logprobs
+    return spec.logprobs if n is None and echo_scores_prompt(spec) else n
 
 
 def _check_vllm_extras(req: ChatCompletionRequest | CompletionRequest) -> None:
@@ -367,7 +396,7 @@ def sampling_for(
             f"prompt has {prompt_len} tokens; this model's context length is {max_model_len}",
             param="messages" if spec.kind == "chat" else "prompt",
         )
-    n_plp = r.prompt_logprobs
+    n_plp = prompt_logprobs_of(spec)
     if n_plp is not None and prompt_len * _prompt_logprob_bytes(n_plp) > _PROMPT_LOGPROBS_BYTES:
         most = _PROMPT_LOGPROBS_BYTES // _prompt_logprob_bytes(n_plp)
         raise ApiError(
@@ -377,7 +406,7 @@ def sampling_for(
             param="prompt_logprobs",
         )
     room = (max_model_len - prompt_len) if max_model_len else cfg.max_tokens_limit
-    asked = _max_tokens(r)
+    asked = 1 if spec.echo_only else _max_tokens(r)  # echo_only: the one token is dropped
     if degrade_level >= 1 and spec.slo_class == "batch":  # level 1 trims batch work first
         cap = (rules or DegradeRules()).batch_max_tokens_cap
         asked = min(asked or cfg.default_max_tokens, cap)
@@ -414,7 +443,7 @@ def sampling_for(
             stop_token_ids=list(r.stop_token_ids or []),
             ignore_eos=r.ignore_eos,
             logprobs=spec.logprobs,
-            prompt_logprobs=r.prompt_logprobs,
+            prompt_logprobs=n_plp,
             skip_special_tokens=r.skip_special_tokens,
             spaces_between_special_tokens=r.spaces_between_special_tokens,
             structured=spec.constraint,

@@ -83,6 +83,10 @@ class Formatter:
         # reasoning parser on (chat): per choice, whether its output starts inside a thinking
         # block the template opened (`services.gateway.reasoning`); None: off
         self.reasoning: list[bool] | None = None
+        # completions with echo and logprobs: per choice, the prompt ids whose logprobs (the
+        # engine's prompt logprobs) lead the choice's logprobs, as vLLM gives them; None: off
+        self.echo_prompt_ids: list[list[int]] | None = None
+        self.prompt_logprobs_field = True  # the request asked for ``prompt_logprobs`` itself
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -117,10 +121,19 @@ class Formatter:
         return {**self._head("text_completion"), "choices": [choice]}
 
     def chunk(self, index: int, c: TokenChunk, text_offset: int = 0) -> dict[str, Any]:
-        lps = self._logprobs(c.token_ids, c.logprobs or [], text_offset)
+        if self.echo_prompt_ids is not None and c.prompt_logprobs is not None:
+            lps = self._echo_logprobs(
+                self.echo_prompt_ids[index],
+                c.prompt_logprobs,
+                c.token_ids,
+                c.logprobs or [],
+                text_offset,
+            )
+        else:
+            lps = self._logprobs(c.token_ids, c.logprobs or [], text_offset)
         ids = {"token_ids": list(c.token_ids)} if self.token_ids else {}
         plp = None
-        if c.prompt_logprobs is not None:
+        if c.prompt_logprobs is not None and self.prompt_logprobs_field:
             plp = self.prompt_logprobs(c.prompt_logprobs, c.prompt_ranks or [])
         if self.kind == "chat":
             choice = {
@@ -218,7 +231,17 @@ class Formatter:
             if self.kind == "chat" and self.reasoning is not None:
                 reasoning, gen = split(gen, self.reasoning[c.index])
             text = prefix + gen
-            lps = self._logprobs(c.token_ids, c.logprobs, 0) if self.top_n is not None else None
+            lps = None
+            if self.echo_prompt_ids is not None:
+                lps = self._echo_logprobs(
+                    self.echo_prompt_ids[c.index],
+                    c.prompt_logprobs,
+                    c.token_ids,
+                    c.logprobs,
+                    len(prefix),
+                )
+            elif self.top_n is not None:
+                lps = self._logprobs(c.token_ids, c.logprobs, len(prefix))
             if self.kind == "chat" and self.tool_format:
                 content, calls = parse_tool_calls(text, self.tool_format)
                 message: dict[str, Any] = {"role": "assistant", "content": content}
@@ -257,7 +280,7 @@ class Formatter:
         ordered = sorted(choices, key=lambda c: c.index)
         plps = [
             None
-            if c.prompt_logprobs is None
+            if c.prompt_logprobs is None or not self.prompt_logprobs_field
             else self.prompt_logprobs(c.prompt_logprobs, c.prompt_ranks)
             for c in ordered
         ]
@@ -278,6 +301,35 @@ class Formatter:
             if self.kind == "chat":
                 resp["prompt_token_ids"] = (prompt_ids or [[]])[0]
         return resp
+
+    def _echo_logprobs(
+        self,
+        prompt_ids: list[int],
+        plps: list[dict[int, float]] | None,
+        ids: list[int],
+        lps: list[dict[int, float]],
+        gen_offset: int,
+    ) -> dict[str, Any]:
+        """Completions logprobs over the echoed prompt, then the outputs (vLLM's echo with
+        logprobs): the first prompt token has no logprob (None, as its top_logprobs); every
+        other prompt token its logprob and, as alternatives, the prompt token and the top-n
+        the engine computed; prompt text offsets count from 0, the outputs' from
+        ``gen_offset`` (the echoed text's length)."""
+        tokens, values, tops, offsets, pos = [], [], [], [], 0
+        for k, tid in enumerate(prompt_ids):
+            tokens.append(self.token_str(tid))
+            offsets.append(pos)
+            pos += len(tokens[-1])
+            d = plps[k - 1] if plps is not None and 0 < k <= len(plps) else None
+            values.append(None if d is None else d.get(tid, -9999.0))
+            tops.append(None if d is None else {self.token_str(t): v for t, v in d.items()})
+        out = {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops}
+        out["text_offset"] = offsets
+        gen = self._logprobs(ids, lps, gen_offset)
+        if gen is not None:
+            for key in out:
+                out[key] += gen[key]
+        return out
 
     def _logprobs(self, ids: list[int], lps: list[dict[int, float]], text_offset: int) -> Any:
         if self.top_n is None or not lps:

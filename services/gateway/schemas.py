@@ -177,6 +177,8 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
+    # 0 with echo: the prompt scored, nothing generated (OpenAI's legacy API and vLLM)
+    max_tokens: int | None = Field(None, ge=0)
     # text, token ids, several texts or several token-id lists (one prompt each)
     prompt: str | list[TokenId] | list[list[TokenId]] | list[str]
     logprobs: int | None = Field(None, ge=0, le=20)

@@ -24,7 +24,14 @@ from services.gateway import response_cache
 from services.gateway.audit import AuditLog
 from services.gateway.auth import Auth
 from services.gateway.config import GatewayConfig
-from services.gateway.core import ApiError, GenerateSpec, admit, build_spec, validation_error
+from services.gateway.core import (
+    ApiError,
+    GenerateSpec,
+    admit,
+    build_spec,
+    echo_scores_prompt,
+    validation_error,
+)
 from services.gateway.images import load_image
 from services.gateway.pipeline import Pipeline, Prepared
 from services.gateway.prefilter import PatternFileError, Prefilter
@@ -166,6 +173,11 @@ class GatewayService:
         if kind == "chat" and parses_tools(spec.request):
             fmt.tool_format = spec.tool_format
         fmt.token_ids = spec.request.return_token_ids
+        if echo_scores_prompt(spec):  # the echoed prompt's tokens get logprobs too
+            fmt.echo_prompt_ids = [
+                prepared[i // spec.n].prompt_token_ids for i in range(len(prepared) * spec.n)
+            ]
+            fmt.prompt_logprobs_field = spec.request.prompt_logprobs is not None
         if kind == "chat" and PARSERS.get(self.cfg.reasoning_parser):
             fmt.reasoning = [
                 opens_in_reasoning(prepared[i // spec.n].prompt_text)
@@ -256,6 +268,17 @@ class GatewayService:
                 raise ApiError("bad_request", exc.message, param="tokens") from None
             raise
         return {"prompt": reply.text}
+
+
+def _without_outputs(c: TokenChunk) -> TokenChunk:
+    """``c`` less its generated text, ids and logprobs (its prompt logprobs kept), counted as
+    no completion token and ended by length (`GenerateSpec.echo_only`)."""
+    update: dict[str, Any] = {"text": "", "token_ids": [], "logprobs": None}
+    if c.finish_reason is not None:
+        update["finish_reason"] = "length"
+    if c.usage is not None:
+        update["usage"] = c.usage.model_copy(update={"completion_tokens": 0})
+    return c.model_copy(update=update)
 
 
 class Run:
@@ -415,6 +438,8 @@ class Run:
             if self.masks is not None:
                 final = item.finish_reason is not None
                 item = item.model_copy(update={"text": self.masks[i].feed(item.text, final)})
+            if self.spec.echo_only:  # the prompt alone: the engine's one token is dropped
+                item = _without_outputs(item)
             self.choices[i].add(item)
             out.append((i, item))
 
@@ -460,6 +485,8 @@ class Run:
                     text = TokenChunk(request_id=self.request_id, index=0, text=echo[i])
                     out.append(self.fmt.chunk(i, text))
                 return out
+            if echo is not None:  # the outputs' text offsets start after the echoed prompt
+                self._offsets = [len(e) for e in echo]
             if echo is not None or self.fmt.token_ids:
                 return [
                     self.fmt.prompt_chunk(i, echo[i] if echo else "", ids[i])

@@ -210,6 +210,12 @@ class Peers:
                 await asyncio.sleep(b["gap"])
             last = i == n - 1
             lp = [{100 + i: -0.5, 7: -1.5}] if item.sampling.logprobs is not None else None
+            plp, ranks = None, None
+            if item.sampling.prompt_logprobs is not None and i == 0:
+                # per prompt token from the 2nd: {the token: -k/10, then alternative 7: -0.05}
+                ids = item.prompt_token_ids[1:]
+                plp = [{t: -(k + 1) / 10, 7: -0.05} for k, t in enumerate(ids)]
+                ranks = [2] * len(ids)
             text = f"t{i} " if script is None else script[i]
             ended = "stop" if script is not None and n == len(script) else "length"
             chunk = TokenChunk(
@@ -218,6 +224,8 @@ class Peers:
                 token_ids=[100 + i],
                 text=text,
                 logprobs=lp,
+                prompt_logprobs=plp,
+                prompt_ranks=ranks,
                 finish_reason=ended if last else None,
                 usage=Usage(
                     prompt_tokens=len(item.prompt_token_ids), completion_tokens=n, cached_tokens=4

@@ -442,3 +442,57 @@ def test_request_salt_roots_a_chain_of_its_own():
     assert len(salted) == 3 and not set(plain) & set(salted)
     assert salted == hash_blocks(ids, 4, request_salt(root, "x"))
     assert hash_blocks(ids, 4, request_salt(root, "y"))[0] != salted[0]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_echo_with_logprobs_scores_the_prompt_and_max_tokens_0_only_scores(nats_url, stream):
+    """Completions ``echo`` + ``logprobs`` (what lm-evaluation-harness and scoring scripts
+    send): the choice's logprobs cover the prompt's tokens (the first without a logprob), then
+    the outputs, from the engine's prompt logprobs; ``max_tokens: 0`` returns the prompt alone.
+    The fake engine gives prompt token k (from the 2nd) logprob -k/10 beside alternative 7."""
+    body = {**CMPL, "prompt": "abc", "echo": True, "logprobs": 1, "stream": stream}
+
+    def merged(r: httpx.Response) -> tuple[str, dict, dict]:
+        if not stream:
+            choice = r.json()["choices"][0]
+            return choice["text"], choice["logprobs"], r.json()["usage"]
+        evs = sse_events(r.text)
+        text, lps, use = "", {}, {}
+        for ev in evs:
+            for ch in ev["choices"]:
+                text += ch["text"]
+                for key, vals in (ch.get("logprobs") or {}).items():
+                    lps.setdefault(key, []).extend(vals)
+            use = ev.get("usage") or use
+        return text, lps, use
+
+    async with gateway(nats_url) as (url, peers, _):
+        async with httpx.AsyncClient(base_url=url) as c:
+            opts = {"stream_options": {"include_usage": True}} if stream else {}
+            r = await c.post("/v1/completions", json={**body, **opts})
+            assert r.status_code == 200, r.text
+            assert peers.items[-1].sampling.prompt_logprobs == 1  # set from logprobs
+            text, lps, use = merged(r)
+            assert text == "abct0 t1 "
+            assert lps["token_logprobs"] == [None, -0.1, -0.2, -0.5, -0.5]
+            assert lps["top_logprobs"][0] is None and len(lps["top_logprobs"]) == 5
+            # (no tokenizer here: a token's string is its id) the prompt token and alternative 7
+            assert lps["top_logprobs"][2] == {"99": -0.2, "7": -0.05}
+            assert lps["text_offset"][3] == 3  # the outputs start after the echoed "abc"
+            assert "prompt_logprobs" not in r.text  # not asked for by that name
+            assert use["completion_tokens"] == 2
+
+            r = await c.post("/v1/completions", json={**body, "max_tokens": 0, **opts})
+            assert r.status_code == 200, r.text
+            assert peers.items[-1].sampling.max_tokens == 1
+            text, lps, use = merged(r)
+            assert text == "abc" and lps["token_logprobs"] == [None, -0.1, -0.2]
+            assert lps["tokens"] == ["97", "98", "99"] and use["completion_tokens"] == 0
+            if not stream:
+                assert r.json()["choices"][0]["finish_reason"] == "length"
+
+            bad = {**CMPL, "max_tokens": 0}
+            r = await c.post("/v1/completions", json=bad)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+            r = await c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 0})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
