@@ -118,12 +118,86 @@ TEXT_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
 }
+# Dense families close to Llama (`shared.model.config_dense` reads their fields):
+# Ministral: Mistral whose layer_types window every layer by default (no biases at all);
+# Seed-OSS: Llama with q/k/v bias (attention_bias, default on) and o_proj's own attention_out_bias;
+# GLM: interleaved RoPE on part of each head (partial_rotary_factor, default 0.5), q/k/v bias,
+# gate_up_proj fused; GLM-4: GLM plus norms on the attention and MLP outputs; ERNIE 4.5:
+# interleaved RoPE on the whole head, use_bias on every projection; Helium: Llama with
+# interleaved RoPE (`models/rope_pairs.py` turns interleaved RoPE into Llama's at load)
+TEXT_FAMILIES.update(
+    {
+        "ministral": (
+            "MinistralForCausalLM",
+            {"rms_norm_eps": 1e-6, "max_position_embeddings": 131072},
+        ),
+        "seed_oss": (
+            "SeedOssForCausalLM",
+            {"rms_norm_eps": 1e-6, "max_position_embeddings": 524288},
+        ),
+        "glm": ("GlmForCausalLM", {"rms_norm_eps": 1.5625e-7, "max_position_embeddings": 131072}),
+        "glm4": ("Glm4ForCausalLM", {"rms_norm_eps": 1.5625e-7, "max_position_embeddings": 131072}),
+        "ernie4_5": (
+            "Ernie4_5ForCausalLM",
+            {
+                "rms_norm_eps": 1e-5,
+                "max_position_embeddings": 131072,
+                "tie_word_embeddings": True,
+                "rope_theta": 5e5,
+            },
+        ),
+        "helium": (
+            "HeliumForCausalLM",
+            {"rms_norm_eps": 1e-8, "max_position_embeddings": 4096, "rope_theta": 1e5},
+        ),
+    }
+)
+# DeepSeek-V3 / V2: multi-head latent attention (q and the K/V latent through low-rank
+# projections, RoPE on part of each head, YaRN), DeepSeekMoE (routed experts with a grouped
+# sigmoid (V3) or softmax (V2) router plus ungated shared experts) after the first
+# first_k_dense_replace dense layers; `shared.model.deepseek_config` reads their fields
+TEXT_FAMILIES["deepseek_v3"] = (
+    "DeepseekV3ForCausalLM",
+    {"rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "intermediate_size": 18432},
+)
+TEXT_FAMILIES["deepseek_v2"] = (
+    "DeepseekV2ForCausalLM",
+    {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048, "intermediate_size": 11008},
+)
+# GPT-NeoX: two LayerNorms (with bias), attention and MLP in parallel (use_parallel_residual) or
+# in sequence, q/k/v fused per head (query_key_value), RoPE on rotary_pct of each head, an
+# ungated GELU MLP, the head embed_out (`shared.model.config_neox` reads the fields of these)
+TEXT_FAMILIES["gpt_neox"] = (
+    "GPTNeoXForCausalLM",
+    {"rms_norm_eps": 1e-5, "max_position_embeddings": 2048, "hidden_act": "gelu"},
+)
+# StableLM: LayerNorms (with bias), parallel (use_parallel_residual) or sequential residual,
+# RoPE on partial_rotary_factor of each head, q/k/v bias use_qkv_bias, per-head q/k LayerNorms
+TEXT_FAMILIES["stablelm"] = (
+    "StableLmForCausalLM",
+    {"rms_norm_eps": 1e-5, "max_position_embeddings": 4096},
+)
+# Cohere: one bias-free LayerNorm feeding attention and MLP in parallel, interleaved RoPE pairs
+# (reordered into Llama's at load, `models/rope_pairs.py`), logit_scale, tied, optional qk norm
+TEXT_FAMILIES["cohere"] = (
+    "CohereForCausalLM",
+    {
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": True,
+        "rope_theta": 5e5,
+    },
+)
 TEXT_ARCHITECTURES = {arch: mt for mt, (arch, _) in TEXT_FAMILIES.items()}
 LLAVA_ARCHITECTURE = "LlavaForConditionalGeneration"
 # decoders a LLaVA may hold: those of the Llama-family class its language model is (Gemma,
 # Granite and OLMo have their own; SmolLM3's NoPE layers are not wired through a LLaVA)
 _OWN_LAYERS = ("gemma2", "gemma3_text", "granite", "olmo2", "gemma", "smollm3", "olmo3")
 _OWN_LAYERS += ("phi", "starcoder2")  # LayerNorms, ungated MLPs (Phi: parallel, partial RoPE)
+_OWN_LAYERS += ("deepseek_v3", "deepseek_v2")  # latent attention, DeepSeekMoE
+_OWN_LAYERS += ("gpt_neox", "stablelm", "cohere")  # LayerNorms, parallel residual
+# the dense Llama-like families of `shared.model.config_dense` (not wired through a LLaVA)
+_OWN_LAYERS += ("ministral", "seed_oss", "glm", "glm4", "ernie4_5", "helium")
 LLAVA_TEXT_TYPES = tuple(mt for mt in TEXT_FAMILIES if mt not in _OWN_LAYERS)
 SUPPORTED = (*TEXT_ARCHITECTURES, LLAVA_ARCHITECTURE)
 
@@ -147,6 +221,7 @@ MIN_WINDOW_LEN = 32
 _QWEN = ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe")
 _WINDOWED = ("mistral", "mixtral", "phi3", "gemma2", "gemma3_text", "smollm3", "olmo3", *_QWEN)
 _WINDOWED += ("starcoder2",)  # every layer, like Mistral
+_WINDOWED += ("ministral",)  # the layers layer_types marks (default: every one)
 # families that window only the layers `layer_types_of` marks
 _TYPED = ("qwen2", "qwen3", "qwen2_moe", "gemma2", "gemma3_text", "smollm3", "olmo3")
 # transformers' default when config.json has no sliding_window key
@@ -158,6 +233,8 @@ _DEFAULT_WINDOW = {
     **dict.fromkeys(_QWEN, 4096),
 }
 _DEFAULT_LAYERS = {"gemma2": 26, "gemma3_text": 26, "qwen2_moe": 24, "smollm3": 36}
+_TYPED += ("ministral",)
+_DEFAULT_WINDOW["ministral"] = 4096
 
 
 def rope_layers_of(cfg: dict) -> list[int]:
@@ -178,7 +255,8 @@ def layer_types_of(cfg: dict) -> list[str]:
     default. Gemma-2 windows every other layer (0, 2, 4...), Gemma-3 all but every
     ``sliding_window_pattern``-th (default 6), OLMo-3 all but every 4th, Qwen2-MoE every other
     one below ``max_window_layers``, Qwen2 / Qwen3 those from ``max_window_layers`` on, SmolLM3
-    its NoPE layers when ``use_sliding_window`` and a ``sliding_window`` are set."""
+    its NoPE layers when ``use_sliding_window`` and a ``sliding_window`` are set, Ministral every
+    layer unless ``sliding_window`` is null."""
     if cfg.get("layer_types") is not None:
         return list(cfg["layer_types"])
     mt = cfg.get("model_type", "llama")
@@ -193,6 +271,7 @@ def layer_types_of(cfg: dict) -> list[str]:
         "olmo3": lambda i: (i + 1) % 4,
         "qwen2_moe": lambda i: (i + 1) % 2 and i < first,
         "smollm3": lambda i: smol and not rope[i],
+        "ministral": lambda i: cfg.get("sliding_window", 4096) is not None,
     }.get(mt, lambda i: i >= first)
     return ["sliding_attention" if sliding(i) else "full_attention" for i in range(n)]
 
@@ -202,7 +281,7 @@ def sliding_window_of(cfg: dict) -> int | None:
     transformers reads it; None when every layer attends to the full context.
 
     Mistral / Mixtral / Phi-3 / StarCoder2: ``sliding_window`` (null: none); Gemma-2 /
-    Gemma-3 / OLMo-3 / SmolLM3 the layers `layer_types_of` marks (SmolLM3's mask windows them
+    Gemma-3 / OLMo-3 / SmolLM3 / Ministral the layers `layer_types_of` marks (SmolLM3's mask windows them
     whatever ``use_sliding_window`` says). Qwen2 / Qwen3 / Qwen3-MoE / Qwen2-MoE: only with
     ``use_sliding_window``; Qwen2 / Qwen3 / Qwen2-MoE then only the layers `layer_types_of`
     marks. Llama, Gemma, Granite, OLMo-2 and Phi have no window."""

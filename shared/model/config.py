@@ -21,6 +21,7 @@ from shared.model.archs import (
     sliding_window_of,
 )
 from shared.model.archs import TEXT_FAMILIES as _TEXT_FAMILIES
+from shared.model.config_dense import dense_fields
 from shared.model.config_fields import (
     gemma_fields,
     granite_fields,
@@ -28,6 +29,8 @@ from shared.model.config_fields import (
     moe_fields,
     rope_fields,
 )
+from shared.model.config_neox import neox_fields
+from shared.model.deepseek_config import LatentAttention, Routing, deepseek_fields
 from shared.model.errors import CheckpointError
 from shared.model.validate import check_decoder, declared_dtype, read_config_json
 from shared.protocol.dtypes import torch_dtype
@@ -118,7 +121,11 @@ class ModelConfig:
     rope_local: tuple[float, dict | None] | None = None  # Gemma-3/OLMo-3: sliding layers' RoPE
     sliding_layers: tuple[int, ...] = ()  # Gemma-3/OLMo-3: the layers on `rope_local`
     nope_layers: tuple[int, ...] = ()  # SmolLM3: layers that apply no RoPE (no_rope_layers 0)
-    partial_rotary_factor: float = 1.0  # Phi: RoPE on the first int(head_dim * this) dims
+    partial_rotary_factor: float = 1.0  # Phi / GLM: RoPE on the first int(head_dim * this) dims
+    mla: LatentAttention | None = None  # DeepSeek: multi-head latent attention's shapes
+    routing: Routing | None = None  # DeepSeek's router and shared experts (None: softmax top-k)
+    parallel_residual: bool = False  # GPT-NeoX / StableLM / Cohere: attention and MLP in parallel
+    logit_scale: float = 1.0  # Cohere: logits are multiplied by it
 
     @property
     def is_multimodal(self) -> bool:
@@ -177,32 +184,41 @@ def _text_fields(cfg: dict, source: str) -> dict[str, Any]:
     act = str(
         cfg.get("hidden_activation") or cfg.get("hidden_act", defaults.get("hidden_act", "silu"))
     )
-    return dict(
-        **rope_fields(cfg, source),
-        **moe_fields(cfg),
-        **gemma_fields(cfg, source),
-        **granite_fields(cfg),
-        sliding_window=sliding_window_of(cfg),
-        text_model_type=model_type,
-        vocab_size=int(cfg.get("vocab_size", 32000)),
-        hidden_size=hidden,
-        intermediate_size=int(
-            cfg.get("intermediate_size", defaults.get("intermediate_size", 11008))
-        ),
-        num_layers=int(cfg.get("num_hidden_layers", 32)),
-        num_heads=heads,
-        num_kv_heads=int(kv_heads),
-        head_dim=int(head_dim),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", defaults["rms_norm_eps"])),
-        max_position_embeddings=int(
-            cfg.get("max_position_embeddings", defaults["max_position_embeddings"])
-        ),
-        attention_bias=True if model_type == "qwen2" else bias,
-        o_proj_bias=bias and model_type in _O_PROJ_BIAS,
-        mlp_bias=bool(cfg.get("mlp_bias", False)),
-        qk_norm=model_type in ("qwen3", "qwen3_moe", "olmo2", "gemma3_text", "olmo3"),
-        hidden_act=_GEMMA_GELU.get((model_type, act), act),
-    ) | layernorm_fields(cfg)  # Phi / StarCoder2: their eps, biases, q/k LayerNorm
+    return (
+        dict(
+            **rope_fields(cfg, source),
+            **moe_fields(cfg),
+            **gemma_fields(cfg, source),
+            **granite_fields(cfg),
+            sliding_window=sliding_window_of(cfg),
+            text_model_type=model_type,
+            vocab_size=int(cfg.get("vocab_size", 32000)),
+            hidden_size=hidden,
+            intermediate_size=int(
+                cfg.get("intermediate_size", defaults.get("intermediate_size", 11008))
+            ),
+            num_layers=int(cfg.get("num_hidden_layers", 32)),
+            num_heads=heads,
+            num_kv_heads=int(kv_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", defaults["rms_norm_eps"])),
+            max_position_embeddings=int(
+                cfg.get("max_position_embeddings", defaults["max_position_embeddings"])
+            ),
+            attention_bias=True if model_type == "qwen2" else bias,
+            o_proj_bias=bias and model_type in _O_PROJ_BIAS,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "olmo2", "gemma3_text", "olmo3"),
+            hidden_act=_GEMMA_GELU.get((model_type, act), act),
+        )
+        | layernorm_fields(cfg)
+        | dense_fields(cfg)
+        | deepseek_fields(cfg, source)
+        | neox_fields(cfg)
+    )
+    # Phi / StarCoder2: their eps, biases, q/k LayerNorm; the dense Llama-like families
+    # (`shared.model.config_dense`): shapes, biases; DeepSeek-V3 / V2 (`deepseek_config`);
+    # GPT-NeoX / StableLM / Cohere (`config_neox`): shapes, biases, residual layout
 
 
 def _vision_config(cfg: dict) -> VisionConfig:

@@ -14,9 +14,12 @@ from shared.model.errors import CheckpointError
 
 _ROPE_TYPES = ("llama3", "linear")  # besides "default"
 _LOCAL_ROPE = ("gemma3_text", "olmo3")  # sliding layers on a RoPE of their own
+_YARN = ("deepseek_v3", "deepseek_v2")  # also YaRN (`models/deepseek.py` computes it)
+_PARTIAL = ("phi", "glm", "glm4")  # RoPE on part of each head (`partial_rotary_of`, default half)
+_PARTIAL += ("gpt_neox", "stablelm")  # theirs a quarter by default (GPT-NeoX: rotary_pct)
 
 
-def _one_rope(params: dict, source: str) -> tuple[float, dict | None]:
+def _one_rope(params: dict, source: str, yarn: bool = False) -> tuple[float, dict | None]:
     """``(theta, scaling or None for the default RoPE)`` of one set of rope parameters."""
     theta = float(params["rope_theta"])
     scaling = {k: v for k, v in params.items() if k != "rope_theta"}
@@ -29,7 +32,7 @@ def _one_rope(params: dict, source: str) -> tuple[float, dict | None]:
         )
     if scaling.get("rope_type", "default") == "default":
         return theta, None
-    if scaling["rope_type"] not in _ROPE_TYPES:
+    if scaling["rope_type"] not in _ROPE_TYPES + ("yarn",) * yarn:
         raise CheckpointError(f"{source}: unsupported rope_type {scaling['rope_type']!r}")
     return theta, scaling
 
@@ -43,6 +46,8 @@ def rope_fields(cfg: dict, source: str) -> dict[str, Any]:
     than 1 and rope types but linear / llama3 are refused."""
     model_type = cfg.get("model_type", "llama")
     theta = float(cfg.get("rope_theta", TEXT_FAMILIES[model_type][1].get("rope_theta", 1e4)))
+    if model_type == "gpt_neox":  # rotary_emb_base (5.x ignores a top-level rope_theta)
+        theta = float(cfg.get("rotary_emb_base", 1e4))
     params = cfg.get("rope_parameters")
     typed = model_type in _LOCAL_ROPE
     if typed and isinstance(params, dict) and "full_attention" in params:
@@ -58,11 +63,11 @@ def rope_fields(cfg: dict, source: str) -> dict[str, Any]:
         local["rope_theta"] = full["rope_theta"]
     if "partial_rotary_factor" in cfg:
         full.setdefault("partial_rotary_factor", cfg["partial_rotary_factor"])
-    if model_type == "phi":  # RoPE on part of each head (`check_phi_rotary`), default half
+    if model_type in _PARTIAL:  # RoPE on part of each head (`check_phi_rotary`), default half
         full["partial_rotary_factor"] = 1.0
-    theta, scaling = _one_rope(full, source)
+    theta, scaling = _one_rope(full, source, yarn=model_type in _YARN)
     out: dict[str, Any] = dict(rope_theta=theta, rope_scaling=scaling)
-    if model_type == "phi":
+    if model_type in _PARTIAL:
         out["partial_rotary_factor"] = partial_rotary_of(cfg)
     if typed:
         out["rope_local"] = _one_rope(local, source)
@@ -84,7 +89,10 @@ def partial_rotary_of(cfg: dict) -> float:
     params = cfg.get("rope_parameters")
     if isinstance(params, dict) and params.get("partial_rotary_factor") is not None:
         return float(params["partial_rotary_factor"])
-    return float(cfg.get("partial_rotary_factor", 0.5))
+    mt = cfg.get("model_type")
+    if mt == "gpt_neox":  # GPT-NeoX's key is rotary_pct; it and StableLM default to a quarter
+        return float(cfg.get("rotary_pct", 0.25))
+    return float(cfg.get("partial_rotary_factor", 0.25 if mt == "stablelm" else 0.5))
 
 
 def check_phi_rotary(cfg: dict, source: str) -> None:

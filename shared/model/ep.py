@@ -64,6 +64,8 @@ class EPMoE(SparseMoE):
         self.gate, self.top_k, self.norm_topk_prob = moe.gate, moe.top_k, moe.norm_topk_prob
         # Qwen2-MoE's shared expert stays whole on every rank, run over the rank's token slice
         self.shared_expert, self.shared_expert_gate = moe.shared_expert, moe.shared_expert_gate
+        # DeepSeek: its router (`moe.route_grouped`) and ungated shared experts, also whole
+        self.routing, self.shared_experts = moe.routing, moe.shared_experts
         self.layer, self._counters, self.group = moe.layer, moe._counters, group
         self.num_experts, self.act = c.num_experts, c.hidden_act
         self.experts = Experts(placement.slots, c.hidden_size, c.moe_intermediate_size, self.act)

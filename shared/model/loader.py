@@ -126,17 +126,21 @@ def _fused_parts(name: str, config: ModelConfig) -> list[tuple[str, int]] | None
 
 
 def _copy_split(f, key: str, file: Path, parts, params) -> list[str]:
-    """Copy fused tensor ``key`` row block by row block into ``parts``' parameters."""
+    """Copy fused tensor ``key`` row block by row block into ``parts``' parameters, each block
+    into the next rows of its parameter (a parameter may take several: GPT-NeoX's per-head
+    q, k, v)."""
     shape = tuple(f.get_slice(key).get_shape())
     want = (sum(r for _, r in parts), *params[parts[0][0]].shape[1:])
     if shape != want:
         raise CheckpointError(f"{file}: tensor {key!r} has shape {shape}, expected {want}")
-    t, row = f.get_tensor(key), 0
+    t, row, filled = f.get_tensor(key), 0, {}
     with torch.no_grad():
         for name, rows in parts:
-            params[name].copy_(t[row : row + rows])
+            at = filled.get(name, 0)
+            params[name][at : at + rows].copy_(t[row : row + rows])
+            filled[name] = at + rows
             row += rows
-    return [name for name, _ in parts]
+    return list(filled)
 
 
 def _expected(params: dict[str, nn.Parameter], tied: set[str], config: ModelConfig) -> set[str]:
@@ -155,6 +159,8 @@ def _load_weights(model: nn.Module, config: ModelConfig, path: Path) -> list[Pat
     params = dict(model.named_parameters(remove_duplicate=False))
     expected = _expected(params, tied, config)
     found: dict[str, Path] = {}
+    own_name = getattr(model, "our_name", None)  # a family's checkpoint names -> its modules'
+    own_parts = getattr(model, "fused_parts", None)  # a family's fused tensors (`_fused_parts`)
     for file in files:
         if not file.exists():
             raise CheckpointError(f"{file}: shard listed in {_INDEX} is missing")
@@ -165,7 +171,9 @@ def _load_weights(model: nn.Module, config: ModelConfig, path: Path) -> list[Pat
         with handle as f:
             for key in f.keys():
                 name = _our_name(key, config)
-                split = _fused_parts(name, config)
+                if own_name is not None:
+                    name = own_name(name)
+                split = (own_parts and own_parts(name)) or _fused_parts(name, config)
                 if split is not None and all(n in expected for n, _ in split):
                     for n in _copy_split(f, key, file, split, params):
                         found[n] = file

@@ -1,9 +1,12 @@
-"""Sparse mixture-of-experts MLP (Qwen3-MoE, Qwen2-MoE, Mixtral) with a grouped expert forward.
+"""Sparse mixture-of-experts MLP (Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3 / V2) with a grouped
+expert forward.
 
 Routing follows transformers: router logits ``x @ gate.T``, softmax in float32, top-k, the top-k
 probabilities renormalised to sum to 1 when ``norm_topk_prob`` (always for Mixtral), cast to the
 activation dtype. Qwen2-MoE adds a shared expert, a gated MLP every token runs, scaled by
-``sigmoid(shared_expert_gate(x))``, to the routed sum. The experts run grouped: the ``T x k`` (token, expert) pairs are sorted by
+``sigmoid(shared_expert_gate(x))``, to the routed sum. The routing is pluggable: a
+``ModelConfig.routing`` (DeepSeek) runs `route_grouped` instead, and its ungated shared experts
+are added to the routed sum. The experts run grouped: the ``T x k`` (token, expert) pairs are sorted by
 expert once, and each expert that received tokens runs one fused gate/up GEMM and one down GEMM
 over all of its rows; the weighted rows are summed back per token with one ``index_add_``.
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 import re
 
 import torch
+import torch.nn.functional as F
 from prometheus_client import Counter
 from torch import nn
 
@@ -58,9 +62,43 @@ class Experts(nn.Module):
         return g[e]
 
 
+def route_grouped(
+    logits: torch.Tensor, r, top_k: int, norm: bool, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's routers (`shared.model.deepseek_config.Routing` ``r``) over float32 router
+    logits ``[T, E]``: ``(weights [T, k] float32, expert ids [T, k])``. Scores are the sigmoid
+    (V3) or softmax (V2) of the logits; the experts are chosen on the scores plus V3's
+    correction ``bias``, only among the ``topk_group`` best groups of ``E / n_group`` experts
+    when ``r.group_score`` is set (a group scored by its two best experts' sum, V3, or its best,
+    V2); the weights are the chosen experts' scores (without the bias), renormalised when
+    ``norm`` (V3), times ``routed_scaling_factor``."""
+    scores = torch.sigmoid(logits) if r.scoring == "sigmoid" else torch.softmax(logits, dim=-1)
+    choice = scores if bias is None else scores + bias
+    if r.group_score is not None:
+        t, e = choice.shape
+        grouped = choice.view(t, r.n_group, e // r.n_group)
+        if r.group_score == "top2_sum":
+            group = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        else:
+            group = grouped.max(dim=-1).values
+        keep = torch.topk(group, r.topk_group, dim=-1, sorted=False).indices
+        mask = torch.zeros_like(group, dtype=torch.bool).scatter_(1, keep, True)
+        mask = mask.unsqueeze(-1).expand(t, r.n_group, e // r.n_group).reshape(t, e)
+        # V3 rules the other groups' experts out with -inf, V2 with a score of 0
+        choice = choice.masked_fill(~mask, float("-inf") if r.scoring == "sigmoid" else 0.0)
+    ids = torch.topk(choice, top_k, dim=-1, sorted=False).indices
+    weights = scores.gather(1, ids)
+    if norm:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * r.scaling, ids
+
+
 class SparseMoE(nn.Module):
     """Router + experts (transformers' ``mlp.gate`` / ``mlp.experts`` names), and Qwen2-MoE's
-    ``mlp.shared_expert`` / ``mlp.shared_expert_gate``."""
+    ``mlp.shared_expert`` / ``mlp.shared_expert_gate``. The routing is pluggable:
+    ``c.routing`` None is the softmax top-k of Qwen-MoE / Mixtral; a DeepSeek `Routing` runs
+    `route_grouped` on float32 logits (V3's ``mlp.gate.e_score_correction_bias`` a parameter
+    of the gate) and adds the ungated shared experts (``mlp.shared_experts``)."""
 
     def __init__(self, c, layer: int):
         super().__init__()
@@ -74,9 +112,20 @@ class SparseMoE(nn.Module):
         if c.shared_expert_intermediate_size:
             self.shared_expert = MLP(c.hidden_size, c.shared_expert_intermediate_size, c.hidden_act)
             self.shared_expert_gate = nn.Linear(c.hidden_size, 1, bias=False)
+        self.routing = getattr(c, "routing", None)  # DeepSeek's (`route_grouped`)
+        self.shared_experts: MLP | None = None  # DeepSeek's, ungated
+        if self.routing is not None:
+            if self.routing.correction_bias:
+                self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(c.num_experts))
+            if self.routing.shared_width:
+                width, bias = self.routing.shared_width, c.mlp_bias
+                self.shared_experts = MLP(c.hidden_size, width, c.hidden_act, bias=bias)
 
     def add_shared(self, x: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
-        """``routed`` plus the gated shared expert over the same rows ``x`` (none: ``routed``)."""
+        """``routed`` plus the gated shared expert over the same rows ``x`` (DeepSeek: the
+        ungated shared experts; none: ``routed``)."""
+        if self.shared_experts is not None:
+            return routed.add_(self.shared_experts(x))
         if self.shared_expert is None:
             return routed
         gate = torch.sigmoid(project(self.shared_expert_gate, x))
@@ -84,6 +133,14 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights [T, k] in x's dtype, expert ids [T, k])``."""
+        if self.routing is not None:  # DeepSeek: float32 logits, grouped choice
+            logits = F.linear(x.float(), self.gate.weight.float())
+            bias = getattr(self.gate, "e_score_correction_bias", None)
+            bias = None if bias is None else bias.float()
+            weights, ids = route_grouped(
+                logits, self.routing, self.top_k, self.norm_topk_prob, bias
+            )
+            return weights.to(x.dtype), ids
         probs = torch.softmax(project(self.gate, x).float(), dim=-1)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:

@@ -132,12 +132,18 @@ def shard_model(model: nn.Module, tp: TPGroup, experts: bool = False) -> nn.Modu
     lm = getattr(model, "language_model", model)
     for layer in lm.model.layers:
         a, m = layer.self_attn, layer.mlp
-        _rows(a.q_proj, r * nh * d, (r + 1) * nh * d)
-        _rows(a.k_proj, r * nkv * d, (r + 1) * nkv * d)
-        _rows(a.v_proj, r * nkv * d, (r + 1) * nkv * d)
-        o = getattr(a, "o_name", "o_proj")  # Phi's is ``dense``
-        setattr(a, o, _row_parallel(getattr(a, o), r * nh * d, (r + 1) * nh * d, tp))
-        a.num_heads, a.num_kv_heads, a._qkv = nh, nkv, None
+        if hasattr(a, "shard_heads"):  # DeepSeek's latent attention: its own per-head rows
+            a.shard_heads(r, n, tp)
+        else:
+            _rows(a.q_proj, r * nh * d, (r + 1) * nh * d)
+            _rows(a.k_proj, r * nkv * d, (r + 1) * nkv * d)
+            _rows(a.v_proj, r * nkv * d, (r + 1) * nkv * d)
+            o = getattr(a, "o_name", "o_proj")  # Phi's is ``dense``
+            setattr(a, o, _row_parallel(getattr(a, o), r * nh * d, (r + 1) * nh * d, tp))
+            a.num_heads, a.num_kv_heads, a._qkv = nh, nkv, None
+            norms = getattr(a, "shard_head_norms", None)  # per-head q/k norms (StableLM, Cohere)
+            if norms is not None:
+                norms(r * nh, (r + 1) * nh, r * nkv, (r + 1) * nkv)
         # layer.c has no collective between attention and MLP: the layer runs op by op
         layer.native_reason = "tensor parallel (an all-reduce after o_proj and down_proj)"
         if hasattr(m, "fc_names"):  # ungated (Phi's fc1 / fc2, StarCoder2's c_fc / c_proj)

@@ -23,7 +23,10 @@ from shared.model.archs import (
     decoder_config,
     sliding_window_of,
 )
+from shared.model.config_dense import check_dense
 from shared.model.config_fields import check_phi_rotary
+from shared.model.config_neox import check_neox
+from shared.model.deepseek_config import DEEPSEEK_TYPES, check_deepseek
 from shared.model.errors import CheckpointError
 
 INDEX = "model.safetensors.index.json"
@@ -105,6 +108,10 @@ def check_decoder(cfg: dict, file: Path | str) -> str | None:
             )
     if cfg.get("model_type") == "phi":
         check_phi_rotary(cfg, str(file))
+    if cfg.get("model_type") in DEEPSEEK_TYPES:  # router groups, top-k, RoPE dims, YaRN
+        check_deepseek(cfg, str(file))
+    check_dense(cfg, str(file))  # GLM's rotary part, Helium's heads (`shared.model.config_dense`)
+    check_neox(cfg, str(file))  # GPT-NeoX / StableLM / Cohere heads, rotary part, logit_scale
     window = sliding_window_of(cfg)
     if window is None:
         return None

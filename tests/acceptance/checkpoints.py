@@ -232,12 +232,103 @@ def _text_config(kind: str, tok) -> object:
             tie_word_embeddings=False,
             **common,
         )
+    dense = _dense_config(kind, common)
+    if dense is not None:
+        return dense
+    if kind in ("deepseek_v3", "deepseek_v2"):  # latent attention, DeepSeekMoE
+        return _deepseek_config(kind, common)
+    if kind in _NEOX:  # GPT-NeoX, StableLM, Cohere (`shared.model.config_neox`)
+        cls, kw = _NEOX[kind]
+        return getattr(transformers, cls + "Config")(
+            hidden_size=64, num_attention_heads=4, **kw, **common
+        )
     raise ValueError(kind)
+
+
+# the dense Llama-like families (`shared.model.config_dense`): class prefix, config keys
+_DENSE = {
+    # Mistral's layer, every layer windowed (4096: the whole context here), GQA 4:2
+    "ministral": ("Ministral", dict(num_key_value_heads=2, head_dim=16, sliding_window=4096)),
+    # q/k/v bias and its own o_proj bias, GQA 4:2, head_dim 16
+    "seed_oss": ("SeedOss", dict(num_key_value_heads=2, head_dim=16, attention_out_bias=True)),
+    # interleaved RoPE on half of each head, q/k/v bias, fused gate_up_proj
+    "glm": ("Glm", dict(num_key_value_heads=2, head_dim=16)),
+    # GLM plus post-attention / post-MLP norms, a quarter of each head rotated
+    "glm4": (
+        "Glm4",
+        dict(num_key_value_heads=2, head_dim=16, **_rope(1e4, dict(partial_rotary_factor=0.25))),
+    ),
+    # interleaved RoPE on the whole head, use_bias everywhere, untied (see gemma3's note)
+    "ernie4_5": (
+        "Ernie4_5",
+        dict(num_key_value_heads=2, head_dim=16, use_bias=True, tie_word_embeddings=False),
+    ),
+    # interleaved RoPE on the whole head, q/k/v bias
+    "helium": ("Helium", dict(num_key_value_heads=2, head_dim=16, attention_bias=True)),
+}
+
+
+def _dense_config(kind: str, common: dict) -> object | None:
+    if kind not in _DENSE:
+        return None
+    cls, kw = _DENSE[kind]
+    kw = {"tie_word_embeddings": False, **kw}
+    return getattr(transformers, cls + "Config")(
+        hidden_size=64, num_attention_heads=4, **kw, **common
+    )
+
+
+def _deepseek_config(kind: str, common: dict) -> object:
+    """DeepSeek-V3: q through q_a / q_b, interleaved RoPE with YaRN, 8 experts in 2 groups (1
+    kept), top-2, one shared expert, layer 0 dense. DeepSeek-V2: one q_proj, its complex
+    RoPE, softmax group-limited routing, two shared experts."""
+    mla = dict(kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
+    moe = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_group=2)
+    moe |= dict(topk_group=1, first_k_dense_replace=1)
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}
+    if kind == "deepseek_v3":
+        extra = dict(q_lora_rank=24, n_shared_experts=1, **_rope(1e4, yarn))
+    else:
+        extra = dict(q_lora_rank=None, n_shared_experts=2, topk_method="group_limited_greedy")
+        extra |= _rope(1e4)
+    cls = transformers.DeepseekV3Config if kind == "deepseek_v3" else transformers.DeepseekV2Config
+    return cls(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+        **mla,
+        **moe,
+        **extra,
+        **common,
+    )
+
+
+# the LayerNorm families on Phi's pieces: class prefix, config keys
+_NEOX = {
+    # two LayerNorms, parallel residual, q/k/v fused per head, a quarter of each head rotated
+    "gpt_neox": ("GPTNeoX", dict(rotary_pct=0.25, tie_word_embeddings=False)),
+    # sequential residual, per-head q/k LayerNorms, q/k/v bias, GQA 4:2, a quarter rotated
+    "stablelm": (
+        "StableLm",
+        dict(
+            num_key_value_heads=2, qk_layernorm=True, use_qkv_bias=True, tie_word_embeddings=False
+        ),
+    ),
+    # one bias-free LayerNorm, parallel attention + MLP, interleaved RoPE, per-head q/k norms,
+    # GQA 4:2, logit_scale 0.0625 (the default); untied
+    "cohere": (
+        "Cohere",
+        dict(num_key_value_heads=2, use_qk_norm=True, tie_word_embeddings=False),
+    ),
+}
 
 
 def build_text(kind: str, path: Path) -> Checkpoint:
     """``kind``: llama | qwen2 | qwen3 | qwen3_moe | mixtral | phi3 | gemma2 | gemma3 | olmo2 |
-    phi | starcoder2 | gemma | smollm3 | olmo3 | mistral_window (shapes above)."""
+    phi | starcoder2 | gemma | smollm3 | olmo3 | mistral_window | ministral | seed_oss | glm |
+    glm4 | ernie4_5 | helium | deepseek_v3 | deepseek_v2 | gpt_neox | stablelm | cohere (shapes
+    above)."""
     tok = hf_tokenizer()
     cfg = _text_config(kind, tok)
     cls = {
@@ -256,6 +347,10 @@ def build_text(kind: str, path: Path) -> Checkpoint:
         "smollm3": transformers.SmolLM3ForCausalLM,
         "olmo3": transformers.Olmo3ForCausalLM,
         "mistral_window": transformers.MistralForCausalLM,
+        "deepseek_v3": transformers.DeepseekV3ForCausalLM,
+        "deepseek_v2": transformers.DeepseekV2ForCausalLM,
+        **{k: getattr(transformers, c + "ForCausalLM") for k, (c, _) in _DENSE.items()},
+        **{k: getattr(transformers, c + "ForCausalLM") for k, (c, _) in _NEOX.items()},
     }[kind]
     torch.manual_seed(0)
     model = cls(cfg).eval()

@@ -14,6 +14,15 @@ for _arch in ("Gemma2", "Gemma3", "Granite", "Olmo2", "Gemma", "Olmo3"):
     _REGISTRY[f"{_arch}ForCausalLM"] = f"shared.model.models.{_arch.lower()}:{_arch}ForCausalLM"
 for _arch in ("Phi", "Starcoder2"):  # LayerNorm families with ungated MLPs
     _REGISTRY[f"{_arch}ForCausalLM"] = f"shared.model.models.{_arch.lower()}:{_arch}ForCausalLM"
+# interleaved RoPE turned into Llama's at load (Ministral and Seed-OSS: Llama's class)
+for _arch in ("Glm", "Glm4", "Ernie4_5", "Helium"):
+    _REGISTRY[f"{_arch}ForCausalLM"] = f"shared.model.models.rope_pairs:{_arch}ForCausalLM"
+for _arch in ("DeepseekV3", "DeepseekV2"):  # latent attention, DeepSeekMoE
+    _REGISTRY[f"{_arch}ForCausalLM"] = f"shared.model.models.deepseek:{_arch}ForCausalLM"
+# LayerNorm families on Phi's parallel / partial-RoPE pieces
+_REGISTRY["GPTNeoXForCausalLM"] = "shared.model.models.gpt_neox:GPTNeoXForCausalLM"
+_REGISTRY["StableLmForCausalLM"] = "shared.model.models.stablelm:StableLmForCausalLM"
+_REGISTRY["CohereForCausalLM"] = "shared.model.models.cohere:CohereForCausalLM"
 _REGISTRY[LLAVA_ARCHITECTURE] = "shared.model.models.llava:LlavaForConditionalGeneration"
 
 

@@ -13,6 +13,11 @@ on CPU float32), the projections run on the fused q/k/v and packed GEMMs; RoPE o
 head runs in torch (the fused norm + RoPE kernel rotates whole heads: counted as a
 ``qk_norm_rope`` fallback, reason ``unsupported``), and the one-call native layer (`layer.c`)
 does not apply (counted as a ``decoder_layer`` fallback, reason ``unsupported``).
+
+Its pieces are general: `PartialRotaryAttention` (any output projection name, optional q/k
+norms, RoPE on part of the head), `ParallelBlock` (parallel or sequential residual on one or two
+LayerNorms) and `PartialRotaryForCausalLM` (RoPE tables over the rotated part) also build
+GPT-NeoX and StableLM (`models/gpt_neox.py`, `models/stablelm.py`) and Cohere's block.
 """
 
 from __future__ import annotations
@@ -37,23 +42,29 @@ def rope_part(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int) -
     return x
 
 
-class PhiAttention(Attention):
-    """Biased q/k/v and ``dense`` projections, optional per-head LayerNorms on q and k, RoPE on
-    ``rotary_dim`` dims of each head."""
+class PartialRotaryAttention(Attention):
+    """q/k/v, an output projection named ``o_name`` (Phi's and GPT-NeoX's ``dense``), optional
+    q/k norms (``qk_norms``: modules over ``[T, heads, D]``, Phi's one LayerNorm for every head,
+    StableLM's one per head) before RoPE on the first ``rotary_dim`` dims of each head."""
 
-    o_name = "dense"  # the output projection's name (`shared.model.parallel.shard_model`)
+    o_name = "o_proj"  # the output projection's name (`shared.model.parallel.shard_model`)
 
-    def __init__(self, c: ModelConfig):
+    def __init__(
+        self,
+        c: ModelConfig,
+        qkv_bias: bool,
+        o_bias: bool,
+        o_name: str = "o_proj",
+        qk_norms: tuple[nn.Module, nn.Module] | None = None,
+    ):
         super().__init__(
-            c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, qkv_bias=True, o_bias=True
+            c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, qkv_bias=qkv_bias, o_bias=o_bias
         )
-        self.dense = self._modules.pop("o_proj")
+        if o_name != "o_proj":
+            self.o_name = o_name
+            setattr(self, o_name, self._modules.pop("o_proj"))
         self.rotary_dim = int(c.head_dim * c.partial_rotary_factor)
-        if c.qk_norm:  # transformers sizes them hidden_size // num_attention_heads
-            self.q_layernorm = nn.LayerNorm(c.hidden_size // c.num_heads, c.rms_norm_eps)
-            self.k_layernorm = nn.LayerNorm(c.hidden_size // c.num_heads, c.rms_norm_eps)
-        else:
-            self.q_layernorm = self.k_layernorm = None
+        self.q_layernorm, self.k_layernorm = qk_norms or (None, None)
 
     def forward(self, x, cos, sin, plan, slot_mapping, k_cache, v_cache) -> torch.Tensor:
         t, nh, nkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
@@ -72,31 +83,88 @@ class PhiAttention(Attention):
         q = rope_part(q, cos, sin, self.rotary_dim)
         k = rope_part(k, cos, sin, self.rotary_dim)
         o = paged_attention(q, k, v, k_cache, v_cache, slot_mapping, plan, self.scale)
-        return project(self.dense, o.reshape(t, nh * d))
+        return project(getattr(self, self.o_name), o.reshape(t, nh * d))
 
 
-class PhiDecoderLayer(nn.Module):
-    """Parallel block: ``x = ln(h); h = attn(x) + mlp(x) + h``."""
+class PhiAttention(PartialRotaryAttention):
+    """Biased q/k/v and ``dense`` projections, optional LayerNorms (one for every head) on q and
+    k, RoPE on ``rotary_dim`` dims of each head."""
 
-    def __init__(self, c: ModelConfig, index: int = 0):
+    def __init__(self, c: ModelConfig):
+        norms = None
+        if c.qk_norm:  # transformers sizes them hidden_size // num_attention_heads
+            dim = c.hidden_size // c.num_heads
+            norms = (nn.LayerNorm(dim, c.rms_norm_eps), nn.LayerNorm(dim, c.rms_norm_eps))
+        super().__init__(c, qkv_bias=True, o_bias=True, o_name="dense", qk_norms=norms)
+
+
+class ParallelBlock(nn.Module):
+    """Attention and MLP side by side on LayerNorms (Phi, GPT-NeoX, StableLM, Cohere), run op by
+    op (`native_reason` says why). ``parallel``: ``h + attn(ln1(h)) + mlp(ln(h))``, the MLP on
+    ``ln1(h)`` when there is no ``post_norm`` (Phi, StableLM, Cohere), else on ``post_norm(h)``
+    (GPT-NeoX); otherwise in sequence, ``h += attn(ln1(h)); h += mlp(post_norm(h))``. The sum
+    of three runs in the order transformers adds them: ``(attn + mlp) + h``, or with
+    ``residual_first`` ``(h + attn) + mlp``. Submodules keep the checkpoints' names
+    (``self_attn``, ``mlp``, ``input_layernorm``, ``post_attention_layernorm``)."""
+
+    residual_first = False
+
+    def __init__(
+        self,
+        attn: nn.Module,
+        mlp: nn.Module,
+        norm: nn.Module,
+        post_norm: nn.Module | None,
+        parallel: bool,
+        native_reason: str,
+    ):
         super().__init__()
-        self.self_attn = PhiAttention(c)
-        self.mlp = PlainMLP(c, ("fc1", "fc2"))
-        self.input_layernorm = nn.LayerNorm(c.hidden_size, c.rms_norm_eps)
-        self.native_reason = (
-            "Phi (parallel attention and MLP, LayerNorm, partial RoPE) runs op by op"
-        )
+        self.self_attn, self.mlp, self.input_layernorm = attn, mlp, norm
+        self.post_attention_layernorm = post_norm
+        self.parallel = parallel
+        self.native_reason = native_reason
 
     def forward(self, h, cos, sin, plan, slot_mapping, k_cache, v_cache):
         x = self.input_layernorm(h)
         a = self.self_attn(x, cos, sin, plan, slot_mapping, k_cache, v_cache)
-        return a + self.mlp(x) + h  # transformers' order of the sum
+        post = self.post_attention_layernorm
+        if not self.parallel:
+            h = a + h
+            return self.mlp(post(h)) + h
+        m = self.mlp(x if post is None else post(h))
+        return h + a + m if self.residual_first else a + m + h
 
     def native(self) -> None:
         return None
 
 
-class PhiForCausalLM(LlamaForCausalLM):
+class PhiDecoderLayer(ParallelBlock):
+    """Parallel block on one LayerNorm: ``x = ln(h); h = attn(x) + mlp(x) + h``."""
+
+    def __init__(self, c: ModelConfig, index: int = 0):
+        super().__init__(
+            PhiAttention(c),
+            PlainMLP(c, ("fc1", "fc2")),
+            nn.LayerNorm(c.hidden_size, c.rms_norm_eps),
+            None,
+            True,
+            "Phi (parallel attention and MLP, LayerNorm, partial RoPE) runs op by op",
+        )
+
+
+class PartialRotaryForCausalLM(LlamaForCausalLM):
+    """The Llama-family model whose RoPE tables span the rotated part of the head,
+    ``int(head_dim * partial_rotary_factor)`` dims (`PartialRotaryAttention.rotary_dim`)."""
+
+    def rotary(self) -> Rotary:
+        if self._rotary is None or self._rotary.inv_freq.device != self.device:
+            c = self.config
+            dim = int(c.head_dim * c.partial_rotary_factor)
+            self._rotary = Rotary(dim, c.rope_theta, c.rope_scaling, self.device)
+        return self._rotary
+
+
+class PhiForCausalLM(PartialRotaryForCausalLM):
     """Paged-KV Phi; the batch contract of ``shared/model/api.py``."""
 
     layer_class = PhiDecoderLayer
@@ -107,14 +175,6 @@ class PhiForCausalLM(LlamaForCausalLM):
         self.model.final_layernorm = nn.LayerNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=True)
         self.tie_weights()
-
-    def rotary(self) -> Rotary:
-        """RoPE over the rotated part of the head (`PhiAttention.rotary_dim`)."""
-        if self._rotary is None or self._rotary.inv_freq.device != self.device:
-            c = self.config
-            dim = int(c.head_dim * c.partial_rotary_factor)
-            self._rotary = Rotary(dim, c.rope_theta, c.rope_scaling, self.device)
-        return self._rotary
 
     @torch.inference_mode()
     def forward(self, *args, **kwargs) -> torch.Tensor:

@@ -1,0 +1,491 @@
+"""DeepSeek-V3 and DeepSeek-V2: config parsing (transformers' defaults, 4.x and 5.x keys, one
+clear line for what Strata cannot serve), the routers against transformers' own, and Strata
+against transformers 5.x on random tiny checkpoints saved with ``save_pretrained``: logits, 32
+greedy tokens, batches of prompts of different lengths, chunked prefill in float64, two ranks
+(heads and the dense MLP over tensor parallelism, the experts over expert parallelism)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from shared.model.archs import LLAVA_TEXT_TYPES, SUPPORTED
+from shared.model.config import config_from_dict
+from shared.model.errors import CheckpointError
+from shared.model.loader import load_model
+from shared.model.parallel import check_shardable
+from shared.model.validate import validate_checkpoint
+from tests.model.paged_driver import PagedDriver
+from tests.model.test_family_configs import _checkpoint
+from tests.model.test_text_models import VOCAB, _prompt, hf_greedy
+
+transformers = pytest.importorskip("transformers")
+
+NEW = {"deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM"}
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+YARN_M = {**YARN, "mscale": 0.9, "mscale_all_dim": 0.7}
+
+
+def _cfg(model_type: str, **kw) -> dict:
+    return {"architectures": [NEW[model_type]], "model_type": model_type, **kw}
+
+
+# -- config parsing ----------------------------------------------------------------------------
+
+
+def test_v3_defaults_are_transformers():
+    c = config_from_dict(_cfg("deepseek_v3"))
+    t = transformers.DeepseekV3Config()
+    assert (c.vocab_size, c.hidden_size, c.num_layers) == (t.vocab_size, 7168, 61)
+    assert c.num_heads == c.num_kv_heads == 128 and c.head_dim == 192  # decompressed heads
+    m = c.mla
+    assert (m.q_lora_rank, m.kv_lora_rank, m.qk_nope_head_dim) == (1536, 512, 128)
+    assert (m.qk_rope_head_dim, m.v_head_dim, m.rope) == (64, 128, "interleave")
+    assert m.scale == 192**-0.5 and m.attention_factor == 1.0 and c.rope_theta == 1e4
+    assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size) == (256, 8, 2048)
+    assert c.moe_layers == tuple(range(3, 61)) and c.norm_topk_prob
+    r = c.routing
+    assert (r.scoring, r.group_score, r.n_group, r.topk_group) == ("sigmoid", "top2_sum", 8, 4)
+    assert (r.scaling, r.shared_width, r.correction_bias) == (2.5, 2048, True)
+    assert c.intermediate_size == 18432 and c.rms_norm_eps == 1e-6 and not c.tie_word_embeddings
+    assert c.max_position_embeddings == 4096 and not (c.attention_bias or c.mlp_bias)
+
+
+def test_v2_defaults_are_transformers():
+    cfg = _cfg("deepseek_v2", num_experts_per_tok=6)
+    c = config_from_dict(cfg)
+    assert (c.vocab_size, c.hidden_size, c.num_layers, c.num_heads) == (102400, 4096, 32, 32)
+    assert c.mla.rope == "complex" and c.mla.q_lora_rank == 1536 and c.head_dim == 192
+    assert (c.num_experts, c.moe_intermediate_size, c.moe_layers) == (64, 1407, tuple(range(32)))
+    r = c.routing
+    assert (r.scoring, r.group_score, r.scaling, r.shared_width) == ("softmax", None, 1.0, 2814)
+    assert not r.correction_bias and not c.norm_topk_prob and c.max_position_embeddings == 2048
+    # transformers 5.x's V2 router never renormalises, whatever norm_topk_prob says
+    assert not config_from_dict(cfg | {"norm_topk_prob": True}).norm_topk_prob
+    c = config_from_dict(
+        cfg | dict(topk_method="group_limited_greedy", n_group=8, topk_group=3, num_experts=16)
+    )
+    assert (c.routing.group_score, c.routing.n_group, c.routing.topk_group) == ("max", 8, 3)
+    assert c.num_experts == 16  # V2's alias of n_routed_experts
+
+
+def test_4x_and_5x_rope_spellings_agree_and_match_transformers():
+    """YaRN as ``rope_scaling`` + ``rope_theta`` (4.x, ``type``) and as ``rope_parameters``
+    (5.x) read the same; the softmax scale, attention factor and inverse frequencies are
+    transformers'."""
+    from shared.model.models.deepseek import DeepseekRotary
+
+    shape = dict(hidden_size=64, num_attention_heads=4, qk_rope_head_dim=8, qk_nope_head_dim=16)
+    shape |= dict(max_position_embeddings=256, num_hidden_layers=1, first_k_dense_replace=1)
+    four = _cfg(
+        "deepseek_v3",
+        rope_theta=5e4,
+        rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+        | {"mscale": 0.9, "mscale_all_dim": 0.7, "beta_fast": 16},
+        **shape,
+    )
+    five = _cfg(
+        "deepseek_v3", rope_parameters={**YARN_M, "beta_fast": 16, "rope_theta": 5e4}, **shape
+    )
+    a, b = config_from_dict(four), config_from_dict(five)
+    assert a.mla == b.mla and a.rope_scaling == b.rope_scaling and a.rope_theta == 5e4
+    cfg = transformers.DeepseekV3Config(**{k: v for k, v in five.items() if k != "architectures"})
+    attn = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3Attention(cfg, 0)
+    rot = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3RotaryEmbedding(cfg)
+    assert a.mla.scale == pytest.approx(attn.scaling, rel=1e-12)
+    assert a.mla.attention_factor == pytest.approx(rot.attention_scaling, rel=1e-12)
+    assert torch.equal(DeepseekRotary(a, "cpu").inv_freq, rot.inv_freq)
+    # no mscale pair: the attention factor is mscale(factor); orig defaults to max positions
+    yarn = {"rope_type": "yarn", "factor": 2.0}
+    c = config_from_dict(_cfg("deepseek_v2", num_experts_per_tok=2, rope_parameters=yarn))
+    assert c.rope_scaling["original_max_position_embeddings"] == 2048
+    assert c.mla.attention_factor == pytest.approx(0.1 * 0.6931471805599453 + 1)
+
+
+@pytest.mark.parametrize(
+    "model_type,kw,msg",
+    [
+        ("deepseek_v3", dict(n_routed_experts=12, n_group=8), "n_group 8 must divide the 12"),
+        ("deepseek_v3", dict(n_group=8, topk_group=9), "best 9 of 8 groups"),
+        ("deepseek_v3", dict(n_routed_experts=8, n_group=8, topk_group=4), "groups of 1"),
+        ("deepseek_v3", dict(num_experts_per_tok=300), "num_experts_per_tok 300 exceeds"),
+        ("deepseek_v3", dict(qk_rope_head_dim=7), "qk_rope_head_dim 7 must be even"),
+        ("deepseek_v3", dict(rope_scaling={"type": "yarn"}), "YaRN rope parameters without"),
+        ("deepseek_v3", dict(rope_scaling={"type": "dynamic", "factor": 2}), "rope_type 'dynamic'"),
+        ("deepseek_v2", dict(num_experts_per_tok=2, topk_method="noaux_tc"), "'noaux_tc' is not"),
+        ("deepseek_v2", dict(), "num_experts_per_tok is not set"),
+        (
+            "deepseek_v2",
+            dict(num_experts_per_tok=2, topk_method="group_limited_greedy"),
+            "n_group None must divide",
+        ),
+    ],
+)
+def test_what_cannot_be_served_is_refused_in_one_line(tmp_path, model_type, kw, msg):
+    cfg = _cfg(model_type, **kw)
+    with pytest.raises(CheckpointError) as e:
+        validate_checkpoint(_checkpoint(tmp_path, cfg))  # torch-free, at `strata up`
+    assert msg in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(CheckpointError, match="config.json"):
+        config_from_dict(cfg)
+
+
+@pytest.mark.parametrize("model_type", list(NEW))
+def test_validate_accepts_them_and_llava_refuses_them(tmp_path, model_type):
+    assert NEW[model_type] in SUPPORTED and model_type not in LLAVA_TEXT_TYPES
+    cfg = _cfg(model_type, num_experts_per_tok=2)
+    assert validate_checkpoint(_checkpoint(tmp_path, cfg)).architecture == NEW[model_type]
+    llava = {"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava"}
+    bad = llava | {"text_config": {"model_type": model_type}}
+    with pytest.raises(CheckpointError, match=f"unsupported LLaVA text model_type '{model_type}'"):
+        validate_checkpoint(_checkpoint(tmp_path / "llava", bad))
+
+
+def test_tensor_parallel_checks():
+    """Heads (decompressed K/V per head: num_kv_heads is the head count) and the dense MLP
+    shard; the experts go by --ep, so plain --tp on a MoE checkpoint is refused in one line."""
+    c = config_from_dict(_cfg("deepseek_v3", num_attention_heads=4, intermediate_size=96))
+    check_shardable(c, 2, experts=True)
+    with pytest.raises(CheckpointError, match="add --ep 2"):
+        check_shardable(c, 2)
+    with pytest.raises(CheckpointError, match=r"3 must divide num_heads \(4\) and num_kv_heads"):
+        check_shardable(c, 3, experts=True)
+    dense = config_from_dict(
+        _cfg("deepseek_v3", num_attention_heads=4, num_hidden_layers=2, first_k_dense_replace=2)
+    )
+    assert not dense.moe_layers and dense.routing is None
+    check_shardable(dense, 2)
+
+
+# -- the routers against transformers' ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "model_type,kw",
+    [
+        ("deepseek_v3", dict(n_group=4, topk_group=2, norm_topk_prob=True)),
+        ("deepseek_v3", dict(n_group=1, topk_group=1, norm_topk_prob=False)),
+        ("deepseek_v2", dict(topk_method="greedy")),
+        ("deepseek_v2", dict(topk_method="group_limited_greedy", n_group=4, topk_group=2)),
+    ],
+)
+def test_routing_is_transformers(model_type, kw):
+    """256 tokens over 16 experts, top-3, scaled: the same experts and weights as transformers'
+    router (V3 with a correction bias that changes the choice)."""
+    from shared.model import moe
+
+    kw = dict(hidden_size=32, n_routed_experts=16, num_experts_per_tok=3) | kw
+    kw |= dict(routed_scaling_factor=1.7, num_hidden_layers=1, first_k_dense_replace=0)
+    kw |= dict(num_attention_heads=4)
+    c = config_from_dict(_cfg(model_type, **kw))
+    v3 = model_type == "deepseek_v3"
+    mod = getattr(transformers.models, model_type)
+    name = "DeepseekV3" if v3 else "DeepseekV2"
+    tcfg = getattr(mod, f"configuration_{model_type}").__dict__[f"{name}Config"](**kw)
+    router = getattr(mod, f"modeling_{model_type}").__dict__[f"{name}TopkRouter"](tcfg)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(16, 32, generator=g))
+        if v3:
+            router.e_score_correction_bias.copy_(torch.rand(16, generator=g) * 0.5)
+    x = torch.randn(256, 32, generator=g)
+    ours = moe.SparseMoE(c, 0)
+    with torch.no_grad():
+        ours.gate.weight.copy_(router.weight)
+        if v3:
+            ours.gate.e_score_correction_bias.copy_(router.e_score_correction_bias)
+    w, ids = ours.route(x)
+    _, ref_w, ref_ids = router(x)
+    order, ref_order = ids.argsort(-1), ref_ids.argsort(-1)
+    assert torch.equal(ids.gather(1, order), ref_ids.gather(1, ref_order))
+    assert torch.allclose(w.gather(1, order), ref_w.gather(1, ref_order), atol=1e-6, rtol=0)
+    if v3:  # the bias moved some choice (else the test would not see it)
+        plain = torch.topk(torch.sigmoid(x @ router.weight.T), 3).indices.sort(-1).values
+        assert not torch.equal(plain, ids.sort(-1).values)
+
+
+# -- against transformers ----------------------------------------------------------------------
+
+MLA = dict(kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16)
+MOE = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+CASES = {
+    # q through q_a / q_b, interleaved RoPE, YaRN with both mscales (softmax scale and cos/sin),
+    # v_head_dim 12 < 24 (V padded in the cache), layer 0 dense, 4 groups keep 2, renormalised
+    "v3": dict(
+        q_lora_rank=24,
+        v_head_dim=12,
+        rope_parameters={**YARN_M, "rope_theta": 1e4},
+        n_group=4,
+        topk_group=2,
+        first_k_dense_replace=1,
+        n_shared_experts=1,
+        **MLA,
+        **MOE,
+    ),
+    # one q_proj, rotate_half RoPE, default RoPE, v_head_dim 32 > 24 (q and k padded), biases,
+    # raw top-k weights, 2 shared experts, both layers sparse
+    "v3_plain": dict(
+        q_lora_rank=None,
+        v_head_dim=32,
+        rope_interleave=False,
+        attention_bias=True,
+        norm_topk_prob=False,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=0,
+        n_shared_experts=2,
+        routed_scaling_factor=1.5,
+        **MLA,
+        **MOE,
+    ),
+    # V2: complex (interleaved, float32) RoPE with YaRN, q through q_a / q_b, greedy softmax
+    # top-k scaled, 2 shared experts, biases on the attention and every MLP, layer 0 dense
+    "v2": dict(
+        q_lora_rank=24,
+        v_head_dim=16,
+        rope_parameters={**YARN_M, "rope_theta": 1e4},
+        topk_method="greedy",
+        first_k_dense_replace=1,
+        n_shared_experts=2,
+        routed_scaling_factor=1.3,
+        attention_bias=True,
+        mlp_bias=True,
+        **MLA,
+        **MOE,
+    ),
+    # V2: one q_proj, default RoPE, group-limited routing (4 groups keep 2), v_head_dim 32 > 24
+    "v2_group": dict(
+        q_lora_rank=None,
+        v_head_dim=32,
+        topk_method="group_limited_greedy",
+        n_group=4,
+        topk_group=2,
+        first_k_dense_replace=0,
+        n_shared_experts=1,
+        **MLA,
+        **MOE,
+    ),
+}
+
+
+def _build(name, path):
+    kw = CASES[name]
+    cls = "DeepseekV2" if name.startswith("v2") else "DeepseekV3"
+    cfg = getattr(transformers, cls + "Config")(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        initializer_range=0.5,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+        **kw,
+    )
+    torch.manual_seed(0)
+    hf = getattr(transformers, cls + "ForCausalLM")(cfg).eval()
+    with torch.no_grad():  # norms start at 1, biases at 0: off them, a dropped one shows
+        for n, p in hf.named_parameters():
+            if "norm" in n or n.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.3)
+    hf.save_pretrained(path)
+    return hf
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def pair(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    hf = _build(request.param, path)
+    return hf, load_model(path), request.param
+
+
+def test_config_read_from_the_checkpoint(pair):
+    hf, ours, name = pair
+    c, t = ours.config, hf.config
+    assert c.mla.q_lora_rank == t.q_lora_rank and c.mla.v_head_dim == t.v_head_dim
+    assert c.head_dim == max(t.qk_nope_head_dim + t.qk_rope_head_dim, t.v_head_dim)
+    assert c.num_kv_heads == c.num_heads == 4 and ours.model.num_kv_heads == 4
+    assert c.moe_layers == tuple(range(t.first_k_dense_replace, 2))
+    assert c.mla.scale == pytest.approx(hf.model.layers[0].self_attn.scaling, rel=1e-12)
+    assert c.routing.shared_width == t.moe_intermediate_size * t.n_shared_experts
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_logits_match(pair, block_size):
+    hf, ours, _ = pair
+    ids = _prompt(41)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    drv = PagedDriver(ours.model, block_size=block_size)
+    got = drv.prefill(drv.new_seq(), ids)
+    assert got.dtype == torch.float32
+    assert (got - ref).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("block_size,chunk", [(4, 1), (4, 3), (16, 7)])
+def test_chunked_prefill_exact_in_fp64(pair, block_size, chunk):
+    """Chunks over cached context and block boundaries change nothing, in float64. The router
+    weights are zeroed here: transformers computes the router in float32 even in a float64
+    model, and float32 GEMMs, sigmoid and softmax round a row otherwise in a one-row chunk
+    than in a 41-row one (their vector and scalar paths), which moves expert weights by
+    ~1e-7. With zero logits every score is exact (V3's correction bias then picks the experts;
+    `test_routing_is_transformers` and the float32 tests check the router itself). V2 is held
+    to 1e-4: transformers rounds its RoPE input to float32 in any dtype, so float64 noise of
+    another GEMM shape (1e-15) flips a float32 ulp of some key now and then (seen: 1.6e-5)."""
+    hf, ours, name = pair
+    ids = _prompt(41)
+    cfg = copy.deepcopy(hf.config)
+    cfg._experts_implementation = "eager"  # its grouped GEMM takes no float64
+    hf64 = type(hf)(cfg).double().eval()
+    state = hf.state_dict()
+    for key, w in state.items():
+        if key.endswith("mlp.gate.weight"):
+            state[key] = torch.zeros_like(w)
+    hf64.load_state_dict(state)
+    with torch.no_grad():
+        ref = hf64(torch.tensor([ids])).logits[0]
+    m64 = load_model(ours.path, dtype=torch.float64).model
+    with torch.no_grad():
+        for key, p in m64.named_parameters():
+            if key.endswith("mlp.gate.weight"):
+                p.copy_(state[key])
+    drv = PagedDriver(m64, block_size=block_size)
+    seq = drv.new_seq()
+    hidden = torch.cat([drv.step([(seq, ids[s : s + chunk])])[0] for s in range(0, 41, chunk)])
+    got = m64.lm_head(hidden)  # compute_logits' LM head, kept in float64
+    assert (got - ref).abs().max().item() < (1e-4 if name.startswith("v2") else 1e-9)
+
+
+def test_greedy_32_tokens_identical(pair):
+    hf, ours, _ = pair
+    ids = _prompt(9, seed=3)
+    ref = hf_greedy(hf, ids, 32)
+    assert PagedDriver(ours.model, block_size=4).greedy(ids, 32) == ref
+    assert PagedDriver(ours.model, block_size=16).greedy(ids, 32, chunk=4) == ref
+
+
+def test_a_batch_of_prompts_of_different_lengths(pair):
+    """Three prompts (5, 11 and 16 tokens) prefilled in one batch, then decoded together for 32
+    greedy tokens: each prompt's logits and tokens are transformers' for that prompt alone."""
+    hf, ours, _ = pair
+    prompts = [_prompt(5, seed=4), _prompt(11, seed=5), _prompt(16, seed=6)]
+    drv = PagedDriver(ours.model, block_size=4)
+    seqs = [drv.new_seq() for _ in prompts]
+    _, logits = drv.step(list(zip(seqs, prompts, strict=True)))
+    for row, ids in enumerate(prompts):
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids])).logits[0, -1]
+        assert (logits[row] - ref).abs().max().item() < 1e-4, row
+    toks = [[int(t)] for t in logits.argmax(-1)]
+    for _ in range(31):
+        _, logits = drv.step([(s, [t[-1]]) for s, t in zip(seqs, toks, strict=True)])
+        for t, nxt in zip(toks, logits.argmax(-1).tolist(), strict=True):
+            t.append(nxt)
+    assert toks == [hf_greedy(hf, ids, 32) for ids in prompts]
+
+
+def test_the_cache_holds_decompressed_heads(pair):
+    """Every head's K (nope + rope) and V (zero-padded to the head dim) sit in the paged cache;
+    the layers run op by op and say why."""
+    _, ours, _ = pair
+    m, c = ours.model, ours.config
+    drv = PagedDriver(m, block_size=4)
+    drv.prefill(drv.new_seq(), _prompt(6))
+    assert tuple(drv.cache.k.shape[-2:]) == (c.num_heads, c.head_dim)
+    qk = c.mla.qk_head_dim
+    if c.mla.v_head_dim < qk:  # V's padding is zeros, K's is not there
+        assert drv.cache.v[..., c.mla.v_head_dim :].abs().max() == 0
+    for layer in m.model.layers:
+        assert layer.native() is None and "runs op by op" in layer.native_reason
+
+
+def test_bf16_close_to_fp32(pair):
+    hf, ours, _ = pair
+    low = load_model(ours.path, dtype=torch.bfloat16)
+    ids = _prompt(20)
+    drv = PagedDriver(low.model, block_size=4)
+    got = drv.prefill(drv.new_seq(), ids, chunk=6)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    assert drv.cache.k.dtype == torch.bfloat16
+    assert ((got - ref).abs().max() / ref.abs().max()).item() < 0.1
+
+
+# -- two ranks ---------------------------------------------------------------------------------
+
+
+def _rank(rank, port, path, out):
+    """``--tp 2 --ep 2``: heads, the dense layer's MLP and the KV heads over tensor
+    parallelism, the sparse layer's experts over expert parallelism (the router and the shared
+    experts whole on each rank)."""
+    from shared.model.ep import shard_experts
+    from shared.model.parallel import TPGroup, shard_model
+    from tests.model.test_tensor_parallel import _run, quit_rank
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        tp = TPGroup(rank, 2)
+        model = shard_model(load_model(path, dtype=torch.float32).model, tp, experts=True)
+        shard_experts(model, tp, replicated_kv=False)
+        logits, toks, cache = _run(model)
+        a = model.model.layers[0].self_attn
+        moe = model.model.layers[1].mlp
+        torch.save(
+            dict(
+                logits=logits,
+                toks=toks,
+                q=tuple(a.q_b_proj.weight.shape),
+                kv_b=tuple(a.kv_b_proj.weight.shape),
+                kv=tuple(cache.k.shape),
+                experts=moe.experts.gate_up_proj.shape[0],
+                a2a=moe.alltoall_bytes,
+                ar=tp.allreduce_bytes,
+            ),
+            f"{out}/{rank}.pt",
+        )
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    quit_rank()
+
+
+def test_two_ranks_match_unsharded(tmp_path):
+    from tests.model.test_tensor_parallel import _free_port, _run
+
+    _build("v3", tmp_path / "ck")
+    ours = load_model(tmp_path / "ck")
+    ref_logits, ref_toks, ref_cache = _run(ours.model)
+    mp.spawn(_rank, args=(_free_port(), str(ours.path), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"{r}.pt") for r in (0, 1))
+    assert (r0["logits"] - ref_logits).abs().max() < 1e-4
+    assert r0["toks"] == ref_toks and r1["toks"] == ref_toks
+    c, m = ours.config, ours.config.mla
+    assert r0["q"] == (2 * m.qk_head_dim, m.q_lora_rank)  # 2 of 4 heads
+    assert r0["kv_b"] == (2 * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)
+    kv = list(ref_cache.k.shape)
+    kv[-2] //= 2
+    assert list(r0["kv"]) == kv and r0["experts"] == c.num_experts // 2
+    assert r0["a2a"] > 0 and r0["ar"] > 0
+
+
+# -- the acceptance checkpoints ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["deepseek_v3", "deepseek_v2"])
+def test_the_acceptance_checkpoints_load_and_match(kind, tmp_path):
+    """`tests.acceptance.checkpoints.build_text` (the real tokenizer, its 4096 ids): the light
+    check accepts the directory, and Strata's greedy tokens are transformers'."""
+    from tests.acceptance.checkpoints import build_text
+
+    ck = build_text(kind, tmp_path / kind)
+    assert validate_checkpoint(ck.path).architecture == NEW[kind]
+    ids = ck.tokenizer("def tiers(kv_cache):")["input_ids"]
+    ours = load_model(ck.path)
+    assert PagedDriver(ours.model, block_size=4).greedy(ids, 12) == hf_greedy(ck.model, ids, 12)
