@@ -17,9 +17,16 @@ from shared.model.errors import CheckpointError
 from shared.model.loader import load_model
 from shared.model.parallel import TPGroup, check_shardable, shard_model
 from shared.model.validate import validate_checkpoint
+from tests.model.oracle import (
+    assert_batch_matches,
+    assert_chunked_fp64,
+    assert_greedy_identical,
+    assert_logits_match,
+    build_hf,
+)
 from tests.model.paged_driver import PagedDriver
 from tests.model.test_family_configs import _checkpoint
-from tests.model.test_text_models import VOCAB, _prompt, hf_greedy
+from tests.model.test_text_models import _prompt, hf_greedy
 
 transformers = pytest.importorskip("transformers")
 
@@ -309,26 +316,7 @@ CASES = {
 
 def _build(name, path):
     cls, kw = CASES[name]
-    cfg = getattr(transformers, cls + "Config")(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        initializer_range=0.5,
-        max_position_embeddings=256,
-        bos_token_id=1,
-        eos_token_id=2,
-        **kw,
-    )
-    torch.manual_seed(0)
-    hf = getattr(transformers, cls + "ForCausalLM")(cfg).eval()
-    with torch.no_grad():  # norms start at (1, 0), biases at 0: off them, a dropped one shows
-        for n, p in hf.named_parameters():
-            if "norm" in n or n.endswith(".bias"):
-                p.add_(torch.randn_like(p) * 0.3)
-    hf.save_pretrained(path)
-    return hf
+    return build_hf(cls, path, **kw)
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -397,13 +385,7 @@ def test_cohere_pairs_are_reordered_into_llama_rope(pair):
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_logits_match(pair, block_size):
     hf, ours, _ = pair
-    ids = _prompt(41)
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0].float()
-    drv = PagedDriver(ours.model, block_size=block_size)
-    got = drv.prefill(drv.new_seq(), ids)
-    assert got.dtype == torch.float32
-    assert (got - ref).abs().max().item() < 1e-4
+    assert_logits_match(hf, ours.model, block_size)
 
 
 @pytest.mark.parametrize("block_size,chunk", [(4, 3), (16, 7)])
@@ -412,47 +394,21 @@ def test_chunked_prefill_exact_in_fp64(pair, block_size, chunk):
     Strata's own one-step prefill to 1e-9, and transformers' float64 logits (to 1e-9; Cohere's
     norms and RoPE run in float32 in transformers even in a float64 model: 1e-5)."""
     hf, ours, name = pair
-    ids = _prompt(41)
-    hf64 = type(hf)(hf.config).double().eval()
-    hf64.load_state_dict(hf.state_dict())
-    with torch.no_grad():
-        ref = hf64(torch.tensor([ids])).logits[0]
-    m64 = load_model(ours.path, dtype=torch.float64).model
-    drv = PagedDriver(m64, block_size=block_size)
-    seq = drv.new_seq()
-    hidden = torch.cat([drv.step([(seq, ids[s : s + chunk])])[0] for s in range(0, 41, chunk)])
-    one = PagedDriver(m64, block_size=block_size)
-    assert (hidden - one.step([(one.new_seq(), ids)])[0]).abs().max().item() < 1e-9
-    got = m64.lm_head(hidden) * m64.config.logit_scale  # compute_logits' head, in float64
-    assert (got - ref).abs().max().item() < (1e-5 if name.startswith("cohere") else 1e-9)
+    tol = 1e-5 if name.startswith("cohere") else 1e-9
+    head = lambda m, h: m.lm_head(h) * m.config.logit_scale  # noqa: E731 - compute_logits' head
+    assert_chunked_fp64(hf, ours.path, block_size, chunk, tol, head)
 
 
 def test_greedy_32_tokens_identical(pair):
     hf, ours, _ = pair
-    ids = _prompt(9, seed=3)
-    ref = hf_greedy(hf, ids, 32)
-    assert PagedDriver(ours.model, block_size=4).greedy(ids, 32) == ref
-    assert PagedDriver(ours.model, block_size=16).greedy(ids, 32, chunk=4) == ref
+    assert_greedy_identical(hf, ours.model)
 
 
 def test_a_batch_of_prompts_of_different_lengths(pair):
     """Three prompts (5, 11 and 16 tokens) prefilled in one batch, then decoded together for 32
     greedy tokens: each prompt's logits and tokens are transformers' for that prompt alone."""
     hf, ours, _ = pair
-    prompts = [_prompt(5, seed=4), _prompt(11, seed=5), _prompt(16, seed=6)]
-    drv = PagedDriver(ours.model, block_size=4)
-    seqs = [drv.new_seq() for _ in prompts]
-    _, logits = drv.step(list(zip(seqs, prompts, strict=True)))
-    for row, ids in enumerate(prompts):
-        with torch.no_grad():
-            ref = hf(torch.tensor([ids])).logits[0, -1]
-        assert (logits[row] - ref).abs().max().item() < 1e-4, row
-    toks = [[int(t)] for t in logits.argmax(-1)]
-    for _ in range(31):
-        _, logits = drv.step([(s, [t[-1]]) for s, t in zip(seqs, toks, strict=True)])
-        for t, nxt in zip(toks, logits.argmax(-1).tolist(), strict=True):
-            t.append(nxt)
-    assert toks == [hf_greedy(hf, ids, 32) for ids in prompts]
+    assert_batch_matches(hf, ours.model)
 
 
 def test_the_layers_run_op_by_op_and_count_it(pair, monkeypatch):
