@@ -61,6 +61,7 @@ class ModelRunner(RawKV):
             model.head_dim,
             kv_dtype,
             self.device,
+            shared=getattr(model, "kv_shared", False),  # K and V one tensor (DeepSeek's latent)
         )
 
     @classmethod
@@ -83,12 +84,18 @@ class ModelRunner(RawKV):
     @staticmethod
     def bytes_per_block(model, block_size: int, kv_dtype: torch.dtype) -> int:
         return KVCache.bytes_per_block(
-            model.num_layers, block_size, model.num_kv_heads, model.head_dim, kv_dtype
+            model.num_layers,
+            block_size,
+            model.num_kv_heads,
+            model.head_dim,
+            kv_dtype,
+            shared=getattr(model, "kv_shared", False),
         )
 
     @property
     def kv_bytes(self) -> int:
-        return 2 * self.kv.k.numel() * self.kv.k.element_size()
+        tensors = 1 if self.kv.v is self.kv.k else 2
+        return tensors * self.kv.k.numel() * self.kv.k.element_size()
 
     # ----- inputs --------------------------------------------------------------------------
     def prepare(self, out: SchedulerOutput) -> PreparedBatch:

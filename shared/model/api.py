@@ -22,7 +22,8 @@ class KVCache:
 
     ``k`` and ``v`` have shape ``[num_layers, num_blocks, block_size, num_kv_heads, head_dim]``.
     A token's *slot* is ``block_id * block_size + offset``; ``k.view(L, -1, H, D)[l, slot]``
-    is its key in layer ``l``.
+    is its key in layer ``l``. A model whose K and V are the same values (``kv_shared``:
+    DeepSeek's cached latent) gets one tensor for both (``v is k``): the memory of one.
     """
 
     k: torch.Tensor
@@ -50,16 +51,23 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        shared: bool = False,
     ) -> KVCache:
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-        return cls(k=_zeros(shape, dtype, device), v=_zeros(shape, dtype, device))
+        k = _zeros(shape, dtype, device)
+        return cls(k=k, v=k if shared else _zeros(shape, dtype, device))
 
     @staticmethod
     def bytes_per_block(
-        num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+        num_layers: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        shared: bool = False,
     ) -> int:
         elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
+        return (1 if shared else 2) * num_layers * block_size * num_kv_heads * head_dim * elem
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:

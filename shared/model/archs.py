@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from shared.model.config_more import exaone4_sliding
+
 # model_type -> (causal LM architecture, defaults that differ between families)
 TEXT_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaForCausalLM", {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048}),
@@ -188,6 +190,64 @@ TEXT_FAMILIES["cohere"] = (
         "rope_theta": 5e5,
     },
 )
+# `shared.model.config_more` reads the fields of these four:
+# EXAONE-4: OLMo-2's post-norm layer with per-head q/k RMSNorms, sliding layers (layer_types,
+# default all but every sliding_window_pattern-th) and, while a window is set, no RoPE on the
+# full-attention layers; HunYuan-V1-Dense: Llama with per-head q/k RMSNorms after RoPE and its
+# dynamic NTK-alpha RoPE; Arcee: Llama with an ungated relu2 MLP (up_proj / down_proj); Nemotron:
+# LayerNorm1p ((1 + w) LayerNorm), the ungated relu2 MLP, RoPE on part of each head
+TEXT_FAMILIES["exaone4"] = (
+    "Exaone4ForCausalLM",
+    {"rms_norm_eps": 1e-5, "max_position_embeddings": 2048},
+)
+TEXT_FAMILIES["hunyuan_v1_dense"] = (
+    "HunYuanDenseV1ForCausalLM",
+    {"rms_norm_eps": 1e-5, "max_position_embeddings": 2048},
+)
+TEXT_FAMILIES["arcee"] = (
+    "ArceeForCausalLM",
+    {"rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "hidden_act": "relu2"},
+)
+TEXT_FAMILIES["nemotron"] = (
+    "NemotronForCausalLM",
+    {"rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "hidden_act": "relu2"},
+)
+# gpt-oss: attention with a learned sink logit per head (in each softmax's denominator), q/k/v/o
+# biases, every other layer sliding (layer_types, window 128), YaRN RoPE, every layer a MoE of
+# biased experts (fused gate_up stored interleaved) with a clamped SwiGLU and a biased router
+# whose top-k logits are softmaxed (`shared.model.config_gpt_oss` reads its fields; MXFP4 refused)
+TEXT_FAMILIES["gpt_oss"] = (
+    "GptOssForCausalLM",
+    {"rms_norm_eps": 1e-5, "max_position_embeddings": 131072, "rope_theta": 150000.0},
+)
+# Mixture-of-experts families on a dense family's layer (`shared.model.config_moe` reads their
+# fields, `models/moe_families.py` runs them): OLMoE: Llama's layer with OLMo-2's q/k norm over
+# all heads, softmax top-k; GraniteMoE / GraniteMoeShared: Granite's multipliers, a softmax over
+# the top-k logits, experts fused in the checkpoint (input_linear / output_linear), plus a shared
+# MLP; PhiMoE: LayerNorms, biases, the sparsemixer top-2 router, a window on every layer; ERNIE
+# 4.5 MoE: ERNIE 4.5's layer, a biased-choice softmax router, ungated shared experts
+TEXT_FAMILIES["olmoe"] = (
+    "OlmoeForCausalLM",
+    {"rms_norm_eps": 1e-5, "max_position_embeddings": 4096},
+)
+for _mt, _arch in (
+    ("granitemoe", "GraniteMoeForCausalLM"),
+    ("granitemoeshared", "GraniteMoeSharedForCausalLM"),
+):
+    TEXT_FAMILIES[_mt] = (_arch, {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048})
+TEXT_FAMILIES["phimoe"] = (
+    "PhimoeForCausalLM",
+    {"rms_norm_eps": 1e-5, "max_position_embeddings": 131072, "rope_theta": 1e6},
+)
+TEXT_FAMILIES["ernie4_5_moe"] = (
+    "Ernie4_5_MoeForCausalLM",
+    {
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": True,
+        "rope_theta": 5e5,
+    },
+)
 TEXT_ARCHITECTURES = {arch: mt for mt, (arch, _) in TEXT_FAMILIES.items()}
 LLAVA_ARCHITECTURE = "LlavaForConditionalGeneration"
 # decoders a LLaVA may hold: those of the Llama-family class its language model is (Gemma,
@@ -198,6 +258,9 @@ _OWN_LAYERS += ("deepseek_v3", "deepseek_v2")  # latent attention, DeepSeekMoE
 _OWN_LAYERS += ("gpt_neox", "stablelm", "cohere")  # LayerNorms, parallel residual
 # the dense Llama-like families of `shared.model.config_dense` (not wired through a LLaVA)
 _OWN_LAYERS += ("ministral", "seed_oss", "glm", "glm4", "ernie4_5", "helium")
+_OWN_LAYERS += ("exaone4", "hunyuan_v1_dense", "arcee", "nemotron")  # `config_more`'s
+_OWN_LAYERS += ("gpt_oss",)  # attention sinks, its own MoE
+_OWN_LAYERS += ("olmoe", "granitemoe", "granitemoeshared", "phimoe", "ernie4_5_moe")  # MoE
 LLAVA_TEXT_TYPES = tuple(mt for mt in TEXT_FAMILIES if mt not in _OWN_LAYERS)
 SUPPORTED = (*TEXT_ARCHITECTURES, LLAVA_ARCHITECTURE)
 
@@ -222,6 +285,7 @@ _QWEN = ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe")
 _WINDOWED = ("mistral", "mixtral", "phi3", "gemma2", "gemma3_text", "smollm3", "olmo3", *_QWEN)
 _WINDOWED += ("starcoder2",)  # every layer, like Mistral
 _WINDOWED += ("ministral",)  # the layers layer_types marks (default: every one)
+_WINDOWED += ("phimoe",)  # every layer, like Mistral (no window by default)
 # families that window only the layers `layer_types_of` marks
 _TYPED = ("qwen2", "qwen3", "qwen2_moe", "gemma2", "gemma3_text", "smollm3", "olmo3")
 # transformers' default when config.json has no sliding_window key
@@ -235,6 +299,13 @@ _DEFAULT_WINDOW = {
 _DEFAULT_LAYERS = {"gemma2": 26, "gemma3_text": 26, "qwen2_moe": 24, "smollm3": 36}
 _TYPED += ("ministral",)
 _DEFAULT_WINDOW["ministral"] = 4096
+_WINDOWED += ("exaone4",)  # the layers layer_types marks (default 3 in 4)
+_TYPED += ("exaone4",)
+_DEFAULT_WINDOW["exaone4"] = 4096
+_WINDOWED += ("gpt_oss",)  # the layers layer_types marks (default: every other, from 0)
+_TYPED += ("gpt_oss",)
+_DEFAULT_WINDOW["gpt_oss"] = 128
+_DEFAULT_LAYERS["gpt_oss"] = 36
 
 
 def rope_layers_of(cfg: dict) -> list[int]:
@@ -256,17 +327,22 @@ def layer_types_of(cfg: dict) -> list[str]:
     ``sliding_window_pattern``-th (default 6), OLMo-3 all but every 4th, Qwen2-MoE every other
     one below ``max_window_layers``, Qwen2 / Qwen3 those from ``max_window_layers`` on, SmolLM3
     its NoPE layers when ``use_sliding_window`` and a ``sliding_window`` are set, Ministral every
-    layer unless ``sliding_window`` is null."""
+    layer unless ``sliding_window`` is null, EXAONE-4 all but every ``sliding_window_pattern``-th
+    (default 4) unless ``sliding_window`` is null."""
     if cfg.get("layer_types") is not None:
         return list(cfg["layer_types"])
     mt = cfg.get("model_type", "llama")
     n = int(cfg.get("num_hidden_layers", _DEFAULT_LAYERS.get(mt, 32)))
+    if mt == "exaone4":  # all but every sliding_window_pattern-th (4) while a window is set
+        slides = [exaone4_sliding(cfg, i) for i in range(n)]
+        return ["sliding_attention" if s else "full_attention" for s in slides]
     first = int(cfg.get("max_window_layers", 28))
     pattern = int(cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", 6)))
     smol = cfg.get("use_sliding_window") and cfg.get("sliding_window") is not None
     rope = rope_layers_of(cfg) if mt == "smollm3" else []
     sliding = {
         "gemma2": lambda i: (i + 1) % 2,
+        "gpt_oss": lambda i: (i + 1) % 2,  # as Gemma-2: 0, 2, 4... (GptOssConfig)
         "gemma3_text": lambda i: (i + 1) % pattern,
         "olmo3": lambda i: (i + 1) % 4,
         "qwen2_moe": lambda i: (i + 1) % 2 and i < first,
@@ -281,8 +357,8 @@ def sliding_window_of(cfg: dict) -> int | None:
     transformers reads it; None when every layer attends to the full context.
 
     Mistral / Mixtral / Phi-3 / StarCoder2: ``sliding_window`` (null: none); Gemma-2 /
-    Gemma-3 / OLMo-3 / SmolLM3 / Ministral the layers `layer_types_of` marks (SmolLM3's mask windows them
-    whatever ``use_sliding_window`` says). Qwen2 / Qwen3 / Qwen3-MoE / Qwen2-MoE: only with
+    Gemma-3 / OLMo-3 / SmolLM3 / Ministral / EXAONE-4 the layers `layer_types_of` marks
+    (SmolLM3's mask windows them whatever ``use_sliding_window`` says). Qwen2 / Qwen3 / Qwen3-MoE / Qwen2-MoE: only with
     ``use_sliding_window``; Qwen2 / Qwen3 / Qwen2-MoE then only the layers `layer_types_of`
     marks. Llama, Gemma, Granite, OLMo-2 and Phi have no window."""
     mt = cfg.get("model_type", "llama")

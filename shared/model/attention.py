@@ -180,7 +180,8 @@ def paged_attention(
     kv_heads = k.shape[1]
     group = num_heads // kv_heads
     k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    if v is not k or v_cache.data_ptr() != k_cache.data_ptr():  # not one cache (`kv_shared`)
+        v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
     out = q.new_empty(q.shape[0], kv_heads, group, head_dim)
     spans = plan.spans

@@ -29,6 +29,9 @@ from shared.model.config_fields import (
     moe_fields,
     rope_fields,
 )
+from shared.model.config_gpt_oss import gpt_oss_fields
+from shared.model.config_moe import moe_family_fields
+from shared.model.config_more import more_fields
 from shared.model.config_neox import neox_fields
 from shared.model.deepseek_config import LatentAttention, Routing, deepseek_fields
 from shared.model.errors import CheckpointError
@@ -126,6 +129,7 @@ class ModelConfig:
     routing: Routing | None = None  # DeepSeek's router and shared experts (None: softmax top-k)
     parallel_residual: bool = False  # GPT-NeoX / StableLM / Cohere: attention and MLP in parallel
     logit_scale: float = 1.0  # Cohere: logits are multiplied by it
+    lm_head_bias: bool = False  # PhiMoE: the LM head has a bias (lm_head_bias)
 
     @property
     def is_multimodal(self) -> bool:
@@ -215,10 +219,16 @@ def _text_fields(cfg: dict, source: str) -> dict[str, Any]:
         | dense_fields(cfg)
         | deepseek_fields(cfg, source)
         | neox_fields(cfg)
+        | more_fields(cfg)
+        | gpt_oss_fields(cfg, source)
+        | moe_family_fields(cfg, source)
     )
     # Phi / StarCoder2: their eps, biases, q/k LayerNorm; the dense Llama-like families
     # (`shared.model.config_dense`): shapes, biases; DeepSeek-V3 / V2 (`deepseek_config`);
     # GPT-NeoX / StableLM / Cohere (`config_neox`): shapes, biases, residual layout
+    # EXAONE-4 / HunYuan-V1-Dense / Arcee / Nemotron (`config_more`): shapes, biases, NoPE
+    # gpt-oss (`config_gpt_oss`): shapes, YaRN, biases, its MoE router
+    # OLMoE / GraniteMoE(Shared) / PhiMoE / ERNIE 4.5 MoE (`config_moe`): shapes, biases, routers
 
 
 def _vision_config(cfg: dict) -> VisionConfig:

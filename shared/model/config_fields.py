@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from shared.model.archs import TEXT_FAMILIES, layer_types_of, rope_layers_of
+from shared.model.config_more import hunyuan_rope
 from shared.model.errors import CheckpointError
 
 _ROPE_TYPES = ("llama3", "linear")  # besides "default"
@@ -17,6 +18,9 @@ _LOCAL_ROPE = ("gemma3_text", "olmo3")  # sliding layers on a RoPE of their own
 _YARN = ("deepseek_v3", "deepseek_v2")  # also YaRN (`models/deepseek.py` computes it)
 _PARTIAL = ("phi", "glm", "glm4")  # RoPE on part of each head (`partial_rotary_of`, default half)
 _PARTIAL += ("gpt_neox", "stablelm")  # theirs a quarter by default (GPT-NeoX: rotary_pct)
+_PARTIAL += ("nemotron",)  # half by default
+_YARN += ("arcee",)  # AFM-4.5B's (`models/arcee.py`)
+_YARN += ("gpt_oss",)  # its default RoPE (`models/gpt_oss.py`)
 
 
 def _one_rope(params: dict, source: str, yarn: bool = False) -> tuple[float, dict | None]:
@@ -57,6 +61,8 @@ def rope_fields(cfg: dict, source: str) -> dict[str, Any]:
     else:
         full, local = dict(cfg.get("rope_scaling") or {}), {}
     full.setdefault("rope_theta", theta)
+    if model_type == "hunyuan_v1_dense":  # its dynamic (NTK-alpha) RoPE as a fixed base
+        full = hunyuan_rope(full, cfg)
     gemma3 = model_type == "gemma3_text"
     local.setdefault("rope_theta", cfg.get("rope_local_base_freq", 1e4) if gemma3 else None)
     if local["rope_theta"] is None:  # OLMo-3's sliding layers: the global base, unscaled

@@ -87,7 +87,8 @@ def fallback(op: str, reason: str) -> None:
     ``disabled`` (a STRATA_CPU_* switch), ``unavailable`` (no compiler, build failed),
     ``dtype`` (not float32), ``layout`` (strides the kernel does not take), ``shape`` (a size
     it does not take), ``unsupported`` (a model part it has no code for: MoE, a
-    tensor-parallel projection). Returns None (the callers' "no kernel")."""
+    tensor-parallel projection), ``sinks`` (GPT-OSS's attention sinks: no attention kernel has
+    the term). Returns None (the callers' "no kernel")."""
     child = _fallback_children.get((op, reason))
     if child is None:  # per call on a bf16 model's every layer: labels() once per pair
         child = _fallback_children[op, reason] = FALLBACKS.labels(op, reason)

@@ -192,8 +192,9 @@ def deepseek_fields(cfg: dict, source: str) -> dict[str, Any]:
     """The `ModelConfig` fields of a DeepSeek config over the Llama-family reading (other
     models: none). The RoPE is `config_fields.rope_fields`' (YaRN allowed; its
     ``original_max_position_embeddings`` defaults to ``max_position_embeddings``, as
-    transformers does). The KV cache holds decompressed per-head K and V: ``num_kv_heads`` is
-    the head count and ``head_dim`` the larger of the q/k and v head dims (docs/MODEL.md)."""
+    transformers does). The KV cache holds the latent: one KV head (``num_kv_heads`` 1, replicated
+    on every tensor-parallel rank) of ``head_dim = kv_lora_rank + qk_rope_head_dim``, the normed
+    latent and the rotated rope key, used as both K and V (docs/MODEL.md)."""
     mt = cfg.get("model_type")
     if mt not in DEEPSEEK_TYPES:
         return {}
@@ -228,8 +229,8 @@ def deepseek_fields(cfg: dict, source: str) -> dict[str, Any]:
         hidden_size=int(g("hidden_size")),
         num_layers=layers,
         num_heads=heads,
-        num_kv_heads=heads,  # decompressed K/V per head (MLA shares no heads after kv_b_proj)
-        head_dim=max(nope + rope, v),
+        num_kv_heads=1,  # the cached latent: one KV head that every query head attends to
+        head_dim=mla.kv_lora_rank + rope,
         rope_scaling=rope_scaling,
         attention_bias=bias,  # q_a_proj and kv_a_proj_with_mqa
         o_proj_bias=bias,

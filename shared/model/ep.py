@@ -21,7 +21,7 @@ from torch import nn
 
 from shared.model import eplb
 from shared.model.errors import CheckpointError
-from shared.model.moe import EXPERT_GEMMS, Experts, SparseMoE
+from shared.model.moe import EXPERT_GEMMS, SparseMoE
 
 ALLTOALL_BYTES = Counter(
     "strata_ep_alltoall_bytes_total",
@@ -68,7 +68,7 @@ class EPMoE(SparseMoE):
         self.routing, self.shared_experts = moe.routing, moe.shared_experts
         self.layer, self._counters, self.group = moe.layer, moe._counters, group
         self.num_experts, self.act = c.num_experts, c.hidden_act
-        self.experts = Experts(placement.slots, c.hidden_size, c.moe_intermediate_size, self.act)
+        self.experts = moe.experts.like(placement.slots)  # biases, gating as the model's
         self.alltoall_bytes = 0  # this rank's share of ALLTOALL_BYTES from this layer
         self.served = 0  # rows this rank's experts computed (its load) since the last rebalance
         self.served_log: list[int] = []  # ``served`` at each rebalance
@@ -76,15 +76,15 @@ class EPMoE(SparseMoE):
         self.micro_batches_run = 0
         self.moved_bytes = 0  # expert weights this rank received in EPLB moves
         self.load = torch.zeros(c.num_experts, dtype=torch.long)  # rows routed since rebalance
-        full = (moe.experts.gate_up_proj.data, moe.experts.down_proj.data)
-        self._install(placement, {e: (full[0][e], full[1][e]) for e in set(placement.phys)})
+        full = [getattr(moe.experts, n).data for n in moe.experts.stacked()]
+        self._install(placement, {e: tuple(t[e] for t in full) for e in set(placement.phys)})
 
     def _install(self, placement: eplb.Placement, weights: dict) -> None:
         """Hold ``placement``'s experts of this rank; ``weights[e]``: expert e's tensors."""
         mine = placement.on_rank(self.group.rank)
         ex = self.experts
-        ex.gate_up_proj = nn.Parameter(torch.stack([weights[e][0] for e in mine]), False)
-        ex.down_proj = nn.Parameter(torch.stack([weights[e][1] for e in mine]), False)
+        for i, name in enumerate(ex.stacked()):  # gate_up, down (and their biases)
+            setattr(ex, name, nn.Parameter(torch.stack([weights[e][i] for e in mine]), False))
         ex._gemms = None
         self.placement = placement
         reps = [placement.replicas(e) for e in range(self.num_experts)]
@@ -144,14 +144,11 @@ class EPMoE(SparseMoE):
         counts = torch.bincount(slots, minlength=self.placement.slots).tolist()
         xs = xs.index_select(0, order)
         ys = torch.empty_like(xs)
-        n_i, start, gemms = self.experts.intermediate, 0, 0
+        start, gemms = 0, 0
         for s, c in enumerate(counts):
             if c == 0:
                 continue
-            gate_up, down = self.experts.gemms(s)
-            gu = gate_up(xs[start : start + c])
-            h = self.experts.act(gu[:, :n_i]).mul_(gu[:, n_i:])
-            ys[start : start + c] = down(h)
+            ys[start : start + c] = self.experts.run(s, xs[start : start + c])
             start, gemms = start + c, gemms + 2
         EXPERT_GEMMS.inc(gemms)
         self.served += len(order)
@@ -163,19 +160,14 @@ class EPMoE(SparseMoE):
         old, r, got = self.placement, self.group.rank, 0
         have = {e: i for i, e in enumerate(old.on_rank(r))}
         ex = self.experts
-        weights = {e: (ex.gate_up_proj.data[i], ex.down_proj.data[i]) for e, i in have.items()}
+        stacked = [getattr(ex, n).data for n in ex.stacked()]
+        weights = {e: tuple(t[i] for t in stacked) for e, i in have.items()}
         wanted = sorted(
             {e for q in range(new.ranks) for e in new.on_rank(q) if e not in old.on_rank(q)}
         )
         for e in wanted:
             src = min(q for q in range(old.ranks) if e in old.on_rank(q))
-            bufs = (
-                weights[e]
-                if src == r
-                else tuple(
-                    torch.empty_like(t[0]) for t in (ex.gate_up_proj.data, ex.down_proj.data)
-                )
-            )
+            bufs = weights[e] if src == r else tuple(torch.empty_like(t[0]) for t in stacked)
             for b in bufs:
                 dist.broadcast(b, src, group=self.group.group)
             if e in new.on_rank(r) and e not in have:
@@ -239,8 +231,10 @@ def shard_experts(
             layer.mlp = EPMoE(layer.mlp, c, group, placement)
             layer.mlp.micro_batches = micro_batches
             layer.native_reason = "expert parallel (all-to-all dispatch and combine)"
-    # --ep alone: every rank holds every KV head, the KV plane broadcasts writes
-    group.shards_kv = not replicated_kv
+    # --ep alone: every rank holds every KV head, the KV plane broadcasts writes (and with --tp
+    # too when `shard_model` kept the KV heads whole: DeepSeek's latent)
+    if replicated_kv:
+        group.shards_kv = False
     model.tp = group
     LOCAL_EXPERTS.set(placement.slots)
     return model

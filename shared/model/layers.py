@@ -32,6 +32,7 @@ ACTIVATIONS = {
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
     "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
     "relu": F.relu,
+    "relu2": lambda x: torch.square(F.relu(x)),  # Arcee, Nemotron
 }
 
 
@@ -359,17 +360,21 @@ class Attention(nn.Module):
             if self.q_norm is not None:
                 q, k = self.norm_qk(q, k)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        o = self.attend(q, k, v, plan, slot_mapping, k_cache, v_cache)
+        return project(self.o_proj, o.reshape(t, self.num_heads * self.head_dim))
+
+    def attend(self, q, k, v, plan, slot_mapping, k_cache, v_cache) -> torch.Tensor:
+        """The new K/V written, ``q [T, H, D]`` attended over the paged context (a subclass with
+        another score rule overrides it: GPT-OSS's sinks)."""
         if self.softcap is not None:  # the native attention kernels take no cap
             if plan.decodes:
                 _torch_on_cpu(q, "decode_attention")
             if plan.prefill is not None:
                 _torch_on_cpu(q, "prefill_attention")
-            o = softcap_attention(
+            return softcap_attention(
                 q, k, v, k_cache, v_cache, slot_mapping, plan, self.scale, self.softcap
             )
-        else:
-            o = paged_attention(q, k, v, k_cache, v_cache, slot_mapping, plan, self.scale)
-        return project(self.o_proj, o.reshape(t, self.num_heads * self.head_dim))
+        return paged_attention(q, k, v, k_cache, v_cache, slot_mapping, plan, self.scale)
 
     def _fused_qkv(self) -> Gemm | Int8Gemm | None:
         """The one GEMM over q/k/v_proj, fused again when a projection changed; ``None`` when

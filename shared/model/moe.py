@@ -6,9 +6,14 @@ probabilities renormalised to sum to 1 when ``norm_topk_prob`` (always for Mixtr
 activation dtype. Qwen2-MoE adds a shared expert, a gated MLP every token runs, scaled by
 ``sigmoid(shared_expert_gate(x))``, to the routed sum. The routing is pluggable: a
 ``ModelConfig.routing`` (DeepSeek) runs `route_grouped` instead, and its ungated shared experts
-are added to the routed sum. The experts run grouped: the ``T x k`` (token, expert) pairs are sorted by
-expert once, and each expert that received tokens runs one fused gate/up GEMM and one down GEMM
-over all of its rows; the weighted rows are summed back per token with one ``index_add_``.
+are added to the routed sum; GPT-OSS's (``scoring`` "topk_softmax") a softmax over the top-k of a
+biased router's logits (`route_topk_softmax`), with biased experts gated by `clamped_swiglu`.
+GraniteMoE's ("topk_softmax_float32") the same on float32 logits; PhiMoE's ("sparsemixer")
+`route_sparsemixer`; ERNIE 4.5 MoE's DeepSeek-V2-like `route_grouped` with a correction bias and
+the weights' sum clamped at ``norm_min`` (`shared.model.config_moe.MoeRouting`).
+The experts run grouped: the ``T x k`` (token, expert) pairs are sorted by expert once, and each
+expert that received tokens runs one fused gate/up GEMM and one down GEMM over all of its rows;
+the weighted rows are summed back per token with one ``index_add_``.
 
 Expert weights are held as transformers 5.x holds them in memory: ``experts.gate_up_proj``
 ``[E, 2I, H]`` (gate rows first) and ``experts.down_proj`` ``[E, H, I]``. The loader fills them
@@ -37,29 +42,106 @@ EXPERT_GEMMS = Counter("strata_moe_expert_gemms_total", "Expert GEMMs run (group
 
 
 class Experts(nn.Module):
-    """``E`` gated MLPs stored stacked; ``forward`` runs the rows already grouped by expert."""
+    """``E`` gated MLPs stored stacked; ``run`` computes one expert over the rows grouped for it.
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, act: str):
+    ``bias``: each expert's gate/up and down projections carry a bias (``gate_up_proj_bias``
+    ``[E, 2I]``, ``down_proj_bias`` ``[E, H]``, GPT-OSS); ``swiglu``: ``(alpha, limit)`` of
+    GPT-OSS's clamped SwiGLU (`clamped_swiglu`) instead of ``act(gate) * up``."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden: int,
+        intermediate: int,
+        act: str,
+        bias: bool = False,
+        swiglu: tuple[float, float] | None = None,
+    ):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
-        self.intermediate = intermediate
+        if bias:
+            self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate))
+            self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden))
+        self.hidden, self.intermediate, self.act_name = hidden, intermediate, act
+        self.bias, self.swiglu = bias, swiglu
         self.act = activation(act)
         self._gemms: list[tuple[Gemm, Gemm]] | None = None  # per expert, packed on first use
+
+    def stacked(self) -> tuple[str, ...]:
+        """The names of the per-expert stacked parameters (what expert parallelism moves)."""
+        names = ("gate_up_proj", "down_proj")
+        return names + ("gate_up_proj_bias", "down_proj_bias") if self.bias else names
+
+    def like(self, num_experts: int) -> Experts:
+        """Empty experts of the same kind (shapes, biases, gating), ``num_experts`` of them."""
+        return Experts(
+            num_experts, self.hidden, self.intermediate, self.act_name, self.bias, self.swiglu
+        )
+
+    def _biases(self, e: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if not self.bias:
+            return None, None
+        return self.gate_up_proj_bias[e], self.down_proj_bias[e]
 
     def gemms(self, e: int) -> tuple[Gemm, Gemm]:
         """Expert ``e``'s (gate_up, down) GEMMs, packed again when a weight changed."""
         g = self._gemms
         if (
             g is None
-            or not g[e][0].current(self.gate_up_proj[e], None)
-            or not g[e][1].current(self.down_proj[e], None)
+            or not g[e][0].current(self.gate_up_proj[e], self._biases(e)[0])
+            or not g[e][1].current(self.down_proj[e], self._biases(e)[1])
         ):
             g = self._gemms = [
-                (Gemm(self.gate_up_proj[i], None), Gemm(self.down_proj[i], None))
+                (
+                    Gemm(self.gate_up_proj[i], self._biases(i)[0]),
+                    Gemm(self.down_proj[i], self._biases(i)[1]),
+                )
                 for i in range(self.gate_up_proj.shape[0])
             ]
         return g[e]
+
+    def run(self, e: int, xs: torch.Tensor) -> torch.Tensor:
+        """Expert ``e`` over the rows ``xs`` routed to it: one gate/up GEMM, the gating, one
+        down GEMM."""
+        gate_up, down = self.gemms(e)
+        gu, n = gate_up(xs), self.intermediate
+        if self.swiglu is not None:
+            return down(clamped_swiglu(gu[:, :n], gu[:, n:], *self.swiglu))
+        return down(self.act(gu[:, :n]).mul_(gu[:, n:]))
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float):
+    """GPT-OSS's gating, as transformers computes it: the gate clamped from above and the up
+    projection on both sides at ``limit``, then ``(up + 1) * gate * sigmoid(alpha * gate)``."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def route_topk_softmax(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPT-OSS's router over its (biased) router logits ``[T, E]``: the ``top_k`` largest
+    logits, then a softmax over just those (in the logits' dtype): ``(weights, ids)``."""
+    top, ids = torch.topk(logits, top_k, dim=-1)
+    return torch.softmax(top, dim=-1), ids
+
+
+def route_sparsemixer(scores: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """PhiMoE's sparsemixer at inference (deterministic: transformers samples only in training)
+    over router logits ``[T, E]``: ``(weights [T, 2], ids [T, 2])`` in the logits' dtype. The
+    first expert is the best logit ``m``; its weight is the softmax, at it, over the experts whose
+    logit ``s`` is close to ``m`` (``(m - s) / max(|s|, m) <= 2 * eps``, the rest at -inf). The
+    second is the best of the others, weighted the same way among the others (the threshold
+    measured on the original logits)."""
+    out_w, out_i, masked = [], [], scores
+    for _ in range(2):
+        best, idx = masked.max(dim=-1, keepdim=True)
+        far = (best - scores) / scores.abs().clamp(min=best) > 2 * eps
+        gates = torch.softmax(masked.masked_fill(far, float("-inf")), dim=-1)
+        out_w.append(gates.gather(-1, idx))
+        out_i.append(idx)
+        masked = torch.scatter(scores, -1, idx, float("-inf"))
+    return torch.cat(out_w, dim=-1), torch.cat(out_i, dim=-1)
 
 
 def route_grouped(
@@ -89,7 +171,9 @@ def route_grouped(
     ids = torch.topk(choice, top_k, dim=-1, sorted=False).indices
     weights = scores.gather(1, ids)
     if norm:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        total = weights.sum(dim=-1, keepdim=True)
+        norm_min = getattr(r, "norm_min", None)  # ERNIE 4.5 MoE clamps the sum instead
+        weights = weights / (total + 1e-20 if norm_min is None else total.clamp(min=norm_min))
     return weights * r.scaling, ids
 
 
@@ -102,8 +186,19 @@ class SparseMoE(nn.Module):
 
     def __init__(self, c, layer: int):
         super().__init__()
-        self.gate = nn.Linear(c.hidden_size, c.num_experts, bias=False)
-        self.experts = Experts(c.num_experts, c.hidden_size, c.moe_intermediate_size, c.hidden_act)
+        # DeepSeek's `Routing`, or GPT-OSS's (``scoring`` "topk_softmax": `route_topk_softmax`
+        # over a biased router, experts with biases and the clamped SwiGLU)
+        self.routing = r = getattr(c, "routing", None)
+        router_bias = bool(getattr(r, "router_bias", False))
+        self.gate = nn.Linear(c.hidden_size, c.num_experts, bias=router_bias)
+        self.experts = Experts(
+            c.num_experts,
+            c.hidden_size,
+            c.moe_intermediate_size,
+            c.hidden_act,
+            bias=bool(getattr(r, "expert_bias", False)),
+            swiglu=getattr(r, "swiglu", None),
+        )
         self.top_k, self.norm_topk_prob = c.num_experts_per_tok, c.norm_topk_prob
         self.layer = layer
         self._counters = [EXPERT_TOKENS.labels(str(layer), str(e)) for e in range(c.num_experts)]
@@ -112,7 +207,6 @@ class SparseMoE(nn.Module):
         if c.shared_expert_intermediate_size:
             self.shared_expert = MLP(c.hidden_size, c.shared_expert_intermediate_size, c.hidden_act)
             self.shared_expert_gate = nn.Linear(c.hidden_size, 1, bias=False)
-        self.routing = getattr(c, "routing", None)  # DeepSeek's (`route_grouped`)
         self.shared_experts: MLP | None = None  # DeepSeek's, ungated
         if self.routing is not None:
             if self.routing.correction_bias:
@@ -133,6 +227,15 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights [T, k] in x's dtype, expert ids [T, k])``."""
+        if getattr(self.routing, "scoring", None) == "topk_softmax":  # GPT-OSS
+            weights, ids = route_topk_softmax(project(self.gate, x), self.top_k)
+            return weights.to(x.dtype), ids
+        scoring = getattr(self.routing, "scoring", None)
+        if scoring == "topk_softmax_float32":  # GraniteMoE: the same on float32 logits
+            weights, ids = route_topk_softmax(project(self.gate, x).float(), self.top_k)
+            return weights.to(x.dtype), ids
+        if scoring == "sparsemixer":  # PhiMoE
+            return route_sparsemixer(project(self.gate, x), self.routing.jitter_eps)
         if self.routing is not None:  # DeepSeek: float32 logits, grouped choice
             logits = F.linear(x.float(), self.gate.weight.float())
             bias = getattr(self.gate, "e_score_correction_bias", None)
@@ -156,14 +259,12 @@ class SparseMoE(nn.Module):
         xs = x.index_select(0, rows)
         ws = weights.reshape(-1, 1).index_select(0, order)
         ys = torch.empty_like(xs)
-        n_i, start, gemms = self.experts.intermediate, 0, 0
+        start, gemms = 0, 0
         for e, n in enumerate(counts):
             if n == 0:
                 continue
-            gate_up, down = self.experts.gemms(e)
-            gu = gate_up(xs[start : start + n])  # one GEMM over every row routed to e
-            h = self.experts.act(gu[:, :n_i]).mul_(gu[:, n_i:])
-            torch.mul(down(h), ws[start : start + n], out=ys[start : start + n])
+            y = self.experts.run(e, xs[start : start + n])  # one GEMM each over e's rows
+            torch.mul(y, ws[start : start + n], out=ys[start : start + n])
             self._counters[e].inc(n)
             start, gemms = start + n, gemms + 2
         EXPERT_GEMMS.inc(gemms)

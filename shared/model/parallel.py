@@ -4,7 +4,10 @@ Each rank keeps the q/k/v rows of its heads, the matching o_proj columns, its ga
 the matching down_proj columns (an ungated MLP: its input projection's rows and its output
 projection's columns; Phi's per-head q/k LayerNorms and partial RoPE need nothing more);
 o_proj and down_proj outputs are summed over ranks with one all-reduce each (bias added once,
-on rank 0). Embeddings, norms and lm_head are replicated.
+on rank 0). Embeddings, norms and lm_head are replicated. A model whose KV heads do not split
+(DeepSeek's cached latent: one KV head for every query head, `kv_heads_split`) keeps them whole
+on every rank, as vLLM does for MLA: the KV plane then treats the cache as replicated
+(``TPGroup.shards_kv`` False: reads from rank 0's copy, writes broadcast, `shared.engine.tp_kv`).
 The same code runs on gloo (CPU) and NCCL (CUDA): only the process group differs.
 """
 
@@ -33,8 +36,9 @@ class TPGroup:
     world_size: int
     group: dist.ProcessGroup | None = None  # None: the default group
     allreduce_bytes: int = field(default=0)
-    # False under expert parallelism alone: every rank holds every KV head (attention is
-    # replicated), so the KV plane reads rank 0's and broadcasts writes (`shared.engine.tp_kv`)
+    # False under expert parallelism alone (attention is replicated) or for a model whose KV
+    # heads do not split (`kv_heads_split`): every rank holds every KV head, so the KV plane
+    # reads rank 0's and broadcasts writes (`shared.engine.tp_kv`)
     shards_kv: bool = True
     # Rank 0 holds it over each broadcast and the collectives that follow it (a forward, or a
     # KV gather/scatter, `shared.engine.tp_kv`): the followers run them in broadcast order, so
@@ -93,6 +97,13 @@ def check_divisible(num_heads: int, num_kv_heads: int, world_size: int) -> None:
         )
 
 
+def kv_heads_split(c) -> bool:
+    """Whether tensor parallelism splits the KV heads of `ModelConfig` ``c`` over the ranks:
+    not for DeepSeek's multi-head latent attention, whose cache holds one latent KV head that
+    every query head reads (each rank keeps a whole copy)."""
+    return getattr(c, "mla", None) is None
+
+
 def check_shardable(c, world_size: int, experts: bool = False) -> None:
     """A `ModelConfig` that `shard_model` can cut into ``world_size`` shards, else one clear
     `CheckpointError` (checked before any rank starts). ``experts``: the MoE layers' experts
@@ -101,8 +112,8 @@ def check_shardable(c, world_size: int, experts: bool = False) -> None:
         raise CheckpointError(f"tensor parallel size must be at least 1, not {world_size}")
     if world_size == 1:
         return
-    if c.text_model_type in ("olmo2", "olmo3"):
-        name = {"olmo2": "OLMo-2", "olmo3": "OLMo-3"}[c.text_model_type]
+    if c.text_model_type in ("olmo2", "olmo3", "olmoe"):
+        name = {"olmo2": "OLMo-2", "olmo3": "OLMo-3", "olmoe": "OLMoE"}[c.text_model_type]
         raise CheckpointError(
             f"tensor parallelism does not shard {name}: its q/k norm spans every head; "
             "serve it with --tp 1"
@@ -112,7 +123,13 @@ def check_shardable(c, world_size: int, experts: bool = False) -> None:
             f"tensor parallelism does not shard MoE experts: add --ep {world_size} to split "
             "them over the same ranks"
         )
-    check_divisible(c.num_heads, c.num_kv_heads, world_size)
+    if kv_heads_split(c):
+        check_divisible(c.num_heads, c.num_kv_heads, world_size)
+    elif c.num_heads % world_size:
+        raise CheckpointError(
+            f"tensor parallel size {world_size} must divide num_heads ({c.num_heads}); the "
+            "latent KV head is replicated on every rank"
+        )
     dense = len(c.moe_layers) < c.num_layers
     if dense and c.intermediate_size % world_size:
         raise CheckpointError(
@@ -129,6 +146,8 @@ def shard_model(model: nn.Module, tp: TPGroup, experts: bool = False) -> nn.Modu
     n, r = tp.world_size, tp.rank
     check_shardable(c, n, experts)
     nh, nkv, d, ff = c.num_heads // n, c.num_kv_heads // n, c.head_dim, c.intermediate_size // n
+    if not kv_heads_split(c):  # every rank keeps the whole latent KV head
+        nkv, tp.shards_kv = c.num_kv_heads, False
     lm = getattr(model, "language_model", model)
     for layer in lm.model.layers:
         a, m = layer.self_attn, layer.mlp

@@ -1,9 +1,11 @@
 """Paged attention with soft-capped scores (Gemma-2): ``s -> cap * tanh(s / cap)`` before the
-softmax, as transformers' eager attention computes it.
+softmax, as transformers' eager attention computes it; or with attention sinks (GPT-OSS): one
+learned logit per head joins each row's softmax denominator (a key whose value is zero).
 
-Neither SDPA nor the native kernels take a cap, so every sequence of the batch runs plain torch
-ops over its gathered context: ``q @ k^T * scale``, the cap, the offset causal mask, softmax in
-float32, ``@ v``. The per-sequence list comes from the same `AttentionPlan` the other paths use.
+Neither SDPA nor the native kernels take a cap or a sink, so every sequence of the batch runs
+plain torch ops over its gathered context: ``q @ k^T * scale``, the cap, the offset causal mask,
+the sink column, softmax in float32 (GPT-OSS's in a float64 model: float64), ``@ v``. The per-sequence
+list comes from the same `AttentionPlan` the other paths use.
 """
 
 from __future__ import annotations
@@ -32,10 +34,12 @@ def softcap_attention(
     slot_mapping: torch.Tensor,
     plan: AttentionPlan,
     scale: float,
-    cap: float,
+    cap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`paged_attention`'s contract (writes the new K/V, returns ``[T, H, D]``) with the scores
-    soft-capped at ``cap``."""
+    soft-capped at ``cap`` (None: not capped) and, with ``sinks`` ``[H]``, head h's sink logit
+    in every row's softmax, dropped after it (the weights of a row then sum to less than 1)."""
     heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
     group = heads // kv_heads
     k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
@@ -49,11 +53,18 @@ def softcap_attention(
         ks = ks.repeat_interleave(group, dim=0)  # transformers' repeat_kv: head h reads h // g
         vs = vs.repeat_interleave(group, dim=0)
         scores = torch.matmul(q[start:end].transpose(0, 1), ks.transpose(1, 2)) * scale
-        scores = torch.tanh(scores / cap) * cap
+        if cap is not None:
+            scores = torch.tanh(scores / cap) * cap
         n = end - start
         qpos = torch.arange(ctx - n, ctx, device=q.device)
         allowed = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]
         scores = scores.masked_fill(~allowed, float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        if sinks is not None:  # the sink column: max-shifted with the row, as transformers
+            sink = sinks.to(scores.dtype)[:, None, None].expand(-1, n, 1)
+            scores = torch.cat([scores, sink], dim=-1)
+            scores = scores - scores.max(dim=-1, keepdim=True).values
+        # Gemma-2's softmax is float32 in any dtype, GPT-OSS's the model's (float32 at least)
+        wide = torch.float64 if sinks is not None and q.dtype == torch.float64 else torch.float32
+        probs = torch.softmax(scores, dim=-1, dtype=wide)[..., :ctx].to(q.dtype)
         out[start:end] = torch.matmul(probs, vs).transpose(0, 1)
     return out

@@ -25,6 +25,9 @@ from shared.model.archs import (
 )
 from shared.model.config_dense import check_dense
 from shared.model.config_fields import check_phi_rotary
+from shared.model.config_gpt_oss import check_gpt_oss
+from shared.model.config_moe import check_moe_families
+from shared.model.config_more import check_more
 from shared.model.config_neox import check_neox
 from shared.model.deepseek_config import DEEPSEEK_TYPES, check_deepseek
 from shared.model.errors import CheckpointError
@@ -112,6 +115,9 @@ def check_decoder(cfg: dict, file: Path | str) -> str | None:
         check_deepseek(cfg, str(file))
     check_dense(cfg, str(file))  # GLM's rotary part, Helium's heads (`shared.model.config_dense`)
     check_neox(cfg, str(file))  # GPT-NeoX / StableLM / Cohere heads, rotary part, logit_scale
+    check_more(cfg, str(file))  # EXAONE-4's layer types, Nemotron's rotary part, heads
+    check_gpt_oss(cfg, str(file))  # gpt-oss: MXFP4 / quantized, top-k, RoPE, head dim
+    check_moe_families(cfg, str(file))  # OLMoE / GraniteMoE / PhiMoE / ERNIE-MoE top-k etc.
     window = sliding_window_of(cfg)
     if window is None:
         return None

@@ -141,7 +141,10 @@ def kv_budget_for(cfg, loaded) -> tuple[int, str]:
     from shared.model.api import KVCache
 
     m = loaded.model
-    token_bytes = KVCache.bytes_per_block(m.num_layers, 1, m.num_kv_heads, m.head_dim, m.dtype)
+    shared = getattr(m, "kv_shared", False)  # K and V one tensor (DeepSeek's latent)
+    token_bytes = KVCache.bytes_per_block(
+        m.num_layers, 1, m.num_kv_heads, m.head_dim, m.dtype, shared=shared
+    )
     return resolve_kv_bytes(
         cfg.kv_cache_bytes,
         token_bytes,

@@ -237,12 +237,80 @@ def _text_config(kind: str, tok) -> object:
         return dense
     if kind in ("deepseek_v3", "deepseek_v2"):  # latent attention, DeepSeekMoE
         return _deepseek_config(kind, common)
+    if kind in _MOE_FAMILIES:  # OLMoE, GraniteMoE(Shared), PhiMoE, ERNIE MoE (`config_moe`)
+        cls, kw = _MOE_FAMILIES[kind]
+        return getattr(transformers, cls + "Config")(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            **kw,
+            **{**common, "intermediate_size": 32},
+        )
     if kind in _NEOX:  # GPT-NeoX, StableLM, Cohere (`shared.model.config_neox`)
         cls, kw = _NEOX[kind]
         return getattr(transformers, cls + "Config")(
             hidden_size=64, num_attention_heads=4, **kw, **common
         )
+    if kind in _MORE:  # EXAONE-4, HunYuan-V1-Dense, Arcee, Nemotron (`shared.model.config_more`)
+        cls, kw = _MORE[kind]
+        return getattr(transformers, cls + "Config")(
+            hidden_size=64, num_attention_heads=4, num_key_value_heads=2, **kw, **common
+        )
+    if kind == "gpt_oss":  # sinks, YaRN, layer 0 sliding (4096: the whole context), MoE top-2 of 4
+        yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}
+        return transformers.GptOssConfig(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=4096,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            tie_word_embeddings=False,
+            **_rope(1e4, yarn),
+            **{**common, "intermediate_size": 32},
+        )
     raise ValueError(kind)
+
+
+# `shared.model.config_more`'s families: class prefix, config keys (all untied, GQA 4:2)
+_MORE = {
+    # post-norms, per-head q/k norms, layer 0 sliding (window 4096: the whole context), layer 1
+    # full attention without RoPE
+    "exaone4": (
+        "Exaone4",
+        dict(
+            head_dim=16,
+            sliding_window=4096,
+            layer_types=["sliding_attention", "full_attention"],
+            tie_word_embeddings=False,
+        ),
+    ),
+    # q/k norms after RoPE, q/k/v/o bias, its dynamic NTK-alpha RoPE
+    "hunyuan_v1_dense": (
+        "HunYuanDenseV1",
+        dict(
+            head_dim=16,
+            attention_bias=True,
+            tie_word_embeddings=False,
+            **_rope(1e4, dict(rope_type="dynamic", alpha=1000.0, factor=1.0)),
+        ),
+    ),
+    # Llama with the ungated relu2 MLP, YaRN (original context 1024 of 4096)
+    "arcee": (
+        "Arcee",
+        dict(
+            tie_word_embeddings=False,
+            **_rope(1e4, dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=1024)),
+        ),
+    ),
+    # LayerNorm1p, the ungated relu2 MLP, half of each head rotated
+    "nemotron": (
+        "Nemotron",
+        dict(tie_word_embeddings=False, **_rope(1e4, dict(partial_rotary_factor=0.5))),
+    ),
+}
 
 
 # the dense Llama-like families (`shared.model.config_dense`): class prefix, config keys
@@ -304,6 +372,32 @@ def _deepseek_config(kind: str, common: dict) -> object:
     )
 
 
+# `shared.model.config_moe`'s mixture-of-experts families: class prefix, config keys (8 experts,
+# width 32, untied, GQA 4:2)
+_MOE_FAMILIES = {
+    # q/k norm over all heads, renormalised top-2
+    "olmoe": ("Olmoe", dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)),
+    # the four multipliers, softmax over the top-2 logits, experts fused in the checkpoint
+    "granitemoe": (
+        "GraniteMoe",
+        dict(num_local_experts=8, embedding_multiplier=2.0, residual_multiplier=0.5)
+        | dict(attention_multiplier=0.25, logits_scaling=2.0),
+    ),
+    # plus a shared MLP
+    "granitemoeshared": (
+        "GraniteMoeShared",
+        dict(num_local_experts=8, shared_intermediate_size=32, attention_multiplier=0.25),
+    ),
+    # LayerNorms, sparsemixer top-2
+    "phimoe": ("Phimoe", dict(num_local_experts=8)),
+    # interleaved RoPE, layer 0 dense, top-2 of 8 with 1 shared expert
+    "ernie4_5_moe": (
+        "Ernie4_5_Moe",
+        dict(moe_num_experts=8, moe_k=2, moe_intermediate_size=32, moe_num_shared_experts=1),
+    ),
+}
+
+
 # the LayerNorm families on Phi's pieces: class prefix, config keys
 _NEOX = {
     # two LayerNorms, parallel residual, q/k/v fused per head, a quarter of each head rotated
@@ -327,8 +421,9 @@ _NEOX = {
 def build_text(kind: str, path: Path) -> Checkpoint:
     """``kind``: llama | qwen2 | qwen3 | qwen3_moe | mixtral | phi3 | gemma2 | gemma3 | olmo2 |
     phi | starcoder2 | gemma | smollm3 | olmo3 | mistral_window | ministral | seed_oss | glm |
-    glm4 | ernie4_5 | helium | deepseek_v3 | deepseek_v2 | gpt_neox | stablelm | cohere (shapes
-    above)."""
+    glm4 | ernie4_5 | helium | deepseek_v3 | deepseek_v2 | gpt_neox | stablelm | cohere |
+    exaone4 | hunyuan_v1_dense | arcee | nemotron | gpt_oss | olmoe | granitemoe |
+    granitemoeshared | phimoe | ernie4_5_moe (shapes above)."""
     tok = hf_tokenizer()
     cfg = _text_config(kind, tok)
     cls = {
@@ -349,8 +444,11 @@ def build_text(kind: str, path: Path) -> Checkpoint:
         "mistral_window": transformers.MistralForCausalLM,
         "deepseek_v3": transformers.DeepseekV3ForCausalLM,
         "deepseek_v2": transformers.DeepseekV2ForCausalLM,
+        "gpt_oss": transformers.GptOssForCausalLM,
         **{k: getattr(transformers, c + "ForCausalLM") for k, (c, _) in _DENSE.items()},
         **{k: getattr(transformers, c + "ForCausalLM") for k, (c, _) in _NEOX.items()},
+        **{k: getattr(transformers, c + "ForCausalLM") for k, (c, _) in _MORE.items()},
+        **{k: getattr(transformers, c + "ForCausalLM") for k, (c, _) in _MOE_FAMILIES.items()},
     }[kind]
     torch.manual_seed(0)
     model = cls(cfg).eval()

@@ -33,6 +33,7 @@ class PagedDriver:
             model.head_dim,
             model.dtype,
             model.device,
+            shared=getattr(model, "kv_shared", False),  # K and V one tensor (DeepSeek's latent)
         )
         g = torch.Generator().manual_seed(seed)
         self.free = torch.randperm(num_blocks, generator=g).tolist()

@@ -166,7 +166,7 @@ def test_moe_architectures_pass_validate_and_others_are_refused_naming_them(tmp_
     (d / "config.json").write_text(json.dumps(QWEN3_MOE | {"num_experts_per_tok": 99}))
     with pytest.raises(CheckpointError, match="num_experts_per_tok 99 exceeds"):
         validate_checkpoint(d)
-    (d / "config.json").write_text(json.dumps({"architectures": ["GptOssForCausalLM"]}))
+    (d / "config.json").write_text(json.dumps({"architectures": ["JambaForCausalLM"]}))
     with pytest.raises(CheckpointError, match=r"Qwen3MoeForCausalLM, MixtralForCausalLM"):
         validate_checkpoint(d)
 

@@ -23,6 +23,15 @@ for _arch in ("DeepseekV3", "DeepseekV2"):  # latent attention, DeepSeekMoE
 _REGISTRY["GPTNeoXForCausalLM"] = "shared.model.models.gpt_neox:GPTNeoXForCausalLM"
 _REGISTRY["StableLmForCausalLM"] = "shared.model.models.stablelm:StableLmForCausalLM"
 _REGISTRY["CohereForCausalLM"] = "shared.model.models.cohere:CohereForCausalLM"
+_REGISTRY["GptOssForCausalLM"] = "shared.model.models.gpt_oss:GptOssForCausalLM"  # sinks, MoE
+# post-norms (EXAONE-4), q/k norms after RoPE (HunYuan), ungated relu2 MLPs (Arcee, Nemotron)
+_REGISTRY["Exaone4ForCausalLM"] = "shared.model.models.exaone4:Exaone4ForCausalLM"
+_REGISTRY["HunYuanDenseV1ForCausalLM"] = "shared.model.models.hunyuan:HunYuanDenseV1ForCausalLM"
+_REGISTRY["ArceeForCausalLM"] = "shared.model.models.arcee:ArceeForCausalLM"
+_REGISTRY["NemotronForCausalLM"] = "shared.model.models.nemotron:NemotronForCausalLM"
+# mixture-of-experts families on a dense family's layer (OLMo-2, Granite, PhiMoE's LayerNorms, ERNIE)
+for _arch in ("Olmoe", "GraniteMoe", "GraniteMoeShared", "Phimoe", "Ernie4_5_Moe"):
+    _REGISTRY[f"{_arch}ForCausalLM"] = f"shared.model.models.moe_families:{_arch}ForCausalLM"
 _REGISTRY[LLAVA_ARCHITECTURE] = "shared.model.models.llava:LlavaForConditionalGeneration"
 
 

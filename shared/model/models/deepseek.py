@@ -10,10 +10,14 @@ paged KV cache: Llama's pre-norm layer with multi-head latent attention (MLA) an
   (``rope_interleave``, else rotate_half), V2 as complex numbers in float32; YaRN scales cos /
   sin by its attention factor and the softmax scale by ``mscale(mscale_all_dim) ** 2``. The
   q_a / kv_a projections share one GEMM; the a-norms have transformers' fixed eps 1e-6;
-* the cache holds the decompressed per-head K (nope + rope) and V, V zero-padded to K's head
-  dim (`ModelConfig.head_dim`, the larger of the two; q and k are padded instead when V is the
-  wider), and sliced back after the attention: the paged attention and its kernels take them
-  as ordinary attention with ``num_kv_heads = num_heads`` (docs/MODEL.md says what it costs);
+* the cache holds the latent, as vLLM and SGLang serve MLA: one KV "head" per token,
+  ``[kv_a_layernorm(latent) (kv_lora_rank), rotated k_rope (qk_rope_head_dim)]``
+  (`ModelConfig.head_dim`, 576 for V3; ``num_kv_heads`` 1), used as both K and V.
+  ``kv_b_proj``'s key rows (W_uk) are absorbed into q: each head attends with
+  ``[q_nope @ W_uk, q_rope]`` over the latent (GQA, every query head on the one KV head; the
+  softmax scale unchanged), and its output's first ``kv_lora_rank`` dims times the value rows
+  (W_uv) are the head's V output, then ``o_proj``. The paged attention and its kernels take
+  it as ordinary GQA; the K and V caches are one tensor (``kv_shared``, `KVCache.allocate`);
 * MLP: dense for the first ``first_k_dense_replace`` layers, then `shared.model.moe.SparseMoE`
   with DeepSeek's router (`moe.route_grouped`) and its ungated shared experts.
 
@@ -100,8 +104,8 @@ class MLAttention(nn.Module):
         super().__init__()
         m = self.mla = c.mla
         h, nh = c.hidden_size, c.num_heads
-        self.num_heads = self.num_kv_heads = nh
-        self.head_dim, self.scale = c.head_dim, m.scale
+        self.num_heads, self.num_kv_heads = nh, 1  # the latent: one KV head for every head
+        self.head_dim, self.scale = c.head_dim, m.scale  # kv_lora_rank + qk_rope_head_dim
         if m.q_lora_rank is None:
             self.q_proj = nn.Linear(h, nh * m.qk_head_dim, bias=False)
         else:
@@ -115,6 +119,7 @@ class MLAttention(nn.Module):
         self.kv_b_proj = nn.Linear(m.kv_lora_rank, kv, bias=False)
         self.o_proj = nn.Linear(nh * m.v_head_dim, h, bias=c.o_proj_bias)
         self._a = None  # one Gemm over q_a_proj (or q_proj) and kv_a_proj_with_mqa
+        self._b: tuple | None = None  # (key, W_uk [heads, nope, rank], W_uv [heads, v, rank])
 
     def _q_first(self) -> nn.Module:
         return self.q_proj if self.mla.q_lora_rank is None else self.q_a_proj
@@ -142,39 +147,47 @@ class MLAttention(nn.Module):
             x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
         return apply_rope(x, cos, sin)
 
-    def _heads(self, parts: list[torch.Tensor], t: int) -> torch.Tensor:
-        """``parts`` (``[T, heads or 1, d_i]``) side by side in a ``[T, heads, head_dim]``
-        tensor, zero-padded at the end."""
-        out = parts[0].new_empty(t, self.num_heads, self.head_dim)
-        at = 0
-        for p in parts:
-            out[..., at : at + p.shape[-1]] = p
-            at += p.shape[-1]
-        out[..., at:] = 0
-        return out
+    def _absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``kv_b_proj``'s key rows ``W_uk [heads, qk_nope_head_dim, kv_lora_rank]`` and value
+        rows ``W_uv [heads, v_head_dim, kv_lora_rank]`` (views of its weight; an int8 one
+        dequantised once, again when it changes)."""
+        m, b = self.mla, self.kv_b_proj
+        int8 = not isinstance(b, nn.Linear)  # `shared.model.int8.Int8Linear`: rows and scales
+        src = (b.weight_int8, b.scale) if int8 else (b.weight,)
+        key = tuple((p.data_ptr(), p._version, p.shape) for p in src)
+        if self._b is None or self._b[0] != key:
+            w = src[0].to(src[1].dtype) * src[1][:, None] if int8 else src[0].detach()
+            w = w.view(self.num_heads, m.qk_nope_head_dim + m.v_head_dim, -1)
+            self._b = (key, w[:, : m.qk_nope_head_dim], w[:, m.qk_nope_head_dim :])
+        return self._b[1], self._b[2]
 
     def forward(self, x, cos, sin, plan, slot_mapping, k_cache, v_cache) -> torch.Tensor:
         m, t, nh = self.mla, x.shape[0], self.num_heads
-        dn, dv = m.qk_nope_head_dim, m.v_head_dim
+        dn, r = m.qk_nope_head_dim, m.kv_lora_rank
         q, ckv = self._inputs(x)
         if m.q_lora_rank is not None:
             q = project(self.q_b_proj, self.q_a_layernorm(q.contiguous()))
         q = q.view(t, nh, m.qk_head_dim)
-        latent = self.kv_a_layernorm(ckv[:, : m.kv_lora_rank].contiguous())
-        kv = project(self.kv_b_proj, latent).view(t, nh, dn + dv)
-        q_rot = self.rope(q[..., dn:], cos, sin)
-        k_rot = self.rope(ckv[:, None, m.kv_lora_rank :], cos, sin)  # one key for every head
-        q = self._heads([q[..., :dn], q_rot], t)
-        k = self._heads([kv[..., :dn], k_rot], t)
-        v = self._heads([kv[..., dn:]], t)
-        o = paged_attention(q, k, v, k_cache, v_cache, slot_mapping, plan, self.scale)
-        return project(self.o_proj, o[..., :dv].reshape(t, nh * dv))
+        w_uk, w_uv = self._absorbed()
+        # the latent KV head: [normed latent, rotated shared rope key]
+        kv = x.new_empty(t, 1, self.head_dim)
+        kv[:, 0, :r] = self.kv_a_layernorm(ckv[:, :r].contiguous())
+        kv[:, :, r:] = self.rope(ckv[:, None, r:], cos, sin)
+        # each head's q: nope part through W_uk into the latent space, then its rotated rope part
+        qe = x.new_empty(t, nh, self.head_dim)
+        qe[..., :r] = torch.bmm(q[..., :dn].transpose(0, 1), w_uk).transpose(0, 1)
+        qe[..., r:] = self.rope(q[..., dn:], cos, sin)
+        o = paged_attention(qe, kv, kv, k_cache, v_cache, slot_mapping, plan, self.scale)
+        # the attention's latent output (first kv_lora_rank dims) through W_uv: each head's V
+        v = torch.bmm(o[..., :r].transpose(0, 1), w_uv.transpose(1, 2))  # [heads, T, v]
+        return project(self.o_proj, v.transpose(0, 1).reshape(t, nh * m.v_head_dim))
 
     def shard_heads(self, rank: int, world: int, tp) -> None:
         """Keep rank ``rank``'s ``num_heads / world`` heads (`shared.model.parallel`): their
-        q rows (``q_proj`` or ``q_b_proj``), ``kv_b_proj`` rows (nope key and value) and
+        q rows (``q_proj`` or ``q_b_proj``), ``kv_b_proj`` rows (their W_uk and W_uv) and
         ``o_proj`` columns (row-parallel, all-reduced); the latent path (``q_a_proj``,
-        ``kv_a_proj_with_mqa``, the a-norms) and the shared rope key stay whole."""
+        ``kv_a_proj_with_mqa``, the a-norms) stays whole, and so does the cached latent: its
+        one KV head is replicated on every rank."""
         m, nh = self.mla, self.num_heads // world
         lo, hi = rank * nh, (rank + 1) * nh
         q = self.q_proj if m.q_lora_rank is None else self.q_b_proj
@@ -182,8 +195,7 @@ class MLAttention(nn.Module):
         per = m.qk_nope_head_dim + m.v_head_dim
         _rows(self.kv_b_proj, lo * per, hi * per)
         self.o_proj = _row_parallel(self.o_proj, lo * m.v_head_dim, hi * m.v_head_dim, tp)
-        self.num_heads = self.num_kv_heads = nh
-        self._a = None
+        self.num_heads, self._a, self._b = nh, None, None
 
 
 class DeepseekDecoderLayer(nn.Module):
@@ -212,9 +224,11 @@ class DeepseekDecoderLayer(nn.Module):
 
 class DeepseekV3ForCausalLM(LlamaForCausalLM):
     """Paged-KV DeepSeek-V3; the batch contract of ``shared/model/api.py``. ``head_dim`` and
-    ``num_kv_heads`` describe the cache: the decompressed heads."""
+    ``num_kv_heads`` describe the cache: one latent head, the same in K and V (``kv_shared``:
+    the engine gives both one tensor)."""
 
     layer_class = DeepseekDecoderLayer
+    kv_shared = True
 
     def rotary(self) -> DeepseekRotary:
         if self._rotary is None or self._rotary.inv_freq.device != self.device:
