@@ -1,7 +1,7 @@
 """Per-tenant fair queuing: tenant B's TTFT when tenant A sends 10x B's request rate.
 
     .venv/bin/python -m loadtests.bench_fairness [--rate-b 0.5] [--ratio 10] [--duration 30] \\
-        [--prompt-words 200] [--max-tokens 16] [--step-tokens 0,256] [--no-fifo] \\
+        [--prompt-words 200] [--max-tokens 16] [--step-tokens 0,256] [--no-fifo] [--lead-off] \\
         [--model DIR] [--json PATH]
     # a running cluster, with fair queuing as it is set there (one mode):
     .venv/bin/python -m loadtests.bench_fairness --url http://127.0.0.1:8000 \\
@@ -128,7 +128,12 @@ def measure(url: str, model: str, keys: dict[str, str], a: argparse.Namespace) -
 
 
 def with_cluster(
-    model_dir: str, fair: bool, a: argparse.Namespace, log, step_tokens: int | None = None
+    model_dir: str,
+    fair: bool,
+    a: argparse.Namespace,
+    log,
+    step_tokens: int | None = None,
+    lead: bool = True,
 ) -> dict:
     from services.launcher import Cluster
 
@@ -138,6 +143,8 @@ def with_cluster(
     }
     if step_tokens is not None:
         env["STRATA_FAIR_STEP_TOKENS"] = str(step_tokens)
+    if not lead:
+        env["STRATA_FAIR_LEAD"] = "false"
     with Cluster(model_dir, log_stream=log, die_with_parent=True, env=env) as c:
         model = os.path.basename(os.path.normpath(model_dir))
         return measure(c.gateway_url, model, {"A": KEY_A, "B": KEY_B}, a)
@@ -182,6 +189,12 @@ def main(argv: list[str] | None = None) -> None:
         "(0: no step cap; default: the deployment's default only)",
     )
     ap.add_argument("--no-fifo", action="store_true", help="skip the FIFO row")
+    ap.add_argument(
+        "--lead-off",
+        action="store_true",
+        help="add a row with fair queuing on and STRATA_FAIR_LEAD=false (no step of its own "
+        "for a light tenant's new request)",
+    )
     ap.add_argument("--json", default="", help="also write the rows to this file")
     ap.add_argument("--log", default=os.devnull, help="cluster logs (default: discarded)")
     a = ap.parse_args(argv)
@@ -202,6 +215,8 @@ def main(argv: list[str] | None = None) -> None:
             for cap in caps:
                 label = "on" if cap is None else f"on, step cap {cap or 'off'}"
                 rows[label] = with_cluster(model_dir, True, a, log, cap)
+            if a.lead_off:
+                rows["on, lead off"] = with_cluster(model_dir, True, a, log, None, lead=False)
             if not a.no_fifo:
                 rows["off (FIFO)"] = with_cluster(model_dir, False, a, log)
     print(table(rows))

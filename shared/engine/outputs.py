@@ -67,6 +67,7 @@ class EngineStats:
     external_blocks: dict[str, int] = field(default_factory=dict)
     share_preemptions: int = 0  # preempted so a tenant under its share got a batch slot
     contended_steps: int = 0  # steps whose token budget the tenant-contention cap lowered
+    lead_steps: int = 0  # steps that ran only a light tenant's new prompt (FairShare.lead)
     # blocks recorded for the KV pool by the save policy, by reason (block_manager.RECORD_REASONS)
     pool_recorded: dict[str, int] = field(default_factory=dict)
     extra: dict[str, float] = field(default_factory=dict)

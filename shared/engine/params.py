@@ -77,6 +77,10 @@ class EngineConfig:
     full ``max_num_batched_tokens`` chunk of a heavy tenant's prompts. 0: no cap."""
     fair_window_s: float = 5.0
     """How long after its last request a tenant still counts as contending (``fair_step_tokens``)."""
+    fair_lead: bool = True
+    """With the step cap on, a new request of a tenant under its weighted share of the running
+    slots gets a step of its own prompt (up to ``fair_step_tokens``) instead of sharing one with
+    every running decode; never two such steps in a row (the decodes wait one step at most)."""
     kv_prefault_bytes: int = 1 << 30
     """While no request is unfinished, the engine thread faults in the pages of this many bytes
     of KV cache past the blocks ever used (CPU; `shared.engine.prefault`), so the steps that

@@ -22,6 +22,10 @@ prompt of another tenant need not wait for every prompt the heavy tenant had sta
 running batch is full, a request whose tenant holds less than its weighted share of the
 ``max_num_seqs`` slots preempts the newest running sequence of the tenant furthest over its share
 (same priority class or worse), instead of waiting for one of that tenant's sequences to finish.
+A new request of a tenant under its share of the slots (`_light_arrival`) also gets a step of its
+own prompt (``lead``): its first token then waits for the step in flight and its own prefill, not
+for a forward that also carries every running decode of the heavy tenant; never two such steps in
+a row, so a stream of light arrivals at most doubles the running decodes' inter-token time.
 
 Priorities: a lower number is more important. Running sequences are served best-first; when KV
 runs out the worst running sequence (highest number, latest arrival) is preempted. A waiting
@@ -114,6 +118,9 @@ class FairShare:
     window_s: float = 5.0
     """A tenant whose last request arrived this recently still contends."""
     clock: Callable[[], float] = time.monotonic
+    lead: bool = True
+    """With the cap on: a new request of a tenant under its share of the running slots gets a
+    step of its own prompt (up to ``step_tokens``), never two such steps in a row."""
 
 
 class Scheduler:
@@ -148,6 +155,8 @@ class Scheduler:
         self.share = share if share is not None else FairShare()
         self._arrived: dict[str, float] = {}  # tenant -> when its last request arrived
         self.contended_steps = 0  # steps whose budget the contention cap lowered
+        self.lead_steps = 0  # steps that ran only a light tenant's new prompt (`FairShare.lead`)
+        self._led = False  # the last step was one of those
         # blocks of external KV (`Sequence.external`) taken in at admission, and those skipped
         # (held by then, or not continuing the local prefix)
         self.external_blocks = {"used": 0, "skipped": 0}
@@ -244,12 +253,24 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         self._budget = self.max_num_batched_tokens
+        led, self._led = self._led, False
         if self.share.step_tokens and self._contended():
             decodes = sum(1 for s in self.running if s.num_tokens - s.num_computed_tokens == 1)
             cap = self.share.step_tokens + decodes  # the cap is on prompt tokens
             if cap < self._budget:
                 self._budget = cap
                 self.contended_steps += 1
+            light = self._light_arrival() if self.share.lead and not led else None
+            if light is not None:
+                # its prompt alone: not behind the heavy tenant's decodes in the same forward
+                budget, self._budget = self._budget, min(self._budget, self.share.step_tokens)
+                if self.batch_size >= self.max_num_seqs:
+                    self._evict_for_share(light, out)  # `_light_arrival` found the victim
+                if self._admit(light, out):
+                    self._led = True
+                    self.lead_steps += 1
+                    return out
+                self._budget = budget
         self.running.sort(key=_rank)
         # With fair queuing, running prompt chunks take their turn in rank order beside the
         # waiting requests (the rest of a prompt is tagged past the chunks it had: `_scheduled`),
@@ -453,6 +474,30 @@ class Scheduler:
             if len(tenants) > 1:
                 return True
         return len(tenants) > 1
+
+    def _light_arrival(self) -> Sequence | None:
+        """The first waiting request in rank order when it is new (never computed), its class
+        is at least as good as every running one, its tenant holds less than its weighted share
+        of the ``max_num_seqs`` slots (the tenants running and it), and a batch slot is free or
+        share preemption frees one (`_share_victim`): the request `FairShare.lead` gives a step
+        of its own."""
+        if not self.waiting:
+            return None
+        seq = min(self.waiting, key=_rank)
+        if self.batch_size >= self.max_num_seqs and self._share_victim([seq]) is None:
+            return None
+        if seq.status != SequenceStatus.WAITING or seq.num_preemptions:
+            return None
+        if any(s.priority < seq.priority for s in self.running):
+            return None
+        held, weight = 0, {seq.tenant.name: seq.tenant.weight}
+        for s in self.running:
+            weight[s.tenant.name] = s.tenant.weight
+            held += s.tenant.name == seq.tenant.name
+        if len(weight) < 2:
+            return None  # nobody else is running: an ordinary step serves it as well
+        share = self.max_num_seqs * seq.tenant.weight / sum(weight.values())
+        return seq if held + 1 <= share else None
 
     def _share_victim(self, waiting: Seq[Sequence]) -> Sequence | None:
         """With the running batch full: the running sequence that the first of ``waiting``

@@ -200,7 +200,9 @@ class Clock:
         return self.t
 
 
-def fair_mk(step_tokens=8, window_s=5.0, fair=True, **kw):
+def fair_mk(step_tokens=8, window_s=5.0, fair=True, lead=False, **kw):
+    """A fair-queuing scheduler on a test clock; ``lead`` (`FairShare.lead`) off unless asked,
+    so the other mechanisms are seen alone."""
     from shared.engine.fair_queue import FairQueue
     from shared.engine.scheduler import FairShare
 
@@ -213,7 +215,7 @@ def fair_mk(step_tokens=8, window_s=5.0, fair=True, **kw):
         kw.pop("budget", 32),
         eos_token_ids=[99],
         fair=FairQueue(fair),
-        share=FairShare(step_tokens, window_s, clock),
+        share=FairShare(step_tokens, window_s, clock, lead),
     )
     return s, clock
 
@@ -330,3 +332,55 @@ def test_a_light_tenants_prompt_goes_before_a_heavy_tenants_half_done_one():
     off.postprocess(out, [[1], []])
     off.add(of("b", "b0", 6, 300))
     assert plan(off.schedule()) == [("a0", 30, 1), ("a1", 2, 28), ("b0", 0, 3)]  # running first
+
+
+def test_a_light_tenants_new_request_gets_a_step_of_its_own_never_two_in_a_row():
+    """``FairShare.lead``: while tenants contend, a new request of a tenant under its share of
+    the slots runs its prompt alone (the heavy tenant's decodes wait that one step); the next
+    step runs the decodes again even if another light arrival waits; with lead off (or fair
+    queuing off) the prompt shares the step with the decodes."""
+
+    def running_a(s):
+        long = SamplingParams(max_tokens=100, temperature=0.0)
+        for i in range(3):
+            s.add(of("a", f"a{i}", 4, 10 * i, params=long))
+        out = s.schedule()
+        s.postprocess(out, [[7]] * 3)
+
+    s, _ = fair_mk(step_tokens=8, budget=32, max_seqs=8, lead=True)
+    running_a(s)
+    s.add(of("b", "b0", 6, 100))
+    s.add(of("c", "c0", 6, 200))
+    out = s.schedule()
+    assert plan(out) == [("b0", 0, 6)] and s.lead_steps == 1  # b alone
+    s.postprocess(out, [[5]])
+    out = s.schedule()  # c is as light, but the decodes go first: then c beside them
+    assert plan(out) == [(f"a{i}", 4, 1) for i in range(3)] + [("b0", 6, 1), ("c0", 0, 6)]
+    assert s.lead_steps == 1
+    s.postprocess(out, [[8]] * 5)
+    s.add(of("b", "b1", 12, 300))  # longer than the cap: its first 8 tokens lead
+    out = s.schedule()
+    assert plan(out) == [("b1", 0, 8)] and s.lead_steps == 2
+    # a tenant at its share of the slots (a: 3 running of 8 slots, share 8/3) gets no lead
+    s.postprocess(out, [[]])
+    s.add(of("a", "a9", 4, 400))
+    assert s._light_arrival() is None
+
+    for fair, lead in ((True, False), (False, True)):
+        s, _ = fair_mk(step_tokens=8, budget=32, max_seqs=8, fair=fair, lead=lead)
+        running_a(s)
+        s.add(of("b", "b0", 6, 100))
+        out = s.schedule()
+        assert ("b0", 0, 6) in plan(out) and len(plan(out)) == 4 and s.lead_steps == 0
+
+
+def test_a_light_arrival_leads_a_full_batch_too_by_share_preemption():
+    s, _ = fair_mk(step_tokens=8, budget=32, max_seqs=3, lead=True)
+    long = SamplingParams(max_tokens=100, temperature=0.0)
+    for i in range(3):
+        s.add(of("a", f"a{i}", 4, 10 * i, params=long))
+    s.postprocess(s.schedule(), [[7]] * 3)
+    s.add(of("b", "b0", 6, 100))
+    out = s.schedule()
+    assert [x.request_id for x in out.preempted] == ["a2"] and s.share_preemptions == 1
+    assert plan(out) == [("b0", 0, 6)] and s.lead_steps == 1
