@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from shared.model.archs import LLAVA_TEXT_TYPES, SUPPORTED, sliding_window_of
 from shared.model.config import config_from_dict
@@ -17,15 +16,20 @@ from shared.model.loader import load_model
 from shared.model.parallel import check_shardable
 from shared.model.validate import validate_checkpoint
 from tests.model.oracle import (
+    assert_acceptance_checkpoint,
     assert_batch_matches,
     assert_chunked_fp64,
     assert_greedy_identical,
     assert_logits_match,
+    assert_low_precision_close,
+    assert_tp_matches_unsharded,
+    assert_window_caps,
     build_hf,
+    pair_fixture,
 )
 from tests.model.paged_driver import PagedDriver
 from tests.model.test_family_configs import _checkpoint
-from tests.model.test_text_models import _prompt, hf_greedy
+from tests.model.test_text_models import _prompt
 
 transformers = pytest.importorskip("transformers")
 
@@ -141,11 +145,7 @@ def _build(name, path):
     return build_hf(cls, path, **kw)
 
 
-@pytest.fixture(scope="module", params=list(CASES))
-def pair(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param)
-    hf = _build(request.param, path)
-    return hf, load_model(path), request.param
+pair = pair_fixture(_build, CASES)
 
 
 def test_config_read_from_the_checkpoint(pair):
@@ -220,14 +220,7 @@ def test_the_layers_run_op_by_op_and_count_it(pair, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_close_to_fp32(pair, dtype):
     hf, ours, _ = pair
-    low = load_model(ours.path, dtype=dtype)
-    ids = _prompt(20)
-    drv = PagedDriver(low.model, block_size=4)
-    got = drv.prefill(drv.new_seq(), ids, chunk=6)
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0]
-    assert drv.cache.k.dtype == dtype
-    assert ((got - ref).abs().max() / ref.abs().max()).item() < 0.1
+    assert_low_precision_close(hf, ours.path, dtype, 0.1)
 
 
 def test_two_tensor_parallel_ranks_match_unsharded(tmp_path):
@@ -235,17 +228,8 @@ def test_two_tensor_parallel_ranks_match_unsharded(tmp_path):
     row-parallel (bias once), the gate-less MLP (`PlainMLP`, StarCoder2's too) split by its two
     projections, Phi's per-head q/k LayerNorms and partial RoPE per rank. One case (the one
     with every piece) keeps the suite's time: each run spawns two ranks."""
-    from tests.model.test_tensor_parallel import _free_port, _rank, _run
-
     _build("phi_qkln", tmp_path / "ck")
-    ours = load_model(tmp_path / "ck")
-    ref_logits, ref_toks, _ = _run(ours.model)
-    mp.spawn(_rank, args=(_free_port(), str(ours.path), str(tmp_path)), nprocs=2, join=True)
-    r0, r1 = (torch.load(tmp_path / f"{r}.pt") for r in (0, 1))
-    assert (r0["logits"] - ref_logits).abs().max() < 1e-4
-    assert r0["toks"] == ref_toks and r1["toks"] == ref_toks
-    c = ours.config
-    assert r0["q"] == (c.num_heads // 2 * c.head_dim, c.hidden_size)
+    assert_tp_matches_unsharded([tmp_path / "ck"], tmp_path)
 
 
 # -- StarCoder2's sliding window ---------------------------------------------------------------
@@ -269,13 +253,7 @@ def test_a_prompt_longer_than_the_window(windowed):
     from services.gateway.core import ApiError, build_spec, sampling_for
 
     hf, ours = windowed
-    ids = _prompt(80)
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0]
-    drv = PagedDriver(ours.model, block_size=4)
-    got = drv.prefill(drv.new_seq(), ids)
-    assert (got[:WINDOW] - ref[:WINDOW]).abs().max().item() < 1e-4
-    assert (got[WINDOW:] - ref[WINDOW:]).abs().max().item() > 1e-2
+    assert_window_caps(hf, ours, WINDOW)
     cfg = GatewayConfig()
     spec = build_spec("completion", {"model": "m", "prompt": "x"}, cfg, "m")
     with pytest.raises(ApiError, match=f"this model's context length is {WINDOW}") as e:
@@ -285,12 +263,4 @@ def test_a_prompt_longer_than_the_window(windowed):
 
 @pytest.mark.parametrize("kind", ["phi", "starcoder2"])
 def test_the_acceptance_checkpoints_load_and_match(kind, tmp_path):
-    """`tests.acceptance.checkpoints.build_text` (the real tokenizer, its 4096 ids): the light
-    check accepts the directory, and Strata's greedy tokens are transformers'."""
-    from tests.acceptance.checkpoints import build_text
-
-    ck = build_text(kind, tmp_path / kind)
-    assert validate_checkpoint(ck.path).architecture == NEW[kind]
-    ids = ck.tokenizer("def tiers(kv_cache):")["input_ids"]
-    ours = load_model(ck.path)
-    assert PagedDriver(ours.model, block_size=4).greedy(ids, 12) == hf_greedy(ck.model, ids, 12)
+    assert_acceptance_checkpoint(kind, tmp_path / kind, NEW[kind])

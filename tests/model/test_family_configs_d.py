@@ -8,25 +8,26 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from shared.model.archs import LLAVA_TEXT_TYPES, SUPPORTED
 from shared.model.config import config_from_dict
 from shared.model.errors import CheckpointError
-from shared.model.loader import load_model
-from shared.model.parallel import TPGroup, check_shardable, shard_model
+from shared.model.parallel import check_shardable
 from shared.model.validate import validate_checkpoint
 from tests.model.oracle import (
+    assert_acceptance_checkpoint,
     assert_batch_matches,
     assert_chunked_fp64,
     assert_greedy_identical,
     assert_logits_match,
+    assert_low_precision_close,
+    assert_tp_matches_unsharded,
     build_hf,
+    pair_fixture,
 )
 from tests.model.paged_driver import PagedDriver
 from tests.model.test_family_configs import _checkpoint
-from tests.model.test_text_models import _prompt, hf_greedy
+from tests.model.test_text_models import _prompt
 
 transformers = pytest.importorskip("transformers")
 
@@ -319,11 +320,7 @@ def _build(name, path):
     return build_hf(cls, path, **kw)
 
 
-@pytest.fixture(scope="module", params=list(CASES))
-def pair(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param)
-    hf = _build(request.param, path)
-    return hf, load_model(path), request.param
+pair = pair_fixture(_build, CASES)
 
 
 def test_config_read_from_the_checkpoint(pair):
@@ -441,35 +438,10 @@ def test_the_layers_run_op_by_op_and_count_it(pair, monkeypatch):
 
 def test_bf16_close_to_fp32(pair):
     hf, ours, _ = pair
-    low = load_model(ours.path, dtype=torch.bfloat16)
-    ids = _prompt(20)
-    drv = PagedDriver(low.model, block_size=4)
-    got = drv.prefill(drv.new_seq(), ids, chunk=6)
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0]
-    assert drv.cache.k.dtype == torch.bfloat16
-    assert ((got - ref).abs().max() / ref.abs().max()).item() < 0.1
+    assert_low_precision_close(hf, ours.path, torch.bfloat16, 0.1)
 
 
 # -- tensor parallelism: every case over two gloo ranks in one spawn ----------------------------
-
-
-def _ranks(rank, port, paths, out):
-    """Rank ``rank`` of 2: each checkpoint of ``paths`` loaded, sharded and run (`_run`)."""
-    from tests.model.test_tensor_parallel import _run, quit_rank
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        for i, path in enumerate(paths):
-            model = shard_model(load_model(path).model, TPGroup(rank, 2))
-            logits, toks, _ = _run(model)
-            q = tuple(model.model.layers[0].self_attn.q_proj.weight.shape)
-            torch.save(dict(logits=logits, toks=toks, q=q), f"{out}/{rank}_{i}.pt")
-        dist.barrier()  # no rank tears the group down while the other is in a collective
-    finally:
-        dist.destroy_process_group()
-    quit_rank()
 
 
 def test_two_tensor_parallel_ranks_match_unsharded(tmp_path):
@@ -478,21 +450,9 @@ def test_two_tensor_parallel_ranks_match_unsharded(tmp_path):
     ungated MLP split by its two projections; StableLM's gated MLP and its per-head q/k norms,
     Cohere's q/k norm rows (each rank keeps its heads'); partial RoPE per rank, both residual
     layouts, Cohere's logit_scale."""
-    from tests.model.test_tensor_parallel import _free_port, _run
-
-    paths = []
     for name in CASES:
         _build(name, tmp_path / name)
-        paths.append(str(tmp_path / name))
-    mp.spawn(_ranks, args=(_free_port(), paths, str(tmp_path)), nprocs=2, join=True)
-    for i, path in enumerate(paths):
-        ours = load_model(path)
-        ref_logits, ref_toks, _ = _run(ours.model)
-        r0, r1 = (torch.load(tmp_path / f"{r}_{i}.pt") for r in (0, 1))
-        assert (r0["logits"] - ref_logits).abs().max() < 1e-4, path
-        assert r0["toks"] == ref_toks and r1["toks"] == ref_toks, path
-        c = ours.config
-        assert r0["q"] == (c.num_heads // 2 * c.head_dim, c.hidden_size)
+    assert_tp_matches_unsharded([tmp_path / name for name in CASES], tmp_path)
 
 
 # -- the acceptance checkpoints ----------------------------------------------------------------
@@ -500,12 +460,4 @@ def test_two_tensor_parallel_ranks_match_unsharded(tmp_path):
 
 @pytest.mark.parametrize("kind", list(NEW))
 def test_the_acceptance_checkpoints_load_and_match(kind, tmp_path):
-    """`tests.acceptance.checkpoints.build_text` (the real tokenizer, its 4096 ids): the light
-    check accepts the directory, and Strata's greedy tokens are transformers'."""
-    from tests.acceptance.checkpoints import build_text
-
-    ck = build_text(kind, tmp_path / kind)
-    assert validate_checkpoint(ck.path).architecture == NEW[kind]
-    ids = ck.tokenizer("def tiers(kv_cache):")["input_ids"]
-    ours = load_model(ck.path)
-    assert PagedDriver(ours.model, block_size=4).greedy(ids, 12) == hf_greedy(ck.model, ids, 12)
+    assert_acceptance_checkpoint(kind, tmp_path / kind, NEW[kind])

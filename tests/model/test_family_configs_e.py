@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from shared.model import cpu_kernels
 from shared.model.archs import LLAVA_TEXT_TYPES, SUPPORTED, sliding_window_of
@@ -21,15 +20,20 @@ from shared.model.models.rope_pairs import pair_order
 from shared.model.parallel import check_shardable
 from shared.model.validate import validate_checkpoint
 from tests.model.oracle import (
+    assert_acceptance_checkpoint,
+    assert_as_close_as_transformers,
     assert_batch_matches,
     assert_chunked_fp64,
     assert_greedy_identical,
     assert_logits_match,
+    assert_tp_matches_unsharded,
+    assert_window_caps,
     build_hf,
+    pair_fixture,
 )
 from tests.model.paged_driver import PagedDriver
 from tests.model.test_family_configs import _checkpoint
-from tests.model.test_text_models import _prompt, hf_greedy
+from tests.model.test_text_models import _prompt
 
 transformers = pytest.importorskip("transformers")
 
@@ -185,11 +189,7 @@ def _build(name, path):
     return build_hf(cls, path, **kw)
 
 
-@pytest.fixture(scope="module", params=list(CASES))
-def pair(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param)
-    hf = _build(request.param, path)
-    return hf, load_model(path), request.param
+pair = pair_fixture(_build, CASES)
 
 
 def test_config_read_from_the_checkpoint(pair):
@@ -224,19 +224,7 @@ def test_half_precision_close_to_transformers(pair, dtype):
     """In bf16 the logits are as close to float32's as transformers' own in that dtype
     (these std-0.5 weights move bf16 logits by up to ~10%)."""
     hf, ours, _ = pair
-    low = load_model(ours.path, dtype=dtype)
-    ids = _prompt(20)
-    drv = PagedDriver(low.model, block_size=4)
-    got = drv.prefill(drv.new_seq(), ids, chunk=6)
-    hf_low = type(hf)(hf.config).to(dtype).eval()
-    hf_low.load_state_dict(hf.state_dict())
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0]
-        own = hf_low(torch.tensor([ids])).logits[0].float()
-    assert drv.cache.k.dtype == dtype
-    scale = ref.abs().max()
-    err, hf_err = ((got - ref).abs().max() / scale).item(), ((own - ref).abs().max() / scale).item()
-    assert err < 1.5 * hf_err + 0.01
+    assert_as_close_as_transformers(hf, ours.path, dtype)
 
 
 def test_greedy_32_tokens_identical(pair):
@@ -279,17 +267,8 @@ def test_the_decoder_layer_path(pair, monkeypatch):
 def test_two_tensor_parallel_ranks_match_unsharded(tmp_path):
     """Heads and MLP columns over two gloo ranks: GLM-4's reordered q/k rows with their biases
     (the order is within a head), its partial RoPE and post-norms per rank."""
-    from tests.model.test_tensor_parallel import _free_port, _rank, _run
-
     _build("glm4", tmp_path / "ck")
-    ours = load_model(tmp_path / "ck")
-    ref_logits, ref_toks, _ = _run(ours.model)
-    mp.spawn(_rank, args=(_free_port(), str(ours.path), str(tmp_path)), nprocs=2, join=True)
-    r0, r1 = (torch.load(tmp_path / f"{r}.pt") for r in (0, 1))
-    assert (r0["logits"] - ref_logits).abs().max() < 1e-4
-    assert r0["toks"] == ref_toks and r1["toks"] == ref_toks
-    c = ours.config
-    assert r0["q"] == (c.num_heads // 2 * c.head_dim, c.hidden_size)
+    assert_tp_matches_unsharded([tmp_path / "ck"], tmp_path)
 
 
 # -- Ministral's sliding window ----------------------------------------------------------------
@@ -299,25 +278,9 @@ def test_a_ministral_prompt_longer_than_the_window(tmp_path):
     """The served context is the window; at 80 tokens transformers' windowed logits differ from
     full attention's past it (why the context is capped there)."""
     hf = _build("ministral", tmp_path / "w")
-    ours = load_model(tmp_path / "w")
-    assert ours.config.max_model_len == WINDOW < ours.config.max_position_embeddings
-    ids = _prompt(80)
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0]
-    drv = PagedDriver(ours.model, block_size=4)
-    got = drv.prefill(drv.new_seq(), ids)
-    assert (got[:WINDOW] - ref[:WINDOW]).abs().max().item() < 1e-4
-    assert (got[WINDOW:] - ref[WINDOW:]).abs().max().item() > 1e-2
+    assert_window_caps(hf, load_model(tmp_path / "w"), WINDOW)
 
 
 @pytest.mark.parametrize("kind", list(NEW))
 def test_the_acceptance_checkpoints_load_and_match(kind, tmp_path):
-    """`tests.acceptance.checkpoints.build_text` (the real tokenizer, its 4096 ids): the light
-    check accepts the directory, and Strata's greedy tokens are transformers'."""
-    from tests.acceptance.checkpoints import build_text
-
-    ck = build_text(kind, tmp_path / kind)
-    assert validate_checkpoint(ck.path).architecture == NEW[kind]
-    ids = ck.tokenizer("def tiers(kv_cache):")["input_ids"]
-    ours = load_model(ck.path)
-    assert PagedDriver(ours.model, block_size=4).greedy(ids, 12) == hf_greedy(ck.model, ids, 12)
+    assert_acceptance_checkpoint(kind, tmp_path / kind, NEW[kind])

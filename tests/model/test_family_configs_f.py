@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from shared.model import cpu_kernels
 from shared.model.archs import LLAVA_TEXT_TYPES, SUPPORTED, layer_types_of, sliding_window_of
@@ -18,15 +17,20 @@ from shared.model.loader import load_model
 from shared.model.parallel import check_shardable
 from shared.model.validate import validate_checkpoint
 from tests.model.oracle import (
+    assert_acceptance_checkpoint,
+    assert_as_close_as_transformers,
     assert_batch_matches,
     assert_chunked_fp64,
     assert_greedy_identical,
     assert_logits_match,
+    assert_tp_matches_unsharded,
+    assert_window_caps,
     build_hf,
+    pair_fixture,
 )
 from tests.model.paged_driver import PagedDriver
 from tests.model.test_family_configs import _checkpoint
-from tests.model.test_text_models import _prompt, hf_greedy
+from tests.model.test_text_models import _prompt
 
 transformers = pytest.importorskip("transformers")
 
@@ -283,11 +287,7 @@ def _build(name, path):
     return build_hf(cls, path, **kw)
 
 
-@pytest.fixture(scope="module", params=list(CASES))
-def pair(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param)
-    hf = _build(request.param, path)
-    return hf, load_model(path), request.param
+pair = pair_fixture(_build, CASES)
 
 
 def test_config_read_from_the_checkpoint(pair):
@@ -334,19 +334,7 @@ def test_a_batch_of_prompts_of_different_lengths(pair):
 def test_half_precision_close_to_transformers(pair):
     """In bf16 the logits are as close to float32's as transformers' own in that dtype."""
     hf, ours, _ = pair
-    low = load_model(ours.path, dtype=torch.bfloat16)
-    ids = _prompt(20)
-    drv = PagedDriver(low.model, block_size=4)
-    got = drv.prefill(drv.new_seq(), ids, chunk=6)
-    hf_low = type(hf)(hf.config).to(torch.bfloat16).eval()
-    hf_low.load_state_dict(hf.state_dict())
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0]
-        own = hf_low(torch.tensor([ids])).logits[0].float()
-    assert drv.cache.k.dtype == torch.bfloat16
-    scale = ref.abs().max()
-    err, hf_err = ((got - ref).abs().max() / scale).item(), ((own - ref).abs().max() / scale).item()
-    assert err < 1.5 * hf_err + 0.01
+    assert_as_close_as_transformers(hf, ours.path, torch.bfloat16)
 
 
 def test_the_layers_run_op_by_op(pair, monkeypatch):
@@ -377,48 +365,14 @@ def test_the_layers_run_op_by_op(pair, monkeypatch):
 TP_CASES = ("exaone4", "hunyuan", "arcee", "nemotron")
 
 
-def _tp_rank(rank, port, paths, out):
-    """One gloo rank: every checkpoint of ``paths`` sharded in turn over the one group (one
-    spawn for the four families keeps the file's time)."""
-    import torch.distributed as dist
-
-    from shared.model.parallel import TPGroup, shard_model
-    from tests.model.test_tensor_parallel import _run, quit_rank
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        for i, path in enumerate(paths):
-            model = shard_model(load_model(path, dtype=torch.float32).model, TPGroup(rank, 2))
-            logits, toks, _ = _run(model)
-            assert "tensor parallel" in model.model.layers[0].native_reason
-            q = tuple(model.model.layers[0].self_attn.q_proj.weight.shape)
-            torch.save(dict(logits=logits, toks=toks, q=q), f"{out}/{i}_{rank}.pt")
-        dist.barrier()  # no rank tears the group down while the other is in a collective
-    finally:
-        dist.destroy_process_group()
-    quit_rank()
-
-
 def test_two_tensor_parallel_ranks_match_unsharded(tmp_path):
-    """Heads and MLP columns over two gloo ranks, for each family: per-head q/k norms (EXAONE-4
-    before RoPE, HunYuan after), the NoPE layer, the ungated MLP (``up_proj`` rows,
-    ``down_proj`` columns), Nemotron's partial RoPE, biases added once."""
-    from tests.model.test_tensor_parallel import _free_port, _run
-
-    paths = []
+    """Heads and MLP columns over two gloo ranks, for each family (one spawn for the four keeps
+    the file's time): per-head q/k norms (EXAONE-4 before RoPE, HunYuan after), the NoPE layer,
+    the ungated MLP (``up_proj`` rows, ``down_proj`` columns), Nemotron's partial RoPE, biases
+    added once."""
     for name in TP_CASES:
         _build(name, tmp_path / name)
-        paths.append(str(tmp_path / name))
-    mp.spawn(_tp_rank, args=(_free_port(), paths, str(tmp_path)), nprocs=2, join=True)
-    for i, path in enumerate(paths):
-        ours = load_model(path)
-        ref_logits, ref_toks, _ = _run(ours.model)
-        r0, r1 = (torch.load(tmp_path / f"{i}_{r}.pt") for r in (0, 1))
-        assert (r0["logits"] - ref_logits).abs().max() < 1e-4, TP_CASES[i]
-        assert r0["toks"] == ref_toks and r1["toks"] == ref_toks, TP_CASES[i]
-        c = ours.config
-        assert r0["q"] == (c.num_heads // 2 * c.head_dim, c.hidden_size)
+    assert_tp_matches_unsharded([tmp_path / name for name in TP_CASES], tmp_path)
 
 
 # -- EXAONE-4's sliding window and NoPE layers -------------------------------------------------
@@ -428,15 +382,7 @@ def test_an_exaone4_prompt_longer_than_the_window(tmp_path):
     """The served context is the window; at 80 tokens transformers' windowed logits differ from
     full attention's past it (why the context is capped there)."""
     hf = _build("exaone4", tmp_path / "w")
-    ours = load_model(tmp_path / "w")
-    assert ours.config.max_model_len == WINDOW < ours.config.max_position_embeddings
-    ids = _prompt(80)
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0]
-    drv = PagedDriver(ours.model, block_size=4)
-    got = drv.prefill(drv.new_seq(), ids)
-    assert (got[:WINDOW] - ref[:WINDOW]).abs().max().item() < 1e-4
-    assert (got[WINDOW:] - ref[WINDOW:]).abs().max().item() > 1e-2
+    assert_window_caps(hf, load_model(tmp_path / "w"), WINDOW)
 
 
 def test_exaone4_full_layer_takes_no_rope(tmp_path):
@@ -454,12 +400,4 @@ def test_exaone4_full_layer_takes_no_rope(tmp_path):
 
 @pytest.mark.parametrize("kind", list(NEW))
 def test_the_acceptance_checkpoints_load_and_match(kind, tmp_path):
-    """`tests.acceptance.checkpoints.build_text` (the real tokenizer, its 4096 ids): the light
-    check accepts the directory, and Strata's greedy tokens are transformers'."""
-    from tests.acceptance.checkpoints import build_text
-
-    ck = build_text(kind, tmp_path / kind)
-    assert validate_checkpoint(ck.path).architecture == NEW[kind]
-    ids = ck.tokenizer("def tiers(kv_cache):")["input_ids"]
-    ours = load_model(ck.path)
-    assert PagedDriver(ours.model, block_size=4).greedy(ids, 12) == hf_greedy(ck.model, ids, 12)
+    assert_acceptance_checkpoint(kind, tmp_path / kind, NEW[kind])

@@ -9,12 +9,8 @@ prefix cache and the prefill -> decode KV hand-off."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from shared.engine.model_runner import ModelRunner
 from shared.model.api import KVCache
@@ -24,9 +20,21 @@ from shared.model.errors import CheckpointError
 from shared.model.loader import load_model
 from shared.model.parallel import check_shardable, kv_heads_split
 from shared.model.validate import validate_checkpoint
+from tests.model.oracle import (
+    assert_acceptance_checkpoint,
+    assert_batch_matches,
+    assert_chunked_fp64,
+    assert_greedy_identical,
+    assert_logits_match,
+    assert_ranks_match,
+    build_hf,
+    low_precision_logits,
+    pair_fixture,
+    spawn_two_ranks,
+)
 from tests.model.paged_driver import PagedDriver
 from tests.model.test_family_configs import _checkpoint
-from tests.model.test_text_models import VOCAB, _prompt, hf_greedy
+from tests.model.test_text_models import _prompt, hf_greedy
 
 transformers = pytest.importorskip("transformers")
 
@@ -284,36 +292,12 @@ CASES = {
 
 
 def _build(name, path):
-    kw = CASES[name]
+    """V3's router correction bias (``e_score_correction_bias``) moved too."""
     cls = "DeepseekV2" if name.startswith("v2") else "DeepseekV3"
-    cfg = getattr(transformers, cls + "Config")(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        initializer_range=0.5,
-        max_position_embeddings=256,
-        bos_token_id=1,
-        eos_token_id=2,
-        **kw,
-    )
-    torch.manual_seed(0)
-    hf = getattr(transformers, cls + "ForCausalLM")(cfg).eval()
-    with torch.no_grad():  # norms start at 1, biases at 0: off them, a dropped one shows
-        for n, p in hf.named_parameters():
-            if "norm" in n or n.endswith("bias"):
-                p.add_(torch.randn_like(p) * 0.3)
-    hf.save_pretrained(path)
-    return hf
+    return build_hf(cls, path, "bias", num_key_value_heads=4, **CASES[name])
 
 
-@pytest.fixture(scope="module", params=list(CASES))
-def pair(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param)
-    hf = _build(request.param, path)
-    return hf, load_model(path), request.param
+pair = pair_fixture(_build, CASES)
 
 
 def test_config_read_from_the_checkpoint(pair):
@@ -331,13 +315,7 @@ def test_config_read_from_the_checkpoint(pair):
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_logits_match(pair, block_size):
     hf, ours, _ = pair
-    ids = _prompt(41)
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0].float()
-    drv = PagedDriver(ours.model, block_size=block_size)
-    got = drv.prefill(drv.new_seq(), ids)
-    assert got.dtype == torch.float32
-    assert (got - ref).abs().max().item() < 1e-4
+    assert_logits_match(hf, ours.model, block_size)
 
 
 @pytest.mark.parametrize("block_size,chunk", [(4, 1), (4, 3), (16, 7)])
@@ -354,58 +332,28 @@ def test_chunked_prefill_exact_in_fp64(pair, block_size, chunk):
     1e-12), V2 to 1e-4 (its float32 complex RoPE rounds otherwise in another batch shape:
     seen 1.6e-5)."""
     hf, ours, name = pair
-    ids = _prompt(41)
-    cfg = copy.deepcopy(hf.config)
-    cfg._experts_implementation = "eager"  # its grouped GEMM takes no float64
-    hf64 = type(hf)(cfg).double().eval()
-    state = hf.state_dict()
-    for key, w in state.items():
-        if key.endswith("mlp.gate.weight"):
-            state[key] = torch.zeros_like(w)
-    hf64.load_state_dict(state)
-    with torch.no_grad():
-        ref = hf64(torch.tensor([ids])).logits[0]
-    m64 = load_model(ours.path, dtype=torch.float64).model
-    with torch.no_grad():
-        for key, p in m64.named_parameters():
-            if key.endswith("mlp.gate.weight"):
-                p.copy_(state[key])
-    drv = PagedDriver(m64, block_size=block_size)
-    seq = drv.new_seq()
-    hidden = torch.cat([drv.step([(seq, ids[s : s + chunk])])[0] for s in range(0, 41, chunk)])
-    got = m64.lm_head(hidden)  # compute_logits' LM head, kept in float64
-    assert (got - ref).abs().max().item() < (1e-4 if name.startswith("v2") else 1e-9)
-    one = PagedDriver(m64, block_size=block_size)  # Strata's own prefill of the prompt at once
-    whole = m64.lm_head(one.step([(one.new_seq(), ids)])[0])
-    assert (got - whole).abs().max().item() < (1e-4 if name.startswith("v2") else 1e-12)
+    v2 = name.startswith("v2")
+    assert_chunked_fp64(
+        hf,
+        ours.path,
+        block_size,
+        chunk,
+        1e-4 if v2 else 1e-9,
+        zeroed=("mlp.gate.weight",),
+        one_tol=1e-4 if v2 else 1e-12,
+    )
 
 
 def test_greedy_32_tokens_identical(pair):
     hf, ours, _ = pair
-    ids = _prompt(9, seed=3)
-    ref = hf_greedy(hf, ids, 32)
-    assert PagedDriver(ours.model, block_size=4).greedy(ids, 32) == ref
-    assert PagedDriver(ours.model, block_size=16).greedy(ids, 32, chunk=4) == ref
+    assert_greedy_identical(hf, ours.model)
 
 
 def test_a_batch_of_prompts_of_different_lengths(pair):
     """Three prompts (5, 11 and 16 tokens) prefilled in one batch, then decoded together for 32
     greedy tokens: each prompt's logits and tokens are transformers' for that prompt alone."""
     hf, ours, _ = pair
-    prompts = [_prompt(5, seed=4), _prompt(11, seed=5), _prompt(16, seed=6)]
-    drv = PagedDriver(ours.model, block_size=4)
-    seqs = [drv.new_seq() for _ in prompts]
-    _, logits = drv.step(list(zip(seqs, prompts, strict=True)))
-    for row, ids in enumerate(prompts):
-        with torch.no_grad():
-            ref = hf(torch.tensor([ids])).logits[0, -1]
-        assert (logits[row] - ref).abs().max().item() < 1e-4, row
-    toks = [[int(t)] for t in logits.argmax(-1)]
-    for _ in range(31):
-        _, logits = drv.step([(s, [t[-1]]) for s, t in zip(seqs, toks, strict=True)])
-        for t, nxt in zip(toks, logits.argmax(-1).tolist(), strict=True):
-            t.append(nxt)
-    assert toks == [hf_greedy(hf, ids, 32) for ids in prompts]
+    assert_batch_matches(hf, ours.model)
 
 
 def test_the_cache_holds_the_latent(pair):
@@ -485,13 +433,7 @@ def test_bf16_close_to_fp32(pair):
     MoE checkpoints bf16 noise flips an expert choice now and then, and a flipped row is off by
     20-80% (seen on v3_plain: 4 rows of 20, the same rows with the decompressed cache before)."""
     hf, ours, _ = pair
-    low = load_model(ours.path, dtype=torch.bfloat16)
-    ids = _prompt(20)
-    drv = PagedDriver(low.model, block_size=4)
-    got = drv.prefill(drv.new_seq(), ids, chunk=6)
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0]
-    assert drv.cache.k.dtype == torch.bfloat16
+    _, got, ref = low_precision_logits(hf, ours.path, torch.bfloat16)
     err = (got - ref).abs().amax(-1) / ref.abs().max()
     assert err.median().item() < 0.04 and err.quantile(0.75).item() < 0.1
 
@@ -499,56 +441,44 @@ def test_bf16_close_to_fp32(pair):
 # -- two ranks ---------------------------------------------------------------------------------
 
 
-def _rank(rank, port, path, out):
+def _rank(rank, path):
     """``--tp 2 --ep 2``: query heads and the dense layer's MLP over tensor parallelism, the
     sparse layer's experts over expert parallelism (the router and the shared experts whole on
     each rank); the latent KV head whole on every rank (the KV plane's replicated mode)."""
     from shared.model.ep import shard_experts
     from shared.model.parallel import TPGroup, shard_model
-    from tests.model.test_tensor_parallel import _run, quit_rank
+    from tests.model.test_tensor_parallel import _run
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        tp = TPGroup(rank, 2)
-        model = shard_model(load_model(path, dtype=torch.float32).model, tp, experts=True)
-        shard_experts(model, tp, replicated_kv=False)
-        logits, toks, cache = _run(model)
-        runner = ModelRunner(model, 8, 4, torch.float32)  # what the engine would build here
-        a = model.model.layers[0].self_attn
-        moe = model.model.layers[1].mlp
-        torch.save(
-            dict(
-                logits=logits,
-                toks=toks,
-                q=tuple(a.q_b_proj.weight.shape),
-                kv_b=tuple(a.kv_b_proj.weight.shape),
-                kv=tuple(cache.k.shape),
-                experts=moe.experts.gate_up_proj.shape[0],
-                a2a=moe.alltoall_bytes,
-                ar=tp.allreduce_bytes,
-                shards_kv=tp.shards_kv,
-                block_heads=runner.kv_heads,
-                one_tensor=runner.kv.v is runner.kv.k,
-            ),
-            f"{out}/{rank}.pt",
-        )
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    quit_rank()
+    tp = TPGroup(rank, 2)
+    model = shard_model(load_model(path, dtype=torch.float32).model, tp, experts=True)
+    shard_experts(model, tp, replicated_kv=False)
+    logits, toks, cache = _run(model)
+    runner = ModelRunner(model, 8, 4, torch.float32)  # what the engine would build here
+    a = model.model.layers[0].self_attn
+    moe = model.model.layers[1].mlp
+    return dict(
+        logits=logits,
+        toks=toks,
+        q=tuple(a.q_b_proj.weight.shape),
+        kv_b=tuple(a.kv_b_proj.weight.shape),
+        kv=tuple(cache.k.shape),
+        experts=moe.experts.gate_up_proj.shape[0],
+        a2a=moe.alltoall_bytes,
+        ar=tp.allreduce_bytes,
+        shards_kv=tp.shards_kv,
+        block_heads=runner.kv_heads,
+        one_tensor=runner.kv.v is runner.kv.k,
+    )
 
 
 def test_two_ranks_match_unsharded(tmp_path):
-    from tests.model.test_tensor_parallel import _free_port, _run
+    from tests.model.test_tensor_parallel import _run
 
     _build("v3", tmp_path / "ck")
     ours = load_model(tmp_path / "ck")
     ref_logits, ref_toks, ref_cache = _run(ours.model)
-    mp.spawn(_rank, args=(_free_port(), str(ours.path), str(tmp_path)), nprocs=2, join=True)
-    r0, r1 = (torch.load(tmp_path / f"{r}.pt") for r in (0, 1))
-    assert (r0["logits"] - ref_logits).abs().max() < 1e-4
-    assert r0["toks"] == ref_toks and r1["toks"] == ref_toks
+    r0, r1 = spawn_two_ranks(_rank, tmp_path, str(ours.path))
+    assert_ranks_match(r0, r1, ref_logits, ref_toks)
     c, m = ours.config, ours.config.mla
     assert r0["q"] == (2 * m.qk_head_dim, m.q_lora_rank)  # 2 of 4 heads
     assert r0["kv_b"] == (2 * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)
@@ -565,15 +495,7 @@ def test_two_ranks_match_unsharded(tmp_path):
 
 @pytest.mark.parametrize("kind", ["deepseek_v3", "deepseek_v2"])
 def test_the_acceptance_checkpoints_load_and_match(kind, tmp_path):
-    """`tests.acceptance.checkpoints.build_text` (the real tokenizer, its 4096 ids): the light
-    check accepts the directory, and Strata's greedy tokens are transformers'."""
-    from tests.acceptance.checkpoints import build_text
-
-    ck = build_text(kind, tmp_path / kind)
-    assert validate_checkpoint(ck.path).architecture == NEW[kind]
-    ids = ck.tokenizer("def tiers(kv_cache):")["input_ids"]
-    ours = load_model(ck.path)
-    assert PagedDriver(ours.model, block_size=4).greedy(ids, 12) == hf_greedy(ck.model, ids, 12)
+    assert_acceptance_checkpoint(kind, tmp_path / kind, NEW[kind])
 
 
 # -- the latent through the engine ---------------------------------------------------------------

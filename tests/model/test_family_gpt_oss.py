@@ -8,12 +8,8 @@ parallelism)."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from shared.model import cpu_kernels
 from shared.model.archs import LLAVA_TEXT_TYPES, SUPPORTED, layer_types_of
@@ -22,9 +18,21 @@ from shared.model.errors import CheckpointError
 from shared.model.loader import load_model
 from shared.model.parallel import check_shardable
 from shared.model.validate import validate_checkpoint
+from tests.model.oracle import (
+    assert_acceptance_checkpoint,
+    assert_batch_matches,
+    assert_chunked_fp64,
+    assert_greedy_identical,
+    assert_logits_match,
+    assert_low_precision_close,
+    assert_ranks_match,
+    build_hf,
+    pair_fixture,
+    spawn_two_ranks,
+)
 from tests.model.paged_driver import PagedDriver
 from tests.model.test_family_configs import _checkpoint
-from tests.model.test_text_models import VOCAB, _prompt, hf_greedy
+from tests.model.test_text_models import _prompt
 
 transformers = pytest.importorskip("transformers")
 gpt_oss = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
@@ -196,38 +204,18 @@ CASES = {
 }
 
 
+def _sinks(name, p):
+    if name.endswith("sinks"):  # sinks comparable to the scores: they move the softmax
+        p.mul_(8.0)
+
+
 def _build(name, path, **over):
-    cfg = _hf_config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        head_dim=16,
-        initializer_range=0.25,
-        sliding_window=128,
-        max_position_embeddings=256,
-        bos_token_id=1,
-        eos_token_id=2,
-        **(CASES[name] | over),
-    )
-    torch.manual_seed(0)
-    hf = transformers.GptOssForCausalLM(cfg).eval()
-    with torch.no_grad():  # norms start at 1, biases at 0: off them, a dropped one shows
-        for n, p in hf.named_parameters():
-            if "norm" in n or n.endswith("bias"):
-                p.add_(torch.randn_like(p) * 0.3)
-            if n.endswith("sinks"):  # sinks comparable to the scores: they move the softmax
-                p.mul_(8.0)
-    hf.save_pretrained(path)
-    return hf
+    """The experts' biases (``*_proj_bias``) moved too."""
+    kw = dict(intermediate_size=32, head_dim=16, initializer_range=0.25, sliding_window=128)
+    return build_hf("GptOss", path, "bias", _sinks, **kw, **(CASES[name] | over))
 
 
-@pytest.fixture(scope="module", params=list(CASES))
-def pair(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param)
-    hf = _build(request.param, path)
-    return hf, load_model(path), request.param
+pair = pair_fixture(_build, CASES)
 
 
 def test_config_read_from_the_checkpoint(pair):
@@ -244,13 +232,7 @@ def test_config_read_from_the_checkpoint(pair):
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_logits_match(pair, block_size):
     hf, ours, _ = pair
-    ids = _prompt(41)
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0].float()
-    drv = PagedDriver(ours.model, block_size=block_size)
-    got = drv.prefill(drv.new_seq(), ids)
-    assert got.dtype == torch.float32
-    assert (got - ref).abs().max().item() < 1e-4
+    assert_logits_match(hf, ours.model, block_size)
 
 
 @pytest.mark.parametrize("block_size,chunk", [(4, 1), (16, 7)])
@@ -258,47 +240,19 @@ def test_chunked_prefill_exact_in_fp64(pair, block_size, chunk):
     """Chunks over cached context and block boundaries change nothing, in float64 (the router
     included: transformers computes it in the model's dtype)."""
     hf, ours, _ = pair
-    ids = _prompt(41)
-    cfg = copy.deepcopy(hf.config)
-    cfg._experts_implementation = "eager"  # its grouped GEMM takes no float64
-    hf64 = type(hf)(cfg).double().eval()
-    hf64.load_state_dict(hf.state_dict())
-    with torch.no_grad():
-        ref = hf64(torch.tensor([ids])).logits[0]
-    m64 = load_model(ours.path, dtype=torch.float64).model
-    drv = PagedDriver(m64, block_size=block_size)
-    seq = drv.new_seq()
-    hidden = torch.cat([drv.step([(seq, ids[s : s + chunk])])[0] for s in range(0, 41, chunk)])
-    got = m64.lm_head(hidden)  # compute_logits' LM head, kept in float64
-    assert (got - ref).abs().max().item() < 1e-9
+    assert_chunked_fp64(hf, ours.path, block_size, chunk)
 
 
 def test_greedy_32_tokens_identical(pair):
     hf, ours, _ = pair
-    ids = _prompt(9, seed=3)
-    ref = hf_greedy(hf, ids, 32)
-    assert PagedDriver(ours.model, block_size=4).greedy(ids, 32) == ref
-    assert PagedDriver(ours.model, block_size=16).greedy(ids, 32, chunk=4) == ref
+    assert_greedy_identical(hf, ours.model)
 
 
 def test_a_batch_of_prompts_of_different_lengths(pair):
     """Three prompts (5, 11 and 16 tokens) prefilled in one batch, then decoded together for 32
     greedy tokens: each prompt's logits and tokens are transformers' for that prompt alone."""
     hf, ours, _ = pair
-    prompts = [_prompt(5, seed=4), _prompt(11, seed=5), _prompt(16, seed=6)]
-    drv = PagedDriver(ours.model, block_size=4)
-    seqs = [drv.new_seq() for _ in prompts]
-    _, logits = drv.step(list(zip(seqs, prompts, strict=True)))
-    for row, ids in enumerate(prompts):
-        with torch.no_grad():
-            ref = hf(torch.tensor([ids])).logits[0, -1]
-        assert (logits[row] - ref).abs().max().item() < 1e-4, row
-    toks = [[int(t)] for t in logits.argmax(-1)]
-    for _ in range(31):
-        _, logits = drv.step([(s, [t[-1]]) for s, t in zip(seqs, toks, strict=True)])
-        for t, nxt in zip(toks, logits.argmax(-1).tolist(), strict=True):
-            t.append(nxt)
-    assert toks == [hf_greedy(hf, ids, 32) for ids in prompts]
+    assert_batch_matches(hf, ours.model)
 
 
 def _fallbacks(op: str, reason: str) -> float:
@@ -327,65 +281,46 @@ def test_sinks_take_the_torch_path_and_say_so(pair):
 
 def test_bf16_close_to_fp32(pair):
     hf, ours, _ = pair
-    low = load_model(ours.path, dtype=torch.bfloat16)
-    ids = _prompt(20)
-    drv = PagedDriver(low.model, block_size=4)
-    got = drv.prefill(drv.new_seq(), ids, chunk=6)
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0]
-    assert drv.cache.k.dtype == torch.bfloat16
-    assert ((got - ref).abs().max() / ref.abs().max()).item() < 0.1
+    assert_low_precision_close(hf, ours.path, torch.bfloat16, 0.1)
 
 
 # -- two ranks ---------------------------------------------------------------------------------
 
 
-def _rank(rank, port, path, out):
+def _rank(rank, path):
     """``--tp 2 --ep 2``: heads, their sinks and the KV heads over tensor parallelism, the
     experts (with their biases) over expert parallelism, the router whole on each rank."""
     from shared.model.ep import shard_experts
     from shared.model.parallel import TPGroup, shard_model
-    from tests.model.test_tensor_parallel import _run, quit_rank
+    from tests.model.test_tensor_parallel import _run
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        tp = TPGroup(rank, 2)
-        model = shard_model(load_model(path, dtype=torch.float32).model, tp, experts=True)
-        shard_experts(model, tp, replicated_kv=False)
-        logits, toks, cache = _run(model)
-        a = model.model.layers[0].self_attn
-        moe = model.model.layers[1].mlp
-        torch.save(
-            dict(
-                logits=logits,
-                toks=toks,
-                q=tuple(a.q_proj.weight.shape),
-                sinks=a.sinks.detach().clone(),
-                kv=tuple(cache.k.shape),
-                experts=moe.experts.gate_up_proj.shape[0],
-                bias=tuple(moe.experts.down_proj_bias.shape),
-                a2a=moe.alltoall_bytes,
-                ar=tp.allreduce_bytes,
-            ),
-            f"{out}/{rank}.pt",
-        )
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    quit_rank()
+    tp = TPGroup(rank, 2)
+    model = shard_model(load_model(path, dtype=torch.float32).model, tp, experts=True)
+    shard_experts(model, tp, replicated_kv=False)
+    logits, toks, cache = _run(model)
+    a = model.model.layers[0].self_attn
+    moe = model.model.layers[1].mlp
+    return dict(
+        logits=logits,
+        toks=toks,
+        q=tuple(a.q_proj.weight.shape),
+        sinks=a.sinks.detach().clone(),
+        kv=tuple(cache.k.shape),
+        experts=moe.experts.gate_up_proj.shape[0],
+        bias=tuple(moe.experts.down_proj_bias.shape),
+        a2a=moe.alltoall_bytes,
+        ar=tp.allreduce_bytes,
+    )
 
 
 def test_two_ranks_match_unsharded(tmp_path):
-    from tests.model.test_tensor_parallel import _free_port, _run
+    from tests.model.test_tensor_parallel import _run
 
     _build("yarn", tmp_path / "ck")
     ours = load_model(tmp_path / "ck")
     ref_logits, ref_toks, ref_cache = _run(ours.model)
-    mp.spawn(_rank, args=(_free_port(), str(ours.path), str(tmp_path)), nprocs=2, join=True)
-    r0, r1 = (torch.load(tmp_path / f"{r}.pt") for r in (0, 1))
-    assert (r0["logits"] - ref_logits).abs().max() < 1e-4
-    assert r0["toks"] == ref_toks and r1["toks"] == ref_toks
+    r0, r1 = spawn_two_ranks(_rank, tmp_path, str(ours.path))
+    assert_ranks_match(r0, r1, ref_logits, ref_toks)
     c = ours.config
     sinks = ours.model.model.layers[0].self_attn.sinks
     assert torch.equal(torch.cat([r0["sinks"], r1["sinks"]]), sinks)  # each rank its heads'
@@ -401,12 +336,4 @@ def test_two_ranks_match_unsharded(tmp_path):
 
 
 def test_the_acceptance_checkpoint_loads_and_matches(tmp_path):
-    """`tests.acceptance.checkpoints.build_text` (the real tokenizer, its 4096 ids): the light
-    check accepts the directory, and Strata's greedy tokens are transformers'."""
-    from tests.acceptance.checkpoints import build_text
-
-    ck = build_text("gpt_oss", tmp_path / "gpt_oss")
-    assert validate_checkpoint(ck.path).architecture == ARCH
-    ids = ck.tokenizer("def tiers(kv_cache):")["input_ids"]
-    ours = load_model(ck.path)
-    assert PagedDriver(ours.model, block_size=4).greedy(ids, 12) == hf_greedy(ck.model, ids, 12)
+    assert_acceptance_checkpoint("gpt_oss", tmp_path / "gpt_oss", ARCH)

@@ -7,12 +7,8 @@ family shards), the acceptance checkpoints."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from shared.model.archs import LLAVA_TEXT_TYPES, SUPPORTED, sliding_window_of
 from shared.model.config import config_from_dict
@@ -21,14 +17,19 @@ from shared.model.loader import load_model
 from shared.model.parallel import check_shardable
 from shared.model.validate import validate_checkpoint
 from tests.model.oracle import (
+    assert_acceptance_checkpoint,
     assert_batch_matches,
+    assert_chunked_fp64,
     assert_greedy_identical,
     assert_logits_match,
+    assert_ranks_match,
     build_hf,
+    pair_fixture,
+    spawn_two_ranks,
 )
 from tests.model.paged_driver import PagedDriver
 from tests.model.test_family_configs import _checkpoint
-from tests.model.test_text_models import _prompt, hf_greedy
+from tests.model.test_text_models import _prompt
 
 transformers = pytest.importorskip("transformers")
 
@@ -289,11 +290,7 @@ def _build(name, path):
     return hf
 
 
-@pytest.fixture(scope="module", params=list(CASES))
-def pair(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param)
-    hf = _build(request.param, path)
-    return hf, load_model(path), request.param
+pair = pair_fixture(_build, CASES)
 
 
 def test_config_read_from_the_checkpoint(pair):
@@ -319,32 +316,14 @@ def test_chunked_prefill_exact_in_fp64(pair, block_size, chunk):
     `test_routing_is_transformers` and the float32 tests check the routers). ERNIE rotates in
     float32 whatever the dtype (held to 1e-4 there, as DeepSeek-V2's)."""
     hf, ours, name = pair
-    ids = _prompt(41)
-    cfg = copy.deepcopy(hf.config)
-    cfg._experts_implementation = "eager"  # its grouped GEMM takes no float64
-    hf64 = type(hf)(cfg).double().eval()
-    state = hf.state_dict()
+    scale = ours.config.logits_scaling if name.startswith("granite") else 1.0
+
+    def head(m, hidden):  # the LM head in float64 (compute_logits gives float32)
+        return torch.nn.functional.linear(hidden, m.lm_head.weight, m.lm_head.bias) / scale
+
     gates = ("mlp.gate.weight", "block_sparse_moe.router.weight", "mlp.router.weight")
-    state = {k: torch.zeros_like(w) if k.endswith(gates) else w for k, w in state.items()}
-    hf64.load_state_dict(state)
-    with torch.no_grad():
-        ref = hf64(torch.tensor([ids])).logits[0]
-    m64 = load_model(ours.path, dtype=torch.float64).model
-    with torch.no_grad():
-        for key, p in m64.named_parameters():
-            if key.endswith("mlp.gate.weight"):
-                p.zero_()
-    drv = PagedDriver(m64, block_size=block_size)
-    seq = drv.new_seq()
-    hidden = torch.cat([drv.step([(seq, ids[s : s + chunk])])[0] for s in range(0, 41, chunk)])
-    one = PagedDriver(m64, block_size=block_size)
-    assert (hidden - one.step([(one.new_seq(), ids)])[0]).abs().max().item() < 1e-9
-    with torch.inference_mode():
-        # the LM head in float64 (compute_logits gives float32)
-        got = torch.nn.functional.linear(hidden, m64.lm_head.weight, m64.lm_head.bias)
-    if name.startswith("granite"):
-        got = got / ours.config.logits_scaling
-    assert (got - ref).abs().max().item() < (1e-4 if name == "ernie4_5_moe" else 1e-9)
+    tol = 1e-4 if name == "ernie4_5_moe" else 1e-9
+    assert_chunked_fp64(hf, ours.path, block_size, chunk, tol, head, zeroed=gates)
 
 
 def test_greedy_32_tokens_identical(pair):
@@ -381,36 +360,29 @@ TWO_RANKS = [(name, False) for name in CASES] + [
 ]
 
 
-def _rank(rank, port, root, out):
+def _rank(rank, root):
     from shared.model.ep import shard_experts
     from shared.model.parallel import TPGroup, shard_model
-    from tests.model.test_tensor_parallel import _run, quit_rank
+    from tests.model.test_tensor_parallel import _run
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        results = {}
-        for name, tp in TWO_RANKS:
-            group = TPGroup(rank, 2)
-            model = load_model(f"{root}/{name}", dtype=torch.float32).model
-            if tp:
-                shard_model(model, group, experts=True)
-            shard_experts(model, group, replicated_kv=not tp)
-            logits, toks, cache = _run(model)
-            moe = model.model.layers[-1].mlp
-            results[(name, tp)] = dict(
-                logits=logits,
-                toks=toks,
-                kv=tuple(cache.k.shape),
-                experts=moe.experts.gate_up_proj.shape[0],
-                a2a=moe.alltoall_bytes,
-                ar=group.allreduce_bytes,
-            )
-        torch.save(results, f"{out}/{rank}.pt")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    quit_rank()
+    results = {}
+    for name, tp in TWO_RANKS:
+        group = TPGroup(rank, 2)
+        model = load_model(f"{root}/{name}", dtype=torch.float32).model
+        if tp:
+            shard_model(model, group, experts=True)
+        shard_experts(model, group, replicated_kv=not tp)
+        logits, toks, cache = _run(model)
+        moe = model.model.layers[-1].mlp
+        results[(name, tp)] = dict(
+            logits=logits,
+            toks=toks,
+            kv=tuple(cache.k.shape),
+            experts=moe.experts.gate_up_proj.shape[0],
+            a2a=moe.alltoall_bytes,
+            ar=group.allreduce_bytes,
+        )
+    return results
 
 
 def test_two_ranks_match_unsharded(tmp_path):
@@ -418,19 +390,17 @@ def test_two_ranks_match_unsharded(tmp_path):
     dispatch and combine; routers, shared MLPs and shared experts whole on each rank), and with
     ``--tp 2 --ep 2`` the heads and KV heads too: rank 0's logits within 1e-4 of the unsharded
     model, the same greedy tokens on both ranks. One spawn for every case."""
-    from tests.model.test_tensor_parallel import _free_port, _run
+    from tests.model.test_tensor_parallel import _run
 
     refs = {}
     for name in CASES:
         _build(name, tmp_path / name)
         refs[name] = _run(load_model(tmp_path / name).model)
-    mp.spawn(_rank, args=(_free_port(), str(tmp_path), str(tmp_path)), nprocs=2, join=True)
-    r0, r1 = (torch.load(tmp_path / f"{r}.pt") for r in (0, 1))
+    r0, r1 = spawn_two_ranks(_rank, tmp_path, str(tmp_path))
     for name, tp in TWO_RANKS:
         ref_logits, ref_toks, ref_cache = refs[name]
         a, b = r0[(name, tp)], r1[(name, tp)]
-        assert (a["logits"] - ref_logits).abs().max() < 1e-4, (name, tp)
-        assert a["toks"] == ref_toks and b["toks"] == ref_toks, (name, tp)
+        assert_ranks_match(a, b, ref_logits, ref_toks, (name, tp))
         assert a["experts"] == 4 and a["a2a"] > 0, (name, tp)
         kv = list(ref_cache.k.shape)
         kv[-2] //= 2 if tp else 1
@@ -442,12 +412,4 @@ def test_two_ranks_match_unsharded(tmp_path):
 
 @pytest.mark.parametrize("kind", list(NEW))
 def test_the_acceptance_checkpoints_load_and_match(kind, tmp_path):
-    """`tests.acceptance.checkpoints.build_text` (the real tokenizer, its 4096 ids): the light
-    check accepts the directory, and Strata's greedy tokens are transformers'."""
-    from tests.acceptance.checkpoints import build_text
-
-    ck = build_text(kind, tmp_path / kind)
-    assert validate_checkpoint(ck.path).architecture == NEW[kind]
-    ids = ck.tokenizer("def tiers(kv_cache):")["input_ids"]
-    ours = load_model(ck.path)
-    assert PagedDriver(ours.model, block_size=4).greedy(ids, 12) == hf_greedy(ck.model, ids, 12)
+    assert_acceptance_checkpoint(kind, tmp_path / kind, NEW[kind])
