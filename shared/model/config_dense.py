@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from shared.model.config_fields import partial_rotary_of
+from shared.model.config_shape import decoder_fields, shape_over_defaults
 from shared.model.errors import CheckpointError
 
 # transformers 5.x's defaults: vocab, hidden, intermediate, layers, heads, KV heads, head_dim
@@ -35,22 +36,12 @@ _SHAPES: dict[str, tuple[int, int, int, int, int, int, int | None]] = {
     "helium": (48000, 2560, 7040, 24, 20, 20, 128),
 }
 DENSE_TYPES = tuple(_SHAPES)
-_KEYS = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-)
 
 
 def _shape(cfg: dict) -> dict[str, Any]:
     """The shape keys of ``cfg`` with the family's defaults for the missing ones (a null
     ``num_key_value_heads`` or ``head_dim`` means every head, ``hidden_size // heads``)."""
-    d = dict(zip(_KEYS, _SHAPES[cfg["model_type"]], strict=True))
-    d.update({k: cfg[k] for k in _KEYS if k in cfg})
+    d = shape_over_defaults(cfg, _SHAPES[cfg["model_type"]])
     heads = int(d["num_attention_heads"])
     d["num_key_value_heads"] = int(d["num_key_value_heads"] or heads)
     d["head_dim"] = int(d["head_dim"] or int(d["hidden_size"]) // heads)
@@ -80,20 +71,7 @@ def dense_fields(cfg: dict) -> dict[str, Any]:
     if cfg.get("model_type") not in DENSE_TYPES:
         return {}
     d = _shape(cfg)
-    qkv, o, mlp = _biases(cfg)
-    return dict(
-        vocab_size=int(d["vocab_size"]),
-        hidden_size=int(d["hidden_size"]),
-        intermediate_size=int(d["intermediate_size"]),
-        num_layers=int(d["num_hidden_layers"]),
-        num_heads=int(d["num_attention_heads"]),
-        num_kv_heads=d["num_key_value_heads"],
-        head_dim=d["head_dim"],
-        attention_bias=qkv,
-        o_proj_bias=o,
-        mlp_bias=mlp,
-        qk_norm=False,
-    )
+    return decoder_fields(d, *_biases(cfg), qk_norm=False)
 
 
 def check_dense(cfg: dict, source: str) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from shared.model.config_shape import decoder_fields, shape_over_defaults
 from shared.model.errors import CheckpointError
 
 # transformers 5.x's defaults: vocab, hidden, intermediate, layers, heads, KV heads (None: as
@@ -38,14 +39,6 @@ _SHAPES: dict[str, tuple[int, int, int, int, int, int | None]] = {
     "nemotron": (256000, 6144, 24576, 32, 48, None),
 }
 MORE_TYPES = tuple(_SHAPES)
-_KEYS = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-)
 _EXAONE_WINDOW, _EXAONE_PATTERN = 4096, 4  # transformers' Exaone4Config defaults
 # rope types besides default / linear / llama3 (HunYuan: `hunyuan_rope`; Arcee: YaRN)
 _ROPE_EXTRA = {"hunyuan_v1_dense": ("dynamic",), "arcee": ("yarn",)}
@@ -54,8 +47,7 @@ _ROPE_EXTRA = {"hunyuan_v1_dense": ("dynamic",), "arcee": ("yarn",)}
 def _shape(cfg: dict) -> dict[str, Any]:
     """The shape keys of ``cfg`` with the family's defaults for the missing ones, plus
     ``head_dim`` (the key, else ``hidden_size // heads``)."""
-    d = dict(zip(_KEYS, _SHAPES[cfg["model_type"]], strict=True))
-    d.update({k: cfg[k] for k in _KEYS if k in cfg})
+    d = shape_over_defaults(cfg, _SHAPES[cfg["model_type"]])
     heads = int(d["num_attention_heads"])
     d["num_key_value_heads"] = int(d["num_key_value_heads"] or heads)
     d["head_dim"] = int(cfg.get("head_dim") or int(d["hidden_size"]) // heads)
@@ -110,20 +102,8 @@ def more_fields(cfg: dict) -> dict[str, Any]:
     if mt not in MORE_TYPES:
         return {}
     d = _shape(cfg)
-    qkv, o, mlp = _biases(cfg)
-    out: dict[str, Any] = dict(
-        vocab_size=int(d["vocab_size"]),
-        hidden_size=int(d["hidden_size"]),
-        intermediate_size=int(d["intermediate_size"]),
-        num_layers=int(d["num_hidden_layers"]),
-        num_heads=int(d["num_attention_heads"]),
-        num_kv_heads=d["num_key_value_heads"],
-        head_dim=d["head_dim"],
-        attention_bias=qkv,
-        o_proj_bias=o,
-        mlp_bias=mlp,
-        qk_norm=mt == "exaone4",  # before RoPE (HunYuan's come after it: its own attention)
-    )
+    # q/k norm before RoPE: EXAONE-4's (HunYuan's come after it: its own attention)
+    out = decoder_fields(d, *_biases(cfg), qk_norm=mt == "exaone4")
     if mt == "nemotron":
         out["rms_norm_eps"] = float(cfg.get("norm_eps", 1e-5))
     if mt == "exaone4" and exaone4_window(cfg) is not None:  # full layers then take no RoPE

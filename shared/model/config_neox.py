@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 from shared.model.config_fields import partial_rotary_of
+from shared.model.config_shape import decoder_fields, shape_over_defaults
 from shared.model.errors import CheckpointError
 
 # transformers 5.x's defaults: vocab, hidden, intermediate, layers, heads, KV heads (None: as
@@ -34,22 +35,13 @@ _SHAPES: dict[str, tuple[int, int, int, int, int, int | None]] = {
     "cohere": (256000, 8192, 22528, 40, 64, None),
 }
 NEOX_TYPES = tuple(_SHAPES)
-_KEYS = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-)
 
 
 def _shape(cfg: dict) -> dict[str, Any]:
     """The shape keys of ``cfg`` with the family's defaults for the missing ones, plus
     ``head_dim`` (Cohere: the key, else ``hidden_size // heads``; the others always that)."""
     mt = cfg["model_type"]
-    d = dict(zip(_KEYS, _SHAPES[mt], strict=True))
-    d.update({k: cfg[k] for k in _KEYS if k in cfg})
+    d = shape_over_defaults(cfg, _SHAPES[mt])
     heads, hidden = int(d["num_attention_heads"]), int(d["hidden_size"])
     kv = d["num_key_value_heads"] if mt != "gpt_neox" else None
     d["num_key_value_heads"] = int(kv or heads)
@@ -77,20 +69,9 @@ def neox_fields(cfg: dict) -> dict[str, Any]:
     else:
         qkv = o = bool(cfg.get("attention_bias", False))
         mlp, qk_norm, parallel = False, bool(cfg.get("use_qk_norm", False)), True
-    out = dict(
-        vocab_size=int(d["vocab_size"]),
-        hidden_size=int(d["hidden_size"]),
-        intermediate_size=int(d["intermediate_size"]),
-        num_layers=int(d["num_hidden_layers"]),
-        num_heads=int(d["num_attention_heads"]),
-        num_kv_heads=d["num_key_value_heads"],
-        head_dim=d["head_dim"],
-        rms_norm_eps=float(cfg.get("layer_norm_eps", 1e-5)),
-        attention_bias=qkv,
-        o_proj_bias=o,
-        mlp_bias=mlp,
-        qk_norm=qk_norm,
-        parallel_residual=parallel,
+    eps = float(cfg.get("layer_norm_eps", 1e-5))
+    out = decoder_fields(
+        d, qkv, o, mlp, rms_norm_eps=eps, qk_norm=qk_norm, parallel_residual=parallel
     )
     if mt == "cohere":
         out["logit_scale"] = float(cfg.get("logit_scale", 0.0625))

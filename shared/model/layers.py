@@ -13,6 +13,7 @@ as for float ones.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -282,6 +283,13 @@ def _still_fused(fused: Gemm | Int8Gemm | None, linears: list[nn.Module]) -> boo
     return True
 
 
+def attention_args(c, **over: Any) -> dict[str, Any]:
+    """`Attention`'s arguments from a `ModelConfig`: its shape, the q/k/v bias
+    (``attention_bias``) and o_proj's (``o_proj_bias``); ``over`` replaces or adds any."""
+    shape = dict(hidden_size=c.hidden_size, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads)
+    return shape | dict(head_dim=c.head_dim, qkv_bias=c.attention_bias, o_bias=c.o_proj_bias) | over
+
+
 class Attention(nn.Module):
     """GQA self-attention over the paged cache, with optional qkv bias and q/k norm.
 
@@ -445,14 +453,7 @@ class PreNormBlock(nn.Module):
 
     def __init__(self, c, mlp: nn.Module, norm, native_reason: str):
         super().__init__()
-        self.self_attn = Attention(
-            c.hidden_size,
-            c.num_heads,
-            c.num_kv_heads,
-            c.head_dim,
-            qkv_bias=c.attention_bias,
-            o_bias=c.o_proj_bias,
-        )
+        self.self_attn = Attention(**attention_args(c))
         self.mlp = mlp
         self.input_layernorm = norm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = norm(c.hidden_size, c.rms_norm_eps)

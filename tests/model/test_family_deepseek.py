@@ -91,7 +91,7 @@ def test_4x_and_5x_rope_spellings_agree_and_match_transformers():
     """YaRN as ``rope_scaling`` + ``rope_theta`` (4.x, ``type``) and as ``rope_parameters``
     (5.x) read the same; the softmax scale, attention factor and inverse frequencies are
     transformers'."""
-    from shared.model.models.deepseek import DeepseekRotary
+    from shared.model.models.deepseek import YarnRotary
 
     shape = dict(hidden_size=64, num_attention_heads=4, qk_rope_head_dim=8, qk_nope_head_dim=16)
     shape |= dict(max_position_embeddings=256, num_hidden_layers=1, first_k_dense_replace=1)
@@ -112,7 +112,9 @@ def test_4x_and_5x_rope_spellings_agree_and_match_transformers():
     rot = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3RotaryEmbedding(cfg)
     assert a.mla.scale == pytest.approx(attn.scaling, rel=1e-12)
     assert a.mla.attention_factor == pytest.approx(rot.attention_scaling, rel=1e-12)
-    assert torch.equal(DeepseekRotary(a, "cpu").inv_freq, rot.inv_freq)
+    m = a.mla
+    ours = YarnRotary(m.qk_rope_head_dim, a.rope_theta, a.rope_scaling, m.attention_factor, "cpu")
+    assert torch.equal(ours.inv_freq, rot.inv_freq)
     # no mscale pair: the attention factor is mscale(factor); orig defaults to max positions
     yarn = {"rope_type": "yarn", "factor": 2.0}
     c = config_from_dict(_cfg("deepseek_v2", num_experts_per_tok=2, rope_parameters=yarn))

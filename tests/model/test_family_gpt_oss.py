@@ -71,7 +71,7 @@ def test_defaults_are_transformers():
 def test_4x_and_5x_rope_spellings_agree_and_match_transformers():
     """YaRN as ``rope_scaling`` + ``rope_theta`` (4.x, ``type``) and as ``rope_parameters``
     (5.x) read the same; the inverse frequencies and the cos/sin factor are transformers'."""
-    from shared.model.models.gpt_oss import YarnRotary
+    from shared.model.models.deepseek import YarnRotary
 
     shape = dict(head_dim=16, max_position_embeddings=256)
     four = _cfg(
@@ -87,7 +87,7 @@ def test_4x_and_5x_rope_spellings_agree_and_match_transformers():
     for cfg, c in ((five, b), (_cfg(rope_theta=5e4, **shape), None), (_cfg(**shape), None)):
         c = c or config_from_dict(cfg)
         rot = gpt_oss.GptOssRotaryEmbedding(_hf_config(**cfg))
-        ours = YarnRotary(c, "cpu")
+        ours = YarnRotary.whole_head(c, "cpu")
         assert torch.equal(ours.inv_freq, rot.inv_freq)
         assert ours.factor == pytest.approx(rot.attention_scaling, rel=1e-12)
     plain = _cfg(rope_parameters={"rope_type": "default", "rope_theta": 1e4}, **shape)

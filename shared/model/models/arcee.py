@@ -16,36 +16,11 @@ Llama's and the MLP as StarCoder2's (``up_proj`` rows, ``down_proj`` columns).
 
 from __future__ import annotations
 
-import torch
-
 from shared.model.config import ModelConfig
-from shared.model.deepseek_config import rope_scales
-from shared.model.layers import PreNormBlock, RMSNorm, Rotary
-from shared.model.models.deepseek import yarn_inv_freq
+from shared.model.layers import PreNormBlock, RMSNorm
+from shared.model.models.deepseek import YarnRotary
 from shared.model.models.llama import LlamaForCausalLM
 from shared.model.models.starcoder2 import PlainMLP
-
-
-class YarnRotary(Rotary):
-    """`Rotary` for a whole-head RoPE that may be YaRN: its inverse frequencies and cos / sin
-    times its attention factor (other types: `Rotary`'s, factor 1)."""
-
-    def __init__(self, c: ModelConfig, device):
-        s = c.rope_scaling
-        self.factor = 1.0
-        if not s or s["rope_type"] != "yarn":
-            super().__init__(c.head_dim, c.rope_theta, s, device)
-            return
-        s = {"original_max_position_embeddings": c.max_position_embeddings, **s}
-        self.inv_freq = yarn_inv_freq(c.head_dim, c.rope_theta, s).to(device)
-        self.factor = rope_scales(s, c.head_dim)[1]
-
-    def __call__(self, positions: torch.Tensor, dtype: torch.dtype):
-        if self.factor == 1.0:
-            return super().__call__(positions, dtype)
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.factor).to(dtype), (emb.sin() * self.factor).to(dtype)
 
 
 class ArceeDecoderLayer(PreNormBlock):
@@ -63,5 +38,5 @@ class ArceeForCausalLM(LlamaForCausalLM):
 
     def rotary(self) -> YarnRotary:
         if self._rotary is None or self._rotary.inv_freq.device != self.device:
-            self._rotary = YarnRotary(self.config, self.device)
+            self._rotary = YarnRotary.whole_head(self.config, self.device)
         return self._rotary

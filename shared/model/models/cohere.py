@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from shared.model.config import ModelConfig
-from shared.model.layers import MLP, Attention
+from shared.model.layers import MLP, Attention, attention_args
 from shared.model.models.phi import ParallelBlock
 from shared.model.models.rope_pairs import PairedRopeForCausalLM, pair_order
 from shared.model.models.stablelm import head_layer_norm
@@ -55,14 +55,7 @@ class CohereAttention(Attention):
     kernel_qk_norm = False
 
     def __init__(self, c: ModelConfig):
-        super().__init__(
-            c.hidden_size,
-            c.num_heads,
-            c.num_kv_heads,
-            c.head_dim,
-            qkv_bias=c.attention_bias,
-            o_bias=c.o_proj_bias,
-        )
+        super().__init__(**attention_args(c))
         if c.qk_norm:
             self.q_norm = HeadNormWeights(c.num_heads, c.head_dim, c.rms_norm_eps)
             self.k_norm = HeadNormWeights(c.num_kv_heads, c.head_dim, c.rms_norm_eps)

@@ -34,6 +34,7 @@ from torch import nn
 
 from shared.model.attention import paged_attention
 from shared.model.config import ModelConfig
+from shared.model.deepseek_config import rope_scales
 from shared.model.layers import (
     MLP,
     RMSNorm,
@@ -73,20 +74,28 @@ def yarn_inv_freq(dim: int, theta: float, s: dict) -> torch.Tensor:
     return (1.0 / (factor * base)) * (1 - keep) + (1.0 / base) * keep
 
 
-class DeepseekRotary:
-    """RoPE tables over the ``qk_rope_head_dim`` rotary dims: ``(cos, sin)`` ``[T, dims]``
-    (rotate_half layout, times YaRN's attention factor, in the activation dtype), or for V2's
-    ``"complex"`` RoPE ``(freqs_cis [T, dims / 2] complex64, None)`` as transformers builds it."""
+class YarnRotary:
+    """RoPE tables over ``dim`` rotary dims that may be YaRN (DeepSeek's rope part, gpt-oss and
+    Arcee's whole head): ``(cos, sin)`` ``[T, dim]`` (rotate_half layout) times YaRN's
+    attention factor, computed in float32 and cast as transformers does, or for DeepSeek-V2's
+    ``complex`` RoPE ``(freqs_cis [T, dim / 2] complex64, None)``. Another RoPE: its usual
+    frequencies (`rope_inv_freq`), with the factor given."""
 
-    def __init__(self, c: ModelConfig, device):
-        m, s = c.mla, c.rope_scaling
-        dim = m.qk_rope_head_dim
+    def __init__(
+        self, dim: int, theta: float, s: dict | None, factor: float, device, complex=False
+    ):
+        yarn = s is not None and s["rope_type"] == "yarn"
+        inv = yarn_inv_freq(dim, theta, s) if yarn else rope_inv_freq(dim, theta, s)
+        self.inv_freq, self.factor, self.complex = inv.to(device), factor, complex
+
+    @classmethod
+    def whole_head(cls, c: ModelConfig, device) -> YarnRotary:
+        """Over the whole head (gpt-oss, Arcee): YaRN's original context is the model's
+        ``max_position_embeddings`` unless the scaling names one; the factor `rope_scales`'."""
+        s = c.rope_scaling
         if s and s["rope_type"] == "yarn":
-            inv = yarn_inv_freq(dim, c.rope_theta, s)
-        else:
-            inv = rope_inv_freq(dim, c.rope_theta, s)
-        self.inv_freq = inv.to(device)
-        self.factor, self.complex = m.attention_factor, m.rope == "complex"
+            s = {"original_max_position_embeddings": c.max_position_embeddings, **s}
+        return cls(c.head_dim, c.rope_theta, s, rope_scales(s, c.head_dim)[1], device)
 
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype):
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
@@ -230,13 +239,20 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
     layer_class = DeepseekDecoderLayer
     kv_shared = True
 
-    def rotary(self) -> DeepseekRotary:
+    def rotary(self) -> YarnRotary:
         if self._rotary is None or self._rotary.inv_freq.device != self.device:
-            self._rotary = DeepseekRotary(self.config, self.device)
+            self._rotary = YarnRotary(
+                self.config.mla.qk_rope_head_dim,
+                self.config.rope_theta,
+                self.config.rope_scaling,
+                self.config.mla.attention_factor,
+                self.device,
+                complex=self.config.mla.rope == "complex",
+            )
         return self._rotary
 
     def layer_ropes(self, positions: torch.Tensor, dtype: torch.dtype) -> list[tuple]:
-        """Every layer's RoPE tables (one RoPE: `DeepseekRotary`)."""
+        """Every layer's RoPE tables (one RoPE: `YarnRotary`)."""
         return [self.rotary()(positions, dtype)] * self.num_layers
 
 

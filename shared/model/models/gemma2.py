@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from shared.model.config import ModelConfig
-from shared.model.layers import MLP, Attention, project
+from shared.model.layers import MLP, Attention, attention_args, project
 from shared.model.models.llama import LlamaForCausalLM
 
 
@@ -50,16 +50,9 @@ class Gemma2DecoderLayer(nn.Module):
 
     def attention(self, c: ModelConfig) -> Attention:
         """Gemma-2's: scale ``query_pre_attn_scalar ** -0.5``, scores capped."""
-        return Attention(
-            c.hidden_size,
-            c.num_heads,
-            c.num_kv_heads,
-            c.head_dim,
-            qkv_bias=c.attention_bias,
-            o_bias=c.attention_bias,
-            softcap=c.attn_logit_softcapping,
-            scale=(c.query_pre_attn_scalar or c.head_dim) ** -0.5,
-        )
+        scale = (c.query_pre_attn_scalar or c.head_dim) ** -0.5
+        over = dict(o_bias=c.attention_bias, softcap=c.attn_logit_softcapping, scale=scale)
+        return Attention(**attention_args(c, **over))
 
     def forward(self, h, cos, sin, plan, slot_mapping, k_cache, v_cache):
         a = self.self_attn(self.input_layernorm(h), cos, sin, plan, slot_mapping, k_cache, v_cache)

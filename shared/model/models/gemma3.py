@@ -15,7 +15,7 @@ native layer does not (sandwich norms, GELU): the model runs op by op.
 from __future__ import annotations
 
 from shared.model.config import ModelConfig
-from shared.model.layers import Attention
+from shared.model.layers import Attention, attention_args
 from shared.model.models.gemma2 import Gemma2DecoderLayer, Gemma2ForCausalLM, GemmaRMSNorm
 
 
@@ -25,15 +25,8 @@ class Gemma3Attention(Attention):
     kernel_qk_norm = False  # the fused kernel's norm is ``w * x``
 
     def __init__(self, c: ModelConfig):
-        super().__init__(
-            c.hidden_size,
-            c.num_heads,
-            c.num_kv_heads,
-            c.head_dim,
-            qkv_bias=c.attention_bias,
-            o_bias=c.attention_bias,
-            scale=(c.query_pre_attn_scalar or c.head_dim) ** -0.5,
-        )
+        scale = (c.query_pre_attn_scalar or c.head_dim) ** -0.5
+        super().__init__(**attention_args(c, o_bias=c.attention_bias, scale=scale))
         self.q_norm = GemmaRMSNorm(c.head_dim, c.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(c.head_dim, c.rms_norm_eps)
 

@@ -28,9 +28,8 @@ from torch import nn
 
 from shared.model import cpu_kernels
 from shared.model.config import ModelConfig
-from shared.model.config_gpt_oss import attention_factor
-from shared.model.layers import Attention, RMSNorm, Rotary, rope_inv_freq
-from shared.model.models.deepseek import yarn_inv_freq
+from shared.model.layers import Attention, RMSNorm, attention_args
+from shared.model.models.deepseek import YarnRotary
 from shared.model.models.llama import LlamaForCausalLM
 from shared.model.moe import SparseMoE
 from shared.model.softcap import softcap_attention
@@ -51,14 +50,7 @@ class SinkAttention(Attention):
     """Llama's GQA attention with biased q/k/v/o and GPT-OSS's per-head sink logits."""
 
     def __init__(self, c: ModelConfig):
-        super().__init__(
-            c.hidden_size,
-            c.num_heads,
-            c.num_kv_heads,
-            c.head_dim,
-            qkv_bias=c.attention_bias,
-            o_bias=c.o_proj_bias,
-        )
+        super().__init__(**attention_args(c))
         self.sinks = nn.Parameter(torch.empty(c.num_heads))
 
     def attend(self, q, k, v, plan, slot_mapping, k_cache, v_cache) -> torch.Tensor:
@@ -113,26 +105,6 @@ class GptOssDecoderLayer(nn.Module):
         ex._gemms = None
 
 
-class YarnRotary(Rotary):
-    """RoPE tables ``(cos, sin)`` ``[T, head_dim]`` of the model's RoPE (YaRN's frequencies
-    where it is YaRN), times YaRN's attention factor (1 for the other RoPEs), as transformers
-    computes them: in float32, then cast to the activation dtype."""
-
-    def __init__(self, c: ModelConfig, device):
-        s = c.rope_scaling
-        if s and s["rope_type"] == "yarn":
-            inv = yarn_inv_freq(c.head_dim, c.rope_theta, s)
-        else:
-            inv = rope_inv_freq(c.head_dim, c.rope_theta, s)
-        self.inv_freq = inv.to(device)
-        self.factor = attention_factor(s, c.head_dim)
-
-    def __call__(self, positions: torch.Tensor, dtype: torch.dtype):
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.factor).to(dtype), (emb.sin() * self.factor).to(dtype)
-
-
 class GptOssForCausalLM(LlamaForCausalLM):
     """Paged-KV gpt-oss; the batch contract of ``shared/model/api.py``. Checkpoint names:
     ``mlp.router`` is `SparseMoE`'s ``mlp.gate`` (`our_name`)."""
@@ -151,5 +123,5 @@ class GptOssForCausalLM(LlamaForCausalLM):
 
     def rotary(self) -> YarnRotary:
         if self._rotary is None or self._rotary.inv_freq.device != self.device:
-            self._rotary = YarnRotary(self.config, self.device)
+            self._rotary = YarnRotary.whole_head(self.config, self.device)
         return self._rotary

@@ -19,7 +19,14 @@ import torch
 from shared.model import cpu_kernels
 from shared.model.attention import paged_attention
 from shared.model.config import ModelConfig
-from shared.model.layers import Attention, PreNormBlock, RMSNorm, apply_rope, project
+from shared.model.layers import (
+    Attention,
+    PreNormBlock,
+    RMSNorm,
+    apply_rope,
+    attention_args,
+    project,
+)
 from shared.model.models.llama import MLP, LlamaForCausalLM
 
 
@@ -39,14 +46,7 @@ class HunYuanAttention(Attention):
     """q/k/v (bias ``attention_bias``), RoPE, then per-head q/k RMSNorms, paged attention."""
 
     def __init__(self, c: ModelConfig):
-        super().__init__(
-            c.hidden_size,
-            c.num_heads,
-            c.num_kv_heads,
-            c.head_dim,
-            qkv_bias=c.attention_bias,
-            o_bias=c.o_proj_bias,
-        )
+        super().__init__(**attention_args(c))
         self.query_layernorm = RMSNorm(c.head_dim, c.rms_norm_eps)
         self.key_layernorm = RMSNorm(c.head_dim, c.rms_norm_eps)
 

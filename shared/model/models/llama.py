@@ -16,7 +16,15 @@ from shared.model import cpu_kernels
 from shared.model.api import AttentionMetadata, KVCache, LayerCallback
 from shared.model.attention import AttentionPlan
 from shared.model.config import ModelConfig
-from shared.model.layers import MLP, Attention, RMSNorm, Rotary, native_linear, project
+from shared.model.layers import (
+    MLP,
+    Attention,
+    RMSNorm,
+    Rotary,
+    attention_args,
+    native_linear,
+    project,
+)
 from shared.model.moe import SparseMoE
 
 # Each decoder layer in one native call on CPU (`cpu_kernels.decoder_layer`) instead of ~30 torch
@@ -31,16 +39,7 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, c: ModelConfig, index: int = 0):
         super().__init__()
-        self.self_attn = Attention(
-            c.hidden_size,
-            c.num_heads,
-            c.num_kv_heads,
-            c.head_dim,
-            qkv_bias=c.attention_bias,
-            o_bias=c.o_proj_bias,
-            qk_norm=c.qk_norm,
-            eps=c.rms_norm_eps,
-        )
+        self.self_attn = Attention(**attention_args(c, qk_norm=c.qk_norm, eps=c.rms_norm_eps))
         if index in c.moe_layers:
             self.mlp: MLP | SparseMoE = SparseMoE(c, index)
         else:

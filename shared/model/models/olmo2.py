@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from shared.model.config import ModelConfig
-from shared.model.layers import MLP, Attention, RMSNorm
+from shared.model.layers import MLP, Attention, RMSNorm, attention_args
 from shared.model.models.llama import LlamaForCausalLM
 
 
@@ -40,14 +40,7 @@ class Olmo2Attention(Attention):
     kernel_qk_norm = False
 
     def __init__(self, c: ModelConfig):
-        super().__init__(
-            c.hidden_size,
-            c.num_heads,
-            c.num_kv_heads,
-            c.head_dim,
-            qkv_bias=c.attention_bias,
-            o_bias=c.o_proj_bias,
-        )
+        super().__init__(**attention_args(c))
         self.q_norm = Olmo2RMSNorm(c.num_heads * c.head_dim, c.rms_norm_eps)
         self.k_norm = Olmo2RMSNorm(c.num_kv_heads * c.head_dim, c.rms_norm_eps)
 
