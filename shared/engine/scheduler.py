@@ -484,20 +484,36 @@ class Scheduler:
         if not self.waiting:
             return None
         seq = min(self.waiting, key=_rank)
-        if self.batch_size >= self.max_num_seqs and self._share_victim([seq]) is None:
-            return None
         if seq.status != SequenceStatus.WAITING or seq.num_preemptions:
             return None
         if any(s.priority < seq.priority for s in self.running):
             return None
-        held, weight = 0, {seq.tenant.name: seq.tenant.weight}
-        for s in self.running:
-            weight[s.tenant.name] = s.tenant.weight
-            held += s.tenant.name == seq.tenant.name
-        if len(weight) < 2:
+        held, weight = self._running_shares()
+        if not weight.keys() - {seq.tenant.name}:
             return None  # nobody else is running: an ordinary step serves it as well
-        share = self.max_num_seqs * seq.tenant.weight / sum(weight.values())
-        return seq if held + 1 <= share else None
+        if self._overage(held, weight, seq)(seq.tenant.name) + 1 > 0:
+            return None  # one more slot would put its tenant over its share
+        if self.batch_size >= self.max_num_seqs and self._share_victim([seq]) is None:
+            return None
+        return seq
+
+    def _running_shares(self) -> tuple[dict[str, int], dict[str, float]]:
+        """Running sequences per tenant, and each running tenant's weight."""
+        held: dict[str, int] = {}
+        weight: dict[str, float] = {}
+        for s in self.running:
+            held[s.tenant.name] = held.get(s.tenant.name, 0) + 1
+            weight[s.tenant.name] = s.tenant.weight
+        return held, weight
+
+    def _overage(
+        self, held: dict[str, int], weight: dict[str, float], seq: Sequence
+    ) -> Callable[[str], float]:
+        """Slots a tenant holds beyond its weighted share of ``max_num_seqs``, the shares
+        taken among the running tenants and ``seq``'s."""
+        weights = {**weight, seq.tenant.name: seq.tenant.weight}
+        total = sum(weights.values())
+        return lambda t: held.get(t, 0) - self.max_num_seqs * weights[t] / total
 
     def _share_victim(self, waiting: Seq[Sequence]) -> Sequence | None:
         """With the running batch full: the running sequence that the first of ``waiting``
@@ -505,19 +521,10 @@ class Scheduler:
         tenant furthest over its share, in that request's priority class or a worse one)."""
         if not self.fair.enabled or self.batch_size < self.max_num_seqs:
             return None
-        held: dict[str, int] = {}
-        weight: dict[str, float] = {}
-        for s in self.running:
-            held[s.tenant.name] = held.get(s.tenant.name, 0) + 1
-            weight[s.tenant.name] = s.tenant.weight
+        held, weight = self._running_shares()
         for seq in waiting:
             name = seq.tenant.name
-            weights = {**weight, name: seq.tenant.weight}
-            total = sum(weights.values())
-
-            def over(t: str, weights: dict[str, float] = weights, total: float = total) -> float:
-                return held.get(t, 0) - self.max_num_seqs * weights[t] / total
-
+            over = self._overage(held, weight, seq)
             if over(name) + 1 > 0:
                 continue  # taking one more slot would put this tenant over its share
             for t in sorted(held, key=over, reverse=True):
