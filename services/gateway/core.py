@@ -17,7 +17,12 @@ from pydantic import ValidationError
 
 from services.gateway.config import GatewayConfig
 from services.gateway.constraints import request_constraint
-from services.gateway.schemas import ChatCompletionRequest, CompletionRequest, body_schema
+from services.gateway.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    body_schema,
+    bus_int,
+)
 from shared.protocol.errors import StrataError
 from shared.protocol.hashing import hash_blocks, mm_extra_keys, model_salt, request_salt, to_hex
 from shared.protocol.sampling import SamplingParams, StructuredSpec
@@ -87,12 +92,11 @@ class _IntOutOfRange(ValueError):
 
 
 def _json_int(text: str) -> int:
-    """A JSON integer the bus can carry: msgpack holds -2**63 .. 2**64-1 (20 digits at most)."""
-    if len(text) <= 21:
-        v = int(text)
-        if -(1 << 63) <= v < (1 << 64):
-            return v
-    raise _IntOutOfRange(text if len(text) <= 40 else text[:20] + "...")
+    """`bus_int`, its refusal as `_IntOutOfRange` (told apart from malformed JSON)."""
+    try:
+        return bus_int(text)
+    except ValueError:
+        raise _IntOutOfRange(text if len(text) <= 40 else text[:20] + "...") from None
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:

@@ -244,12 +244,14 @@ def dump_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     return out
 
 
-def _bus_int(text: str) -> int:
-    """A JSON integer msgpack can carry (-2**63 .. 2**64-1), else ValueError."""
-    v = int(text)
-    if not -(1 << 63) <= v < (1 << 64):
-        raise ValueError(f"integer out of range: {text[:24]}")
-    return v
+def bus_int(text: str) -> int:
+    """A JSON integer the bus can carry: msgpack holds -2**63 .. 2**64-1 (20 digits at most,
+    so a longer one is refused before it is converted); else ValueError."""
+    if len(text) <= 21:
+        v = int(text)
+        if -(1 << 63) <= v < (1 << 64):
+            return v
+    raise ValueError(f"integer out of range: {text if len(text) <= 40 else text[:20] + '...'}")
 
 
 def _arguments(args: str | dict[str, Any]) -> Any:
@@ -258,7 +260,7 @@ def _arguments(args: str | dict[str, Any]) -> Any:
     if isinstance(args, dict):
         return args
     try:
-        return json.loads(args, parse_int=_bus_int)
+        return json.loads(args, parse_int=bus_int)
     except ValueError:
         return args
 
