@@ -25,11 +25,28 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-import xgrammar as xgr
 
 from shared.protocol.sampling import StructuredSpec
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
+
+_XGR = None
+
+
+def _xgr():
+    """xgrammar, imported on first use: with it comes transformers (about 0.6 s of CPU), which
+    a worker serving no structured request never needs at start."""
+    global _XGR
+    if _XGR is None:
+        import xgrammar
+
+        _XGR = xgrammar
+    return _XGR
+
 
 _ROOT = re.compile(r"\broot\b")
 _LOOSE_CHARS = r"[^\"\\\r\n]"  # EBNF of a string character, as xgrammar writes it...
@@ -63,8 +80,8 @@ def tokenizer_info(tokenizer, vocab_size: int, eos_token_ids: Iterable[int]) -> 
     encoded = [""] * max(vocab_size, max(vocab.values(), default=-1) + 1)
     for token, i in vocab.items():
         encoded[i] = token
-    kind = xgr.TokenizerInfo._detect_vocab_type_from_vocab(vocab) or xgr.VocabType.RAW
-    return xgr.TokenizerInfo(
+    kind = _xgr().TokenizerInfo._detect_vocab_type_from_vocab(vocab) or _xgr().VocabType.RAW
+    return _xgr().TokenizerInfo(
         encoded, kind, vocab_size=vocab_size, stop_token_ids=sorted(set(eos_token_ids))
     )
 
@@ -76,12 +93,12 @@ def _json_schema_grammar(text: str, strict: bool = True) -> xgr.Grammar:
         raise GrammarError(f"JSON schema is not valid JSON: {exc}") from None
     if not isinstance(schema, dict | bool):
         raise GrammarError("JSON schema must be an object")
-    grammar = xgr.Grammar.from_json_schema(
+    grammar = _xgr().Grammar.from_json_schema(
         json.dumps(schema), any_whitespace=False, strict_mode=strict
     )
     text = str(grammar)
     if _LOOSE_CHARS in text:  # xgrammar 0.2.8: a length-bounded string lets control chars in
-        return xgr.Grammar.from_ebnf(text.replace(_LOOSE_CHARS, _JSON_CHARS))
+        return _xgr().Grammar.from_ebnf(text.replace(_LOOSE_CHARS, _JSON_CHARS))
     return grammar
 
 
@@ -91,13 +108,13 @@ def tool_call_grammar(fmt: str, call_schema: dict, parallel: bool) -> xgr.Gramma
     llama3 a bare ``{"name": ..., "parameters": {...}}`` (one call)."""
     body = str(_json_schema_grammar(json.dumps(call_schema)))
     if fmt == "llama3":
-        return xgr.Grammar.from_ebnf(body)
+        return _xgr().Grammar.from_ebnf(body)
     if fmt != "hermes":
         raise GrammarError(f"unknown tool-call format {fmt!r}")
     ebnf = _ROOT.sub("call_json", body)
     one = '"<tool_call>\\n" call_json "\\n</tool_call>"'
     more = f' ("\\n" {one})*' if parallel else ""
-    return xgr.Grammar.from_ebnf(f"{ebnf}\nroot ::= {one}{more}\n")
+    return _xgr().Grammar.from_ebnf(f"{ebnf}\nroot ::= {one}{more}\n")
 
 
 # Text up to the first "</think>": the states of a matcher of that tag (how much of it the text
@@ -127,7 +144,7 @@ def build_grammar(spec: StructuredSpec) -> xgr.Grammar:
     when a reasoning parser is on): optional, or already opened by the template."""
     grammar = _answer_grammar(spec)
     if spec.think:
-        return xgr.Grammar.concat(xgr.Grammar.from_ebnf(_THINK[spec.think]), grammar)
+        return _xgr().Grammar.concat(_xgr().Grammar.from_ebnf(_THINK[spec.think]), grammar)
     return grammar
 
 
@@ -138,7 +155,7 @@ def _answer_grammar(spec: StructuredSpec) -> xgr.Grammar:
         if spec.kind == "json_schema":
             return _json_schema_grammar(spec.spec)
         if spec.kind == "regex":
-            return xgr.Grammar.from_regex(spec.spec)
+            return _xgr().Grammar.from_regex(spec.spec)
         if spec.kind == "choice":
             choices = json.loads(spec.spec)
             if not (
@@ -147,9 +164,11 @@ def _answer_grammar(spec: StructuredSpec) -> xgr.Grammar:
                 and all(isinstance(c, str) and c for c in choices)
             ):
                 raise GrammarError("choice needs a non-empty list of non-empty strings")
-            return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c) for c in choices))
+            return _xgr().Grammar.from_ebnf(
+                "root ::= " + " | ".join(json.dumps(c) for c in choices)
+            )
         if spec.kind == "grammar":
-            return xgr.Grammar.from_ebnf(spec.spec)
+            return _xgr().Grammar.from_ebnf(spec.spec)
         if spec.kind == "tool_calls":
             d = json.loads(spec.spec)
             return tool_call_grammar(d["format"], d["schema"], bool(d.get("parallel")))
@@ -174,7 +193,7 @@ class GrammarCache:
     def __init__(self, info: xgr.TokenizerInfo, limits: GrammarLimits | None = None):
         self.info = info
         self.limits = limits or GrammarLimits()
-        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self._compiler = _xgr().GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="strata-grammar")
         self._lru: OrderedDict[str, xgr.CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
@@ -234,7 +253,7 @@ class Constraint:
     """One request's grammar state: which tokens may come next; ``accept`` advances it."""
 
     def __init__(self, compiled: xgr.CompiledGrammar):
-        self.matcher = xgr.GrammarMatcher(compiled)
+        self.matcher = _xgr().GrammarMatcher(compiled)
         self.rejected = 0  # tokens the grammar refused (a bug upstream if ever > 0)
 
     def replay(self, token_ids: Sequence[int]) -> None:
@@ -290,7 +309,7 @@ class Constraint:
 
 def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
     """A CPU int32 bitmask with ``rows`` rows (bit set = token allowed)."""
-    return xgr.allocate_token_bitmask(rows, vocab_size)
+    return _xgr().allocate_token_bitmask(rows, vocab_size)
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
