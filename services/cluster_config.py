@@ -120,6 +120,13 @@ class ClusterConfig(BaseModel):
         description="Restart crashed services, nats-server and MinIO "
         "with backoff (services.infra.restart)",
     )
+    restart_backoff: float = Field(
+        0.5,
+        gt=0,
+        le=30,
+        description="With restart: seconds before a crashed process is started again; the "
+        "wait doubles per crash in a row, up to 30 s",
+    )
     launcher_metrics_port: int = Field(
         0,
         ge=0,

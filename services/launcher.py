@@ -42,7 +42,13 @@ from services.infra.procs import (
     signal_group,
     wait_until,
 )
-from services.infra.restart import ServerUnit, ServiceUnit, Watchdog, serve_restart_metrics
+from services.infra.restart import (
+    RestartPolicy,
+    ServerUnit,
+    ServiceUnit,
+    Watchdog,
+    serve_restart_metrics,
+)
 from services.infra.scaler import LocalScaler
 from services.infra.supervisor import LogSink, ProcSpec, Supervisor
 from services.preflight import preflight
@@ -281,7 +287,11 @@ class Cluster:
             ServiceUnit(self.sup, spec, name.rsplit("-", 1)[0] in REQUIRED_ROLES)
             for name, spec in self.specs.items()
         ]
-        self.watchdog = Watchdog(units, say=lambda line: self.sup.sink.write("strata", line))
+        self.watchdog = Watchdog(
+            units,
+            RestartPolicy(initial_backoff=self.cfg.restart_backoff),
+            say=lambda line: self.sup.sink.write("strata", line),
+        )
         self.launcher_metrics_port = serve_restart_metrics(
             self.watchdog, self.cfg.host, self.cfg.launcher_metrics_port
         )
