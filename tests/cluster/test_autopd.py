@@ -24,7 +24,7 @@ BURST = 10
 WAVE = 4
 LONG_TOKENS = 5000  # about, per burst prompt: ~0.7 s of prefill each on one thread
 SHORT_MAX = 4
-STREAM_TOKENS = 4000  # the streams outlast the order (under 2 s here, at ~500 tokens/s a stream) several times over
+STREAM_TOKENS = 2500  # outlast the order (under 2 s here; ~300 tokens/s a stream) 4x over
 PREFILL_SUBMITS = '{status="ok",subject="strata.prefill.*.submit"}'
 
 
