@@ -104,7 +104,7 @@ class EPMoE(SparseMoE):
         self.load += counts
         for e, c in enumerate(counts.tolist()):
             if c:
-                self._counters[e].inc(c)
+                self._counters.inc(e, c)
         # a token's rows go to replica (token index mod replicas): an even split over replicas
         tok = torch.arange(start, start + sizes[r], device=x.device).unsqueeze(1).expand_as(ids)
         phys = self.log2phys[ids, tok % self.nrep[ids]]

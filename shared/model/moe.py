@@ -41,6 +41,26 @@ EXPERT_TOKENS = Counter(
 EXPERT_GEMMS = Counter("strata_moe_expert_gemms_total", "Expert GEMMs run (grouped MoE)")
 
 
+class ExpertTokens:
+    """One MoE layer's `EXPERT_TOKENS` series, each made when its expert first gets rows: a
+    model built and never run (on the meta device, to size it) adds none to the process's
+    registry, where DeepSeek-V3's 61 x 256 experts would be 15,616 series every scrape and
+    every registry read walks."""
+
+    def __init__(self, layer: int, num_experts: int):
+        self.layer, self.num_experts = str(layer), num_experts
+        self._children: dict[int, object] = {}
+
+    def __len__(self) -> int:
+        return self.num_experts
+
+    def inc(self, expert: int, rows: int) -> None:
+        child = self._children.get(expert)
+        if child is None:
+            child = self._children[expert] = EXPERT_TOKENS.labels(self.layer, str(expert))
+        child.inc(rows)
+
+
 class Experts(nn.Module):
     """``E`` gated MLPs stored stacked; ``run`` computes one expert over the rows grouped for it.
 
@@ -201,7 +221,7 @@ class SparseMoE(nn.Module):
         )
         self.top_k, self.norm_topk_prob = c.num_experts_per_tok, c.norm_topk_prob
         self.layer = layer
-        self._counters = [EXPERT_TOKENS.labels(str(layer), str(e)) for e in range(c.num_experts)]
+        self._counters = ExpertTokens(layer, c.num_experts)
         self.shared_expert: MLP | None = None
         self.shared_expert_gate: nn.Linear | None = None
         if c.shared_expert_intermediate_size:
@@ -265,7 +285,7 @@ class SparseMoE(nn.Module):
                 continue
             y = self.experts.run(e, xs[start : start + n])  # one GEMM each over e's rows
             torch.mul(y, ws[start : start + n], out=ys[start : start + n])
-            self._counters[e].inc(n)
+            self._counters.inc(e, n)
             start, gemms = start + n, gemms + 2
         EXPERT_GEMMS.inc(gemms)
         return self.add_shared(x, torch.zeros_like(x).index_add_(0, rows, ys))

@@ -282,3 +282,31 @@ def test_bf16_as_close_to_fp32_as_transformers_bf16(pair):
     scale = ref.abs().max()
     err, their_err = ((got - ref).abs().max() / scale), ((theirs - ref).abs().max() / scale)
     assert err.item() <= 1.25 * their_err.item() + 0.05
+
+
+def test_expert_series_exist_only_for_experts_that_got_rows():
+    """A MoE model built and never run (sized on the meta device, as the DeepSeek-V3 test
+    does with its 61 x 256 experts) adds no `strata_moe_expert_tokens_total` series: each is
+    made when its expert first gets rows. Thousands of idle series would be in every scrape,
+    and every registry read (``get_sample_value``) walks them all."""
+    from shared.model.config import config_from_dict
+    from shared.model.models import model_class
+
+    kw = dict(CASES["qwen3_moe"]["kw"], num_experts=64, mlp_only_layers=[])
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        **kw,
+    )
+    mc = config_from_dict(cfg.to_dict())
+    before = len(moe.EXPERT_TOKENS._metrics)
+    with torch.device("meta"):
+        model = model_class(mc)(mc)
+    assert len(moe.EXPERT_TOKENS._metrics) == before
+    sparse = [m for m in model.modules() if isinstance(m, moe.SparseMoE)][-1]  # layer 5
+    sparse._counters.inc(63, 3)  # a (layer, expert) no other test's model has
+    assert len(moe.EXPERT_TOKENS._metrics) == before + 1
+    assert moe.EXPERT_TOKENS.labels("5", "63")._value.get() >= 3
