@@ -24,7 +24,7 @@ from services.scheduler import metrics
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import SchedulerCore
 from services.scheduler.prefix_index import event_problem
-from services.scheduler.snapshots import load_snapshot, save_snapshot
+from services.scheduler.snapshots import load_snapshot, save_snapshot, stored_seq
 from shared import bus, service
 from shared.badmsg import BadMessages, one_line
 from shared.kv_events_stream import StreamLimits, kv_events_stream_state
@@ -142,16 +142,26 @@ async def follow_kv_events(
 async def snapshot_loop(js, core: SchedulerCore, cfg: SchedulerConfig, stop: asyncio.Event) -> None:
     """Every ``snapshot_interval``, if enough events were applied since the last one, store the
     index with the stream sequence it reflects (every replica may write; each snapshot is
-    self-consistent, and the newest wins)."""
+    self-consistent; one older than the stored one is not written).
+
+    With ``snapshot_purge``, the KV events this replica's previous snapshot covered are then
+    purged from the stream: a restarted replica loads a snapshot at least that new and replays
+    only what follows, so the stream holds about one snapshot interval of events instead of
+    growing to its byte limit. Keeping that interval, not purging up to the snapshot just
+    written, leaves a replica that lags behind by less than one interval every event it has
+    yet to apply."""
     done = core.index.events_applied
+    previous = 0  # the stream sequence of this replica's last snapshot
 
     async def maybe() -> None:
-        nonlocal done
+        nonlocal done, previous
         if core.index.events_applied - done < cfg.snapshot_min_events:
             return
         seq, applied = core.kv_seq, core.index.events_applied
-        nbytes = await save_snapshot(js, core.index, seq)
         done = applied
+        if await stored_seq(js) >= seq:
+            return  # another replica stored a snapshot at least as new
+        nbytes = await save_snapshot(js, core.index, seq)
         metrics.SNAPSHOT_BYTES.set(nbytes)
         log.info(
             "prefix-index snapshot at stream seq %d (%d blocks, %d bytes)",
@@ -159,6 +169,11 @@ async def snapshot_loop(js, core: SchedulerCore, cfg: SchedulerConfig, stop: asy
             len(core.index),
             nbytes,
         )
+        if cfg.snapshot_purge and previous > 0:
+            await js.purge_stream(subjects.KV_EVENTS_STREAM, seq=previous + 1)
+            metrics.KV_EVENTS_PURGES.inc()
+            log.info("KV events up to stream seq %d purged (a snapshot covers them)", previous)
+        previous = seq
 
     if cfg.snapshot_interval > 0:
         await service.periodic(cfg.snapshot_interval, maybe, stop)

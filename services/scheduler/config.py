@@ -87,6 +87,12 @@ class SchedulerConfig(KVEventStreamConfig):
     snapshot_min_events: int = Field(
         10000, ge=1, description="KV events applied since the last snapshot before another"
     )
+    snapshot_purge: bool = Field(
+        True,
+        description="After each snapshot, purge from the KV-event stream the events this "
+        "replica's previous snapshot covered (the stream then holds about one snapshot "
+        "interval of events)",
+    )
     expect_ttl_s: float = Field(
         30.0,
         ge=0,

@@ -50,6 +50,10 @@ KV_EVENTS_MISSED = Gauge(
     "strata_scheduler_kv_events_missed",
     "Stream sequences the last start-up replay needed that were already discarded",
 )
+KV_EVENTS_PURGES = Counter(
+    "strata_scheduler_kv_events_purges_total",
+    "Purges of KV events a stored prefix-index snapshot covers (snapshot_purge)",
+)
 SNAPSHOT_BYTES = Gauge("strata_scheduler_snapshot_bytes", "Size of the last prefix-index snapshot")
 SCALE_DECISIONS = Counter(
     "strata_scheduler_scale_decisions_total",

@@ -2,7 +2,8 @@
 snapshot and replays only the KV events after it instead of the whole stream.
 
 A snapshot is ``msgpack({"v": 1, "last_seq": N, "index": PrefixIndex.state()})``: the index as
-it was after applying stream sequence ``N``.
+it was after applying stream sequence ``N``; the object's description says ``last_seq=N`` too,
+so a replica can see how new the stored snapshot is without reading it (`stored_seq`).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import logging
 
 import msgpack
+from nats.js.api import ObjectMeta
 from nats.js.errors import BucketNotFoundError, NotFoundError, ObjectNotFoundError
 
 from services.scheduler.prefix_index import PrefixIndex
@@ -39,8 +41,22 @@ async def save_snapshot(js, index: PrefixIndex, last_seq: int) -> int:
         {"v": VERSION, "last_seq": last_seq, "index": index.state()}, use_bin_type=True
     )
     store = await _store(js, create=True)
-    await store.put(NAME, data)
+    await store.put(NAME, data, meta=ObjectMeta(name=NAME, description=f"last_seq={last_seq}"))
     return len(data)
+
+
+async def stored_seq(js) -> int:
+    """The stream sequence of the stored snapshot, from its description (0: none, or one
+    written before descriptions carried it)."""
+    try:
+        store = await _store(js, create=False)
+        if store is None:
+            return 0
+        info = await store.get_info(NAME)
+    except (ObjectNotFoundError, NotFoundError):
+        return 0
+    key, _, value = (info.description or "").partition("=")
+    return int(value) if key == "last_seq" and value.isdigit() else 0
 
 
 async def load_snapshot(js) -> tuple[PrefixIndex, int] | None:

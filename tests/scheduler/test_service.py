@@ -355,6 +355,60 @@ async def test_restart_loads_snapshot_and_replays_only_the_tail(nc, nats_url):
         await js.delete_object_store(BUCKET)
 
 
+async def test_snapshots_purge_the_events_the_previous_one_covered(nc, nats_url):
+    """Each snapshot purges, from the KV-event stream, the events this replica's previous
+    snapshot covered: the stream keeps one interval of events, not everything up to its byte
+    limit, and a replica started afterwards (newest snapshot + the kept tail) has the same
+    index with no replay gap. A snapshot older than the stored one is not written."""
+    from services.scheduler import metrics as sm
+    from services.scheduler.snapshots import BUCKET, save_snapshot, stored_seq
+    from shared.kv_events_stream import kv_events_stream_state
+
+    js = nc.jetstream()
+    d = uid("decode")
+    purges, gaps = sm.KV_EVENTS_PURGES._value.get(), sm.KV_EVENTS_REPLAY_GAPS._value.get()
+
+    def ev(seq):
+        return _enc(
+            KVEvent(
+                instance_id=d,
+                incarnation="x",
+                seq=seq,
+                tier="engine",
+                kind="stored",
+                hashes=[uuid.uuid4().hex],
+            )
+        )
+
+    try:
+        async with scheduler(
+            nats_url, policy="prefix_aware", snapshot_interval=0.1, snapshot_min_events=1
+        ) as first:
+            acks = []
+            for batch in range(3):  # a snapshot after each batch
+                for i in range(4):
+                    acks.append(await js.publish(subjects.kv_events(d), ev(batch * 4 + i)))
+                await eventually(lambda a=acks[-1].seq: _snapshot_seq(js, at_least=a))
+            # a later snapshot purged what an earlier one covered (at least the first batch),
+            # and the events after the previous snapshot are still there
+            state = await kv_events_stream_state(js)
+            assert acks[3].seq < state.first_seq <= acks[-1].seq, (state, acks[3], acks[-1])
+            assert sm.KV_EVENTS_PURGES._value.get() >= purges + 2
+            # a newer snapshot stored by another replica is not overwritten by an older one
+            await save_snapshot(js, first.core.index, 10**12)
+            await js.publish(subjects.kv_events(d), ev(99))
+            await asyncio.sleep(0.5)
+            assert await stored_seq(js) == 10**12
+            await save_snapshot(js, first.core.index, first.core.kv_seq)  # back to the truth
+        async with scheduler(nats_url, policy="prefix_aware", snapshot_interval=0) as second:
+            pass
+        assert second.core.index.digest() == first.core.index.digest()
+        assert second.core.index.blocks_of(d) == 13
+        assert sm.KV_EVENTS_REPLAY_GAPS._value.get() == gaps  # nothing it needed was purged
+    finally:
+        await js.delete_object_store(BUCKET)
+
+
 async def _snapshot_seq(js, at_least: int):
     from services.scheduler.snapshots import load_snapshot
 
