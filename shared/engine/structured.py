@@ -34,18 +34,13 @@ from shared.protocol.sampling import StructuredSpec
 if TYPE_CHECKING:
     import xgrammar as xgr
 
-_XGR = None
-
 
 def _xgr():
     """xgrammar, imported on first use: with it comes transformers (about 0.6 s of CPU), which
     a worker serving no structured request never needs at start."""
-    global _XGR
-    if _XGR is None:
-        import xgrammar
+    import xgrammar
 
-        _XGR = xgrammar
-    return _XGR
+    return xgrammar
 
 
 _ROOT = re.compile(r"\broot\b")

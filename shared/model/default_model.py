@@ -22,8 +22,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 
 from shared.model.config import config_from_dict
 from shared.model.corpus import corpus_lines
-from shared.model.loader import skip_init
-from shared.model.models import model_class
+from shared.model.loader import meta_model
 
 VERSION = "strata-model-v2"
 MARKER = ".strata_model_version"
@@ -110,8 +109,7 @@ def _write(out: Path, config: dict, tok: Tokenizer, seed: int, extra: dict[str, 
     if marker.exists() and marker.read_text().strip() == f"{VERSION} seed={seed}":
         return out
     mc = config_from_dict(config)
-    with torch.device("meta"), skip_init():
-        model = model_class(mc)(mc)
+    model = meta_model(mc)
     save_file(
         _init_weights(model, seed, 0.5), str(out / "model.safetensors"), metadata={"format": "pt"}
     )

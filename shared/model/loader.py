@@ -214,10 +214,7 @@ def load_model(
     path = Path(path)
     config = load_config(path)
     dtype = dtype or config.dtype
-    cls = model_class(config)
-    with torch.device("meta"), skip_init():
-        model = cls(config)
-    model = model.to(dtype=dtype).to_empty(device=device)
+    model = meta_model(config).to(dtype=dtype).to_empty(device=device)
     model.tie_weights()
     files = _load_weights(model, config, path)
     fold = getattr(model, "fold_constants", None)  # a LLaVA has none: its decoders fold nothing
@@ -241,6 +238,12 @@ _INITS = (
     "ones_",
     "zeros_",
 )
+
+
+def meta_model(config: ModelConfig) -> nn.Module:
+    """The model of ``config`` on the meta device: shapes only, nothing initialised."""
+    with torch.device("meta"), skip_init():
+        return model_class(config)(config)
 
 
 @contextlib.contextmanager

@@ -47,12 +47,9 @@ class ExpertTokens:
     registry, where DeepSeek-V3's 61 x 256 experts would be 15,616 series every scrape and
     every registry read walks."""
 
-    def __init__(self, layer: int, num_experts: int):
-        self.layer, self.num_experts = str(layer), num_experts
+    def __init__(self, layer: int):
+        self.layer = str(layer)
         self._children: dict[int, object] = {}
-
-    def __len__(self) -> int:
-        return self.num_experts
 
     def inc(self, expert: int, rows: int) -> None:
         child = self._children.get(expert)
@@ -221,7 +218,7 @@ class SparseMoE(nn.Module):
         )
         self.top_k, self.norm_topk_prob = c.num_experts_per_tok, c.norm_topk_prob
         self.layer = layer
-        self._counters = ExpertTokens(layer, c.num_experts)
+        self._counters = ExpertTokens(layer)
         self.shared_expert: MLP | None = None
         self.shared_expert_gate: nn.Linear | None = None
         if c.shared_expert_intermediate_size:
@@ -274,7 +271,7 @@ class SparseMoE(nn.Module):
         weights, ids = self.route(x)
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
-        counts = torch.bincount(flat, minlength=len(self._counters)).tolist()
+        counts = torch.bincount(flat, minlength=self.gate.out_features).tolist()
         rows = order // self.top_k
         xs = x.index_select(0, rows)
         ws = weights.reshape(-1, 1).index_select(0, order)
