@@ -8,6 +8,9 @@ Closed loop: ``--concurrency`` streamed chat completions in flight at all times 
 the pool see reuse), for ``--minutes``. RSS of each service process, nats-server and MinIO is
 sampled every ``--sample-s`` seconds; the report gives errors by kind, completed requests, and per
 process the RSS at the first sample after warm-up, the peak and the last, so growth is visible.
+Alongside RSS it samples what could be growing inside the two stateful processes: nats-server's
+own view of its memory and of each JetStream stream (its HTTP monitoring endpoint,
+``--nats-monitor-port``) and the scheduler's prefix index and snapshots (its ``/metrics``).
 Traffic goes to the loopback gateway only.
 """
 
@@ -44,13 +47,66 @@ def process_pids(c) -> dict[str, int]:
     return pids
 
 
-class Sampler(threading.Thread):
-    """RSS of every process every ``every`` seconds until stopped."""
+def nats_state(monitor_url: str) -> dict[str, float]:
+    """nats-server's memory (MiB, as it reports it), subscriptions, connections, and each
+    JetStream stream's messages and MiB (its monitoring endpoint); empty when unreachable."""
+    import httpx
 
-    def __init__(self, pids: dict[str, int], every: float) -> None:
+    try:
+        varz = httpx.get(f"{monitor_url}/varz", timeout=5).json()
+        jsz = httpx.get(f"{monitor_url}/jsz", params={"streams": "true"}, timeout=5).json()
+    except (httpx.HTTPError, ValueError):
+        return {}
+    out = {
+        "nats mem MiB": varz.get("mem", 0) / 2**20,
+        "nats subscriptions": varz.get("subscriptions", 0),
+        "nats connections": varz.get("connections", 0),
+        "nats JetStream memory MiB": jsz.get("memory", 0) / 2**20,
+    }
+    for account in jsz.get("account_details") or []:
+        for stream in account.get("stream_detail") or []:
+            state = stream.get("state") or {}
+            out[f"{stream['name']} messages"] = state.get("messages", 0)
+            out[f"{stream['name']} MiB"] = state.get("bytes", 0) / 2**20
+    return out
+
+
+SCHEDULER_SERIES = {
+    "strata_scheduler_prefix_index_blocks": "scheduler index blocks",
+    "strata_scheduler_snapshot_bytes": "scheduler snapshot bytes",
+    "strata_scheduler_kv_events_purges_total": "scheduler event purges",
+    "strata_scheduler_kv_events_total": "scheduler KV events applied",
+    "python_gc_objects_collected_total": "scheduler gc collected",
+}
+
+
+def scheduler_state(metrics_url: str) -> dict[str, float]:
+    """The scheduler's prefix index size, snapshot size, purges and KV events applied."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = httpx.get(metrics_url, timeout=5).text
+    except httpx.HTTPError:
+        return {}
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name = SCHEDULER_SERIES.get(sample.name)
+            if name:
+                out[name] = out.get(name, 0.0) + sample.value
+    return out
+
+
+class Sampler(threading.Thread):
+    """RSS of every process, and each ``probes`` reading, every ``every`` seconds until
+    stopped."""
+
+    def __init__(self, pids: dict[str, int], every: float, probes=()) -> None:
         super().__init__(daemon=True)
-        self.pids, self.every = pids, every
+        self.pids, self.every, self.probes = pids, every, list(probes)
         self.samples: list[tuple[float, dict[str, float]]] = []
+        self.inside: list[dict[str, float]] = []
         self.stop = threading.Event()
 
     def run(self) -> None:
@@ -59,6 +115,10 @@ class Sampler(threading.Thread):
             self.samples.append(
                 (time.monotonic() - t0, {n: rss_mib(p) for n, p in self.pids.items()})
             )
+            inside: dict[str, float] = {}
+            for probe in self.probes:
+                inside.update(probe())
+            self.inside.append(inside)
             self.stop.wait(self.every)
 
 
@@ -105,14 +165,27 @@ def main() -> None:
     ap.add_argument("--model", default="", help="checkpoint (default: the built-in model)")
     a = ap.parse_args()
     model_dir = ensure_model(a.model)
+    from services.infra.procs import free_port
+
+    monitor = free_port()
     with (
         open(os.devnull, "w") as sink,
         Cluster(
-            model_dir, log_stream=sink, die_with_parent=True, log_level="WARNING", restart=True
+            model_dir,
+            log_stream=sink,
+            die_with_parent=True,
+            log_level="WARNING",
+            restart=True,
+            nats_monitor_port=monitor,
         ) as c,
     ):
         pids = process_pids(c)
-        sampler = Sampler(pids, a.sample_s)
+        scheduler_metrics = c.specs["scheduler-0"].env["STRATA_METRICS_PORT"]
+        probes = [
+            lambda: nats_state(f"http://{c.cfg.host}:{monitor}"),
+            lambda: scheduler_state(f"http://{c.cfg.host}:{scheduler_metrics}/metrics"),
+        ]
+        sampler = Sampler(pids, a.sample_s, probes)
         sampler.start()
         t = time.perf_counter()
         import httpx
@@ -149,6 +222,16 @@ def main() -> None:
             f"| {name} | {warm[name]:.0f} | {mid} | {peak:.0f} | {last[name]:.0f} | "
             f"{last[name] - warm[name]:+.0f} | {alive.get(name, True)} |"
         )
+    inside = sampler.inside
+    at = [min(len(inside) - 1, round(q * (len(inside) - 1))) for q in (0.25, 0.5, 0.75)]
+    keys = sorted({k for d in inside for k in d})
+    if keys:
+        print("\n| inside the process | after warm-up | at 25% / 50% / 75% | end |")
+        print("| --- | ---: | --- | ---: |")
+        for k in keys:
+            row = [d.get(k, float("nan")) for d in inside]
+            mid = " / ".join(f"{row[i]:.4g}" for i in at)
+            print(f"| {k} | {row[min(1, len(row) - 1)]:.4g} | {mid} | {row[-1]:.4g} |")
 
 
 if __name__ == "__main__":

@@ -34,6 +34,12 @@ class ClusterConfig(BaseModel):
     host: str = Field("127.0.0.1", description="Address every service binds")
     port: int = Field(0, ge=0, le=65535, description="Gateway HTTP port (0 = a free port)")
     nats_port: int = Field(0, ge=0, le=65535, description="nats-server port (0 = a free port)")
+    nats_monitor_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="nats-server's HTTP monitoring port on --host (/varz, /jsz, /connz; 0 = off)",
+    )
     minio_port: int = Field(0, ge=0, le=65535, description="MinIO port (0 = a free port)")
     minio: bool = Field(
         True, description="MinIO, the SSD tier of the KV pool (off: the pool stays in DRAM)"

@@ -185,6 +185,7 @@ class Cluster:
                 tls_key=self.cfg.nats_tls_key,
                 tls_ca=self.cfg.nats_tls_ca,
                 tls_verify=self.cfg.nats_tls_verify,
+                monitor_port=self.cfg.nats_monitor_port,
             )
             self.nats.start(self._infra_log("nats"))
         if self.cfg.minio and self.minio is None:

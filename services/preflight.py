@@ -23,13 +23,24 @@ def preflight(cfg: ClusterConfig, port: int) -> tuple[str, JoinedNats | None, Jo
         raise RuntimeError(f"gateway port {port} is already in use (pass --port)")
     check_pair(cfg.tls_cert, cfg.tls_key)
     joined_minio = bool(cfg.minio and cfg.minio_endpoint)
-    for what, p, flag in (
-        ("nats-server", 0 if cfg.nats_url else cfg.nats_port, "--nats-port"),
-        ("MinIO", cfg.minio_port if cfg.minio and not joined_minio else 0, "--minio-port"),
+    for what, p, flag, zero in (
+        ("nats-server", 0 if cfg.nats_url else cfg.nats_port, "--nats-port", "any"),
+        (
+            "nats-server monitoring",
+            0 if cfg.nats_url else cfg.nats_monitor_port,
+            "--nats-monitor-port",
+            "none",
+        ),
+        (
+            "MinIO",
+            cfg.minio_port if cfg.minio and not joined_minio else 0,
+            "--minio-port",
+            "any",
+        ),
     ):
         if p and port_open(cfg.host, p):
             raise RuntimeError(
-                f"{what} port {p} is already in use (pass {flag} with a free port, or 0 for any)"
+                f"{what} port {p} is already in use (pass {flag} with a free port, or 0 for {zero})"
             )
     model_dir = ensure_model(cfg.model)
     nats = minio = None

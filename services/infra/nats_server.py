@@ -76,6 +76,8 @@ class NatsServer:
     tls_verify: bool = False
     """Mutual TLS: clients must present a certificate signed by ``tls_ca``."""
     passwords: dict[str, str] = field(default_factory=dict)
+    monitor_port: int = 0
+    """HTTP monitoring endpoint (/varz, /jsz, /connz) on ``host``; 0 = none."""
 
     @property
     def url(self) -> str:
@@ -103,6 +105,8 @@ class NatsServer:
         text = f"max_payload: {MAX_PAYLOAD}\n"
         if name:  # here, not as -n: a config reload (`strata creds`) would read it as changed
             text += f"server_name: {json.dumps(name)}\n"
+        if self.monitor_port:
+            text += f"http: {json.dumps(f'{self.host}:{self.monitor_port}')}\n"
         if self.auth:
             self.passwords = nats_clients.write_auth_conf(self.data_dir)
             text += f"include {nats_clients.AUTH_CONF}\n"

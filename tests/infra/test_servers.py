@@ -29,6 +29,37 @@ async def test_nats_starts_with_jetstream_and_stops(tmp_path):
     assert not port_open("127.0.0.1", server.port)
 
 
+async def test_nats_monitoring_endpoint_is_off_unless_a_port_is_given(tmp_path):
+    import httpx
+
+    from services.infra.nats_server import NatsServer
+    from services.infra.procs import free_port
+
+    quiet = start_nats(data_dir=str(tmp_path / "quiet"))
+    try:
+        assert "http:" not in open(tmp_path / "quiet" / "nats.conf").read()
+    finally:
+        quiet.stop()
+    monitor = free_port()
+    server = NatsServer(free_port(), str(tmp_path / "nats"), monitor_port=monitor).start()
+    try:
+        nc = await nats.connect(server.url)
+        js = nc.jetstream()
+        await js.add_stream(name="SEEN", subjects=["seen.>"])
+        await js.publish("seen.a", b"x" * 100)
+        base = f"http://127.0.0.1:{monitor}"
+        varz = httpx.get(f"{base}/varz").json()
+        assert varz["mem"] > 0 and varz["port"] == server.port
+        jsz = httpx.get(f"{base}/jsz", params={"streams": "true"}).json()
+        streams = {
+            s["name"]: s["state"] for d in jsz["account_details"] for s in d["stream_detail"]
+        }
+        assert streams["SEEN"]["messages"] == 1
+        await nc.close()
+    finally:
+        server.stop()
+
+
 def test_minio_starts_healthy_serves_objects_and_stops(tmp_path):
     server = start_minio(data_dir=str(tmp_path / "minio"))
     pid = server.proc.pid
