@@ -7,10 +7,19 @@ Closed loop: ``--concurrency`` streamed chat completions in flight at all times 
 16-64 words, 8-32 output tokens, a tenth of them sharing a system prompt so the prefix cache and
 the pool see reuse), for ``--minutes``. RSS of each service process, nats-server and MinIO is
 sampled every ``--sample-s`` seconds; the report gives errors by kind, completed requests, and per
-process the RSS at the first sample after warm-up, the peak and the last, so growth is visible.
+process the RSS at the first sample after warm-up, at each quarter and at the end, and its peak in
+the first and in the second half of the run: growth is the second peak over the first.
 Alongside RSS it samples what could be growing inside the two stateful processes: nats-server's
 own view of its memory and of each JetStream stream (its HTTP monitoring endpoint,
 ``--nats-monitor-port``) and the scheduler's prefix index and snapshots (its ``/metrics``).
+
+Before the measured run the soak fills the engines' KV caches (``--warmup-minutes``, 0 = skip):
+unique prompts of about a thousand words, one output token each, until every prefill and decode
+instance reports as many prefix-cached blocks as it has (``strata:kv_cache_cached_blocks`` =
+``strata:kv_cache_total_blocks``, within 2%). From then on every new block evicts one, so the
+caches, and the scheduler's index of them, are at their size: what still grows is growth. On
+the default shape the cache holds tens of thousands of blocks, more than a 10-minute run of short
+prompts writes, so without this step the run measures the caches filling.
 Traffic goes to the loopback gateway only.
 """
 
@@ -129,6 +138,62 @@ def job(rng: random.Random, i: int, system: str) -> Job:
     return Job(i, rng.randint(8, 32), messages=msgs)
 
 
+def kv_fill(metrics_urls: list[str]) -> tuple[float, float]:
+    """Prefix-cached and total engine KV blocks over ``metrics_urls`` (each instance's
+    ``/metrics``)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    cached = total = 0.0
+    for url in metrics_urls:
+        try:
+            text = httpx.get(url, timeout=5).text
+        except httpx.HTTPError:
+            continue
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "strata:kv_cache_cached_blocks":
+                    cached += sample.value
+                elif sample.name == "strata:kv_cache_total_blocks":
+                    total += sample.value
+    return cached, total
+
+
+async def warm_up(
+    url: str, model: str, metrics_urls: list[str], seconds: float, concurrency: int = 8
+) -> tuple[float, float, float]:
+    """Unique long prompts (1 output token) until the engines' caches are full (cached blocks
+    within 2% of the total) or ``seconds`` pass; returns (seconds taken, cached, total)."""
+    cfg = RunConfig(url, model, request_timeout=120, deadline=seconds + 120, progress=False)
+    rng = random.Random(2)
+    t0 = time.perf_counter()
+    end = t0 + seconds
+    fill = [0.0, 1.0]
+    full = asyncio.Event()
+
+    async def watch() -> None:
+        while not full.is_set() and time.perf_counter() < end:
+            fill[:] = await asyncio.to_thread(kv_fill, metrics_urls)
+            if fill[1] and fill[0] >= 0.98 * fill[1]:
+                full.set()
+            await asyncio.sleep(1.0)
+
+    async with new_client(concurrency) as client:
+
+        async def worker(w: int) -> None:
+            i = w
+            while not full.is_set() and time.perf_counter() < end:
+                msgs = [{"role": "user", "content": " ".join(words(rng, 1000))}]
+                await send(client, Job(i, 1, messages=msgs), cfg, t0)
+                i += concurrency
+
+        watcher = asyncio.create_task(watch())
+        await asyncio.gather(*(worker(w) for w in range(concurrency)))
+        full.set()
+        await watcher
+    return time.perf_counter() - t0, fill[0], fill[1]
+
+
 async def drive(url: str, model: str, concurrency: int, seconds: float) -> tuple[Counter, int]:
     cfg = RunConfig(url, model, request_timeout=120, deadline=seconds + 180, progress=False)
     rng = random.Random(0)
@@ -154,6 +219,16 @@ async def drive(url: str, model: str, concurrency: int, seconds: float) -> tuple
     return errors, done
 
 
+def half_peaks(series: list[float]) -> tuple[float, float]:
+    """Peak of the first and of the second half of ``series`` (the first sample, taken as the
+    run starts, left out). A process whose memory swings with its garbage collector (Go's
+    nats-server and MinIO, CPython's arenas) has the same peaks in both halves at steady state;
+    one that grows has a higher second peak. "growth" in the report is second / first - 1."""
+    body = series[1:] if len(series) > 2 else series
+    mid = len(body) // 2
+    return max(body[: mid or 1]), max(body[mid:] or body)
+
+
 def main() -> None:
     from services.cluster_config import ensure_model
     from services.launcher import Cluster
@@ -162,6 +237,12 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=500)
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--sample-s", type=float, default=10.0)
+    ap.add_argument(
+        "--warmup-minutes",
+        type=float,
+        default=5.0,
+        help="at most this long filling the engines' KV caches before the run (0 = skip)",
+    )
     ap.add_argument("--model", default="", help="checkpoint (default: the built-in model)")
     a = ap.parse_args()
     model_dir = ensure_model(a.model)
@@ -179,6 +260,19 @@ def main() -> None:
             nats_monitor_port=monitor,
         ) as c,
     ):
+        import httpx
+
+        model = httpx.get(c.gateway_url + "/v1/models").json()["data"][0]["id"]
+        engines = [
+            f"http://{c.cfg.host}:{c.specs[n].env['STRATA_METRICS_PORT']}/metrics"
+            for n in c.names()
+            if n.rsplit("-", 1)[0] in ("prefill", "decode")
+        ]
+        warm_s, cached, total = 0.0, *kv_fill(engines)
+        if a.warmup_minutes > 0:
+            warm_s, cached, total = asyncio.run(
+                warm_up(c.gateway_url, model, engines, a.warmup_minutes * 60)
+            )
         pids = process_pids(c)
         scheduler_metrics = c.specs["scheduler-0"].env["STRATA_METRICS_PORT"]
         probes = [
@@ -188,9 +282,6 @@ def main() -> None:
         sampler = Sampler(pids, a.sample_s, probes)
         sampler.start()
         t = time.perf_counter()
-        import httpx
-
-        model = httpx.get(c.gateway_url + "/v1/models").json()["data"][0]["id"]
         errors, done = asyncio.run(drive(c.gateway_url, model, a.concurrency, a.minutes * 60))
         wall = time.perf_counter() - t
         sampler.stop.set()
@@ -205,22 +296,26 @@ def main() -> None:
         f"(load average {os.getloadavg()[0]:.2f}): {done} completed, "
         f"{sum(errors.values())} errors, restarts {restarts or 'none'}\n"
     )
+    print(
+        f"Warm-up: {warm_s:.0f} s; engine KV blocks prefix-cached at its end: {cached:.0f} of "
+        f"{total:.0f}{'' if total and cached >= 0.98 * total else ' (not full)'}\n"
+    )
     for (status, msg), n in errors.most_common(10):
         print(f"- {n} x status {status}: {msg}")
     quarter = [
         samples[min(len(samples) - 1, round(q * (len(samples) - 1)))] for q in (0.25, 0.5, 0.75)
     ]
     print(
-        "\n| process | RSS MiB after warm-up | at 25% / 50% / 75% of the run | peak | end |"
-        " growth | alive at end |"
+        "\n| process | RSS MiB after warm-up | at 25% / 50% / 75% of the run | end | "
+        "peak, first / second half | growth | alive at end |"
     )
-    print("| --- | ---: | --- | ---: | ---: | ---: | --- |")
+    print("| --- | ---: | --- | ---: | --- | ---: | --- |")
     for name in pids:
-        peak = max(s[1][name] for s in samples)
+        first, second = half_peaks([s[1][name] for s in samples])
         mid = " / ".join(f"{q[1][name]:.0f}" for q in quarter)
         print(
-            f"| {name} | {warm[name]:.0f} | {mid} | {peak:.0f} | {last[name]:.0f} | "
-            f"{last[name] - warm[name]:+.0f} | {alive.get(name, True)} |"
+            f"| {name} | {warm[name]:.0f} | {mid} | {last[name]:.0f} | {first:.0f} / "
+            f"{second:.0f} | {100 * (second / first - 1):+.1f}% | {alive.get(name, True)} |"
         )
     inside = sampler.inside
     at = [min(len(inside) - 1, round(q * (len(inside) - 1))) for q in (0.25, 0.5, 0.75)]

@@ -658,6 +658,7 @@ class LLMEngine:
             swapped=sum(1 for q in waiting if q.status == SequenceStatus.SWAPPED),
             kv_blocks_total=self.bm.num_blocks,
             kv_blocks_free=self.bm.num_free_blocks,
+            kv_blocks_cached=len(self.bm.cached),
             kv_usage=self.bm.usage,
             kv_pool_bytes=self.runner.kv_bytes,
             prefix_query_tokens=s.prefix_query_tokens,

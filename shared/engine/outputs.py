@@ -70,6 +70,7 @@ class EngineStats:
     lead_steps: int = 0  # steps that ran only a light tenant's new prompt (FairShare.lead)
     # blocks recorded for the KV pool by the save policy, by reason (block_manager.RECORD_REASONS)
     pool_recorded: dict[str, int] = field(default_factory=dict)
+    kv_blocks_cached: int = 0  # blocks holding a prefix-cached (hashed) block, in use or not
     extra: dict[str, float] = field(default_factory=dict)
 
     @property

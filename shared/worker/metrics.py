@@ -11,6 +11,13 @@ from prometheus_client import Counter, Gauge, Histogram
 _L = ("role", "instance")
 KV_USAGE = Gauge("strata:kv_cache_usage_perc", "Engine KV blocks in use (0-1)", _L)
 KV_BLOCKS_FREE = Gauge("strata:kv_cache_free_blocks", "Engine KV blocks free", _L)
+KV_BLOCKS_TOTAL = Gauge("strata:kv_cache_total_blocks", "Engine KV blocks in the cache", _L)
+KV_BLOCKS_CACHED = Gauge(
+    "strata:kv_cache_cached_blocks",
+    "Engine KV blocks holding a prefix-cached block (in use or evictable); equal to the total "
+    "once the cache has filled",
+    _L,
+)
 ENGINE_RUNNING = Gauge("strata:engine_num_requests_running", "Sequences in the running batch", _L)
 ENGINE_WAITING = Gauge("strata:engine_num_requests_waiting", "Sequences waiting or swapped", _L)
 PREFIX_QUERIES = Counter(
@@ -83,6 +90,8 @@ class EngineMetrics:
         lab = self.labels
         KV_USAGE.labels(*lab).set(s.kv_usage)
         KV_BLOCKS_FREE.labels(*lab).set(s.kv_blocks_free)
+        KV_BLOCKS_TOTAL.labels(*lab).set(s.kv_blocks_total)
+        KV_BLOCKS_CACHED.labels(*lab).set(s.kv_blocks_cached)
         ENGINE_RUNNING.labels(*lab).set(s.running)
         ENGINE_WAITING.labels(*lab).set(s.waiting)
         for key, counter, value in (
