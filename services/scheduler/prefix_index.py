@@ -12,7 +12,10 @@ into DRAM and SSD by the fastest tier holding each). Pure Python: no NATS.
 from __future__ import annotations
 
 import re
+import sys
+from array import array
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import xxhash
@@ -64,10 +67,41 @@ class IndexMatch:
         return self.pool_dram_blocks + self.pool_ssd_blocks
 
 
+SMALL_HOLDERS = 8
+"""Up to this many holders a block's entry is a tuple; past it, a dict."""
+
+
+def _key(h: str) -> bytes | str:
+    """A block's key in the index: the 16 bytes of a wire hash (32 hex digits), or the string
+    itself for any other name (the simulator's and tests' synthetic hashes)."""
+    if len(h) == 32:
+        try:
+            return bytes.fromhex(h)
+        except ValueError:
+            pass
+    return h
+
+
+def _name(key: bytes | str) -> str:
+    return key.hex() if type(key) is bytes else key
+
+
 class PrefixIndex:
+    """The index is kept compact, since it holds every block the engines and the pool hold (tens
+    of millions at scale): a block is keyed by its 16-byte digest (not the 32-character hex
+    string of the wire), instances by small slot numbers, and a block's holders are one int
+    ``slot << 3 | tier bits`` when one instance holds it (the common case), a tuple of such ints
+    for a few, a dict ``slot -> bits`` for many: about 120-180 bytes a block with one holder
+    where a dict per block keyed by the hex string took 330-390 (docs/benchmarks/scheduler.md).
+    `holders()` and `digest()` still name blocks and instances as the wire does."""
+
     def __init__(self) -> None:
-        self._holders: dict[str, dict[str, int]] = {}  # hash -> instance -> tier bits
-        self._by_instance: dict[str, set[str]] = {}  # instance -> hashes it holds (any tier)
+        self._holders: dict[bytes | str, int | tuple[int, ...] | dict[int, int]] = {}
+        self._by_slot: list[set[bytes | str]] = []  # slot -> digests it holds (any tier)
+        self._names: list[str | None] = []  # slot -> instance id (None: free)
+        self._slot: dict[str, int] = {}
+        self._free_slots: list[int] = []
+        self._many: set[bytes | str] = set()  # blocks whose holders are a dict (mutable)
         self._incarnation: dict[str, str] = {}
         self._retired: dict[str, set[str]] = {}  # instance -> incarnations that are gone
         self._seq: dict[str, int] = {}  # instance -> last applied seq (current incarnation)
@@ -83,7 +117,102 @@ class PrefixIndex:
         return len(self._holders)
 
     def blocks_of(self, instance_id: str) -> int:
-        return len(self._by_instance.get(instance_id, ()))
+        slot = self._slot.get(instance_id)
+        return 0 if slot is None else len(self._by_slot[slot])
+
+    # --- slots and holder entries ---------------------------------------------------------------
+    def _slot_of(self, instance_id: str) -> int:
+        slot = self._slot.get(instance_id)
+        if slot is None:
+            if self._free_slots:
+                slot = self._free_slots.pop()
+                self._names[slot] = instance_id
+            else:
+                slot = len(self._names)
+                self._names.append(instance_id)
+                self._by_slot.append(set())
+            self._slot[instance_id] = slot
+        return slot
+
+    def _release(self, instance_id: str) -> set[bytes | str]:
+        """Give ``instance_id``'s slot back; returns the digests it held."""
+        slot = self._slot.pop(instance_id, None)
+        if slot is None:
+            return set()
+        held, self._by_slot[slot] = self._by_slot[slot], set()
+        self._names[slot] = None
+        self._free_slots.append(slot)
+        return held
+
+    def _add(self, key: bytes | str, slot: int, bit: int) -> None:
+        v = self._holders.get(key)
+        if v is None:
+            self._holders[key] = slot << 3 | bit
+        elif type(v) is int:
+            if v >> 3 == slot:
+                self._holders[key] = v | bit
+            else:
+                self._holders[key] = (v, slot << 3 | bit)
+        elif type(v) is tuple:
+            for j, e in enumerate(v):
+                if e >> 3 == slot:
+                    self._holders[key] = (*v[:j], e | bit, *v[j + 1 :])
+                    return
+            if len(v) < SMALL_HOLDERS:
+                self._holders[key] = (*v, slot << 3 | bit)
+            else:
+                d = {e >> 3: e & 7 for e in v}
+                d[slot] = bit
+                self._holders[key] = d
+                self._many.add(key)
+        else:
+            v[slot] = v.get(slot, 0) | bit
+
+    def _clear(self, key: bytes | str, slot: int, bit: int) -> bool:
+        """Clear ``bit`` of ``slot`` on block ``key``; True when the slot no longer holds it in
+        any tier."""
+        v = self._holders.get(key)
+        if v is None:
+            return False
+        if type(v) is int:
+            if v >> 3 != slot:
+                return False
+            if v & 7 & ~bit:
+                self._holders[key] = v & ~bit
+                return False
+            del self._holders[key]
+            return True
+        if type(v) is tuple:
+            for j, e in enumerate(v):
+                if e >> 3 == slot:
+                    if e & 7 & ~bit:
+                        self._holders[key] = (*v[:j], e & ~bit, *v[j + 1 :])
+                        return False
+                    rest = v[:j] + v[j + 1 :]
+                    self._holders[key] = rest[0] if len(rest) == 1 else rest
+                    return True
+            return False
+        bits = v.get(slot)
+        if bits is None:
+            return False
+        if bits & ~bit:
+            v[slot] = bits & ~bit
+            return False
+        del v[slot]
+        if len(v) <= SMALL_HOLDERS:
+            rest = tuple(s << 3 | b for s, b in v.items())
+            self._holders[key] = rest[0] if len(rest) == 1 else rest
+            self._many.discard(key)
+        return True
+
+    @staticmethod
+    def _entries(v: int | tuple[int, ...] | dict[int, int]) -> list[tuple[int, int]]:
+        """(slot, tier bits) of every holder of one block entry."""
+        if type(v) is int:
+            return [(v >> 3, v & 7)]
+        if type(v) is tuple:
+            return [(e >> 3, e & 7) for e in v]
+        return list(v.items())
 
     # --- updates --------------------------------------------------------------------------------
     def apply(self, ev: KVEvent) -> bool:
@@ -97,12 +226,20 @@ class PrefixIndex:
             return False
         self._seq[inst] = ev.seq
         bit = _TIER_BIT[ev.tier]
-        mine = self._by_instance.setdefault(inst, set())
+        slot = self._slot_of(inst)
+        mine = self._by_slot[slot]
         if ev.kind == "stored":
+            table, one = self._holders, slot << 3 | bit
             for h in ev.hashes:
-                holders = self._holders.setdefault(h, {})
-                holders[inst] = holders.get(inst, 0) | bit
-                mine.add(h)
+                key = _key(h)
+                v = table.get(key)
+                if v is None:  # the common cases inline: a new block, or one of its own
+                    table[key] = one
+                elif type(v) is int and v >> 3 == slot:
+                    table[key] = v | bit
+                else:
+                    self._add(key, slot, bit)
+                mine.add(key)
         else:
             for h in ev.hashes:
                 exp = self._expected.get(h)
@@ -110,17 +247,9 @@ class PrefixIndex:
                     exp.pop(inst, None)
                     if not exp:
                         del self._expected[h]
-                holders = self._holders.get(h)
-                if holders is None or inst not in holders:
-                    continue
-                bits = holders[inst] & ~bit
-                if bits:
-                    holders[inst] = bits
-                else:
-                    del holders[inst]
-                    mine.discard(h)
-                    if not holders:
-                        del self._holders[h]
+                key = _key(h)
+                if self._clear(key, slot, bit):
+                    mine.discard(key)
         self.events_applied += 1
         return True
 
@@ -137,15 +266,12 @@ class PrefixIndex:
 
     def drop_instance(self, instance_id: str) -> int:
         """Forget every block of ``instance_id``; returns how many were dropped."""
-        hashes = self._by_instance.pop(instance_id, set())
-        for h in hashes:
-            holders = self._holders.get(h)
-            if holders is not None:
-                holders.pop(instance_id, None)
-                if not holders:
-                    del self._holders[h]
+        slot = self._slot.get(instance_id)
+        held = self._release(instance_id)
+        for key in held:
+            self._clear(key, slot, 7)
         self._seq.pop(instance_id, None)
-        return len(hashes)
+        return len(held)
 
     def expect(self, instance_id: str, hashes: list[str], deadline: float) -> None:
         """``instance_id`` is about to compute ``hashes`` (a request was routed there): count
@@ -166,30 +292,121 @@ class PrefixIndex:
                 del self._expected[h]
 
     # --- snapshots ------------------------------------------------------------------------------
+    def holders(self) -> dict[str, dict[str, int]]:
+        """``{hex hash: {instance: tier bits}}`` of every block, as the wire names them.
+        list() copies in one C call: safe while the event loop keeps applying events."""
+        names = self._names
+        return {
+            _name(key): {names[slot]: bits for slot, bits in self._entries(v)}
+            for key, v in list(self._holders.items())
+        }
+
     def state(self) -> dict:
         """Everything `digest()` covers plus what `apply` needs to stay correct afterwards
         (incarnations, retired incarnations, last seq per instance). Expectations are not kept:
-        they are seconds-lived hints."""
-        return {
-            "holders": {h: dict(v) for h, v in list(self._holders.items())},
+        they are seconds-lived hints. Format 2 (`freeze`)."""
+        return self.freeze()()
+
+    def freeze(self) -> Callable[[], dict]:
+        """Copy what a snapshot needs now, in C-level copies (tens of ms for a million blocks;
+        the few blocks held by more than `SMALL_HOLDERS` instances, whose entries change in
+        place, copied one by one), and return the function that builds `state()` from them: it
+        may run on another thread while this index keeps changing (`snapshots.save_snapshot`
+        runs it off the event loop) and describes the index as it was at the copy.
+
+        Format 2: ``names`` (slot -> instance id), ``keys`` (the 16-byte keys of the blocks with
+        one holder, concatenated) with ``values`` (their ``slot << 3 | tier bits`` as
+        little-endian uint32), and ``rest`` (``[key, [slot << 3 | bits, ...]]`` for the others);
+        about 20 bytes a block where format 1 (``holders``, the `holders()` dict) took 45."""
+        meta = {
+            "format": 2,
             "incarnation": dict(self._incarnation),
-            "retired": {k: sorted(v) for k, v in self._retired.items()},
+            "retired": {k: sorted(v) for k, v in list(self._retired.items())},
             "seq": dict(self._seq),
             "events_applied": self.events_applied,
         }
+        items = list(self._holders.items())
+        names = list(self._names)
+        many = {k: list(v.items()) for k in self._many if type(v := self._holders[k]) is dict}
+
+        def build() -> dict:
+            keys: list[bytes] = []
+            values = array("I")
+            rest: list[list] = []
+            for key, v in items:
+                if type(v) is int and type(key) is bytes:
+                    keys.append(key)
+                    values.append(v)
+                elif type(v) is dict:
+                    rest.append([key, [s << 3 | b for s, b in many[key]]])
+                else:
+                    rest.append([key, [v] if type(v) is int else list(v)])
+            if sys.byteorder != "little":
+                values.byteswap()
+            return {
+                **meta,
+                "names": names,
+                "keys": b"".join(keys),
+                "values": values.tobytes(),
+                "rest": rest,
+            }
+
+        return build
 
     @classmethod
     def from_state(cls, state: dict) -> PrefixIndex:
+        """The index `state()` describes (format 2, or format 1's ``holders`` dict as
+        snapshots written before format 2 hold)."""
         idx = cls()
-        idx._holders = {h: dict(v) for h, v in state["holders"].items()}
-        for h, holders in idx._holders.items():
-            for inst in holders:
-                idx._by_instance.setdefault(inst, set()).add(h)
+        if "holders" in state:
+            for h, held in state["holders"].items():
+                key = _key(h)
+                for inst, bits in held.items():
+                    slot = idx._slot_of(inst)
+                    for bit in (ENGINE, DRAM, SSD):
+                        if bits & bit:
+                            idx._add(key, slot, bit)
+                    idx._by_slot[slot].add(key)
+        else:
+            idx._load_format2(state)
         idx._incarnation = dict(state["incarnation"])
         idx._retired = {k: set(v) for k, v in state["retired"].items()}
         idx._seq = dict(state["seq"])
         idx.events_applied = int(state["events_applied"])
         return idx
+
+    def _load_format2(self, state: dict) -> None:
+        names: list[str | None] = list(state["names"])
+        self._names = names
+        self._slot = {n: i for i, n in enumerate(names) if n is not None}
+        self._free_slots = [i for i, n in enumerate(names) if n is None]
+        by_slot: list[set[bytes | str]] = [set() for _ in names]
+        self._by_slot = by_slot
+        known = len(names)  # a slot out of range or free: a damaged snapshot's, skipped
+        values = array("I")
+        values.frombytes(state["values"])
+        if sys.byteorder != "little":
+            values.byteswap()
+        keys: bytes = state["keys"]
+        holders = self._holders
+        for i, v in enumerate(values):
+            if v >> 3 < known and names[v >> 3] is not None:
+                key = keys[16 * i : 16 * i + 16]
+                holders[key] = v
+                by_slot[v >> 3].add(key)
+        for key, packed in state["rest"]:
+            kept = [p for p in packed if p >> 3 < known and names[p >> 3] is not None]
+            if not kept:
+                continue
+            if len(kept) == 1:
+                holders[key] = kept[0]
+            elif len(kept) <= SMALL_HOLDERS:
+                holders[key] = tuple(kept)
+            else:
+                holders[key] = {p >> 3: p & 7 for p in kept}
+                self._many.add(key)
+            for p in kept:
+                by_slot[p >> 3].add(key)
 
     # --- queries --------------------------------------------------------------------------------
     def digest(self) -> int:
@@ -197,9 +414,8 @@ class PrefixIndex:
         indexes that hold the same state have the same digest (a rebuilt index is compared with
         a live one this way, e.g. through the ``strata_scheduler_prefix_index_digest`` gauge)."""
         acc = 0
-        # list() copies in one C call: safe while the event loop thread keeps applying events
-        for h, holders in list(self._holders.items()):
-            for inst, bits in list(holders.items()):
+        for h, held in self.holders().items():
+            for inst, bits in held.items():
                 acc ^= xxhash.xxh64_intdigest(f"{h}|{inst}|{bits}".encode())
         return acc & ((1 << 48) - 1)  # exact in a float64 gauge
 
@@ -214,22 +430,44 @@ class PrefixIndex:
         expected = self._expected if now is not None else {}
         if now is not None:
             self.expire(now)
+        names, entries, table, fromhex = self._names, self._entries, self._holders, bytes.fromhex
         for i, h in enumerate(hashes):
-            holders = self._holders.get(h)
+            key = h
+            if len(h) == 32:
+                try:
+                    key = fromhex(h)
+                except ValueError:
+                    pass
+            v = table.get(key)
             exp = expected.get(h)
-            if not holders and not exp:
+            if v is None and not exp:
                 break
-            holders = holders or {}
+            if type(v) is int:  # one holder, the common case: no list built
+                tiers = v & 7
+                on_engine: tuple[str | None, ...] | list[str | None] = (
+                    (names[v >> 3],) if v & ENGINE else ()
+                )
+            elif type(v) is tuple:
+                tiers = 0
+                on_engine = []
+                for e in v:
+                    tiers |= e
+                    if e & ENGINE:
+                        on_engine.append(names[e >> 3])
+                tiers &= 7
+            else:
+                held = entries(v) if v is not None else []
+                tiers = 0
+                for _, bits in held:
+                    tiers |= bits
+                on_engine = [names[slot] for slot, bits in held if bits & ENGINE]
             if current is None or current:
-                engine = {inst for inst, bits in holders.items() if bits & ENGINE}
+                engine = set(on_engine)
                 if exp:
                     engine.update(exp)
                 current = engine if current is None else current & engine
                 for inst in current:
                     match.engine_blocks[inst] = i + 1
-            tiers = 0
-            for bits in holders.values():
-                tiers |= bits
             tier = "dram" if tiers & DRAM else "ssd" if tiers & SSD else None
             if tier is None and not current:
                 break

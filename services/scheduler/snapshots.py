@@ -1,13 +1,17 @@
 """Prefix-index snapshots in a JetStream object store, so a restarted replica loads the newest
 snapshot and replays only the KV events after it instead of the whole stream.
 
-A snapshot is ``msgpack({"v": 1, "last_seq": N, "index": PrefixIndex.state()})``: the index as
-it was after applying stream sequence ``N``; the object's description says ``last_seq=N`` too,
-so a replica can see how new the stored snapshot is without reading it (`stored_seq`).
+A snapshot is ``msgpack({"v": 2, "last_seq": N, "index": PrefixIndex.state()})``: the index as
+it was after applying stream sequence ``N`` (or newer: see `PrefixIndex.freeze`); the object's
+description says ``last_seq=N`` too, so a replica can see how new the stored snapshot is without
+reading it (`stored_seq`). Version 1 snapshots (the index's format 1) still load. The snapshot is
+built and encoded off the event loop: at a million blocks that is seconds of work, which on the
+loop would hold every routing decision.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import msgpack
@@ -20,7 +24,8 @@ log = logging.getLogger(__name__)
 
 BUCKET = "strata_sched_snapshots"
 NAME = "prefix-index"
-VERSION = 1
+VERSION = 2
+READABLE = (1, 2)
 
 
 async def _store(js, create: bool):
@@ -37,9 +42,13 @@ async def _store(js, create: bool):
 
 async def save_snapshot(js, index: PrefixIndex, last_seq: int) -> int:
     """Write the index as of stream sequence ``last_seq``; returns the snapshot's bytes."""
-    data = msgpack.packb(
-        {"v": VERSION, "last_seq": last_seq, "index": index.state()}, use_bin_type=True
-    )
+    build = index.freeze()  # cheap copies, here on the loop; the rest on a worker thread
+
+    def encode() -> bytes:
+        snap = {"v": VERSION, "last_seq": last_seq, "index": build()}
+        return msgpack.packb(snap, use_bin_type=True)
+
+    data = await asyncio.to_thread(encode)
     store = await _store(js, create=True)
     await store.put(NAME, data, meta=ObjectMeta(name=NAME, description=f"last_seq={last_seq}"))
     return len(data)
@@ -68,7 +77,7 @@ async def load_snapshot(js) -> tuple[PrefixIndex, int] | None:
             return None
         res = await store.get(NAME)
         snap = msgpack.unpackb(res.data, raw=False, strict_map_key=False)
-        if snap.get("v") != VERSION:
+        if snap.get("v") not in READABLE:
             return None
         return PrefixIndex.from_state(snap["index"]), int(snap["last_seq"])
     except ObjectNotFoundError:

@@ -416,3 +416,49 @@ async def _snapshot_seq(js, at_least: int):
 
     snap = await load_snapshot(js)
     return snap if snap is not None and snap[1] >= at_least else None
+
+
+async def test_a_snapshot_is_built_off_the_event_loop_and_reads_back(nc):
+    """A million-block index takes seconds to encode: `save_snapshot` builds it on a worker
+    thread (where `freeze`'s build function ran is recorded), and a version-1 snapshot, as
+    written before the compact format, still loads."""
+    import threading
+
+    import msgpack
+
+    from services.scheduler.prefix_index import PrefixIndex
+    from services.scheduler.snapshots import BUCKET, NAME, load_snapshot, save_snapshot
+
+    js = nc.jetstream()
+    idx = PrefixIndex()
+    hashes = [f"{i:032x}" for i in range(50)]
+    idx.apply(
+        KVEvent(
+            instance_id="d0", incarnation="a", seq=1, tier="engine", kind="stored", hashes=hashes
+        )
+    )
+    ran_on: list[threading.Thread] = []
+    freeze = idx.freeze
+
+    def recording_freeze():
+        build = freeze()
+
+        def build_here():
+            ran_on.append(threading.current_thread())
+            return build()
+
+        return build_here
+
+    idx.freeze = recording_freeze
+    try:
+        await save_snapshot(js, idx, 77)
+        assert ran_on and ran_on[0] is not threading.current_thread()
+        back, seq = await load_snapshot(js)
+        assert seq == 77 and back.holders() == idx.holders() and back.blocks_of("d0") == 50
+        store = await js.object_store(BUCKET)
+        v1 = {"v": 1, "last_seq": 78, "index": {**idx.state(), "holders": idx.holders()}}
+        await store.put(NAME, msgpack.packb(v1, use_bin_type=True))
+        back, seq = await load_snapshot(js)
+        assert seq == 78 and back.holders() == idx.holders()
+    finally:
+        await js.delete_object_store(BUCKET)
