@@ -127,6 +127,7 @@ class Cluster:
         self.port = self.cfg.port or free_port(self.cfg.host)
         self.specs: dict[str, ProcSpec] = {}
         self._next_metrics = self.cfg.metrics_port_base
+        self._metrics_given: set[int] = set()
         self._kvstore_addrs: list[str] = []
         self._infra_logs: list[IO[str]] = []
         self.watchdog: Watchdog | None = None
@@ -444,7 +445,15 @@ class Cluster:
 
     def _metrics_port(self) -> int:
         if not self.cfg.metrics_port_base:
-            return free_port()
+            # a port free now may be the one just handed to another service (the kernel
+            # reuses freed ephemeral ports): never give the same one twice
+            port = free_port()
+            for _ in range(50):
+                if port not in self._metrics_given:
+                    break
+                port = free_port()
+            self._metrics_given.add(port)
+            return port
         self._next_metrics += 1
         return self._next_metrics - 1
 
