@@ -89,22 +89,28 @@ SCHEDULER_SERIES = {
 }
 
 
-def scheduler_state(metrics_url: str) -> dict[str, float]:
-    """The scheduler's prefix index size, snapshot size, purges and KV events applied."""
+def scrape(url: str, names: dict[str, str]) -> dict[str, float]:
+    """The samples of a ``/metrics`` page whose names are keys of ``names``, summed over their
+    labels under the name each maps to; {} when the page cannot be read."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
-        text = httpx.get(metrics_url, timeout=5).text
+        text = httpx.get(url, timeout=5).text
     except httpx.HTTPError:
         return {}
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            name = SCHEDULER_SERIES.get(sample.name)
+            name = names.get(sample.name)
             if name:
                 out[name] = out.get(name, 0.0) + sample.value
     return out
+
+
+def scheduler_state(metrics_url: str) -> dict[str, float]:
+    """The scheduler's prefix index size, snapshot size, purges and KV events applied."""
+    return scrape(metrics_url, SCHEDULER_SERIES)
 
 
 class Sampler(threading.Thread):
@@ -138,24 +144,17 @@ def job(rng: random.Random, i: int, system: str) -> Job:
     return Job(i, rng.randint(8, 32), messages=msgs)
 
 
+KV_FILL = {"strata:kv_cache_cached_blocks": "cached", "strata:kv_cache_total_blocks": "total"}
+
+
 def kv_fill(metrics_urls: list[str]) -> tuple[float, float]:
     """Prefix-cached and total engine KV blocks over ``metrics_urls`` (each instance's
     ``/metrics``)."""
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
-
     cached = total = 0.0
     for url in metrics_urls:
-        try:
-            text = httpx.get(url, timeout=5).text
-        except httpx.HTTPError:
-            continue
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == "strata:kv_cache_cached_blocks":
-                    cached += sample.value
-                elif sample.name == "strata:kv_cache_total_blocks":
-                    total += sample.value
+        got = scrape(url, KV_FILL)
+        cached += got.get("cached", 0.0)
+        total += got.get("total", 0.0)
     return cached, total
 
 

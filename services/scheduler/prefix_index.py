@@ -432,7 +432,7 @@ class PrefixIndex:
             self.expire(now)
         names, entries, table, fromhex = self._names, self._entries, self._holders, bytes.fromhex
         for i, h in enumerate(hashes):
-            key = h
+            key = h  # `_key(h)` inlined: the call doubled its cost (95 -> 190 ns a block)
             if len(h) == 32:
                 try:
                     key = fromhex(h)
