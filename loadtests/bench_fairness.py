@@ -1,8 +1,8 @@
 """Per-tenant fair queuing: tenant B's TTFT when tenant A sends 10x B's request rate.
 
     .venv/bin/python -m loadtests.bench_fairness [--rate-b 0.5] [--ratio 10] [--duration 30] \\
-        [--prompt-words 200] [--max-tokens 16] [--step-tokens 0,256] [--no-fifo] [--lead-off] \\
-        [--model DIR] [--json PATH]
+        [--prompt-words 200] [--max-tokens 16] [--step-tokens 0,256] [--slice-tokens 0,128] \\
+        [--no-fifo] [--lead-off] [--model DIR] [--json PATH]
     # a running cluster, with fair queuing as it is set there (one mode):
     .venv/bin/python -m loadtests.bench_fairness --url http://127.0.0.1:8000 \\
         --key-a KEY_A --key-b KEY_B
@@ -13,7 +13,9 @@ Without ``--url``, for each mode (fair queuing on, ``STRATA_FAIR_QUEUING=true``,
 (``env-0``) and tenant B (``env-1``), weight 1 each, and runs two phases of ``--duration``
 seconds: B alone at ``--rate-b`` requests/s (unloaded), then A at ``--ratio`` x that rate beside
 B (loaded), each tenant from its own client process. ``--step-tokens`` gives one fair-queuing row
-per ``STRATA_FAIR_STEP_TOKENS`` value (0: no step cap); ``--no-fifo`` skips the FIFO row. Arrivals are Poisson, prompts unique (no prefix hits), every request streamed and
+per ``STRATA_FAIR_STEP_TOKENS`` value (0: no step cap), ``--slice-tokens`` one per
+``STRATA_FAIR_SLICE_TOKENS`` value (0: prompts and decodes in one step); ``--no-fifo`` skips the
+FIFO row. Arrivals are Poisson, prompts unique (no prefix hits), every request streamed and
 interactive. Prints one markdown table: B's TTFT p50 / p99 unloaded and loaded per mode, A's
 loaded TTFT, requests and errors per tenant, and the load average; ``--json`` writes the rows.
 With fair queuing, B's loaded TTFT should stay near its unloaded one while A's grows; without,
@@ -134,6 +136,7 @@ def with_cluster(
     log,
     step_tokens: int | None = None,
     lead: bool = True,
+    slice_tokens: int | None = None,
 ) -> dict:
     from services.launcher import Cluster
 
@@ -145,6 +148,8 @@ def with_cluster(
         env["STRATA_FAIR_STEP_TOKENS"] = str(step_tokens)
     if not lead:
         env["STRATA_FAIR_LEAD"] = "false"
+    if slice_tokens is not None:
+        env["STRATA_FAIR_SLICE_TOKENS"] = str(slice_tokens)
     with Cluster(model_dir, log_stream=log, die_with_parent=True, env=env) as c:
         model = os.path.basename(os.path.normpath(model_dir))
         return measure(c.gateway_url, model, {"A": KEY_A, "B": KEY_B}, a)
@@ -188,6 +193,12 @@ def main(argv: list[str] | None = None) -> None:
         help="fair queuing on: one row per STRATA_FAIR_STEP_TOKENS value, e.g. 0,128,512 "
         "(0: no step cap; default: the deployment's default only)",
     )
+    ap.add_argument(
+        "--slice-tokens",
+        default="",
+        help="fair queuing on: one more row per STRATA_FAIR_SLICE_TOKENS value, e.g. 0,128 "
+        "(0: prompt chunks share the decodes' step)",
+    )
     ap.add_argument("--no-fifo", action="store_true", help="skip the FIFO row")
     ap.add_argument(
         "--lead-off",
@@ -215,6 +226,10 @@ def main(argv: list[str] | None = None) -> None:
             for cap in caps:
                 label = "on" if cap is None else f"on, step cap {cap or 'off'}"
                 rows[label] = with_cluster(model_dir, True, a, log, cap)
+            for n in (int(x) for x in a.slice_tokens.split(",") if x.strip()):
+                rows[f"on, slice {n or 'off'}"] = with_cluster(
+                    model_dir, True, a, log, None, slice_tokens=n
+                )
             if a.lead_off:
                 rows["on, lead off"] = with_cluster(model_dir, True, a, log, None, lead=False)
             if not a.no_fifo:

@@ -188,7 +188,12 @@ class LLMEngine:
             config.preemption_mode,
             self.eos_token_ids,
             FairQueue(config.fair_queuing),
-            FairShare(config.fair_step_tokens, config.fair_window_s, lead=config.fair_lead),
+            FairShare(
+                config.fair_step_tokens,
+                config.fair_window_s,
+                lead=config.fair_lead,
+                slice_tokens=config.fair_slice_tokens,
+            ),
         )
         # (tenant, seconds queued) of each first admission, oldest first; the worker drains it
         # (`drain_admissions`) into per-tenant metrics. Bounded: a reader that stops loses
@@ -667,6 +672,7 @@ class LLMEngine:
             share_preemptions=s.share_preemptions,
             contended_steps=s.contended_steps,
             lead_steps=s.lead_steps,
+            split_steps=s.split_steps,
             steps=t.steps,
             forward_time_s=t.forward_s,
             prefill_tokens=t.prefill_tokens,

@@ -68,6 +68,7 @@ class EngineStats:
     share_preemptions: int = 0  # preempted so a tenant under its share got a batch slot
     contended_steps: int = 0  # steps whose token budget the tenant-contention cap lowered
     lead_steps: int = 0  # steps that ran only a light tenant's new prompt (FairShare.lead)
+    split_steps: int = 0  # steps of only prompts or only decodes (FairShare.slice_tokens)
     # blocks recorded for the KV pool by the save policy, by reason (block_manager.RECORD_REASONS)
     pool_recorded: dict[str, int] = field(default_factory=dict)
     kv_blocks_cached: int = 0  # blocks holding a prefix-cached (hashed) block, in use or not

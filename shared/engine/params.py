@@ -81,6 +81,13 @@ class EngineConfig:
     """With the step cap on, a new request of a tenant under its weighted share of the running
     slots gets a step of its own prompt (up to ``fair_step_tokens``) instead of sharing one with
     every running decode; never two such steps in a row (the decodes wait one step at most)."""
+    fair_slice_tokens: int = 128
+    """With the step cap on, while tenants contend: prompt chunks and running decodes go in
+    separate steps, a prompt step computing at most this many tokens and the decodes running
+    after every ``fair_step_tokens`` prompt tokens. The step in flight, which a light tenant's
+    arrival waits out, is then the longer of one slice and one decode step, not their sum,
+    while the heavy tenant's prompts and decodes advance at the same rate. 0: off (a step
+    carries the decodes and up to ``fair_step_tokens`` prompt tokens together)."""
     kv_prefault_bytes: int = 1 << 30
     """While no request is unfinished, the engine thread faults in the pages of this many bytes
     of KV cache past the blocks ever used (CPU; `shared.engine.prefault`), so the steps that
@@ -110,6 +117,8 @@ class EngineConfig:
             bad("preemption_mode", 'must be "recompute" or "swap"')
         if self.fair_step_tokens < 0:
             bad("fair_step_tokens", "must be >= 0 (0: no cap)")
+        if self.fair_slice_tokens < 0:
+            bad("fair_slice_tokens", "must be >= 0 (0: off)")
         if self.fair_window_s < 0:
             bad("fair_window_s", "must be >= 0")
         if self.kv_prefault_bytes < 0:

@@ -26,6 +26,10 @@ A new request of a tenant under its share of the slots (`_light_arrival`) also g
 own prompt (``lead``): its first token then waits for the step in flight and its own prefill, not
 for a forward that also carries every running decode of the heavy tenant; never two such steps in
 a row, so a stream of light arrivals at most doubles the running decodes' inter-token time.
+With ``slice_tokens`` the prompt chunks and the decodes go in separate steps (`_phase`): prompt
+steps of at most ``slice_tokens`` until ``step_tokens`` prompt tokens ran, then a step of the
+decodes; the prompts and decodes advance at the capped rate, and the step an arrival waits out
+is one slice or one decode step instead of both in one forward.
 
 Priorities: a lower number is more important. Running sequences are served best-first; when KV
 runs out the worst running sequence (highest number, latest arrival) is preempted. A waiting
@@ -121,6 +125,10 @@ class FairShare:
     lead: bool = True
     """With the cap on: a new request of a tenant under its share of the running slots gets a
     step of its own prompt (up to ``step_tokens``), never two such steps in a row."""
+    slice_tokens: int = 0
+    """With the cap on: prompt chunks and decodes go in separate steps, a prompt step computing
+    at most this many tokens and the decodes running after every ``step_tokens`` prompt tokens
+    (0: a step carries the decodes and up to ``step_tokens`` prompt tokens together)."""
 
 
 class Scheduler:
@@ -157,6 +165,8 @@ class Scheduler:
         self.contended_steps = 0  # steps whose budget the contention cap lowered
         self.lead_steps = 0  # steps that ran only a light tenant's new prompt (`FairShare.lead`)
         self._led = False  # the last step was one of those
+        self.split_steps = 0  # steps of only prompts or only decodes (`FairShare.slice_tokens`)
+        self._since_decodes = 0  # prompt tokens of split steps since the decodes last ran
         # blocks of external KV (`Sequence.external`) taken in at admission, and those skipped
         # (held by then, or not continuing the local prefix)
         self.external_blocks = {"used": 0, "skipped": 0}
@@ -254,6 +264,7 @@ class Scheduler:
         out = SchedulerOutput()
         self._budget = self.max_num_batched_tokens
         led, self._led = self._led, False
+        phase = None  # "prompt" or "decode": a split step (`FairShare.slice_tokens`)
         if self.share.step_tokens and self._contended():
             decodes = sum(1 for s in self.running if s.num_tokens - s.num_computed_tokens == 1)
             cap = self.share.step_tokens + decodes  # the cap is on prompt tokens
@@ -271,6 +282,11 @@ class Scheduler:
                     self.lead_steps += 1
                     return out
                 self._budget = budget
+            if self.share.slice_tokens:
+                phase = self._phase()
+                if phase == "prompt":
+                    left = self.share.step_tokens - self._since_decodes
+                    self._budget = min(self._budget, self.share.slice_tokens, left)
         self.running.sort(key=_rank)
         # With fair queuing, running prompt chunks take their turn in rank order beside the
         # waiting requests (the rest of a prompt is tagged past the chunks it had: `_scheduled`),
@@ -283,9 +299,46 @@ class Scheduler:
             i += 1
             if self.fair.enabled and seq.num_tokens - seq.num_computed_tokens > 1:
                 chunks.append(seq)
+            elif phase == "prompt":
+                continue  # the decodes run in a step of their own
             elif not self._continue(seq, out):
                 break  # preempted itself: everything after it is gone too
+        if phase != "decode":
+            self._prompts(chunks, out)
+        if phase == "prompt":
+            if out.scheduled:
+                self._since_decodes += out.num_batched_tokens
+            else:  # nothing admissible: the decodes run now
+                phase = None
+                self._budget = self.max_num_batched_tokens
+                for seq in list(self.running):
+                    remaining = seq.num_tokens - seq.num_computed_tokens
+                    if remaining == 1 and not self._continue(seq, out):
+                        break
+        if phase is not None:
+            self.split_steps += 1
+        if phase != "prompt":
+            self._since_decodes = 0  # the decodes ran in this step
+        return out
 
+    def _phase(self) -> str | None:
+        """What a step takes while tenants contend with ``share.slice_tokens`` on: "decode"
+        (the decodes alone) once ``step_tokens`` prompt tokens ran since they last did,
+        "prompt" (prompt chunks alone, at most ``slice_tokens``) before that, or None when
+        only one kind of work is there (the capped step as without the split)."""
+        decodes = False
+        prompts = bool(self.waiting)
+        for s in self.running:
+            if s.num_tokens - s.num_computed_tokens == 1:
+                decodes = True
+            else:
+                prompts = True
+        if not (prompts and decodes):
+            return None
+        return "decode" if self._since_decodes >= self.share.step_tokens else "prompt"
+
+    def _prompts(self, chunks: list[Sequence], out: SchedulerOutput) -> None:
+        """Running prompt chunks and waiting requests in rank order, to the budget left."""
         blocked = {id(s) for s in out.preempted}
         for seq in sorted(chunks + self.waiting, key=_rank):
             if self._budget <= 0 or id(seq) in blocked:
@@ -302,7 +355,6 @@ class Scheduler:
                 break
             if not self._admit(seq, out):
                 break  # head of line blocks the rest (tag order within a priority class)
-        return out
 
     def _continue(self, seq: Sequence, out: SchedulerOutput) -> bool:
         """Schedule running ``seq``'s next tokens (preempting the worst running ones for KV);

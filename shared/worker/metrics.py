@@ -37,6 +37,12 @@ CONTENDED_STEPS = Counter(
     "Engine steps whose token budget was capped because two or more tenants contended",
     _L,
 )
+SPLIT_STEPS = Counter(
+    "strata_fair_split_steps",
+    "Engine steps that ran only prompt chunks or only decodes because tenants contended "
+    "(STRATA_FAIR_SLICE_TOKENS)",
+    _L,
+)
 STEPS = Counter("strata:engine_steps", "Engine steps taken (schedule, forward, sample)", _L)
 STEP_SECONDS = Histogram(
     "strata:engine_step_seconds",
@@ -84,7 +90,7 @@ class EngineMetrics:
 
     def __init__(self, role: str, instance: str):
         self.labels = (role, instance)
-        self._last = {"q": 0, "h": 0, "p": 0, "s": 0, "f": 0, "c": 0, "d": 0, "a": 0}
+        self._last = {"q": 0, "h": 0, "p": 0, "s": 0, "f": 0, "c": 0, "x": 0, "d": 0, "a": 0}
 
     def update(self, s) -> None:
         lab = self.labels
@@ -101,6 +107,7 @@ class EngineMetrics:
             ("s", STEPS, s.steps),
             ("f", SHARE_PREEMPTIONS, s.share_preemptions),
             ("c", CONTENDED_STEPS, s.contended_steps),
+            ("x", SPLIT_STEPS, s.split_steps),
             ("d", SPEC_DRAFTS, s.spec_draft_tokens),
             ("a", SPEC_ACCEPTED, s.spec_accepted_tokens),
         ):

@@ -200,7 +200,7 @@ class Clock:
         return self.t
 
 
-def fair_mk(step_tokens=8, window_s=5.0, fair=True, lead=False, **kw):
+def fair_mk(step_tokens=8, window_s=5.0, fair=True, lead=False, slice_tokens=0, **kw):
     """A fair-queuing scheduler on a test clock; ``lead`` (`FairShare.lead`) off unless asked,
     so the other mechanisms are seen alone."""
     from shared.engine.fair_queue import FairQueue
@@ -215,7 +215,7 @@ def fair_mk(step_tokens=8, window_s=5.0, fair=True, lead=False, **kw):
         kw.pop("budget", 32),
         eos_token_ids=[99],
         fair=FairQueue(fair),
-        share=FairShare(step_tokens, window_s, clock, lead),
+        share=FairShare(step_tokens, window_s, clock, lead, slice_tokens),
     )
     return s, clock
 
@@ -384,3 +384,52 @@ def test_a_light_arrival_leads_a_full_batch_too_by_share_preemption():
     out = s.schedule()
     assert [x.request_id for x in out.preempted] == ["a2"] and s.share_preemptions == 1
     assert plan(out) == [("b0", 0, 6)] and s.lead_steps == 1
+
+
+def test_split_steps_run_prompt_slices_and_decodes_apart_at_the_capped_rate():
+    """``FairShare.slice_tokens``: while tenants contend, a step runs either prompt chunks (at
+    most a slice) or the decodes, the decodes after every ``step_tokens`` prompt tokens: the
+    prompts advance as fast as with the cap alone, and the step in flight is never both."""
+    s, _ = fair_mk(step_tokens=6, budget=32, max_seqs=8, slice_tokens=4)
+    long = SamplingParams(max_tokens=100, temperature=0.0)
+    for i in range(3):
+        s.add(of("a", f"a{i}", 4, 10 * i, params=long))
+    out = s.schedule()  # one tenant: no split
+    assert plan(out) == [(f"a{i}", 0, 4) for i in range(3)] and s.split_steps == 0
+    s.postprocess(out, [[7]] * 3)
+    s.add(of("b", "b0", 20, 100))
+    decodes = [(f"a{i}", 4, 1) for i in range(3)]
+    out = s.schedule()
+    assert plan(out) == [("b0", 0, 4)] and s.split_steps == 1  # a slice, no decodes
+    s.postprocess(out, [[]])
+    out = s.schedule()
+    assert plan(out) == [("b0", 4, 2)]  # the rest of the 6 prompt tokens per decode step
+    s.postprocess(out, [[]])
+    out = s.schedule()
+    assert plan(out) == decodes and s.split_steps == 3  # then the decodes alone
+    s.postprocess(out, [[7]] * 3)
+    out = s.schedule()
+    assert plan(out) == [("b0", 6, 4)] and s.split_steps == 4
+    # off: the decodes and up to step_tokens prompt tokens in every step
+    s, _ = fair_mk(step_tokens=8, budget=32, max_seqs=8)
+    for i in range(3):
+        s.add(of("a", f"a{i}", 4, 10 * i, params=long))
+    s.postprocess(s.schedule(), [[7]] * 3)
+    s.add(of("b", "b0", 20, 100))
+    assert plan(s.schedule()) == decodes + [("b0", 0, 8)] and s.split_steps == 0
+
+
+def test_split_steps_need_both_kinds_of_work_and_fall_back_to_the_decodes():
+    # two tenants' prompts and no decode: nothing to split, the capped step as without it
+    s, _ = fair_mk(step_tokens=8, budget=32, max_seqs=8, slice_tokens=4)
+    s.add(of("a", "a0", 20, 0))
+    s.add(of("b", "b0", 20, 100))
+    out = s.schedule()
+    assert out.num_batched_tokens == 8 and s.split_steps == 0
+    # a prompt step with nothing admissible (no KV block free) runs the decodes instead
+    s, _ = fair_mk(step_tokens=8, budget=32, max_seqs=8, slice_tokens=4, num_blocks=1)
+    long = SamplingParams(max_tokens=100, temperature=0.0)
+    s.add(of("a", "a0", 3, 0, params=long))
+    s.postprocess(s.schedule(), [[7]])
+    s.add(of("b", "b0", 20, 100))
+    assert plan(s.schedule()) == [("a0", 3, 1)] and s.split_steps == 0

@@ -85,3 +85,41 @@ def test_contending_tenants_cap_each_steps_prompt_tokens_in_a_real_engine(qwen_c
     assert REGISTRY.get_sample_value("strata:engine_step_seconds_count", labels) == len(times)
     whole, stats, _ = prompt_tokens_per_step(path, 0)  # no cap: all 80 prompt tokens at once
     assert max(whole) == 64 and stats.contended_steps == 0
+
+
+def split_run(path, slice_tokens: int) -> tuple[dict[str, list[int]], list[set[bool]], object]:
+    """A queues 3 prompts of 20 tokens and B one, 6 tokens out each, with the step cap at 8 and
+    ``fair_slice_tokens``: each request's tokens, what kinds of work each step ran (True:
+    prompt chunk, False: decode) and the engine's stats."""
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    config = EngineConfig(
+        kv_cache_bytes=1 << 20,
+        block_size=4,
+        max_num_batched_tokens=64,
+        max_num_seqs=4,
+        fair_step_tokens=8,
+        fair_slice_tokens=slice_tokens,
+        fair_lead=False,
+    )
+    eng = LLMEngine(load_model(path), config)
+    ps = prompts(5, [20] * 4)
+    for i, tenant in enumerate((A, A, A, B)):
+        eng.add_request(f"r{i}", ps[i], sp, tenant=tenant)
+    tokens: dict[str, list[int]] = {}
+    kinds: list[set[bool]] = []
+    while eng.seqs or eng.pending:
+        for o in eng.step():
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+        if eng.current is not None and not eng.current.is_empty:
+            kinds.append({s.num_new_tokens > 1 for s in eng.current.scheduled})
+    return tokens, kinds, eng.stats()
+
+
+def test_split_steps_keep_prompts_and_decodes_apart_with_the_same_tokens(qwen_ckpt):
+    _, path = qwen_ckpt
+    split, kinds, stats = split_run(path, 4)
+    whole, whole_kinds, whole_stats = split_run(path, 0)
+    assert split == whole and all(len(t) == 6 for t in split.values())
+    assert stats.split_steps > 0 and whole_stats.split_steps == 0
+    assert all(len(k) == 1 for k in kinds)  # no step ran prompt chunks beside decodes
+    assert any(len(k) == 2 for k in whole_kinds)  # without the split, steps mixed them
