@@ -1,4 +1,4 @@
-"""Busy is not dead: 16 concurrent long prompts on a model whose one forward of a prefill chunk
+"""Busy is not dead: 4 concurrent long prompts on a model whose one forward of a prefill chunk
 outlasts the scheduler's down timeout several times over. Every request completes, nobody is
 declared down and no stream fails over, because load reports (the heartbeat) come from a thread
 that no forward blocks (`shared/worker/heartbeat.py`).
@@ -23,7 +23,7 @@ from tests.cluster.conftest import StateWatcher, scrape, start_cluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
-REQUESTS = 8
+REQUESTS = 4  # each prompt alone outlasts the down timeout: more add time, not proof
 PROMPT_WORDS = 3000  # ~3250 tokens each: every prompt alone nearly fills a prefill chunk
 CHUNK = 4096  # max_num_batched_tokens: one forward of a full chunk takes seconds on a CPU core
 # Down timeout 0.6 s. Each prompt alone is ~3250 tokens, so even when the requests reach prefill
