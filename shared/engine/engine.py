@@ -173,6 +173,7 @@ class LLMEngine:
         self.runner.announce(config.quantization)  # tensor parallel: the followers' runners
         self.salt = model_salt(loaded_model.fingerprint, dtype_name(kv_dtype), config.block_size)
         self.eos_token_ids = list(loaded_model.config.eos_token_ids or [])
+        device_type = torch.device(config.device).type
         self.bm = BlockManager(
             num_blocks,
             config.block_size,
@@ -192,7 +193,8 @@ class LLMEngine:
                 config.fair_step_tokens,
                 config.fair_window_s,
                 lead=config.fair_lead,
-                slice_tokens=config.fair_slice_tokens,
+                # CPU only: on an accelerator the decodes ride in a prompt forward nearly free
+                slice_tokens=config.fair_slice_tokens if device_type == "cpu" else 0,
             ),
         )
         # (tenant, seconds queued) of each first admission, oldest first; the worker drains it
@@ -219,7 +221,7 @@ class LLMEngine:
         self.times = StepTimes()
         overlap = config.async_scheduling
         if overlap is None:
-            overlap = torch.device(config.device).type == "cuda"
+            overlap = device_type == "cuda"
         # the overlapped step (forward thread, decode scheduled ahead); None: the plain step
         self.overlap = OverlapStepper(self) if overlap else None
         self._spec = [0, 0]  # drafted, accepted

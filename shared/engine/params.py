@@ -87,7 +87,9 @@ class EngineConfig:
     after every ``fair_step_tokens`` prompt tokens. The step in flight, which a light tenant's
     arrival waits out, is then the longer of one slice and one decode step, not their sum,
     while the heavy tenant's prompts and decodes advance at the same rate. 0: off (a step
-    carries the decodes and up to ``fair_step_tokens`` prompt tokens together)."""
+    carries the decodes and up to ``fair_step_tokens`` prompt tokens together). CPU engines
+    only: on an accelerator the decodes add little to a prompt forward (they are bound by
+    reading the weights, which the prompt reads anyway), so a step of their own would cost one."""
     kv_prefault_bytes: int = 1 << 30
     """While no request is unfinished, the engine thread faults in the pages of this many bytes
     of KV cache past the blocks ever used (CPU; `shared.engine.prefault`), so the steps that
