@@ -106,16 +106,63 @@ def summary(res: list[tuple[int, float | None]]) -> dict:
     }
 
 
+ENGINE_SERIES = (
+    "strata:engine_step_seconds_bucket",
+    "strata:engine_step_seconds_count",
+    "strata:engine_step_seconds_sum",
+    "strata_fair_split_steps_total",
+)
+
+
+def engine_counts(urls: list[str]) -> dict[str, float]:
+    """The engines' step-time histogram and split-step counter, summed over ``urls`` (each
+    instance's ``/metrics``): {series or "le=<bound>": value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for url in urls:
+        try:
+            text = httpx.get(url, timeout=5).text
+        except httpx.HTTPError:
+            continue
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name not in ENGINE_SERIES:
+                    continue
+                key = f"le={s.labels['le']}" if s.name.endswith("_bucket") else s.name
+                out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+def engine_steps(before: dict[str, float], after: dict[str, float]) -> dict:
+    """What the engines' steps were between two `engine_counts`: how many, their mean, the
+    share longer than 100 ms (what an arrival may wait out) and how many were split."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    n = d.get("strata:engine_step_seconds_count", 0.0)
+    if not n:
+        return {}
+    return {
+        "steps": int(n),
+        "step_mean_ms": round(1000 * d["strata:engine_step_seconds_sum"] / n, 1),
+        "steps_over_100ms_pct": round(100 * (1 - d.get("le=0.1", 0.0) / n), 1),
+        "split_steps": int(d.get("strata_fair_split_steps_total", 0.0)),
+    }
+
+
 def run_phase(url: str, model: str, rates: dict[str, float], keys: dict[str, str], a) -> dict:
     return asyncio.run(phase(url, model, rates, keys, a))
 
 
-def measure(url: str, model: str, keys: dict[str, str], a: argparse.Namespace) -> dict:
+def measure(
+    url: str, model: str, keys: dict[str, str], a: argparse.Namespace, engines: list[str] = ()
+) -> dict:
     """The two phases on one cluster: B alone, then A at ratio x B beside it. Each tenant is
     its own client process, as real tenants are: A's hundreds of open streams in the same
-    event loop as B's made B's measured TTFT the client's own lag."""
+    event loop as B's made B's measured TTFT the client's own lag. ``engines``: the prefill and
+    decode instances' ``/metrics``, whose steps during the loaded phase are reported too."""
     alone = run_phase(url, model, {"B": a.rate_b}, keys, a)
     load = os.getloadavg()[0]
+    before = engine_counts(list(engines))
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
         heavy = pool.submit(run_phase, url, model, {"A": a.rate_b * a.ratio}, keys, a)
@@ -125,6 +172,7 @@ def measure(url: str, model: str, keys: dict[str, str], a: argparse.Namespace) -
         "B_unloaded": summary(alone["B"]),
         "B_loaded": summary(both["B"]),
         "A_loaded": summary(both["A"]),
+        "engine_loaded": engine_steps(before, engine_counts(list(engines))),
         "load": round(max(load, os.getloadavg()[0]), 2),
     }
 
@@ -152,23 +200,35 @@ def with_cluster(
         env["STRATA_FAIR_SLICE_TOKENS"] = str(slice_tokens)
     with Cluster(model_dir, log_stream=log, die_with_parent=True, env=env) as c:
         model = os.path.basename(os.path.normpath(model_dir))
-        return measure(c.gateway_url, model, {"A": KEY_A, "B": KEY_B}, a)
+        engines = [
+            f"http://127.0.0.1:{spec.env['STRATA_METRICS_PORT']}/metrics"
+            for name, spec in c.specs.items()
+            if name.startswith(("prefill-", "decode-"))
+        ]
+        return measure(c.gateway_url, model, {"A": KEY_A, "B": KEY_B}, a, engines)
 
 
 def table(rows: dict[str, dict]) -> str:
     out = [
         "| fair queuing | B TTFT p50 / p99 unloaded (ms) | B TTFT p50 / p99 loaded (ms) "
-        "| A TTFT p50 / p99 loaded (ms) | requests A / B (errors) | load |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| A TTFT p50 / p99 loaded (ms) | requests A / B (errors) "
+        "| engine steps loaded: mean ms, % over 100 ms, split | load |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for mode, r in rows.items():
         bu, bl, al = r["B_unloaded"], r["B_loaded"], r["A_loaded"]
+        e = r.get("engine_loaded") or {}
+        steps = (
+            f"{e['step_mean_ms']}, {e['steps_over_100ms_pct']}%, {e['split_steps']} of {e['steps']}"
+            if e
+            else "-"
+        )
         out.append(
             f"| {mode} | {bu['ttft_p50_ms']} / {bu['ttft_p99_ms']} "
             f"| {bl['ttft_p50_ms']} / {bl['ttft_p99_ms']} "
             f"| {al['ttft_p50_ms']} / {al['ttft_p99_ms']} "
             f"| {al['requests']} / {bl['requests']} ({al['errors']} / {bl['errors']}) "
-            f"| {r['load']} |"
+            f"| {steps} | {r['load']} |"
         )
     return "\n".join(out)
 

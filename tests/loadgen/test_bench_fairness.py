@@ -1,8 +1,9 @@
-"""bench_fairness's pure parts: percentiles, the per-tenant summary and the table."""
+"""bench_fairness's pure parts: percentiles, the per-tenant summary, the engine step counts
+and the table."""
 
 import pytest
 
-from loadtests.bench_fairness import main, pct, summary, table
+from loadtests.bench_fairness import engine_steps, main, pct, summary, table
 
 
 def test_summary_counts_errors_and_takes_percentiles_of_successes():
@@ -14,9 +15,30 @@ def test_summary_counts_errors_and_takes_percentiles_of_successes():
 def test_table_has_one_row_per_mode():
     s = {"requests": 2, "errors": 0, "ttft_p50_ms": 1.0, "ttft_p99_ms": 2.0}
     row = {"B_unloaded": s, "B_loaded": s, "A_loaded": s, "load": 0.5}
-    lines = table({"on": row, "off (FIFO)": row}).splitlines()
-    assert lines[2] == "| on | 1.0 / 2.0 | 1.0 / 2.0 | 1.0 / 2.0 | 2 / 2 (0 / 0) | 0.5 |"
-    assert lines[3].startswith("| off (FIFO) |")
+    steps = {"steps": 10, "step_mean_ms": 60.0, "steps_over_100ms_pct": 20.0, "split_steps": 4}
+    lines = table({"on": {**row, "engine_loaded": steps}, "off (FIFO)": row}).splitlines()
+    assert lines[2] == (
+        "| on | 1.0 / 2.0 | 1.0 / 2.0 | 1.0 / 2.0 | 2 / 2 (0 / 0) | 60.0, 20.0%, 4 of 10 | 0.5 |"
+    )
+    assert lines[3].startswith("| off (FIFO) |") and lines[3].endswith("| - | 0.5 |")
+
+
+def test_engine_steps_are_the_loaded_phases_difference():
+    before = {"strata:engine_step_seconds_count": 5, "strata:engine_step_seconds_sum": 0.5}
+    before["le=0.1"] = 5
+    after = {
+        "strata:engine_step_seconds_count": 15,
+        "strata:engine_step_seconds_sum": 1.3,
+        "le=0.1": 13,
+        "strata_fair_split_steps_total": 6,
+    }
+    assert engine_steps(before, after) == {
+        "steps": 10,
+        "step_mean_ms": 80.0,
+        "steps_over_100ms_pct": 20.0,
+        "split_steps": 6,
+    }
+    assert engine_steps(after, after) == {}  # no step ran: nothing to report
 
 
 def test_url_mode_needs_the_keys(capsys):
