@@ -311,7 +311,10 @@ class Scheduler:
             else:  # nothing admissible: the decodes run now
                 phase = None
                 self._budget = self.max_num_batched_tokens
-                for seq in list(self.running):
+                i = 0
+                while i < len(self.running):  # by index: a preempted victim leaves the list
+                    seq = self.running[i]
+                    i += 1
                     remaining = seq.num_tokens - seq.num_computed_tokens
                     if remaining == 1 and not self._continue(seq, out):
                         break

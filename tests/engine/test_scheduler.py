@@ -433,3 +433,25 @@ def test_split_steps_need_both_kinds_of_work_and_fall_back_to_the_decodes():
     s.postprocess(s.schedule(), [[7]])
     s.add(of("b", "b0", 20, 100))
     assert plan(s.schedule()) == [("a0", 3, 1)] and s.split_steps == 0
+
+
+def test_split_steps_fallback_never_runs_a_sequence_it_preempted():
+    """The fallback to the decodes preempts for KV like any step: a victim (swapped out, so it
+    still looks like a decode) is not scheduled after it left the running list."""
+    from shared.engine.fair_queue import FairQueue
+    from shared.engine.scheduler import FairShare
+
+    bm = BlockManager(3, 4)
+    share = FairShare(8, 5.0, Clock(), False, 4)
+    s = Scheduler(bm, SALT, 8, 32, True, "swap", [99], FairQueue(True), share)
+    long = SamplingParams(max_tokens=100, temperature=0.0)
+    a0, a1 = of("a", "a0", 4, 0, params=long), of("a", "a1", 2, 10, params=long)
+    a2 = of("a", "a2", 4, 20, params=long)
+    for x in (a0, a1, a2):
+        s.add(x)
+    s.postprocess(s.schedule(), [[7]] * 3)  # one block each, none free
+    s.add(of("b", "b0", 4, 100))  # contended; b0 cannot be admitted: no block
+    out = s.schedule()
+    # a0 needs a block and takes a2's (the worst); a1 has room in its own
+    assert plan(out) == [("a0", 4, 1), ("a1", 2, 1)]
+    assert [x.request_id for x in out.preempted] == ["a2"] and a2.status == SequenceStatus.SWAPPED
