@@ -61,6 +61,19 @@ def test_a_second_cluster_joins_the_first_ones_nats_and_minio(model_dir):
             assert b.specs["decode-0"].env["STRATA_INSTANCE_ID"] == joined
             assert {"decode-0", joined} <= decode_ids(a)
 
+            # with A's only decode gone, every request is served by B's instances (while both
+            # live, the schedulers may route B's requests to A's decode, whose kvstore is A's).
+            a.kill("decode-0")
+            # A's and B's schedulers answer SCHED_INSTANCES as one queue group, each from its own
+            # view of liveness, and they see the death at slightly different times: wait until
+            # ten answers in a row (from either) agree that only B's decode is left.
+            deadline, streak, ids = time.monotonic() + 90, 0, set()
+            while time.monotonic() < deadline and streak < 10:
+                ids = decode_ids(a)
+                streak = streak + 1 if ids == {joined} else 0
+                time.sleep(0.2)
+            assert streak == 10, ids
+
             # B's kvstore writes blocks into A's MinIO (B has no MinIO of its own): a prefix
             # two requests share reaches the pool
             for tail in ("Which tier served this?", "Which tier is shared?"):
@@ -82,17 +95,7 @@ def test_a_second_cluster_joins_the_first_ones_nats_and_minio(model_dir):
             objects = list(root.list_objects(a.minio.kv_bucket, recursive=True))
             assert len(objects) >= written
 
-            # with A's only decode gone, A's gateway is served by B's instances
-            a.kill("decode-0")
-            # A's and B's schedulers answer SCHED_INSTANCES as one queue group, each from its own
-            # view of liveness, and they see the death at slightly different times: wait until
-            # ten answers in a row (from either) agree that only B's decode is left.
-            deadline, streak, ids = time.monotonic() + 90, 0, set()
-            while time.monotonic() < deadline and streak < 10:
-                ids = decode_ids(a)
-                streak = streak + 1 if ids == {joined} else 0
-                time.sleep(0.2)
-            assert streak == 10, ids
+            # A's gateway is served by B's instances
             r = chat(a, "Served by the joined cluster?")
             assert r.status_code == 200, r.text
             assert not a.alive("decode-0")
