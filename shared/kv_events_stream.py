@@ -16,11 +16,16 @@ from dataclasses import dataclass
 from nats.js.api import DiscardPolicy, RetentionPolicy, StreamConfig, StreamState
 from nats.js.errors import NotFoundError
 
+from shared.jetstream import ELECTING, JetStreamUnavailable, while_electing
 from shared.protocol import subjects
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BYTES = 1 << 30
+
+STARTUP_RETRY_S = 60.0
+"""How long a process starting waits for JetStream to answer about the stream (a cluster
+electing its leaders, a server busy) before it exits in one line."""
 
 
 @dataclass(frozen=True)
@@ -52,12 +57,33 @@ class StreamLimits:
 
 
 async def kv_events_stream_state(
-    js, replicas: int = 1, limits: StreamLimits | None = None
+    js,
+    replicas: int = 1,
+    limits: StreamLimits | None = None,
+    retry_s: float = STARTUP_RETRY_S,
 ) -> StreamState:
     """Create the stream if missing, with ``replicas`` copies (3 on a 3-node cluster; a lost
     creation race is fine) and ``limits`` (default: `StreamLimits()`); an existing stream is
     updated to ``limits`` when given and different (a stream made before limits existed gets
-    them). Returns its state (first and last sequence, messages)."""
+    them). Returns its state (first and last sequence, messages).
+
+    While JetStream does not answer (`shared.jetstream.ELECTING`) this is retried for up to
+    ``retry_s``; then `JetStreamUnavailable` ends the process in one line. A server without
+    JetStream answers like a cluster electing (`ServiceUnavailableError`), so it is waited for
+    too."""
+    try:
+        return await while_electing(
+            lambda: _stream_state(js, replicas, limits), subjects.KV_EVENTS_STREAM, retry_s
+        )
+    except ELECTING as exc:
+        raise JetStreamUnavailable(
+            f"JetStream gave no answer about stream {subjects.KV_EVENTS_STREAM} for "
+            f"{retry_s:g}s ({type(exc).__name__}): is the NATS server up with JetStream "
+            "enabled, and its cluster whole?"
+        ) from None
+
+
+async def _stream_state(js, replicas: int, limits: StreamLimits | None) -> StreamState:
     try:
         info = await js.stream_info(subjects.KV_EVENTS_STREAM)
     except NotFoundError:

@@ -13,21 +13,14 @@ instance whose record is still in the bucket is still detected.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 
-from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.client import JetStreamContext
-from nats.js.errors import (
-    BucketNotFoundError,
-    KeyNotFoundError,
-    NoKeysError,
-    NoStreamResponseError,
-    ServiceUnavailableError,
-)
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NoKeysError
 from nats.js.kv import KeyValue
 
+from shared.jetstream import while_electing
 from shared.protocol.codec import decode, encode
 from shared.protocol.sched import InstanceRecord
 from shared.protocol.subjects import REGISTRY_BUCKET
@@ -62,11 +55,6 @@ async def registry_bucket(
             return await js.key_value(bucket)
 
 
-_ELECTING = (NoStreamResponseError, ServiceUnavailableError, NatsTimeoutError, TimeoutError)
-"""What JetStream answers while a replicated stream has no leader (a NATS cluster electing one
-after a node loss, or a bucket just created with replicas)."""
-
-
 async def register_instance(
     js: JetStreamContext,
     info: InstanceRecord,
@@ -75,26 +63,16 @@ async def register_instance(
     retry_s: float = 15.0,
 ) -> int:
     """Write (or overwrite) ``info`` under its instance id; returns the KV revision. While the
-    bucket's stream has no leader the write is retried (backoff 0.1 s doubling to 1 s) for up to
-    ``retry_s``, then the last error is raised."""
+    bucket's stream has no leader the write is retried (`shared.jetstream.while_electing`) for
+    up to ``retry_s``, then the last error is raised."""
     if not info.ts:
         info = info.model_copy(update={"ts": time.time()})
-    deadline = time.monotonic() + retry_s
-    delay = 0.1
-    while True:
-        try:
-            kv = await registry_bucket(js, bucket, replicas)
-            return await kv.put(info.instance_id, encode(info))
-        except _ELECTING as exc:
-            if time.monotonic() + delay > deadline:
-                raise
-            log.info(
-                "registry write of %s waits for a stream leader (%s)",
-                info.instance_id,
-                type(exc).__name__,
-            )
-            await asyncio.sleep(delay)
-            delay = min(2 * delay, 1.0)
+
+    async def put() -> int:
+        kv = await registry_bucket(js, bucket, replicas)
+        return await kv.put(info.instance_id, encode(info))
+
+    return await while_electing(put, f"registry write of {info.instance_id}", retry_s)
 
 
 async def deregister_instance(
