@@ -35,6 +35,7 @@ import time
 
 import httpx
 
+from loadtests.loadgen.scrape import scrape
 from loadtests.loadgen.workload import words
 
 KEY_A, KEY_B = "bench-fairness-key-a", "bench-fairness-key-b"
@@ -117,21 +118,15 @@ ENGINE_SERIES = (
 def engine_counts(urls: list[str]) -> dict[str, float]:
     """The engines' step-time histogram and split-step counter, summed over ``urls`` (each
     instance's ``/metrics``): {series or "le=<bound>": value}."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     out: dict[str, float] = {}
     for url in urls:
-        try:
-            text = httpx.get(url, timeout=5).text
-        except httpx.HTTPError:
-            continue
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                if s.name not in ENGINE_SERIES:
-                    continue
-                key = f"le={s.labels['le']}" if s.name.endswith("_bucket") else s.name
-                out[key] = out.get(key, 0.0) + s.value
+        for k, v in scrape(url, {n: n for n in ENGINE_SERIES}, _bucket_key).items():
+            out[k] = out.get(k, 0.0) + v
     return out
+
+
+def _bucket_key(name: str, sample) -> str:
+    return f"le={sample.labels['le']}" if name.endswith("_bucket") else name
 
 
 def engine_steps(before: dict[str, float], after: dict[str, float]) -> dict:

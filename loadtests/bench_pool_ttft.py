@@ -27,6 +27,7 @@ import time
 
 import httpx
 
+from loadtests.loadgen.scrape import metrics_url, sample_total
 from loadtests.simulator.realcluster import start_cluster
 from services.cluster_config import ensure_model
 from shared.model import default_model
@@ -38,13 +39,7 @@ def prompt_ids(seed: int, tokens: int) -> list[int]:
 
 
 def scrape(c, name: str, metric: str) -> float:
-    port = c.specs[name].env["STRATA_METRICS_PORT"]
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(metric) and not line.startswith("#"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return sample_total(metrics_url(c, name), metric)
 
 
 def ttft(c, model: str, prompt: list[int]) -> tuple[float, int]:

@@ -25,12 +25,12 @@ import statistics
 import tempfile
 import time
 
-import httpx
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from loadtests.loadgen.client import RunConfig, run_jobs, served_model
+from loadtests.loadgen.scrape import metrics_url, sample_total
 from loadtests.loadgen.stats import summarize
 from loadtests.loadgen.workload import Job, words
 from loadtests.simulator.realcluster import start_cluster
@@ -39,13 +39,7 @@ from services.infra.procs import free_port
 
 
 def scrape(c, name: str, metric: str) -> float:
-    port = c.specs[name].env["STRATA_METRICS_PORT"]
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-    return sum(
-        float(ln.rsplit(" ", 1)[1])
-        for ln in text.splitlines()
-        if ln.startswith(metric) and not ln.startswith("#")
-    )
+    return sample_total(metrics_url(c, name), metric)
 
 
 def jobs(n: int, prompt_words: int, max_tokens: int, seed: int) -> list[Job]:

@@ -34,6 +34,7 @@ import time
 from collections import Counter
 
 from loadtests.loadgen.client import RunConfig, new_client, send
+from loadtests.loadgen.scrape import scrape
 from loadtests.loadgen.workload import Job, words
 
 
@@ -87,25 +88,6 @@ SCHEDULER_SERIES = {
     "strata_scheduler_kv_events_total": "scheduler KV events applied",
     "python_gc_objects_collected_total": "scheduler gc collected",
 }
-
-
-def scrape(url: str, names: dict[str, str]) -> dict[str, float]:
-    """The samples of a ``/metrics`` page whose names are keys of ``names``, summed over their
-    labels under the name each maps to; {} when the page cannot be read."""
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
-
-    try:
-        text = httpx.get(url, timeout=5).text
-    except httpx.HTTPError:
-        return {}
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            name = names.get(sample.name)
-            if name:
-                out[name] = out.get(name, 0.0) + sample.value
-    return out
 
 
 def scheduler_state(metrics_url: str) -> dict[str, float]:

@@ -26,11 +26,9 @@ import hashlib
 import json
 import os
 import time
-import urllib.request
-
-from prometheus_client.parser import text_string_to_metric_families
 
 from loadtests.loadgen.client import RunConfig, run_jobs, served_model
+from loadtests.loadgen.scrape import scrape
 from loadtests.loadgen.trace import (
     DEFAULT_TRACE,
     TraceRow,
@@ -117,17 +115,6 @@ def simulate(
     return {"hit_rate": r.hit_rate, "load_max_over_mean": r.load_max_over_mean}
 
 
-def scrape(url: str) -> dict[str, float]:
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        text = resp.read().decode()
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name in (QUERIES, HITS):
-                out[s.name] = out.get(s.name, 0.0) + s.value
-    return out
-
-
 def real(model_dir: str, jobs, decode: int, blocks: int, block_bytes: int, log: str) -> dict:
     """Replay ``jobs`` on a fresh colocated cluster; per decode instance the prompt tokens it
     looked up and found in its engine cache during the replay (its metrics, before and after)."""
@@ -153,11 +140,11 @@ def real(model_dir: str, jobs, decode: int, blocks: int, block_bytes: int, log: 
         }
         cfg = RunConfig(url=c.gateway_url, request_timeout=300.0, deadline=900.0, progress=False)
         cfg.model = asyncio.run(served_model(c.gateway_url))
-        before = {n: scrape(u) for n, u in urls.items()}
+        before = {n: scrape(u, {QUERIES: QUERIES, HITS: HITS}) for n, u in urls.items()}
         t0 = time.perf_counter()
         results, _ = asyncio.run(run_jobs(jobs, cfg))
         wall = time.perf_counter() - t0
-        after = {n: scrape(u) for n, u in urls.items()}
+        after = {n: scrape(u, {QUERIES: QUERIES, HITS: HITS}) for n, u in urls.items()}
     finally:
         c.stop()
         stream.close()
