@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+import weakref
+
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
 
 _LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _ITL = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -44,3 +47,32 @@ NATS_API_REFUSED = Counter(
     "NATS API operations refused for naming another client's request or inbox",
     ["op"],
 )
+
+
+class _StreamsByInstance:
+    """``strata_gateway_streams_by_instance{instance}``: the streams each instance serves right
+    now, as this gateway routed them (a stream counts at its decode and at its prefill
+    instance until it ends). Read from the live pipelines at scrape time, so it is exact where
+    the engines' own gauges lag a load interval: what an operator checks before taking an
+    instance down, and what the fault tests pick their victim by."""
+
+    def __init__(self) -> None:
+        self.pipelines: weakref.WeakSet = weakref.WeakSet()
+
+    def collect(self):
+        fam = GaugeMetricFamily(
+            "strata_gateway_streams_by_instance",
+            "Streams this gateway has routed to each instance that have not ended",
+            labels=["instance"],
+        )
+        counts: dict[str, int] = {}
+        for p in list(self.pipelines):
+            for inst, n in p.streams_by_instance().items():
+                counts[inst] = counts.get(inst, 0) + n
+        for inst in sorted(counts):
+            fam.add_metric([inst], counts[inst])
+        yield fam
+
+
+STREAMS_BY_INSTANCE = _StreamsByInstance()
+REGISTRY.register(STREAMS_BY_INSTANCE)

@@ -104,6 +104,12 @@ class Pipeline:
         self._sub = None
         self._cancel_sub = None
         self._out_sub = None
+        m.STREAMS_BY_INSTANCE.pipelines.add(self)
+
+    def streams_by_instance(self) -> dict[str, int]:
+        """Streams not ended per instance they were routed to (``/metrics`` reads it from the
+        metrics thread: a copy of the dict, each set's size)."""
+        return {inst: len(qs) for inst, qs in list(self._watchers.items())}
 
     async def start(self) -> None:
         async def on_state(msg) -> None:

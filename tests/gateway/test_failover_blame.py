@@ -15,6 +15,7 @@ import pytest
 
 from services.gateway.assembly import Failover, StreamAssembler, down_failover, owing_instance
 from services.gateway.config import GatewayConfig
+from services.gateway.metrics import STREAMS_BY_INSTANCE
 from services.gateway.pipeline import Pipeline, Prepared
 from shared import bus
 from shared.protocol import subjects
@@ -268,6 +269,34 @@ async def test_decode_declared_down_is_excluded(nats_url, caplog):
     assert [r.exclude for r, _ in f.routes] == [[], ["dec-a"]]
     assert f.routes[1][1].decode_instance == "dec-b"
     assert any("failover from dec-a: down" in r.getMessage() for r in caplog.records)
+
+
+def _by_instance() -> dict[str, float]:
+    """``strata_gateway_streams_by_instance`` as a scrape reads it."""
+    return {
+        s.labels["instance"]: s.value for fam in STREAMS_BY_INSTANCE.collect() for s in fam.samples
+    }
+
+
+async def test_streams_by_instance_follow_the_route_and_its_failover(nats_url):
+    seen: list[dict[str, float]] = []
+
+    async def setup(f: Fleet) -> None:
+        await f.add_prefill("pre-a", "handoff")
+        await f.add_decode("dec-a", stall_after=3)
+        await f.add_decode("dec-b", gap=0.05)
+
+    async def during(f: Fleet, got: list[int]) -> None:
+        await _until(lambda: len(got) >= 3, "decode streaming")
+        seen.append(_by_instance())
+        await _down(f, "dec-a")
+        await _until(lambda: len(f.routes) == 2 and len(got) >= 4, "dec-b streaming")
+        seen.append(_by_instance())
+
+    got, f = await _run(nats_url, setup, during)
+    assert got == [100, 101, 102, 103, 104, 105]
+    assert seen == [{"dec-a": 1, "pre-a": 1}, {"dec-b": 1, "pre-a": 1}]  # the failed one left
+    assert _by_instance() == {}  # the stream ended: no instance keeps a series
 
 
 async def test_a_handoff_to_a_dead_decode_fails_over_excluding_it(nats_url, caplog):

@@ -78,6 +78,7 @@ KVSTORE_DRAM = 1 << 20
 POOL_BLOCK = 16384  # float32s: 64 KiB, 16 blocks fill the kvstore's DRAM
 RUNNING = ("strata:engine_num_requests_running", "strata:engine_num_requests_waiting")
 FAILOVERS = "strata:stream_failovers_total"
+BY_INSTANCE = "strata_gateway_streams_by_instance"  # streams the gateway routed there, not ended
 FAULTS = ["none", "nats-node", "minio-node", "decode-host", "scheduler-host", "prefill-host"]
 
 
@@ -173,7 +174,11 @@ class FaultedCluster:
             return {"killed": self.minio.endpoint(0)}
         role = fault.removesuffix("-host")
         names = sorted(self.live[role])
-        held = {n: self.held(n) for n in names} if role != "scheduler" else {}
+        held = {}
+        if role == "decode":  # the gateway's count, exact (the engines' gauges lag 0.5 s)
+            held = {n: self.metric("gateway-0", BY_INSTANCE, f'instance="{n}"') for n in names}
+        elif role == "prefill":  # a prompt stays there briefly: the gauges rarely catch one
+            held = {n: self.held(n) for n in names}
         victim = max(names, key=lambda n: held.get(n, 0.0))  # the busier one
         host = self.live[role].pop(victim)
         self.net.kill_host(host)
