@@ -2,7 +2,7 @@
 # Set up (idempotent), lint, and run the whole test suite: `bash scripts/test.sh [pytest args]`.
 # Fails on lint errors, on any test failure, and when no test ran (pytest exit code 5).
 # Env: STRATA_TEST_TIMEOUT (per-test seconds, default 300), STRATA_SUITE_TIMEOUT (whole suite,
-#      default 1800), STRATA_TEST_THREADS (torch threads in tests, default 1),
+#      default 2400), STRATA_TEST_THREADS (torch threads in tests, default 1),
 #      STRATA_SKIP_SETUP=1 (skip scripts/setup.sh when you know it is done).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -20,7 +20,7 @@ log "pytest (per-test timeout ${STRATA_TEST_TIMEOUT:-300}s)"
 export STRATA_TEST_THREADS="${STRATA_TEST_THREADS:-1}"
 start=$(date +%s)
 set +e
-timeout --signal=INT --kill-after=60 "${STRATA_SUITE_TIMEOUT:-1800}" \
+timeout --signal=INT --kill-after=60 "${STRATA_SUITE_TIMEOUT:-2400}" \
   "$PY" -m pytest -q -p no:cacheprovider --timeout="${STRATA_TEST_TIMEOUT:-300}" \
   --durations=40 "$@"
 rc=$?
@@ -29,6 +29,6 @@ log "pytest finished in $(( $(date +%s) - start ))s with exit code $rc"
 case $rc in
   0) log "all tests passed" ;;
   5) log "FAILED: no tests were collected"; exit 5 ;;
-  124|130) log "FAILED: the suite ran past ${STRATA_SUITE_TIMEOUT:-1800}s"; exit 1 ;;
+  124|130) log "FAILED: the suite ran past ${STRATA_SUITE_TIMEOUT:-2400}s"; exit 1 ;;
   *) log "FAILED"; exit "$rc" ;;
 esac
