@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
+
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import SchedulerCore
 from services.scheduler.policies import make_policy
 from services.scheduler.policies.basic import decode_load, predicted_ttft
 from services.scheduler.prefix_index import PrefixIndex
-from services.scheduler.table import RoleTable
+from services.scheduler.table import RoleTable, first_min
 from services.scheduler.types import ClusterState, CostModel, InstanceView, RequestView
 from shared.protocol.kv import KVEvent
 from shared.protocol.load import LoadReport
@@ -202,3 +204,18 @@ def test_vectorised_policies_match_brute_force_on_random_fleets():
             assert (d.prefill_instance, d.decode_instance, d.cached_tokens) == _brute_prefix_aware(
                 req, st
             )
+
+
+def test_first_min_is_the_first_row_of_the_lexsort():
+    """`first_min` answers what ``np.lexsort((secondary, primary))[0]`` does (the order the
+    policies used): smallest primary, ties to the smallest secondary, then the lowest row;
+    with few distinct values (ties everywhere), one row, and NaNs (sorted last)."""
+    rng = np.random.default_rng(7)
+    for trial in range(2000):
+        n = int(rng.integers(1, 40))
+        primary = rng.integers(0, 1 + trial % 4, n).astype(float)
+        secondary = rng.integers(0, 1 + trial % 3, n).astype(float)
+        if trial % 10 == 0:
+            primary[rng.integers(0, n)] = np.nan
+        want = int(np.lexsort((secondary, primary))[0])
+        assert first_min(primary, secondary) == want, (primary, secondary)

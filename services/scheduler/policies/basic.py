@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from services.scheduler.rules import predicted_ttft
-from services.scheduler.table import table_of
+from services.scheduler.table import first_min, table_of
 from services.scheduler.types import (
     ClusterState,
     CostModel,
@@ -66,7 +66,7 @@ class LeastLoaded:
         if state.prefill:
             pt = table_of(state.prefill, state.prefill_table)
             queue_s = pt.queued / pt.prefill_rates(self.cost.prefill_tokens_per_s)
-            pre = state.prefill[int(np.lexsort((pt.batch, queue_s))[0])]  # stable: id order
+            pre = state.prefill[first_min(queue_s, pt.batch)]  # then batch, then id order
         else:
             pre = dec
         ttft, cached = predicted_ttft(request, pre, self.cost)

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from services.scheduler.rules import predicted_ttft, reuse_plan
-from services.scheduler.table import RoleTable, table_of
+from services.scheduler.table import RoleTable, first_min, table_of
 from services.scheduler.types import (
     ClusterState,
     CostModel,
@@ -190,8 +190,7 @@ class PrefixAware:
             near = np.flatnonzero(
                 cand & (queue_s <= queue_s[cand].min() + self.opt.balance_slack_s)
             )
-            order = np.lexsort((ttft[near], t.cached_blocks[near]))  # footprint, then TTFT
-            i = int(near[order[0]])
+            i = int(near[first_min(t.cached_blocks[near], ttft[near])])  # footprint, then TTFT
         return prefill[i], float(ttft[i]), int(cached[i])
 
     def choose(self, request: RequestView, state: ClusterState) -> RouteDecision:
