@@ -87,8 +87,7 @@ def fallback(op: str, reason: str) -> None:
     ``disabled`` (a STRATA_CPU_* switch), ``unavailable`` (no compiler, build failed),
     ``dtype`` (not float32), ``layout`` (strides the kernel does not take), ``shape`` (a size
     it does not take), ``unsupported`` (a model part it has no code for: MoE, a
-    tensor-parallel projection), ``sinks`` (GPT-OSS's attention sinks: no attention kernel has
-    the term). Returns None (the callers' "no kernel")."""
+    tensor-parallel projection). Returns None (the callers' "no kernel")."""
     child = _fallback_children.get((op, reason))
     if child is None:  # per call on a bf16 model's every layer: labels() once per pair
         child = _fallback_children[op, reason] = FALLBACKS.labels(op, reason)
@@ -180,10 +179,13 @@ def decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """``[B, H, D]`` attention of one query token per sequence over its cached context, or
-    ``None`` when the native kernel does not apply (not CPU float32, or no compiler)."""
-    why = _why(q, k_cache, v_cache, layout=False)
+    ``None`` when the native kernel does not apply (not CPU float32, or no compiler).
+    ``sinks``: ``[H]`` attention-sink logits (GPT-OSS), each in its head's softmax denominator
+    as a key whose value is zero."""
+    why = _why(q, k_cache, v_cache, sinks, layout=False)
     if not why and not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         why = "layout"
     if not why and not available():
@@ -192,7 +194,9 @@ def decode_attention(
         return _fallback("decode_attention", why)
     tables = block_tables.to(torch.int64).contiguous()
     ctx = context_lens.to(torch.int64).contiguous()
-    out = torch.ops.strata.decode_attention(q.contiguous(), k_cache, v_cache, tables, ctx, scale)
+    out = torch.ops.strata.decode_attention(
+        q.contiguous(), k_cache, v_cache, tables, ctx, scale, _sinks(sinks)
+    )
     calls[_isa, "decode_attention"] += 1
     return out
 
@@ -207,6 +211,7 @@ def prefill_attention(
     qlen: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    sinks: torch.Tensor | None = None,
 ) -> bool:
     """Causal attention of the new tokens of several sequences over their cached context (the
     new K/V already written), into ``out``: ``q`` and ``out`` ``[T, H, D]`` (any token stride,
@@ -214,9 +219,10 @@ def prefill_attention(
     ``ctx[s]`` tokens (new ones last) in the blocks of ``tables[s]``; int64 index tensors.
     False (nothing done) when the kernel does not apply (not CPU float32, a head layout or size
     it does not take, or no compiler). A sequence with more new tokens than context is no
-    batch at all: the op refuses it (RuntimeError, nothing written)."""
+    batch at all: the op refuses it (RuntimeError, nothing written). ``sinks``: as for
+    `decode_attention`."""
     t, h, d = q.shape
-    why = _why(q, k_cache, v_cache, out, layout=False)
+    why = _why(q, k_cache, v_cache, out, sinks, layout=False)
     if not why and q.shape != out.shape:
         why = "shape"
     if not why and (q.stride()[1:] != (d, 1) or out.stride()[1:] != (d, 1)):
@@ -230,9 +236,16 @@ def prefill_attention(
     if why:
         _fallback("prefill_attention", why)
         return False
-    torch.ops.strata.prefill_attention_(q, k_cache, v_cache, tables, ctx, qstart, qlen, scale, out)
+    torch.ops.strata.prefill_attention_(
+        q, k_cache, v_cache, tables, ctx, qstart, qlen, scale, out, _sinks(sinks)
+    )
     calls[_isa, "prefill_attention"] += 1
     return True
+
+
+def _sinks(sinks: torch.Tensor | None) -> torch.Tensor | None:
+    """The sink logits as the ops take them: float32, contiguous, outside autograd."""
+    return None if sinks is None else sinks.detach().contiguous()
 
 
 class PackedLinear:

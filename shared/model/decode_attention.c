@@ -64,7 +64,8 @@ static inline __m512 exp16(__m512 x) {
  * Both passes sum in the same order as before, so the output is bit-identical to it. */
 static void attn_avx512(const float *q, const float *k, const float *v, const int64_t *tables,
                         const int64_t *ctx, int64_t max_blocks, int64_t B, int64_t H,
-                        int64_t KVH, int64_t D, int64_t BS, float scale, float *out) {
+                        int64_t KVH, int64_t D, int64_t BS, float scale, const float *sinks,
+                        float *out) {
     const int64_t G = H / KVH, C = D / 16;
     const int64_t tok_stride = KVH * D, blk_stride = BS * tok_stride;
     const int64_t dv = v - k; /* a token's V row is at the same offset as its K row */
@@ -116,7 +117,9 @@ static void attn_avx512(const float *q, const float *k, const float *v, const in
                 const __mmask16 km = n - t >= 16 ? 0xFFFF : (__mmask16)((1u << (n - t)) - 1);
                 vm = _mm512_mask_max_ps(vm, km, vm, _mm512_loadu_ps(sg + t));
             }
-            const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vm));
+            float top = _mm512_reduce_max_ps(vm);
+            if (sinks && sinks[h] > top) top = sinks[h];
+            const __m512 mx = _mm512_set1_ps(top);
             __m512 vs = _mm512_setzero_ps();
             for (int64_t t = 0; t < n; t += 16) {
                 const __mmask16 km = n - t >= 16 ? 0xFFFF : (__mmask16)((1u << (n - t)) - 1);
@@ -124,7 +127,9 @@ static void attn_avx512(const float *q, const float *k, const float *v, const in
                 vs = _mm512_mask_add_ps(vs, km, vs, e);
                 _mm512_storeu_ps(sg + t, e);
             }
-            const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(vs));
+            float tot = _mm512_reduce_add_ps(vs);
+            if (sinks) tot += expf(sinks[h] - top); /* the sink's key: value zero */
+            const __m512 inv = _mm512_set1_ps(1.f / tot);
             for (int64_t t = 0; t < n; t += 16)
                 _mm512_storeu_ps(sg + t, _mm512_mul_ps(_mm512_loadu_ps(sg + t), inv));
         }
@@ -228,7 +233,7 @@ static inline __m256 lanes_below(int64_t rem) {
 static inline __attribute__((always_inline)) void attn_avx2(
         const float *q, const float *k, const float *v, const int64_t *tables,
         const int64_t *ctx, int64_t max_blocks, int64_t B, int64_t H, int64_t KVH,
-        const int64_t D, int64_t BS, float scale, float *out) {
+        const int64_t D, int64_t BS, float scale, const float *sinks, float *out) {
     const int64_t G = H / KVH, C = D / 8;
     const int64_t tok_stride = KVH * D, blk_stride = BS * tok_stride;
     const int64_t dv = v - k; /* a token's V row is at the same offset as its K row */
@@ -280,7 +285,9 @@ static inline __attribute__((always_inline)) void attn_avx2(
             for (int64_t t = 0; t < n; t += 8)
                 vm = _mm256_max_ps(vm, _mm256_blendv_ps(ninf, _mm256_loadu_ps(sg + t),
                                                         lanes_below(n - t)));
-            const __m256 mx = _mm256_set1_ps(hmax8(vm));
+            float top = hmax8(vm);
+            if (sinks && sinks[h] > top) top = sinks[h];
+            const __m256 mx = _mm256_set1_ps(top);
             __m256 vs = _mm256_setzero_ps();
             for (int64_t t = 0; t < n; t += 8) {
                 const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + t), mx)),
@@ -288,7 +295,9 @@ static inline __attribute__((always_inline)) void attn_avx2(
                 vs = _mm256_add_ps(vs, e);
                 _mm256_storeu_ps(sg + t, e);
             }
-            const __m256 inv = _mm256_set1_ps(1.f / hsum8(vs));
+            float tot = hsum8(vs);
+            if (sinks) tot += expf(sinks[h] - top); /* the sink's key: value zero */
+            const __m256 inv = _mm256_set1_ps(1.f / tot);
             for (int64_t t = 0; t < n; t += 8)
                 _mm256_storeu_ps(sg + t, _mm256_mul_ps(_mm256_loadu_ps(sg + t), inv));
         }
@@ -341,7 +350,7 @@ static inline __attribute__((always_inline)) void attn_avx2(
 static inline __attribute__((always_inline)) void attn(
         const float *q, const float *k, const float *v, const int64_t *tables,
         const int64_t *ctx, int64_t max_blocks, int64_t B, int64_t H, int64_t KVH,
-        const int64_t D, int64_t BS, float scale, float *out) {
+        const int64_t D, int64_t BS, float scale, const float *sinks, float *out) {
     const int64_t G = H / KVH;
     const int64_t tok_stride = KVH * D;
     const int64_t blk_stride = BS * tok_stride;
@@ -366,9 +375,9 @@ static inline __attribute__((always_inline)) void attn(
         }
         for (int64_t h = 0; h < H; h++) {
             float *sh = s + h * n;
-            float m = -INFINITY;
+            float m = sinks ? sinks[h] : -INFINITY;
             for (int64_t t = 0; t < n; t++) m = sh[t] > m ? sh[t] : m;
-            float sum = 0.f;
+            float sum = sinks ? expf(sinks[h] - m) : 0.f; /* the sink's key: value zero */
             for (int64_t t = 0; t < n; t++) { sh[t] = expf(sh[t] - m); sum += sh[t]; }
             const float inv = 1.f / sum;
             for (int64_t t = 0; t < n; t++) sh[t] *= inv;
@@ -394,25 +403,27 @@ static inline __attribute__((always_inline)) void attn(
 static void attn_rows(const float *q, const float *k, const float *v,
                       const int64_t *tables, const int64_t *ctx, int64_t max_blocks,
                       int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS,
-                      float scale, float *out) {
+                      float scale, const float *sinks, float *out) {
 #ifdef __AVX512F__
     if (D % 16 == 0) {
-        attn_avx512(q, k, v, tables, ctx, max_blocks, B, H, KVH, D, BS, scale, out);
+        attn_avx512(q, k, v, tables, ctx, max_blocks, B, H, KVH, D, BS, scale, sinks, out);
         return;
     }
 #elif defined(__AVX2__) && defined(__FMA__)
     if (D % 8 == 0) {
         /* constant D for the common head sizes: 1.1-1.2x at 128 (probe, in cache) */
-        if (D == 64) attn_avx2(q, k, v, tables, ctx, max_blocks, B, H, KVH, 64, BS, scale, out);
+        if (D == 64)
+            attn_avx2(q, k, v, tables, ctx, max_blocks, B, H, KVH, 64, BS, scale, sinks, out);
         else if (D == 128)
-            attn_avx2(q, k, v, tables, ctx, max_blocks, B, H, KVH, 128, BS, scale, out);
-        else attn_avx2(q, k, v, tables, ctx, max_blocks, B, H, KVH, D, BS, scale, out);
+            attn_avx2(q, k, v, tables, ctx, max_blocks, B, H, KVH, 128, BS, scale, sinks, out);
+        else attn_avx2(q, k, v, tables, ctx, max_blocks, B, H, KVH, D, BS, scale, sinks, out);
         return;
     }
 #endif
-    if (D == 64) attn(q, k, v, tables, ctx, max_blocks, B, H, KVH, 64, BS, scale, out);
-    else if (D == 128) attn(q, k, v, tables, ctx, max_blocks, B, H, KVH, 128, BS, scale, out);
-    else attn(q, k, v, tables, ctx, max_blocks, B, H, KVH, D, BS, scale, out);
+    if (D == 64) attn(q, k, v, tables, ctx, max_blocks, B, H, KVH, 64, BS, scale, sinks, out);
+    else if (D == 128)
+        attn(q, k, v, tables, ctx, max_blocks, B, H, KVH, 128, BS, scale, sinks, out);
+    else attn(q, k, v, tables, ctx, max_blocks, B, H, KVH, D, BS, scale, sinks, out);
 }
 
 /* Sequences are shared out over ``nthreads`` OpenMP threads. The library links libgomp.so.1,
@@ -421,11 +432,11 @@ static void attn_rows(const float *q, const float *k, const float *v,
 void strata_decode_attn_f32(const float *q, const float *k, const float *v,
                             const int64_t *tables, const int64_t *ctx, int64_t max_blocks,
                             int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS,
-                            float scale, float *out, int64_t nthreads) {
+                            float scale, const float *sinks, float *out, int64_t nthreads) {
     #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (nthreads > 1 && B > 1)
     for (int64_t b = 0; b < B; b++)
         attn_rows(q + b * H * D, k, v, tables + b * max_blocks, ctx + b, max_blocks, 1, H, KVH,
-                  D, BS, scale, out + b * H * D);
+                  D, BS, scale, sinks, out + b * H * D);
 }
 
 /* strata_decode_attn_f32 over a bfloat16 cache (the one-call layer of a bf16 model): each
@@ -438,7 +449,8 @@ void strata_decode_attn_f32(const float *q, const float *k, const float *v,
 int64_t strata_decode_attn_bf16kv(const float *q, const uint16_t *k, const uint16_t *v,
                                   const int64_t *tables, const int64_t *ctx, int64_t max_blocks,
                                   int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS,
-                                  float scale, float *out, int64_t nthreads) {
+                                  float scale, const float *sinks, float *out,
+                                  int64_t nthreads) {
     int64_t cap = 1;
     for (int64_t b = 0; b < B; b++) cap = ctx[b] > cap ? ctx[b] : cap;
     const int64_t nblk = (cap + BS - 1) / BS, tok = KVH * D, blk = BS * tok;
@@ -466,7 +478,7 @@ int64_t strata_decode_attn_bf16kv(const float *q, const uint16_t *k, const uint1
                     for (int64_t e = 0; e < tok; e++) vd[e] = strata_bf16_to_f32(vr[e]);
                 }
                 attn_rows(q + b * H * D, kw, vw, ident, ctx + b, nblk, 1, H, KVH, D, BS, scale,
-                          out + b * H * D);
+                          sinks, out + b * H * D);
             }
         }
         free(ident);

@@ -192,11 +192,13 @@ static inline vf vexp(vf x) {
 }
 
 /* Query tokens [i0, i1) of a sequence with ``qn`` new tokens and context ``n`` (query i sits
- * at position n - qn + i), KV head ``g``; ``ws`` scratch of item_floats() floats. */
+ * at position n - qn + i), KV head ``g``; ``ws`` scratch of item_floats() floats. With
+ * ``sinks``, each row's online softmax starts from its head's sink logit as the running max
+ * and a sum of 1 (the sink's own term; its value is zero, so the output starts at zero). */
 static void attn_item(const float *q, int64_t q_ts, const void *kc, const void *vc, int kv16,
                       const int64_t *tab, int64_t n, int64_t qn, int64_t i0, int64_t i1,
                       int64_t g, int64_t H, int64_t KVH, int64_t D, int64_t BS, float scale,
-                      float *out, int64_t o_ts, float *ws) {
+                      const float *sinks, float *out, int64_t o_ts, float *ws) {
     const int64_t G = H / KVH, R = (i1 - i0) * G, NP = D / NW;
     const int64_t tok = KVH * D, blk = BS * tok, first = n - qn;
     float *qs = ws, *o = qs + R * D, *s = o + R * D, *kt = s + R * KB, *vp = kt + D * KB;
@@ -204,8 +206,8 @@ static void attn_item(const float *q, int64_t q_ts, const void *kc, const void *
     for (int64_t r = 0; r < R; r++) {
         const float *src = q + (i0 + r / G) * q_ts + (g * G + r % G) * D;
         for (int64_t d = 0; d < D; d++) qs[r * D + d] = src[d] * scale;
-        mx[r] = -INFINITY;
-        sum[r] = 0.f;
+        mx[r] = sinks ? sinks[g * G + r % G] : -INFINITY;
+        sum[r] = sinks ? 1.f : 0.f;
     }
     memset(o, 0, sizeof(float) * (size_t)(R * D));
     const int64_t last = first + i1 - 1; /* the furthest query position */
@@ -259,7 +261,8 @@ static void attn_item(const float *q, int64_t q_ts, const void *kc, const void *
             }
             float bm = mx[r];
             for (int i = 0; i < VW; i++) bm = vm[i] > bm ? vm[i] : bm;
-            const float alpha = expf(mx[r] - bm); /* 0 on the first block (mx = -inf) */
+            /* 0 on the first block (mx = -inf), unless a sink started it */
+            const float alpha = expf(mx[r] - bm);
             mx[r] = bm;
             vf acc = {0};
             for (int u = 0; u < KB / VW; u++) {
@@ -295,7 +298,8 @@ static int64_t prefill_attn(const float *q, int64_t q_ts, const void *k_cache,
                             const void *v_cache, int kv16, const int64_t *tables,
                             const int64_t *ctx, const int64_t *qstart, const int64_t *qlen,
                             int64_t S, int64_t max_blocks, int64_t H, int64_t KVH, int64_t D,
-                            int64_t BS, float scale, float *out, int64_t o_ts, int64_t nthreads) {
+                            int64_t BS, float scale, const float *sinks, float *out, int64_t o_ts,
+                            int64_t nthreads) {
     if (D < NW || D % NW || KVH < 1 || H % KVH) return -1;
     int64_t items = 0;
     for (int64_t s = 0; s < S; s++) {
@@ -323,8 +327,8 @@ static int64_t prefill_attn(const float *q, int64_t q_ts, const void *k_cache,
             const int64_t s = work[3 * it], b = work[3 * it + 1], g = work[3 * it + 2];
             const int64_t i0 = b * QB, i1 = i0 + QB < qlen[s] ? i0 + QB : qlen[s];
             attn_item(q + qstart[s] * q_ts, q_ts, k_cache, v_cache, kv16, tables + s * max_blocks,
-                      ctx[s], qlen[s], i0, i1, g, H, KVH, D, BS, scale, out + qstart[s] * o_ts,
-                      o_ts, ws);
+                      ctx[s], qlen[s], i0, i1, g, H, KVH, D, BS, scale, sinks,
+                      out + qstart[s] * o_ts, o_ts, ws);
         }
         free(ws);
     }
@@ -341,9 +345,10 @@ int64_t strata_prefill_attn_f32(const float *q, int64_t q_ts, const float *k_cac
                                 const float *v_cache, const int64_t *tables, const int64_t *ctx,
                                 const int64_t *qstart, const int64_t *qlen, int64_t S,
                                 int64_t max_blocks, int64_t H, int64_t KVH, int64_t D, int64_t BS,
-                                float scale, float *out, int64_t o_ts, int64_t nthreads) {
+                                float scale, const float *sinks, float *out, int64_t o_ts,
+                                int64_t nthreads) {
     return prefill_attn(q, q_ts, k_cache, v_cache, 0, tables, ctx, qstart, qlen, S, max_blocks, H,
-                        KVH, D, BS, scale, out, o_ts, nthreads);
+                        KVH, D, BS, scale, sinks, out, o_ts, nthreads);
 }
 
 /* strata_prefill_attn_f32 over a bfloat16 cache (the one-call layer of a bf16 model): each
@@ -353,8 +358,8 @@ int64_t strata_prefill_attn_bf16kv(const float *q, int64_t q_ts, const uint16_t 
                                    const uint16_t *v_cache, const int64_t *tables,
                                    const int64_t *ctx, const int64_t *qstart, const int64_t *qlen,
                                    int64_t S, int64_t max_blocks, int64_t H, int64_t KVH,
-                                   int64_t D, int64_t BS, float scale, float *out, int64_t o_ts,
-                                   int64_t nthreads) {
+                                   int64_t D, int64_t BS, float scale, const float *sinks,
+                                   float *out, int64_t o_ts, int64_t nthreads) {
     return prefill_attn(q, q_ts, k_cache, v_cache, 1, tables, ctx, qstart, qlen, S, max_blocks, H,
-                        KVH, D, BS, scale, out, o_ts, nthreads);
+                        KVH, D, BS, scale, sinks, out, o_ts, nthreads);
 }

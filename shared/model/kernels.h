@@ -46,32 +46,35 @@ typedef struct {
 /* isa.c: the code paths this library was compiled with ("portable", "avx2", ...) */
 const char *strata_kernel_isa(void);
 
-/* decode_attention.c */
+/* decode_attention.c. ``sinks``: NULL, or H attention-sink logits (GPT-OSS): head h's joins
+ * every softmax's denominator as a key of value zero (the weights then sum to less than 1). */
 void strata_decode_attn_f32(const float *q, const float *k, const float *v,
                             const int64_t *tables, const int64_t *ctx, int64_t max_blocks,
                             int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS,
-                            float scale, float *out, int64_t nthreads);
+                            float scale, const float *sinks, float *out, int64_t nthreads);
 int64_t strata_decode_attn_bf16kv(const float *q, const uint16_t *k, const uint16_t *v,
                                   const int64_t *tables, const int64_t *ctx, int64_t max_blocks,
                                   int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS,
-                                  float scale, float *out, int64_t nthreads);
+                                  float scale, const float *sinks, float *out, int64_t nthreads);
 
 /* gemm.c */
 int64_t strata_gemm_panel_width(void);
 void strata_gemm_pack_f32(const float *w, int64_t N, int64_t K, float *p);
 void strata_gemm_f32(const float *x, int64_t M, int64_t K, const float *p, int64_t N,
                      const float *bias, float *y, int64_t nthreads);
+/* ``sinks``: NULL or H sink logits, as for strata_decode_attn_f32 */
 int64_t strata_prefill_attn_f32(const float *q, int64_t q_ts, const float *k_cache,
                                 const float *v_cache, const int64_t *tables, const int64_t *ctx,
                                 const int64_t *qstart, const int64_t *qlen, int64_t S,
                                 int64_t max_blocks, int64_t H, int64_t KVH, int64_t D, int64_t BS,
-                                float scale, float *out, int64_t o_ts, int64_t nthreads);
+                                float scale, const float *sinks, float *out, int64_t o_ts,
+                                int64_t nthreads);
 int64_t strata_prefill_attn_bf16kv(const float *q, int64_t q_ts, const uint16_t *k_cache,
                                    const uint16_t *v_cache, const int64_t *tables,
                                    const int64_t *ctx, const int64_t *qstart, const int64_t *qlen,
                                    int64_t S, int64_t max_blocks, int64_t H, int64_t KVH,
-                                   int64_t D, int64_t BS, float scale, float *out, int64_t o_ts,
-                                   int64_t nthreads);
+                                   int64_t D, int64_t BS, float scale, const float *sinks,
+                                   float *out, int64_t o_ts, int64_t nthreads);
 
 /* gemm_int8.c */
 int64_t strata_gemm_s8_packed_bytes(int64_t N, int64_t K);

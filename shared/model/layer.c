@@ -137,10 +137,12 @@ int64_t strata_decoder_layer_f32(const strata_layer *L, const strata_batch *B, f
             B->kv_bf16
                 ? strata_prefill_attn_bf16kv(qkv, ld, k_cache, v_cache, B->p_tables, B->p_ctx,
                                              B->p_qstart, B->p_qlen, B->p_n, B->p_max_blocks, nh,
-                                             nkv, D, B->block_size, (float)L->scale, a, att, nt)
+                                             nkv, D, B->block_size, (float)L->scale, NULL, a, att,
+                                             nt)
                 : strata_prefill_attn_f32(qkv, ld, k_cache, v_cache, B->p_tables, B->p_ctx,
                                           B->p_qstart, B->p_qlen, B->p_n, B->p_max_blocks, nh,
-                                          nkv, D, B->block_size, (float)L->scale, a, att, nt);
+                                          nkv, D, B->block_size, (float)L->scale, NULL, a, att,
+                                          nt);
         if (rc) return -1;
     }
     if (B->d_n) {
@@ -150,10 +152,11 @@ int64_t strata_decoder_layer_f32(const strata_layer *L, const strata_batch *B, f
         float *o = B->d_rows ? dout : a;
         if (!B->kv_bf16)
             strata_decode_attn_f32(dq, k_cache, v_cache, B->d_tables, B->d_ctx, B->d_max_blocks,
-                                   B->d_n, nh, nkv, D, B->block_size, (float)L->scale, o, nt);
+                                   B->d_n, nh, nkv, D, B->block_size, (float)L->scale, NULL, o,
+                                   nt);
         else if (strata_decode_attn_bf16kv(dq, k_cache, v_cache, B->d_tables, B->d_ctx,
                                            B->d_max_blocks, B->d_n, nh, nkv, D, B->block_size,
-                                           (float)L->scale, o, nt))
+                                           (float)L->scale, NULL, o, nt))
             return -2;
         if (B->d_rows)
             for (int64_t i = 0; i < B->d_n; i++)

@@ -2,16 +2,19 @@
 softmax, as transformers' eager attention computes it; or with attention sinks (GPT-OSS): one
 learned logit per head joins each row's softmax denominator (a key whose value is zero).
 
-Neither SDPA nor the native kernels take a cap or a sink, so every sequence of the batch runs
-plain torch ops over its gathered context: ``q @ k^T * scale``, the cap, the offset causal mask,
-the sink column, softmax in float32 (GPT-OSS's in a float64 model: float64), ``@ v``. The per-sequence
-list comes from the same `AttentionPlan` the other paths use.
+SDPA takes neither. The native CPU float32 kernels take the sinks (`sink_attention`: the decode
+and prefill kernels start each row's softmax from the head's sink logit) but no cap. Otherwise
+every sequence of the batch runs plain torch ops over its gathered context
+(`softcap_attention`): ``q @ k^T * scale``, the cap, the offset causal mask, the sink column,
+softmax in float32 (GPT-OSS's in a float64 model: float64), ``@ v``. The per-sequence list
+comes from the same `AttentionPlan` the other paths use.
 """
 
 from __future__ import annotations
 
 import torch
 
+from shared.model import cpu_kernels
 from shared.model.attention import AttentionPlan, _context
 
 
@@ -68,3 +71,46 @@ def softcap_attention(
         probs = torch.softmax(scores, dim=-1, dtype=wide)[..., :ctx].to(q.dtype)
         out[start:end] = torch.matmul(probs, vs).transpose(0, 1)
     return out
+
+
+def sink_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    plan: AttentionPlan,
+    scale: float,
+    sinks: torch.Tensor,
+) -> torch.Tensor:
+    """`softcap_attention` with ``sinks`` and no cap, on the native kernels where they apply
+    (CPU float32: every prompt row in one prefill call, every decode row in one decode call,
+    each with the sink term); otherwise (another device or dtype, no compiler: each kernel
+    counts its reason) the torch path for the whole batch."""
+    kv_heads, head_dim = k.shape[1], q.shape[2]
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    prompts = plan.prefill is not None or plan.spans or plan.fresh_uniform is not None
+    out = torch.empty_like(q)
+    done = not prompts or (
+        plan.prefill is not None
+        and cpu_kernels.prefill_attention(
+            q, k_cache, v_cache, *plan.prefill, scale, out, sinks=sinks
+        )
+    )
+    if done and plan.decodes:
+        rows = plan.decode_rows
+        qd = q if rows is None else q.index_select(0, rows)
+        native = cpu_kernels.decode_attention(
+            qd, k_cache, v_cache, plan.decode_tables, plan.decode_ctx, scale, sinks=sinks
+        )
+        if native is None:
+            done = False
+        elif rows is None:
+            out.copy_(native)
+        else:
+            out.index_copy_(0, rows, native)
+    if done:
+        return out
+    return softcap_attention(q, k, v, k_cache, v_cache, slot_mapping, plan, scale, None, sinks)

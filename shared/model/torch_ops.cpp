@@ -217,7 +217,8 @@ void qk_norm_rope_(const Tensor &qkv, int64_t heads, int64_t num_q, const OptTen
 }
 
 Tensor decode_attention(const Tensor &q, const Tensor &k_cache, const Tensor &v_cache,
-                        const Tensor &block_tables, const Tensor &context_lens, double scale) {
+                        const Tensor &block_tables, const Tensor &context_lens, double scale,
+                        const OptTensor &sinks) {
     const char *op = "strata::decode_attention";
     const auto &kk = kern(op);
     check_f32(q, op, "q");
@@ -236,26 +237,28 @@ Tensor decode_attention(const Tensor &q, const Tensor &k_cache, const Tensor &v_
     TORCH_CHECK(block_tables.size(0) == b && context_lens.size(0) == b, op,
                 ": tables/lengths for ", block_tables.size(0), "/", context_lens.size(0),
                 " sequences, not ", b);
+    const float *sk = vec(sinks, h, op, "sinks");  // one logit per query head, or none
     Tensor out = at::empty_like(q);
     const int64_t *tab = block_tables.data_ptr<int64_t>(), *ctx = context_lens.data_ptr<int64_t>();
     if (k_cache.scalar_type() == at::kFloat) {
         kk.strata_decode_attn_f32(q.data_ptr<float>(), k_cache.data_ptr<float>(),
                                   v_cache.data_ptr<float>(), tab, ctx, block_tables.size(1), b, h,
-                                  kvh, d, k_cache.size(1), (float)scale, out.data_ptr<float>(),
-                                  nthreads());
+                                  kvh, d, k_cache.size(1), (float)scale, sk,
+                                  out.data_ptr<float>(), nthreads());
         return out;
     }
     const int64_t rc = kk.strata_decode_attn_bf16kv(
         q.data_ptr<float>(), static_cast<const uint16_t *>(k_cache.data_ptr()),
         static_cast<const uint16_t *>(v_cache.data_ptr()), tab, ctx, block_tables.size(1), b, h,
-        kvh, d, k_cache.size(1), (float)scale, out.data_ptr<float>(), nthreads());
+        kvh, d, k_cache.size(1), (float)scale, sk, out.data_ptr<float>(), nthreads());
     TORCH_CHECK_WITH(OutOfMemoryError, rc == 0, op, ": no memory for the bf16 cache's copy");
     return out;
 }
 
 void prefill_attention_(const Tensor &q, const Tensor &k_cache, const Tensor &v_cache,
                         const Tensor &tables, const Tensor &ctx, const Tensor &qstart,
-                        const Tensor &qlen, double scale, const Tensor &out) {
+                        const Tensor &qlen, double scale, const Tensor &out,
+                        const OptTensor &sinks) {
     const char *op = "strata::prefill_attention_";
     const auto &kk = kern(op);
     for (const auto *t : {&q, &out}) {
@@ -281,6 +284,7 @@ void prefill_attention_(const Tensor &q, const Tensor &k_cache, const Tensor &v_
         TORCH_CHECK(t->size(0) == s, op, ": ctx/qstart/qlen for ", t->size(0), " sequences, not ",
                     s);
     }
+    const float *sk = vec(sinks, h, op, "sinks");  // one logit per query head, or none
     const int64_t *tab = tables.data_ptr<int64_t>(), *cx = ctx.data_ptr<int64_t>();
     const int64_t *qs = qstart.data_ptr<int64_t>(), *ql = qlen.data_ptr<int64_t>();
     const int64_t rc =
@@ -288,13 +292,13 @@ void prefill_attention_(const Tensor &q, const Tensor &k_cache, const Tensor &v_
             ? kk.strata_prefill_attn_f32(q.data_ptr<float>(), q.stride(0),
                                          k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
                                          tab, cx, qs, ql, s, tables.size(1), h, kvh, d,
-                                         k_cache.size(1), (float)scale, out.data_ptr<float>(),
-                                         out.stride(0), nthreads())
+                                         k_cache.size(1), (float)scale, sk,
+                                         out.data_ptr<float>(), out.stride(0), nthreads())
             : kk.strata_prefill_attn_bf16kv(
                   q.data_ptr<float>(), q.stride(0),
                   static_cast<const uint16_t *>(k_cache.data_ptr()),
                   static_cast<const uint16_t *>(v_cache.data_ptr()), tab, cx, qs, ql, s,
-                  tables.size(1), h, kvh, d, k_cache.size(1), (float)scale,
+                  tables.size(1), h, kvh, d, k_cache.size(1), (float)scale, sk,
                   out.data_ptr<float>(), out.stride(0), nthreads());
     TORCH_CHECK(rc == 0, op, ": refused (nothing written): head size ", d, " or ", h, "/", kvh,
                 " heads it does not take, or a sequence with more new tokens than context");
@@ -516,9 +520,10 @@ TORCH_LIBRARY(strata, m) {
     m.def("qk_norm_rope_(Tensor(a!) qkv, int heads, int num_q, Tensor? q_weight, "
           "Tensor? k_weight, float eps, Tensor cos, Tensor sin) -> ()");
     m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-          "Tensor context_lens, float scale) -> Tensor");
+          "Tensor context_lens, float scale, Tensor? sinks=None) -> Tensor");
     m.def("prefill_attention_(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, "
-          "Tensor ctx, Tensor qstart, Tensor qlen, float scale, Tensor(a!) out) -> ()");
+          "Tensor ctx, Tensor qstart, Tensor qlen, float scale, Tensor(a!) out, "
+          "Tensor? sinks=None) -> ()");
     m.def("pack_linear(Tensor w) -> Tensor");
     m.def("linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
     m.def("pack_int8(Tensor w, Tensor scale) -> Tensor");

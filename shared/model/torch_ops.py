@@ -130,7 +130,7 @@ def _in_place_fake(*args, **kwargs):
     return None
 
 
-def _decode_attention_fake(q, k_cache, v_cache, block_tables, context_lens, scale):
+def _decode_attention_fake(q, k_cache, v_cache, block_tables, context_lens, scale, sinks=None):
     return torch.empty_like(q)
 
 

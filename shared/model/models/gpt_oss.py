@@ -2,10 +2,9 @@
 
 * attention sinks (`SinkAttention`): q/k/v/o with biases, and one learned logit per head
   (``self_attn.sinks``) in every softmax's denominator, a key whose value is zero: a row's
-  weights sum to less than 1. No native attention kernel has the sink term, so the attention
-  runs in torch (`shared.model.softcap.softcap_attention` with ``sinks``), each call on CPU
-  float32 counted as a ``decode_attention`` / ``prefill_attention`` fallback with reason
-  ``sinks``; the projections still run on the native GEMMs;
+  weights sum to less than 1. On CPU float32 the native decode and prefill attention kernels
+  take the sink term (`shared.model.softcap.sink_attention`); elsewhere the attention runs in
+  torch (`softcap_attention` with ``sinks``); the projections run on the native GEMMs;
 * YaRN RoPE (`YarnRotary`: `deepseek.yarn_inv_freq`, cos / sin times YaRN's attention factor);
 * sliding layers (``layer_types``, every other one from 0): the served context is capped at the
   window (`shared.model.archs.sliding_window_of`), so they attend as the full layers do;
@@ -26,24 +25,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shared.model import cpu_kernels
 from shared.model.config import ModelConfig
 from shared.model.layers import Attention, RMSNorm, attention_args
 from shared.model.models.deepseek import YarnRotary
 from shared.model.models.llama import LlamaForCausalLM
 from shared.model.moe import SparseMoE
-from shared.model.softcap import softcap_attention
-
-
-def _count_sink_fallbacks(q: torch.Tensor, plan) -> None:
-    """Count the native attention kernels this call could not use (CPU float32 only: elsewhere
-    there is no native kernel to fall back from)."""
-    if q.device.type != "cpu" or q.dtype != torch.float32:
-        return
-    if plan.decodes:
-        cpu_kernels.fallback("decode_attention", "sinks")
-    if plan.prefill is not None or plan.spans or plan.fresh_uniform is not None:
-        cpu_kernels.fallback("prefill_attention", "sinks")
+from shared.model.softcap import sink_attention
 
 
 class SinkAttention(Attention):
@@ -54,11 +41,7 @@ class SinkAttention(Attention):
         self.sinks = nn.Parameter(torch.empty(c.num_heads))
 
     def attend(self, q, k, v, plan, slot_mapping, k_cache, v_cache) -> torch.Tensor:
-        _count_sink_fallbacks(q, plan)
-        sinks = self.sinks
-        return softcap_attention(
-            q, k, v, k_cache, v_cache, slot_mapping, plan, self.scale, None, sinks
-        )
+        return sink_attention(q, k, v, k_cache, v_cache, slot_mapping, plan, self.scale, self.sinks)
 
     def shard_head_norms(self, q_lo: int, q_hi: int, kv_lo: int, kv_hi: int) -> None:
         """`shared.model.parallel.shard_model`'s per-head hook: keep this rank's heads' sinks."""
