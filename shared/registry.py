@@ -13,7 +13,6 @@ instance whose record is still in the bucket is still detected.
 
 from __future__ import annotations
 
-import logging
 import time
 
 from nats.js.client import JetStreamContext
@@ -24,8 +23,6 @@ from shared.jetstream import while_electing
 from shared.protocol.codec import decode, encode
 from shared.protocol.sched import InstanceRecord
 from shared.protocol.subjects import REGISTRY_BUCKET
-
-log = logging.getLogger(__name__)
 
 __all__ = [
     "InstanceRecord",
