@@ -17,7 +17,9 @@ per ``STRATA_FAIR_STEP_TOKENS`` value (0: no step cap), ``--slice-tokens`` one p
 ``STRATA_FAIR_SLICE_TOKENS`` value (0: prompts and decodes in one step); ``--no-fifo`` skips the
 FIFO row. Arrivals are Poisson, prompts unique (no prefix hits), every request streamed and
 interactive. Prints one markdown table: B's TTFT p50 / p99 unloaded and loaded per mode, A's
-loaded TTFT, requests and errors per tenant, and the load average; ``--json`` writes the rows.
+loaded TTFT, requests and errors per tenant, the engines' steps over the loaded phase, the share
+of B's requests that waited over 100 ms in an engine's queue (the rest of B's TTFT is its prefill
+and the way there and back), and the load average; ``--json`` writes the rows.
 With fair queuing, B's loaded TTFT should stay near its unloaded one while A's grows; without,
 B waits behind A's backlog. docs/benchmarks/fairness.md has the command and the numbers.
 """
@@ -112,7 +114,10 @@ ENGINE_SERIES = (
     "strata:engine_step_seconds_count",
     "strata:engine_step_seconds_sum",
     "strata_fair_split_steps_total",
+    "strata_tenant_queue_wait_seconds_bucket",
+    "strata_tenant_queue_wait_seconds_count",
 )
+TENANT_B = "env-1"  # the name `STRATA_API_KEYS` gives the second key
 
 
 def engine_counts(urls: list[str]) -> dict[str, float]:
@@ -126,22 +131,34 @@ def engine_counts(urls: list[str]) -> dict[str, float]:
 
 
 def _bucket_key(name: str, sample) -> str:
+    """Step buckets by their bound; the queue-wait series by tenant (and bound)."""
+    if name.startswith("strata_tenant_queue_wait"):
+        tail = f"le={sample.labels['le']}" if name.endswith("_bucket") else "count"
+        return f"wait:{sample.labels.get('tenant', '')}:{tail}"
     return f"le={sample.labels['le']}" if name.endswith("_bucket") else name
 
 
 def engine_steps(before: dict[str, float], after: dict[str, float]) -> dict:
     """What the engines' steps were between two `engine_counts`: how many, their mean, the
-    share longer than 100 ms (what an arrival may wait out) and how many were split."""
+    share longer than 100 ms (what an arrival may wait out) and how many were split; and the
+    share of tenant B's requests that waited in an engine's queue over 100 ms before their
+    first admission (the rest of B's TTFT is outside the queue: its prefill, the gateway,
+    the tokenizer, NATS)."""
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     n = d.get("strata:engine_step_seconds_count", 0.0)
     if not n:
         return {}
-    return {
+    out = {
         "steps": int(n),
         "step_mean_ms": round(1000 * d["strata:engine_step_seconds_sum"] / n, 1),
         "steps_over_100ms_pct": round(100 * (1 - d.get("le=0.1", 0.0) / n), 1),
         "split_steps": int(d.get("strata_fair_split_steps_total", 0.0)),
     }
+    waits = d.get(f"wait:{TENANT_B}:count", 0.0)
+    if waits:
+        under = d.get(f"wait:{TENANT_B}:le=0.1", 0.0)
+        out["B_waits_over_100ms_pct"] = round(100 * (1 - under / waits), 1)
+    return out
 
 
 def run_phase(url: str, model: str, rates: dict[str, float], keys: dict[str, str], a) -> dict:
@@ -207,8 +224,9 @@ def table(rows: dict[str, dict]) -> str:
     out = [
         "| fair queuing | B TTFT p50 / p99 unloaded (ms) | B TTFT p50 / p99 loaded (ms) "
         "| A TTFT p50 / p99 loaded (ms) | requests A / B (errors) "
-        "| engine steps loaded: mean ms, % over 100 ms, split | load |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| engine steps loaded: mean ms, % over 100 ms, split "
+        "| B's engine queue waits over 100 ms | load |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for mode, r in rows.items():
         bu, bl, al = r["B_unloaded"], r["B_loaded"], r["A_loaded"]
@@ -223,7 +241,8 @@ def table(rows: dict[str, dict]) -> str:
             f"| {bl['ttft_p50_ms']} / {bl['ttft_p99_ms']} "
             f"| {al['ttft_p50_ms']} / {al['ttft_p99_ms']} "
             f"| {al['requests']} / {bl['requests']} ({al['errors']} / {bl['errors']}) "
-            f"| {steps} | {r['load']} |"
+            f"| {steps} | {f'{w}%' if (w := e.get('B_waits_over_100ms_pct')) is not None else '-'} "
+            f"| {r['load']} |"
         )
     return "\n".join(out)
 

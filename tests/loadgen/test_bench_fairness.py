@@ -16,11 +16,13 @@ def test_table_has_one_row_per_mode():
     s = {"requests": 2, "errors": 0, "ttft_p50_ms": 1.0, "ttft_p99_ms": 2.0}
     row = {"B_unloaded": s, "B_loaded": s, "A_loaded": s, "load": 0.5}
     steps = {"steps": 10, "step_mean_ms": 60.0, "steps_over_100ms_pct": 20.0, "split_steps": 4}
+    steps["B_waits_over_100ms_pct"] = 12.5
     lines = table({"on": {**row, "engine_loaded": steps}, "off (FIFO)": row}).splitlines()
     assert lines[2] == (
-        "| on | 1.0 / 2.0 | 1.0 / 2.0 | 1.0 / 2.0 | 2 / 2 (0 / 0) | 60.0, 20.0%, 4 of 10 | 0.5 |"
+        "| on | 1.0 / 2.0 | 1.0 / 2.0 | 1.0 / 2.0 | 2 / 2 (0 / 0) | 60.0, 20.0%, 4 of 10 "
+        "| 12.5% | 0.5 |"
     )
-    assert lines[3].startswith("| off (FIFO) |") and lines[3].endswith("| - | 0.5 |")
+    assert lines[3].startswith("| off (FIFO) |") and lines[3].endswith("| - | - | 0.5 |")
 
 
 def test_engine_steps_are_the_loaded_phases_difference():
@@ -31,12 +33,16 @@ def test_engine_steps_are_the_loaded_phases_difference():
         "strata:engine_step_seconds_sum": 1.3,
         "le=0.1": 13,
         "strata_fair_split_steps_total": 6,
+        "wait:env-1:count": 8,  # tenant B's: 6 of 8 admitted within 100 ms
+        "wait:env-1:le=0.1": 6,
+        "wait:env-0:count": 50,  # tenant A's: not reported
     }
     assert engine_steps(before, after) == {
         "steps": 10,
         "step_mean_ms": 80.0,
         "steps_over_100ms_pct": 20.0,
         "split_steps": 6,
+        "B_waits_over_100ms_pct": 25.0,
     }
     assert engine_steps(after, after) == {}  # no step ran: nothing to report
 
