@@ -188,6 +188,41 @@ def engine_run(model_dir: str, prompts: list[str], wl: Workload, threads: int, d
     }
 
 
+def native_vs_torch(
+    model_dir: str, workloads: list[str], repeats: int, use, torch_label: str
+) -> None:
+    """Print one markdown row per workload: `engine_run` (2 threads, float32) ``repeats`` times
+    per side, the sides alternated, ``use("native")`` or ``use("torch")`` called before each run
+    to switch (and ``use("native")`` after it); output tok/s per side (median and spread) and
+    how many requests' greedy tokens are identical between the sides."""
+    print(
+        f"| workload | runs | native out tok/s (median, spread) | {torch_label} "
+        "| greedy identical |"
+    )
+    print("| --- | ---: | --- | --- | --- |")
+    for name in workloads:
+        wl = WORKLOADS[name]
+        prompts = wl.prompts(name)
+        tok_s: dict[str, list[float]] = {"native": [], "torch": []}
+        outs = {}
+        for rep in range(repeats):
+            for side in ("native", "torch") if rep % 2 == 0 else ("torch", "native"):
+                use(side)
+                try:
+                    r = engine_run(model_dir, prompts, wl, 2, "float32")
+                finally:
+                    use("native")
+                tok_s[side].append(r["tok_s"])
+                outs[side] = r["outputs"]
+        same = sum(x == y for x, y in zip(outs["native"], outs["torch"], strict=True))
+        cell = {
+            k: f"{statistics.median(v):.1f} ({min(v):.1f}-{max(v):.1f})" for k, v in tok_s.items()
+        }
+        print(
+            f"| {name} | {repeats} | {cell['native']} | {cell['torch']} | {same}/{len(prompts)} |"
+        )
+
+
 def fmt_ms(x: float) -> str:
     return "-" if x != x else (f"{x:.2f} s" if x >= 1 else f"{x * 1e3:.0f} ms")
 

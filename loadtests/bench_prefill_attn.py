@@ -13,9 +13,8 @@ requests' greedy tokens are identical between the sides.
 from __future__ import annotations
 
 import argparse
-import statistics
 
-from loadtests.bench_peer import WORKLOADS, engine_run, model_for
+from loadtests.bench_peer import model_for, native_vs_torch
 from shared.model import cpu_kernels
 
 
@@ -26,29 +25,11 @@ def main() -> None:
     a = ap.parse_args()
     model_dir = model_for("25m")
     real = cpu_kernels.prefill_attention
-    print("| workload | runs | native out tok/s (median, spread) | torch SDPA | greedy identical |")
-    print("| --- | ---: | --- | --- | --- |")
-    for name in a.workloads.split(","):
-        wl = WORKLOADS[name]
-        prompts = wl.prompts(name)
-        tok_s: dict[str, list[float]] = {"native": [], "torch": []}
-        outs = {}
-        for rep in range(a.repeats):
-            for side in ("native", "torch") if rep % 2 == 0 else ("torch", "native"):
-                cpu_kernels.prefill_attention = real if side == "native" else _off
-                try:
-                    r = engine_run(model_dir, prompts, wl, 2, "float32")
-                finally:
-                    cpu_kernels.prefill_attention = real
-                tok_s[side].append(r["tok_s"])
-                outs[side] = r["outputs"]
-        same = sum(x == y for x, y in zip(outs["native"], outs["torch"], strict=True))
-        cell = {
-            k: f"{statistics.median(v):.1f} ({min(v):.1f}-{max(v):.1f})" for k, v in tok_s.items()
-        }
-        print(
-            f"| {name} | {a.repeats} | {cell['native']} | {cell['torch']} | {same}/{len(prompts)} |"
-        )
+
+    def use(side: str) -> None:
+        cpu_kernels.prefill_attention = real if side == "native" else _off
+
+    native_vs_torch(model_dir, a.workloads.split(","), a.repeats, use, "torch SDPA")
 
 
 def _off(*args, **kwargs) -> bool:

@@ -18,9 +18,8 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import statistics
 
-from loadtests.bench_peer import WORKLOADS, engine_run, model_for
+from loadtests.bench_peer import model_for, native_vs_torch
 
 
 def gpt_oss_checkpoint() -> str:
@@ -73,29 +72,10 @@ def main() -> None:
             q, k, v, k_cache, v_cache, slot_mapping, plan, self.scale, None, self.sinks
         )
 
-    print("| workload | runs | native out tok/s (median, spread) | torch path | greedy identical |")
-    print("| --- | ---: | --- | --- | --- |")
-    for name in a.workloads.split(","):
-        wl = WORKLOADS[name]
-        prompts = wl.prompts(name)
-        tok_s: dict[str, list[float]] = {"native": [], "torch": []}
-        outs = {}
-        for rep in range(a.repeats):
-            for side in ("native", "torch") if rep % 2 == 0 else ("torch", "native"):
-                gpt_oss.SinkAttention.attend = native if side == "native" else torch_path
-                try:
-                    r = engine_run(model_dir, prompts, wl, 2, "float32")
-                finally:
-                    gpt_oss.SinkAttention.attend = native
-                tok_s[side].append(r["tok_s"])
-                outs[side] = r["outputs"]
-        same = sum(x == y for x, y in zip(outs["native"], outs["torch"], strict=True))
-        cell = {
-            k: f"{statistics.median(v):.1f} ({min(v):.1f}-{max(v):.1f})" for k, v in tok_s.items()
-        }
-        print(
-            f"| {name} | {a.repeats} | {cell['native']} | {cell['torch']} | {same}/{len(prompts)} |"
-        )
+    def use(side: str) -> None:
+        gpt_oss.SinkAttention.attend = native if side == "native" else torch_path
+
+    native_vs_torch(model_dir, a.workloads.split(","), a.repeats, use, "torch path")
 
 
 if __name__ == "__main__":
