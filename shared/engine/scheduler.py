@@ -22,10 +22,12 @@ prompt of another tenant need not wait for every prompt the heavy tenant had sta
 running batch is full, a request whose tenant holds less than its weighted share of the
 ``max_num_seqs`` slots preempts the newest running sequence of the tenant furthest over its share
 (same priority class or worse), instead of waiting for one of that tenant's sequences to finish.
-A new request of a tenant under its share of the slots (`_light_arrival`) also gets a step of its
-own prompt (``lead``): its first token then waits for the step in flight and its own prefill, not
-for a forward that also carries every running decode of the heavy tenant; never two such steps in
-a row, so a stream of light arrivals at most doubles the running decodes' inter-token time.
+A new request of a light tenant (running and waiting requests within its share of the slots,
+`_light_arrival`) also gets a step of its own prompt (``lead``), even when the heavy tenant's
+next request ranks first: its first token then waits for the step in flight and its own
+prefill, not for a forward that also carries every running decode of the heavy tenant; never
+two such steps in a row, so a stream of light arrivals at most doubles the running decodes'
+inter-token time.
 With ``slice_tokens`` the prompt chunks and the decodes go in separate steps (`_phase`): prompt
 steps of at most ``slice_tokens`` until ``step_tokens`` prompt tokens ran, then a step of the
 decodes; the prompts and decodes advance at the capped rate, and the step an arrival waits out
@@ -123,8 +125,9 @@ class FairShare:
     """A tenant whose last request arrived this recently still contends."""
     clock: Callable[[], float] = time.monotonic
     lead: bool = True
-    """With the cap on: a new request of a tenant under its share of the running slots gets a
-    step of its own prompt (up to ``step_tokens``), never two such steps in a row."""
+    """With the cap on: a new request of a light tenant (its running and waiting requests
+    within its share of the slots) gets a step of its own prompt (up to ``step_tokens``),
+    never two such steps in a row."""
     slice_tokens: int = 0
     """With the cap on: prompt chunks and decodes go in separate steps, a prompt step computing
     at most this many tokens and the decodes running after every ``step_tokens`` prompt tokens
@@ -531,23 +534,42 @@ class Scheduler:
         return len(tenants) > 1
 
     def _light_arrival(self) -> Sequence | None:
-        """The first waiting request in rank order when it is new (never computed), its class
-        is at least as good as every running one, its tenant holds less than its weighted share
-        of the ``max_num_seqs`` slots (the tenants running and it), and a batch slot is free or
-        share preemption frees one (`_share_victim`): the request `FairShare.lead` gives a step
-        of its own."""
+        """The request `FairShare.lead` gives a step of its own: the first in rank order, of
+        the best waiting class, that is new (never computed) and whose tenant is light: its
+        running and waiting requests together stay within its weighted share of the
+        ``max_num_seqs`` slots (the shares taken among the running tenants and it), while
+        another tenant runs. Its class must be at least as good as every running one, and a
+        batch slot must be free or share preemption free one (`_share_victim`).
+
+        Light is judged with the tenant's waiting requests: a heavy tenant's short requests
+        finish fast and can leave it holding few slots while its backlog is long, and a lead
+        step taken for it made the light tenant's next arrival wait out a step (no two lead
+        steps run in a row). And the light request need not be first in rank: a light tenant
+        whose previous request was just served has a start tag a request's cost past the
+        virtual time, behind the heavy tenant's next one, which would then go first."""
         if not self.waiting:
             return None
-        seq = min(self.waiting, key=_rank)
-        if seq.status != SequenceStatus.WAITING or seq.num_preemptions:
-            return None
-        if any(s.priority < seq.priority for s in self.running):
-            return None
         held, weight = self._running_shares()
-        if not weight.keys() - {seq.tenant.name}:
-            return None  # nobody else is running: an ordinary step serves it as well
-        if self._overage(held, weight, seq)(seq.tenant.name) + 1 > 0:
-            return None  # one more slot would put its tenant over its share
+        queued: dict[str, int] = {}
+        for s in self.waiting:
+            queued[s.tenant.name] = queued.get(s.tenant.name, 0) + 1
+        best = min(s.priority for s in self.waiting)
+        seq = None
+        light: dict[str, bool] = {}
+        for s in self.waiting:
+            if s.priority != best or s.status != SequenceStatus.WAITING or s.num_preemptions:
+                continue
+            if seq is not None and _rank(s) >= _rank(seq):
+                continue
+            name = s.tenant.name
+            if name not in light:
+                over = self._overage(held, weight, s)(name)
+                others = bool(weight.keys() - {name})  # alone: an ordinary step serves it
+                light[name] = others and over + queued[name] <= 0
+            if light[name]:
+                seq = s
+        if seq is None or any(s.priority < seq.priority for s in self.running):
+            return None
         if self.batch_size >= self.max_num_seqs and self._share_victim([seq]) is None:
             return None
         return seq

@@ -374,6 +374,38 @@ def test_a_light_tenants_new_request_gets_a_step_of_its_own_never_two_in_a_row()
         assert ("b0", 0, 6) in plan(out) and len(plan(out)) == 4 and s.lead_steps == 0
 
 
+def test_the_lead_is_for_a_light_tenant_not_a_heavy_one_holding_few_slots():
+    """A tenant's waiting requests count toward its share: a heavy tenant whose short requests
+    left it one running slot but a backlog of six (share 4 of 8) gets no lead step, which
+    would make the light tenant's next arrival wait a step (no two leads in a row). And the
+    light tenant's new request leads though the heavy tenant's next request ranks first (its
+    tag: the light tenant's previous request moved its finish tag on)."""
+    from shared.engine.scheduler import _rank
+
+    long = SamplingParams(max_tokens=100, temperature=0.0)
+    s, _ = fair_mk(step_tokens=8, budget=32, max_seqs=8, lead=True)
+    s.add(of("b", "b0", 20, 0, params=long))  # cost 20: b's finish tag is 20
+    out = s.schedule()  # b alone: an ordinary step
+    s.postprocess(out, [[7]])
+    s.add(of("a", "a0", 4, 100, params=long))
+    out = s.schedule()
+    assert plan(out) == [("a0", 0, 4)] and s.lead_steps == 1  # a is light: nothing queued
+    s.postprocess(out, [[7]])
+    backlog = [of("a", f"a{i}", 4, 100 + 10 * i, params=long) for i in range(1, 7)]
+    for x in backlog:
+        s.add(x)
+    assert s._light_arrival() is None  # a: 1 running + 6 waiting, past its share of 4
+    out = s.schedule()  # no lead: the decodes and 8 prompt tokens (a1, a2)
+    assert plan(out) == [("b0", 20, 1), ("a0", 4, 1), ("a1", 0, 4), ("a2", 0, 4)]
+    s.postprocess(out, [[7]] * 4)
+    b1 = of("b", "b1", 4, 300, params=long)
+    s.add(b1)
+    assert _rank(backlog[2]) < _rank(b1)  # a3 (tag 12) ranks before b1 (tag 20)
+    assert s._light_arrival() is b1  # b: 1 running + 1 waiting, within its share
+    out = s.schedule()
+    assert plan(out) == [("b1", 0, 4)] and s.lead_steps == 2
+
+
 def test_a_light_arrival_leads_a_full_batch_too_by_share_preemption():
     s, _ = fair_mk(step_tokens=8, budget=32, max_seqs=3, lead=True)
     long = SamplingParams(max_tokens=100, temperature=0.0)
