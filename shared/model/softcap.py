@@ -88,6 +88,8 @@ def sink_attention(
     (CPU float32: every prompt row in one prefill call, every decode row in one decode call,
     each with the sink term); otherwise (another device or dtype, no compiler: each kernel
     counts its reason) the torch path for the whole batch."""
+    if q.device.type != "cpu":  # no native kernel there (and nothing counted): torch at once
+        return softcap_attention(q, k, v, k_cache, v_cache, slot_mapping, plan, scale, None, sinks)
     kv_heads, head_dim = k.shape[1], q.shape[2]
     k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
