@@ -27,7 +27,8 @@ from services.scheduler.prefix_index import event_problem
 from services.scheduler.snapshots import load_snapshot, save_snapshot, stored_seq
 from shared import bus, service
 from shared.badmsg import BadMessages, one_line
-from shared.kv_events_stream import StreamLimits, kv_events_stream_state
+from shared.jetstream import ELECTING, JetStreamUnavailable, while_electing
+from shared.kv_events_stream import STARTUP_RETRY_S, StreamLimits, kv_events_stream_state
 from shared.logs import setup_logging
 from shared.metrics import SERVICE_INFO, serve_metrics
 from shared.protocol import subjects
@@ -125,17 +126,29 @@ async def follow_kv_events(
             deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
             config=ConsumerConfig(opt_start_seq=start_seq),
         )
-    sub = await js.subscribe(
-        subjects.KV_EVENTS_ALL,
-        cb=on_event,
-        ordered_consumer=True,
-        # Two missed heartbeats make nats-py recreate the consumer (after a nats-server
-        # restart, whose in-memory ordered consumers are gone): 1 s puts that at ~2 s, not 10 s.
-        idle_heartbeat=KV_EVENTS_HEARTBEAT_S,
-        pending_msgs_limit=-1,
-        pending_bytes_limit=-1,
-        **extra,
-    )
+    # Making the consumer right after the state can still meet a busy or electing cluster:
+    # retried like the state, then one line.
+    try:
+        sub = await while_electing(
+            lambda: js.subscribe(
+                subjects.KV_EVENTS_ALL,
+                cb=on_event,
+                ordered_consumer=True,
+                # Two missed heartbeats make nats-py recreate the consumer (after a nats-server
+                # restart, whose in-memory ordered consumers are gone): 1 s puts that at ~2 s.
+                idle_heartbeat=KV_EVENTS_HEARTBEAT_S,
+                pending_msgs_limit=-1,
+                pending_bytes_limit=-1,
+                **extra,
+            ),
+            f"the {subjects.KV_EVENTS_STREAM} follower",
+            STARTUP_RETRY_S,
+        )
+    except ELECTING as exc:
+        raise JetStreamUnavailable(
+            f"JetStream made no consumer on stream {subjects.KV_EVENTS_STREAM} in "
+            f"{STARTUP_RETRY_S:g}s ({type(exc).__name__}): is its cluster whole?"
+        ) from None
     return sub, replayed
 
 
@@ -189,8 +202,11 @@ async def watch_registry(js, core: SchedulerCore, stop: asyncio.Event, replicas:
     idle heartbeats like `follow_kv_events`: when two are missed nats-py makes the consumer
     again from the next sequence. That covers a restarted nats-server (its in-memory consumer
     is gone) and a lost node of a NATS cluster that held the consumer while this connection
-    stays up on another node, where ``kv.watchall()`` (no heartbeat) waited forever."""
-    await registry_bucket(js, replicas=replicas)  # created if this is the first process
+    stays up on another node, where ``kv.watchall()`` (no heartbeat) waited forever.
+
+    Making the consumer is retried until it succeeds or ``stop``: a bucket just created as R3
+    has no stream leader for a moment, and a node lost under it makes the request time out.
+    Ending there would leave the scheduler deaf to every instance that joins later."""
     prefix = f"$KV.{subjects.REGISTRY_BUCKET}."
 
     async def on_entry(m) -> None:
@@ -203,16 +219,31 @@ async def watch_registry(js, core: SchedulerCore, stop: asyncio.Event, replicas:
         except (StrataError, ValidationError) as exc:
             BAD.report(prefix + ">", m.subject, one_line(exc))
 
-    sub = await js.subscribe(
-        prefix + ">",
-        stream=f"KV_{subjects.REGISTRY_BUCKET}",
-        cb=on_entry,
-        ordered_consumer=True,
-        deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
-        idle_heartbeat=REGISTRY_HEARTBEAT_S,
-        pending_msgs_limit=-1,
-        pending_bytes_limit=-1,
-    )
+    async def subscribe():
+        await registry_bucket(js, replicas=replicas)  # created if this is the first process
+        return await js.subscribe(
+            prefix + ">",
+            stream=f"KV_{subjects.REGISTRY_BUCKET}",
+            cb=on_entry,
+            ordered_consumer=True,
+            deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
+            idle_heartbeat=REGISTRY_HEARTBEAT_S,
+            pending_msgs_limit=-1,
+            pending_bytes_limit=-1,
+        )
+
+    delay, sub = 0.1, None
+    while sub is None:
+        try:
+            sub = await subscribe()
+        except Exception as exc:  # noqa: BLE001 - any JetStream answer but success: try again
+            metrics.REGISTRY_WATCH_RETRIES.inc()
+            log.warning("registry watcher: no consumer yet, retrying: %s", one_line(exc))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), delay)
+            if stop.is_set():
+                return
+            delay = min(2 * delay, 2.0)
     try:
         await stop.wait()
     finally:

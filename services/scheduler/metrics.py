@@ -41,6 +41,11 @@ KV_EVENTS_REPLAYED = Gauge(
     "strata_scheduler_kv_events_replayed", "KV events applied by the start-up replay"
 )
 REPLAY_SECONDS = Gauge("strata_scheduler_replay_seconds", "Seconds the start-up replay took")
+REGISTRY_WATCH_RETRIES = Counter(
+    "strata_scheduler_registry_watch_retries_total",
+    "Failed tries to make the registry watcher's consumer (no stream leader yet, a lost node, "
+    "JetStream not answering); it keeps trying until it has one",
+)
 KV_EVENTS_REPLAY_GAPS = Counter(
     "strata_scheduler_kv_events_replay_gaps_total",
     "Start-up replays that had to begin at the stream's first sequence because the stream's "

@@ -16,6 +16,7 @@ import pytest
 
 from services.infra.nats_server import start_nats
 from services.infra.procs import signal_group
+from services.scheduler import metrics
 from services.scheduler.app import follow_kv_events, watch_registry
 from shared import bus
 from shared.protocol import subjects
@@ -108,4 +109,39 @@ async def test_kv_event_follower_and_registry_watcher_recover_after_nats_restart
         await sub.unsubscribe()
         for c in (nc, pub):
             await c.close()
+        server.stop()
+
+
+async def test_registry_watcher_started_while_jetstream_does_not_answer_keeps_trying(tmp_path):
+    """Its consumer cannot be made at first (the server is down: as an R3 bucket just created,
+    or a node lost under it, answers for a moment). The watcher keeps trying instead of ending
+    (the scheduler would never hear of an instance that joins later), and applies the record
+    written once the server is back."""
+    server = start_nats(data_dir=str(tmp_path / "nats"))
+    port, data_dir = server.port, server.data_dir
+    nc = await bus.connect(server.url, "scheduler-test")
+    core, stop = Core(), asyncio.Event()
+    retries = metrics.REGISTRY_WATCH_RETRIES._value.get()
+    signal_group(server.proc.pid, signal.SIGKILL)
+    server.proc.wait(5)
+    watcher = asyncio.create_task(watch_registry(nc.jetstream(timeout=0.5), core, stop))
+    try:
+        await _until(lambda: metrics.REGISTRY_WATCH_RETRIES._value.get() >= retries + 2, "retries")
+        assert not watcher.done()
+        server = start_nats(port=port, data_dir=data_dir)
+        pub = await bus.connect(server.url, "decode-test")
+        try:
+            await register_instance(
+                pub.jetstream(),
+                InstanceRecord(instance_id="decode-0", role="decode", incarnation="a"),
+            )
+            await _until(
+                lambda: core.records == ["decode-0"], "the record after the server came back"
+            )
+        finally:
+            await pub.close()
+    finally:
+        stop.set()
+        await asyncio.gather(watcher, return_exceptions=True)
+        await nc.close()
         server.stop()
