@@ -19,7 +19,10 @@ FIFO row. Arrivals are Poisson, prompts unique (no prefix hits), every request s
 interactive. Prints one markdown table: B's TTFT p50 / p99 unloaded and loaded per mode, A's
 loaded TTFT, requests and errors per tenant, the engines' steps over the loaded phase, the share
 of B's requests that waited over 100 ms in an engine's queue (the rest of B's TTFT is its prefill
-and the way there and back), and the load average; ``--json`` writes the rows.
+and the way there and back), and the load average; then a second table: the cores each kind of
+process used over the loaded phase (`loadtests.loadgen.cpu`: every service, nats-server, the
+benchmark's own clients, and a model process's busiest thread, its engine). ``--json`` writes
+the rows.
 With fair queuing, B's loaded TTFT should stay near its unloaded one while A's grows; without,
 B waits behind A's backlog. docs/benchmarks/fairness.md has the command and the numbers.
 """
@@ -37,6 +40,7 @@ import time
 
 import httpx
 
+from loadtests.loadgen import cpu
 from loadtests.loadgen.scrape import scrape
 from loadtests.loadgen.workload import words
 
@@ -177,14 +181,18 @@ def measure(
     before = engine_counts(list(engines))
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
+        pool.submit(int).result()  # the worker is up: its start is not in the CPU shares
+        cpu0, t0 = cpu.snapshot(), time.perf_counter()
         heavy = pool.submit(run_phase, url, model, {"A": a.rate_b * a.ratio}, keys, a)
         light = run_phase(url, model, {"B": a.rate_b}, keys, a)
         both = {**heavy.result(), **light}
+        cpu_loaded = cpu.cores_by_label(cpu0, cpu.snapshot(), time.perf_counter() - t0)
     return {
         "B_unloaded": summary(alone["B"]),
         "B_loaded": summary(both["B"]),
         "A_loaded": summary(both["A"]),
         "engine_loaded": engine_steps(before, engine_counts(list(engines))),
+        "cpu_loaded": cpu_loaded,
         "load": round(max(load, os.getloadavg()[0]), 2),
     }
 
@@ -244,6 +252,23 @@ def table(rows: dict[str, dict]) -> str:
             f"| {steps} | {f'{w}%' if (w := e.get('B_waits_over_100ms_pct')) is not None else '-'} "
             f"| {r['load']} |"
         )
+    return "\n".join(out)
+
+
+def cpu_table(rows: dict[str, dict]) -> str:
+    """Cores each kind of process used over the loaded phase, one row per mode."""
+    labels: list[str] = []
+    for r in rows.values():
+        labels += [k for k in r.get("cpu_loaded", {}) if k not in labels]
+    if not labels:
+        return ""
+    out = [
+        "| cores used, loaded phase | " + " | ".join(labels) + " |",
+        "| --- |" + " --- |" * len(labels),
+    ]
+    for mode, r in rows.items():
+        c = r.get("cpu_loaded", {})
+        out.append(f"| {mode} | " + " | ".join(str(c.get(k, "-")) for k in labels) + " |")
     return "\n".join(out)
 
 
@@ -309,6 +334,8 @@ def main(argv: list[str] | None = None) -> None:
             if not a.no_fifo:
                 rows["off (FIFO)"] = with_cluster(model_dir, False, a, log)
     print(table(rows))
+    print()
+    print(cpu_table(rows))
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"args": vars(a), "rows": rows}, f, indent=2)

@@ -3,7 +3,7 @@ and the table."""
 
 import pytest
 
-from loadtests.bench_fairness import engine_steps, main, pct, summary, table
+from loadtests.bench_fairness import cpu_table, engine_steps, main, pct, summary, table
 
 
 def test_summary_counts_errors_and_takes_percentiles_of_successes():
@@ -51,3 +51,14 @@ def test_url_mode_needs_the_keys(capsys):
     with pytest.raises(SystemExit):
         main(["--url", "http://127.0.0.1:1"])
     assert "--url needs --key-a, --key-b and --served-model" in capsys.readouterr().err
+
+
+def test_cpu_table_has_a_column_per_kind_of_process():
+    rows = {
+        "on": {"cpu_loaded": {"decode": 1.1, "gateway": 0.3}},
+        "off (FIFO)": {"cpu_loaded": {"decode": 1.0, "nats-server": 0.1}},
+    }
+    lines = cpu_table(rows).splitlines()
+    assert lines[0] == "| cores used, loaded phase | decode | gateway | nats-server |"
+    assert lines[2] == "| on | 1.1 | 0.3 | - |" and lines[3] == "| off (FIFO) | 1.0 | - | 0.1 |"
+    assert cpu_table({"on": {}}) == ""
