@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import multiprocessing
 import os
@@ -169,8 +170,35 @@ def run_phase(url: str, model: str, rates: dict[str, float], keys: dict[str, str
     return asyncio.run(phase(url, model, rates, keys, a))
 
 
+def gateway_ttft(audit_files: list[str], identity: str, since: float, until: float) -> dict:
+    """A tenant's TTFT as its gateways saw it (arrival to first token there, the audit log's
+    ``ttft_ms``) for its requests that ended between ``since`` and ``until`` (wall clock):
+    p50 / p99 in ms. Set beside the client's TTFT it says whether a tail is inside the
+    cluster or on the way to and from it."""
+    ttfts = []
+    for path in audit_files:
+        with contextlib.suppress(OSError), open(path) as f:
+            for line in f:
+                e = json.loads(line)
+                if e.get("identity") == identity and since <= e["ts"] <= until:
+                    if e.get("ttft_ms") is not None:
+                        ttfts.append(e["ttft_ms"] / 1000)
+    if not ttfts:
+        return {}
+    return {
+        "requests": len(ttfts),
+        "ttft_p50_ms": round(pct(ttfts, 0.5) * 1000, 1),
+        "ttft_p99_ms": round(pct(ttfts, 0.99) * 1000, 1),
+    }
+
+
 def measure(
-    url: str, model: str, keys: dict[str, str], a: argparse.Namespace, engines: list[str] = ()
+    url: str,
+    model: str,
+    keys: dict[str, str],
+    a: argparse.Namespace,
+    engines: list[str] = (),
+    audit_files: list[str] = (),
 ) -> dict:
     """The two phases on one cluster: B alone, then A at ratio x B beside it. Each tenant is
     its own client process, as real tenants are: A's hundreds of open streams in the same
@@ -182,7 +210,7 @@ def measure(
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
         pool.submit(int).result()  # the worker is up: its start is not in the CPU shares
-        cpu0, t0 = cpu.snapshot(), time.perf_counter()
+        cpu0, t0, wall0 = cpu.snapshot(), time.perf_counter(), time.time()
         heavy = pool.submit(run_phase, url, model, {"A": a.rate_b * a.ratio}, keys, a)
         light = run_phase(url, model, {"B": a.rate_b}, keys, a)
         both = {**heavy.result(), **light}
@@ -193,6 +221,7 @@ def measure(
         "A_loaded": summary(both["A"]),
         "engine_loaded": engine_steps(before, engine_counts(list(engines))),
         "cpu_loaded": cpu_loaded,
+        "B_loaded_at_gateway": gateway_ttft(list(audit_files), TENANT_B, wall0, time.time()),
         "load": round(max(load, os.getloadavg()[0]), 2),
     }
 
@@ -225,7 +254,12 @@ def with_cluster(
             for name, spec in c.specs.items()
             if name.startswith(("prefill-", "decode-"))
         ]
-        return measure(c.gateway_url, model, {"A": KEY_A, "B": KEY_B}, a, engines)
+        audit = [
+            os.path.join(c.log_dir, f"audit-{name}.jsonl")
+            for name in c.specs
+            if name.startswith("gateway-")
+        ]
+        return measure(c.gateway_url, model, {"A": KEY_A, "B": KEY_B}, a, engines, audit)
 
 
 def table(rows: dict[str, dict]) -> str:
@@ -233,8 +267,9 @@ def table(rows: dict[str, dict]) -> str:
         "| fair queuing | B TTFT p50 / p99 unloaded (ms) | B TTFT p50 / p99 loaded (ms) "
         "| A TTFT p50 / p99 loaded (ms) | requests A / B (errors) "
         "| engine steps loaded: mean ms, % over 100 ms, split "
-        "| B's engine queue waits over 100 ms | load |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| B's engine queue waits over 100 ms | B TTFT p50 / p99 loaded at the gateway (ms) "
+        "| load |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for mode, r in rows.items():
         bu, bl, al = r["B_unloaded"], r["B_loaded"], r["A_loaded"]
@@ -244,12 +279,15 @@ def table(rows: dict[str, dict]) -> str:
             if e
             else "-"
         )
+        g = r.get("B_loaded_at_gateway") or {}
+        at_gw = f"{g['ttft_p50_ms']} / {g['ttft_p99_ms']}" if g else "-"
         out.append(
             f"| {mode} | {bu['ttft_p50_ms']} / {bu['ttft_p99_ms']} "
             f"| {bl['ttft_p50_ms']} / {bl['ttft_p99_ms']} "
             f"| {al['ttft_p50_ms']} / {al['ttft_p99_ms']} "
             f"| {al['requests']} / {bl['requests']} ({al['errors']} / {bl['errors']}) "
             f"| {steps} | {f'{w}%' if (w := e.get('B_waits_over_100ms_pct')) is not None else '-'} "
+            f"| {at_gw} "
             f"| {r['load']} |"
         )
     return "\n".join(out)

@@ -5,7 +5,8 @@ refused there (401, 400, 429, 503: ``outcome`` is the error code) or ran (``outc
 finish reason of its choices, ``aborted`` when the client went away or cancelled, or the error
 code a stream ended with). An entry holds who (the API key's *name*, never the key; and the
 NATS client identity, the subject token nats-server authenticated, where it came over NATS), which model and route, the request id, prompt and
-completion token counts, the outcome, the HTTP status and the latency. The prompt is never in
+completion token counts, the outcome, the HTTP status, the latency and the time to first
+token (``ttft_ms``: arrival to the first token at this gateway). The prompt is never in
 it unless the operator opts in (``STRATA_AUDIT_PROMPTS=true``).
 
 Entries go to two sinks, each optional:
@@ -62,6 +63,7 @@ class AuditEntry:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     latency_ms: float = 0.0
+    ttft_ms: float | None = None  # arrival to the first token here; None when none came
     gateway: str = ""
     client: str = ""  # the NATS API client identity (its subject token); "" over REST
     prompt: Any = field(default=None)  # only with STRATA_AUDIT_PROMPTS
@@ -131,6 +133,11 @@ class AuditLog:
                 prompt_tokens=sum(len(p.prompt_token_ids) for p in run.prepared),
                 completion_tokens=sum(len(c.token_ids) for c in run.choices),
                 latency_ms=_ms_since(run.arrival),
+                ttft_ms=(
+                    round((run.first_token_at - run.arrival) * 1000, 3)
+                    if run.first_token_at is not None
+                    else None
+                ),
                 prompt=prompt_of(run.spec.request.model_dump(include={"messages", "prompt"})),
                 **who,
             )

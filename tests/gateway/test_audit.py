@@ -74,8 +74,10 @@ async def test_one_entry_per_request_refused_or_served_rest_and_nats(nats_url, n
     assert served["model"] == "tiny" and served["kind"] == "chat"
     assert served["prompt_tokens"] > 0 and served["completion_tokens"] == 4
     assert served["latency_ms"] > 0 and served["request_id"]
+    assert 0 < served["ttft_ms"] <= served["latency_ms"]  # its first token came before the end
     refused = by_outcome[("http", "bad_request")]
     assert refused["status"] == 400 and refused["identity"] == "team-a"
+    assert refused["ttft_ms"] is None  # no token came
     via_nats = by_outcome[("nats", "length")]
     assert via_nats["request_id"] == "nats-req-1" and via_nats["identity"] == "team-a"
     assert via_nats["client"] == "alice" and served["client"] == ""

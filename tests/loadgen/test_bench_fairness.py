@@ -3,7 +3,15 @@ and the table."""
 
 import pytest
 
-from loadtests.bench_fairness import cpu_table, engine_steps, main, pct, summary, table
+from loadtests.bench_fairness import (
+    cpu_table,
+    engine_steps,
+    gateway_ttft,
+    main,
+    pct,
+    summary,
+    table,
+)
 
 
 def test_summary_counts_errors_and_takes_percentiles_of_successes():
@@ -17,12 +25,14 @@ def test_table_has_one_row_per_mode():
     row = {"B_unloaded": s, "B_loaded": s, "A_loaded": s, "load": 0.5}
     steps = {"steps": 10, "step_mean_ms": 60.0, "steps_over_100ms_pct": 20.0, "split_steps": 4}
     steps["B_waits_over_100ms_pct"] = 12.5
-    lines = table({"on": {**row, "engine_loaded": steps}, "off (FIFO)": row}).splitlines()
+    at_gw = {"requests": 2, "ttft_p50_ms": 0.9, "ttft_p99_ms": 1.8}
+    on = {**row, "engine_loaded": steps, "B_loaded_at_gateway": at_gw}
+    lines = table({"on": on, "off (FIFO)": row}).splitlines()
     assert lines[2] == (
         "| on | 1.0 / 2.0 | 1.0 / 2.0 | 1.0 / 2.0 | 2 / 2 (0 / 0) | 60.0, 20.0%, 4 of 10 "
-        "| 12.5% | 0.5 |"
+        "| 12.5% | 0.9 / 1.8 | 0.5 |"
     )
-    assert lines[3].startswith("| off (FIFO) |") and lines[3].endswith("| - | - | 0.5 |")
+    assert lines[3].startswith("| off (FIFO) |") and lines[3].endswith("| - | - | - | 0.5 |")
 
 
 def test_engine_steps_are_the_loaded_phases_difference():
@@ -62,3 +72,20 @@ def test_cpu_table_has_a_column_per_kind_of_process():
     assert lines[0] == "| cores used, loaded phase | decode | gateway | nats-server |"
     assert lines[2] == "| on | 1.1 | 0.3 | - |" and lines[3] == "| off (FIFO) | 1.0 | - | 0.1 |"
     assert cpu_table({"on": {}}) == ""
+
+
+def test_gateway_ttft_reads_one_tenants_entries_of_the_phase_from_the_audit_logs(tmp_path):
+    import json as _json
+
+    lines = [
+        {"identity": "env-1", "ts": 10.0, "ttft_ms": 50.0},
+        {"identity": "env-1", "ts": 11.0, "ttft_ms": 900.0},
+        {"identity": "env-0", "ts": 11.0, "ttft_ms": 5000.0},  # the other tenant
+        {"identity": "env-1", "ts": 30.0, "ttft_ms": 7.0},  # after the phase
+        {"identity": "env-1", "ts": 12.0, "ttft_ms": None},  # refused: no token
+    ]
+    path = tmp_path / "audit-gateway-0.jsonl"
+    path.write_text("".join(_json.dumps(e) + "\n" for e in lines))
+    got = gateway_ttft([str(path), str(tmp_path / "missing.jsonl")], "env-1", 9.0, 20.0)
+    assert got == {"requests": 2, "ttft_p50_ms": 50.0, "ttft_p99_ms": 900.0}
+    assert gateway_ttft([str(path)], "env-9", 0, 99) == {}
