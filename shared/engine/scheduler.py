@@ -25,7 +25,10 @@ running batch is full, a request whose tenant holds less than its weighted share
 A new request of a light tenant (running and waiting requests within its share of the slots,
 `_light_arrival`) also gets a step of its own prompt (``lead``), even when the heavy tenant's
 next request ranks first: its first token then waits for the step in flight and its own
-prefill, not for a forward that also carries every running decode of the heavy tenant; never
+prefill, not for a forward that also carries every running decode of the heavy tenant (and
+the other light new requests waiting then, its tenant's or another light one's, join it whole
+up to ``max_num_batched_tokens``: a burst of light arrivals starts together, as on an idle
+engine, `_more_light`); never
 two such steps in a row, so a stream of light arrivals at most doubles the running decodes'
 inter-token time.
 With ``slice_tokens`` the prompt chunks and the decodes go in separate steps (`_phase`): prompt
@@ -126,8 +129,9 @@ class FairShare:
     clock: Callable[[], float] = time.monotonic
     lead: bool = True
     """With the cap on: a new request of a light tenant (its running and waiting requests
-    within its share of the slots) gets a step of its own prompt (up to ``step_tokens``),
-    never two such steps in a row."""
+    within its share of the slots) gets a step of its own prompt (up to ``step_tokens``; the
+    other light new prompts waiting join it whole up to ``max_num_batched_tokens``), never
+    two such steps in a row."""
     slice_tokens: int = 0
     """With the cap on: prompt chunks and decodes go in separate steps, a prompt step computing
     at most this many tokens and the decodes running after every ``step_tokens`` prompt tokens
@@ -283,6 +287,7 @@ class Scheduler:
                 if self._admit(light, out):
                     self._led = True
                     self.lead_steps += 1
+                    self._more_light(out)
                     return out
                 self._budget = budget
             if self.share.slice_tokens:
@@ -326,6 +331,20 @@ class Scheduler:
         if phase != "prompt":
             self._since_decodes = 0  # the decodes ran in this step
         return out
+
+    def _more_light(self, out: SchedulerOutput) -> None:
+        """Into a lead step, after its first: the next light new prompts in rank order (of its
+        tenant or another light one), each whole, while they fit in ``max_num_batched_tokens``
+        and a slot is free; the first that does not fit ends it. A burst of light arrivals
+        then starts together, as it would on an idle engine, instead of one per lead step
+        with a step of the heavy tenant's between each."""
+        self._budget = self.max_num_batched_tokens - out.num_batched_tokens
+        while self.batch_size < self.max_num_seqs:
+            seq = self._light_arrival()
+            if seq is None or seq.num_tokens - seq.num_computed_tokens > self._budget:
+                return
+            if not self._admit(seq, out):
+                return
 
     def _phase(self) -> str | None:
         """What a step takes while tenants contend with ``share.slice_tokens`` on: "decode"

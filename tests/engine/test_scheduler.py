@@ -336,9 +336,11 @@ def test_a_light_tenants_prompt_goes_before_a_heavy_tenants_half_done_one():
 
 def test_a_light_tenants_new_request_gets_a_step_of_its_own_never_two_in_a_row():
     """``FairShare.lead``: while tenants contend, a new request of a tenant under its share of
-    the slots runs its prompt alone (the heavy tenant's decodes wait that one step); the next
-    step runs the decodes again even if another light arrival waits; with lead off (or fair
-    queuing off) the prompt shares the step with the decodes."""
+    the slots runs its prompt without the heavy tenant's decodes (they wait that one step),
+    and the other light tenants' new prompts waiting then join it whole (a burst starts
+    together, as on an idle engine); the next step runs the decodes again even if another
+    light arrival waits; with lead off (or fair queuing off) the prompt shares the step with
+    the decodes."""
 
     def running_a(s):
         long = SamplingParams(max_tokens=100, temperature=0.0)
@@ -352,12 +354,14 @@ def test_a_light_tenants_new_request_gets_a_step_of_its_own_never_two_in_a_row()
     s.add(of("b", "b0", 6, 100))
     s.add(of("c", "c0", 6, 200))
     out = s.schedule()
-    assert plan(out) == [("b0", 0, 6)] and s.lead_steps == 1  # b alone
-    s.postprocess(out, [[5]])
-    out = s.schedule()  # c is as light, but the decodes go first: then c beside them
-    assert plan(out) == [(f"a{i}", 4, 1) for i in range(3)] + [("b0", 6, 1), ("c0", 0, 6)]
+    assert plan(out) == [("b0", 0, 6), ("c0", 0, 6)] and s.lead_steps == 1  # b and c together
+    s.postprocess(out, [[5], [6]])
+    s.add(of("d", "d0", 6, 250))
+    out = s.schedule()  # d is as light, but the decodes go first: then d beside them
+    decodes = [(f"a{i}", 4, 1) for i in range(3)] + [("b0", 6, 1), ("c0", 6, 1)]
+    assert plan(out) == decodes + [("d0", 0, 6)]
     assert s.lead_steps == 1
-    s.postprocess(out, [[8]] * 5)
+    s.postprocess(out, [[8]] * 6)
     s.add(of("b", "b1", 12, 300))  # longer than the cap: its first 8 tokens lead
     out = s.schedule()
     assert plan(out) == [("b1", 0, 8)] and s.lead_steps == 2
@@ -372,6 +376,26 @@ def test_a_light_tenants_new_request_gets_a_step_of_its_own_never_two_in_a_row()
         s.add(of("b", "b0", 6, 100))
         out = s.schedule()
         assert ("b0", 0, 6) in plan(out) and len(plan(out)) == 4 and s.lead_steps == 0
+
+
+def test_a_lead_step_takes_more_light_prompts_only_whole_and_only_light_ones():
+    """After the first light prompt of a lead step, the next light one in rank order joins it
+    only whole, within ``max_num_batched_tokens`` (the first may be a chunk capped at
+    ``step_tokens``), and the first that does not fit ends the step; the heavy tenant's
+    waiting request never joins."""
+    long = SamplingParams(max_tokens=100, temperature=0.0)
+    s, _ = fair_mk(step_tokens=8, budget=20, max_seqs=8, lead=True)
+    for i in range(3):
+        s.add(of("a", f"a{i}", 4, 10 * i, params=long))
+    s.postprocess(out := s.schedule(), [[7]] * 3)
+    assert len(plan(out)) == 3
+    s.add(of("a", "a9", 4, 50))  # heavy: 3 running + 1 waiting, past its share (8/3)
+    s.add(of("b", "b0", 6, 100))
+    s.add(of("c", "c0", 4, 200))  # light, 4 <= 20 - 6: joins
+    s.add(of("d", "d0", 11, 300))  # light, but 11 > 10 left: not chunked in, it waits
+    out = s.schedule()
+    assert plan(out) == [("b0", 0, 6), ("c0", 0, 4)] and s.lead_steps == 1
+    assert [x.request_id for x in s.waiting] == ["a9", "d0"]
 
 
 def test_the_lead_is_for_a_light_tenant_not_a_heavy_one_holding_few_slots():
