@@ -43,3 +43,15 @@ async def while_electing(op: Callable[[], Awaitable[T]], what: str, retry_s: flo
             log.info("%s waits for JetStream (%s)", what, type(exc).__name__)
             await asyncio.sleep(delay)
             delay = min(2 * delay, 1.0)
+
+
+async def at_start(op: Callable[[], Awaitable[T]], what: str, retry_s: float) -> T:
+    """`while_electing` for a call a process cannot start without: past ``retry_s`` it ends
+    the process in one line (`JetStreamUnavailable`: ``what``, for how long, the last error)."""
+    try:
+        return await while_electing(op, what, retry_s)
+    except ELECTING as exc:
+        raise JetStreamUnavailable(
+            f"JetStream gave no answer about {what} for {retry_s:g}s ({type(exc).__name__}): "
+            "is the NATS server up with JetStream enabled, and its cluster whole?"
+        ) from None

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from nats.js.api import DiscardPolicy, RetentionPolicy, StreamConfig, StreamState
 from nats.js.errors import NotFoundError
 
-from shared.jetstream import ELECTING, JetStreamUnavailable, while_electing
+from shared.jetstream import at_start
 from shared.protocol import subjects
 
 log = logging.getLogger(__name__)
@@ -71,16 +71,9 @@ async def kv_events_stream_state(
     ``retry_s``; then `JetStreamUnavailable` ends the process in one line. A server without
     JetStream answers like a cluster electing (`ServiceUnavailableError`), so it is waited for
     too."""
-    try:
-        return await while_electing(
-            lambda: _stream_state(js, replicas, limits), subjects.KV_EVENTS_STREAM, retry_s
-        )
-    except ELECTING as exc:
-        raise JetStreamUnavailable(
-            f"JetStream gave no answer about stream {subjects.KV_EVENTS_STREAM} for "
-            f"{retry_s:g}s ({type(exc).__name__}): is the NATS server up with JetStream "
-            "enabled, and its cluster whole?"
-        ) from None
+    return await at_start(
+        lambda: _stream_state(js, replicas, limits), f"stream {subjects.KV_EVENTS_STREAM}", retry_s
+    )
 
 
 async def _stream_state(js, replicas: int, limits: StreamLimits | None) -> StreamState:

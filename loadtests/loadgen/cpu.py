@@ -19,8 +19,9 @@ class ProcCPU:
     threads: dict[int, float]  # by thread id: a model process's engine thread is the busiest
 
 
-def label_of(argv: list[str], pid: int, me: int) -> str:
-    """What a process is, from its command line; ``me``: the benchmark's own pid."""
+def label_of(argv: list[str], pid: int, parent: int, me: int) -> str:
+    """What a process is, from its command line and its parent's pid; ``me``: the
+    benchmark's own pid."""
     if pid == me:
         return "bench client (main)"
     names = [os.path.basename(a) for a in argv]
@@ -31,23 +32,16 @@ def label_of(argv: list[str], pid: int, me: int) -> str:
         return "nats-server"
     if names and names[0] == "minio":
         return "minio"
-    if any("multiprocessing" in a for a in argv) and _parent(pid) == me:
+    if parent == me and any("multiprocessing" in a for a in argv):
         return "bench client (worker)"
     return "other"
 
 
-def _parent(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return -1
-
-
-def _cpu_s(stat_path: str) -> float:
-    with open(stat_path) as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime (fields 14, 15)
+def _stat(path: str) -> tuple[int, float]:
+    """(parent pid, user + system CPU seconds) from a ``/proc/.../stat`` file."""
+    with open(path) as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) / _TICK  # ppid; utime, stime
 
 
 def snapshot() -> dict[int, ProcCPU]:
@@ -60,15 +54,15 @@ def snapshot() -> dict[int, ProcCPU]:
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
-            total = _cpu_s(f"/proc/{pid}/stat")
+            parent, total = _stat(f"/proc/{pid}/stat")
             threads = {
-                int(t): _cpu_s(f"/proc/{pid}/task/{t}/stat")
+                int(t): _stat(f"/proc/{pid}/task/{t}/stat")[1]
                 for t in os.listdir(f"/proc/{pid}/task")
             }
         except (OSError, ValueError, IndexError):
             continue  # gone, or a kernel thread without a command line
         if argv:
-            out[pid] = ProcCPU(label_of(argv, pid, me), total, threads)
+            out[pid] = ProcCPU(label_of(argv, pid, parent, me), total, threads)
     return out
 
 

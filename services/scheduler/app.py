@@ -27,7 +27,7 @@ from services.scheduler.prefix_index import event_problem
 from services.scheduler.snapshots import load_snapshot, save_snapshot, stored_seq
 from shared import bus, service
 from shared.badmsg import BadMessages, one_line
-from shared.jetstream import ELECTING, JetStreamUnavailable, while_electing
+from shared.jetstream import at_start
 from shared.kv_events_stream import STARTUP_RETRY_S, StreamLimits, kv_events_stream_state
 from shared.logs import setup_logging
 from shared.metrics import SERVICE_INFO, serve_metrics
@@ -128,27 +128,21 @@ async def follow_kv_events(
         )
     # Making the consumer right after the state can still meet a busy or electing cluster:
     # retried like the state, then one line.
-    try:
-        sub = await while_electing(
-            lambda: js.subscribe(
-                subjects.KV_EVENTS_ALL,
-                cb=on_event,
-                ordered_consumer=True,
-                # Two missed heartbeats make nats-py recreate the consumer (after a nats-server
-                # restart, whose in-memory ordered consumers are gone): 1 s puts that at ~2 s.
-                idle_heartbeat=KV_EVENTS_HEARTBEAT_S,
-                pending_msgs_limit=-1,
-                pending_bytes_limit=-1,
-                **extra,
-            ),
-            f"the {subjects.KV_EVENTS_STREAM} follower",
-            STARTUP_RETRY_S,
-        )
-    except ELECTING as exc:
-        raise JetStreamUnavailable(
-            f"JetStream made no consumer on stream {subjects.KV_EVENTS_STREAM} in "
-            f"{STARTUP_RETRY_S:g}s ({type(exc).__name__}): is its cluster whole?"
-        ) from None
+    sub = await at_start(
+        lambda: js.subscribe(
+            subjects.KV_EVENTS_ALL,
+            cb=on_event,
+            ordered_consumer=True,
+            # Two missed heartbeats make nats-py recreate the consumer (after a nats-server
+            # restart, whose in-memory ordered consumers are gone): 1 s puts that at ~2 s.
+            idle_heartbeat=KV_EVENTS_HEARTBEAT_S,
+            pending_msgs_limit=-1,
+            pending_bytes_limit=-1,
+            **extra,
+        ),
+        f"a consumer on stream {subjects.KV_EVENTS_STREAM}",
+        STARTUP_RETRY_S,
+    )
     return sub, replayed
 
 
