@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Idempotent set-up on a fresh Debian machine or a cached one: `bash scripts/setup.sh [--compose]`
-#   always: .venv (python >= 3.11) with the project installed editable (+test, +bench extras),
-#     MinIO built into .cache/bin/minio when none is found, the default model in the cache
-#     (all that `strata up` runs: scripts/up.sh calls it this way);
-#   --compose (scripts/test.sh): also (as root) Docker, debootstrap, Docker Compose and the
-#     images of the live compose test, helm with the MinIO chart for tests/compose/test_helm.py,
-#     kustomize and npm's KEDA validators for tests/compose/test_k8s_autoscale.py.
+#   always: .venv (python >= 3.11) with the project installed editable, MinIO built into
+#     .cache/bin/minio when none is found, the default model in the cache (all that `strata up`
+#     runs: scripts/up.sh calls it this way);
+#   --compose (scripts/test.sh): also the test and bench extras, and (as root) Docker,
+#     debootstrap, Docker Compose and the images of the live compose test, helm with the MinIO
+#     chart for tests/compose/test_helm.py, kustomize and npm's KEDA validators for
+#     tests/compose/test_k8s_autoscale.py.
 # Needs no network beyond the package registries (PyPI, the Go module proxy, npm, Debian).
 # Env: STRATA_PYTHON (interpreter to use), STRATA_CACHE (cache dir, default .cache),
 #      PIP_CACHE_DIR (default $STRATA_CACHE/pip), STRATA_MINIO_BIN (an existing minio binary),
