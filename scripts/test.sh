@@ -3,8 +3,6 @@
 # Fails on lint errors, on any test failure, and when no test ran (pytest exit code 5).
 # Env: STRATA_TEST_TIMEOUT (per-test seconds, default 300), STRATA_SUITE_TIMEOUT (whole suite,
 #      default 2400), STRATA_TEST_THREADS (torch threads in tests, default 1),
-#      STRATA_TEST_WORKERS (pytest-xdist workers, default 2; 0: one process; the tests that
-#      start clusters always run one at a time, on one worker: tests/conftest.py),
 #      STRATA_SKIP_SETUP=1 (skip scripts/setup.sh when you know it is done).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -18,14 +16,13 @@ log "ruff check"
 log "ruff format --check"
 "$PY" -m ruff format --check .
 
-WORKERS="${STRATA_TEST_WORKERS:-2}"
-log "pytest (per-test timeout ${STRATA_TEST_TIMEOUT:-300}s, $WORKERS workers)"
+log "pytest (per-test timeout ${STRATA_TEST_TIMEOUT:-300}s)"
 export STRATA_TEST_THREADS="${STRATA_TEST_THREADS:-1}"
 start=$(date +%s)
 set +e
 timeout --signal=INT --kill-after=60 "${STRATA_SUITE_TIMEOUT:-2400}" \
   "$PY" -m pytest -q -p no:cacheprovider --timeout="${STRATA_TEST_TIMEOUT:-300}" \
-  -n "$WORKERS" --dist loadgroup --durations=40 "$@"
+  --durations=40 "$@"
 rc=$?
 set -e
 log "pytest finished in $(( $(date +%s) - start ))s with exit code $rc"
