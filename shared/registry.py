@@ -86,7 +86,10 @@ async def deregister_instance(
 async def read_registry(
     js: JetStreamContext, bucket: str = REGISTRY_BUCKET
 ) -> dict[str, InstanceRecord]:
-    """Every record currently in the bucket, by instance id."""
+    """Every record currently in the bucket, by instance id. Right after a NATS node holding
+    the bucket's stream dies, nats-py can answer "no keys" for a moment (read here as {}) while
+    the new stream leader catches up: a caller that needs a record retries until it shows
+    (the scheduler follows the bucket with `services.scheduler.app.watch_registry` instead)."""
     kv = await registry_bucket(js, bucket)
     try:
         keys = await kv.keys()
