@@ -8,16 +8,16 @@ it), so this is where a bad JSON schema, regex or grammar becomes the 400 naming
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from shared.engine.structured import GrammarCache, GrammarError, GrammarLimits, tokenizer_info
-from shared.model.config import load_config, parse_dtype
+from shared.model.config import load_config, parse_dtype_name
+from shared.model.fingerprint import model_fingerprint
 from shared.model.image import expand_image_placeholders
-from shared.model.loader import model_fingerprint
 from shared.model.tokenizer import Tokenizer
-from shared.protocol.dtypes import dtype_name
 from shared.protocol.errors import StrataError
 from shared.protocol.sampling import StructuredSpec
 from shared.protocol.tok import (
@@ -45,9 +45,8 @@ class TokenizerCore:
         path = Path(model_dir)
         self.tokenizer = Tokenizer.from_dir(path)
         self.config = load_config(path)
-        torch_dtype = parse_dtype(dtype, self.config.dtype) if dtype else self.config.dtype
-        self.kv_dtype = dtype_name(torch_dtype)
-        self.fingerprint = model_fingerprint(path, self.config.architecture, torch_dtype)
+        self.kv_dtype = parse_dtype_name(dtype) if dtype else self.config.dtype_name
+        self.fingerprint = model_fingerprint(path, self.config.architecture, self.kv_dtype)
         self.block_size = block_size
         self.max_model_len = self.config.max_model_len
         self.image_token_id = self.config.image_token_id
@@ -61,8 +60,20 @@ class TokenizerCore:
             self.image_text = None  # a text-only checkpoint: image parts are refused
         eos = set(self.config.eos_token_ids) | set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = sorted(eos)
-        info = tokenizer_info(self.tokenizer, self.config.vocab_size, self.eos_token_ids)
-        self.grammars = GrammarCache(info, GrammarLimits(compile_timeout_s=grammar_timeout))
+        self._grammar_limits = GrammarLimits(compile_timeout_s=grammar_timeout)
+        self._grammars: GrammarCache | None = None
+        self._grammars_lock = threading.Lock()
+
+    @property
+    def grammars(self) -> GrammarCache:
+        """The grammar compiler, built on the first structured request: xgrammar brings torch
+        and transformers with it (about 2.5 CPU-s), which a tokenizer that never sees a
+        constraint should not pay at start. Building it is not counted in the compile timeout."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                info = tokenizer_info(self.tokenizer, self.config.vocab_size, self.eos_token_ids)
+                self._grammars = GrammarCache(info, self._grammar_limits)
+            return self._grammars
 
     def check_constraint(self, spec: StructuredSpec, param: str) -> None:
         """Compile ``spec`` (cached); a ``bad_request`` ``"<param>: <problem>"`` when it cannot

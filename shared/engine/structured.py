@@ -27,11 +27,10 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
-
 from shared.protocol.sampling import StructuredSpec
 
 if TYPE_CHECKING:
+    import torch
     import xgrammar as xgr
 
 
@@ -312,6 +311,8 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) 
     mask of ``rows[j]``), in place; other rows are untouched."""
     if not rows:
         return
+    import torch  # here, not at the top: the tokenizer imports this module and runs no model
+
     vocab = logits.shape[-1]
     bits = bitmask[: len(rows)].to(logits.device)
     shifts = torch.arange(32, device=logits.device, dtype=torch.int32)

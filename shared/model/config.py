@@ -9,9 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from shared.model.archs import (
     LLAVA_ARCHITECTURE,
@@ -36,7 +34,10 @@ from shared.model.config_neox import neox_fields
 from shared.model.deepseek_config import LatentAttention, Routing, deepseek_fields
 from shared.model.errors import CheckpointError
 from shared.model.validate import check_decoder, declared_dtype, read_config_json
-from shared.protocol.dtypes import torch_dtype
+from shared.protocol.dtypes import canonical_name, torch_dtype
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,7 @@ class ModelConfig:
     mlp_bias: bool
     qk_norm: bool  # RMSNorm on q and k before RoPE (Qwen3, Gemma-3 per head; OLMo-2 all heads)
     hidden_act: str
-    dtype: torch.dtype  # checkpoint dtype (the loader may override)
+    dtype_name: str  # checkpoint dtype's wire name, "bfloat16" (the loader may override)
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     vision: VisionConfig | None = None
@@ -132,6 +133,12 @@ class ModelConfig:
     lm_head_bias: bool = False  # PhiMoE: the LM head has a bias (lm_head_bias)
 
     @property
+    def dtype(self) -> torch.dtype:
+        """The checkpoint dtype as torch's (imports torch: processes that run no model, such as
+        the tokenizer, read `dtype_name`)."""
+        return torch_dtype(self.dtype_name)
+
+    @property
     def is_multimodal(self) -> bool:
         return self.vision is not None
 
@@ -145,13 +152,21 @@ class ModelConfig:
         )
 
 
-def parse_dtype(value: Any, default: torch.dtype = torch.float32) -> torch.dtype:
-    """Map a config dtype string (or torch dtype) to ``torch.dtype``."""
+def parse_dtype(value: Any, default: torch.dtype | None = None) -> torch.dtype:
+    """Map a config dtype string (or torch dtype) to ``torch.dtype`` (None: ``default``,
+    float32 when that is None too)."""
+    import torch
+
     if value is None:
-        return default
+        return torch.float32 if default is None else default
     if isinstance(value, torch.dtype):
         return value
     return torch_dtype(value, floats_only=True)
+
+
+def parse_dtype_name(value: Any, default: str = "float32") -> str:
+    """`parse_dtype` by wire name, without torch: a config dtype string (None: ``default``)."""
+    return default if value is None else canonical_name(value, floats_only=True)
 
 
 def _eos_tuple(value: Any) -> tuple[int, ...]:
@@ -301,7 +316,7 @@ def config_from_dict(cfg: dict, source: str = "config.json") -> ModelConfig:
             model_type="llava",
             **fields,
             tie_word_embeddings=tie,
-            dtype=parse_dtype(declared_dtype(cfg)),
+            dtype_name=parse_dtype_name(declared_dtype(cfg)),
             bos_token_id=text.get("bos_token_id", cfg.get("bos_token_id")),
             eos_token_ids=_eos_tuple(text.get("eos_token_id", cfg.get("eos_token_id"))),
             vision=vision,
@@ -320,7 +335,7 @@ def config_from_dict(cfg: dict, source: str = "config.json") -> ModelConfig:
                 _TEXT_FAMILIES[fields["text_model_type"]][1].get("tie_word_embeddings", False),
             )
         ),
-        dtype=parse_dtype(declared_dtype(cfg)),
+        dtype_name=parse_dtype_name(declared_dtype(cfg)),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=_eos_tuple(cfg.get("eos_token_id")),
     )

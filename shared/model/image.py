@@ -15,12 +15,15 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 from PIL import Image
 
 from shared.model.errors import CheckpointError
+
+if TYPE_CHECKING:
+    import torch
 
 _CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 _CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -125,6 +128,8 @@ class ImageProcessor:
 
     def preprocess(self, images: list[Image.Image]) -> torch.Tensor:
         """PIL images -> float32 pixel values ``[N, 3, H, W]``."""
+        import torch  # here: the tokenizer imports this module for placeholders, runs no model
+
         return torch.from_numpy(np.stack([self._one(im) for im in images]))
 
 

@@ -4,18 +4,12 @@ Reads ``config.json`` and single or sharded safetensors (``model.safetensors.ind
 Every expected tensor must be present with the expected shape, otherwise ``CheckpointError``
 names the file and the tensor.
 
-Fingerprint: ``sha256(architecture, weights digest, dtype)``. The weights digest hashes, per
-safetensors file in name order, the file name and size plus either the whole file (files up to
-``FULL_HASH_LIMIT`` bytes) or the safetensors header and ``SAMPLE_CHUNKS`` evenly spaced 1 MiB
-chunks (larger files). It depends only on file bytes, so it is stable across processes and
-machines, and it costs at most ~``SAMPLE_CHUNKS`` MiB of reads per big shard.
+The model's fingerprint (`LoadedModel.fingerprint`) is `shared.model.fingerprint`'s.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,16 +20,13 @@ from torch import nn
 
 from shared.model.config import LLAVA_ARCHITECTURE, ModelConfig, load_config
 from shared.model.errors import CheckpointError
+from shared.model.fingerprint import fingerprint_of, weights_digest
 from shared.model.models import model_class
 from shared.model.moe import checkpoint_name, expected_parts, expert_slice
 from shared.model.validate import INDEX as _INDEX
 from shared.model.validate import checkpoint_files
 
 __all__ = ["CheckpointError", "LoadedModel", "load_model", "weights_digest", "checkpoint_files"]
-
-FULL_HASH_LIMIT = 256 << 20
-SAMPLE_CHUNKS = 32
-_CHUNK = 1 << 20
 
 # Newer on-disk LLaVA layout (transformers 4.52-4.x) -> the layout 5.x writes, which we use.
 _LLAVA_RENAMES = (
@@ -54,29 +45,6 @@ class LoadedModel:
     config: ModelConfig
     fingerprint: str  # hex sha256 over architecture, weights digest and dtype
     path: Path
-
-
-def _file_digest(file: Path, h) -> None:
-    size = file.stat().st_size
-    h.update(f"{file.name}\0{size}\0".encode())
-    with open(file, "rb") as f:
-        if size <= FULL_HASH_LIMIT:
-            while chunk := f.read(16 * _CHUNK):
-                h.update(chunk)
-            return
-        (header_len,) = struct.unpack("<Q", f.read(8))
-        h.update(f.read(header_len))
-        for i in range(SAMPLE_CHUNKS):
-            f.seek(max(size - _CHUNK, 0) * i // (SAMPLE_CHUNKS - 1))
-            h.update(f.read(_CHUNK))
-
-
-def weights_digest(files: list[Path]) -> str:
-    """Hex digest of the weight files (see module docstring for the sampling rule)."""
-    h = hashlib.sha256()
-    for file in sorted(files, key=lambda p: p.name):
-        _file_digest(file, h)
-    return h.hexdigest()
 
 
 def _our_name(name: str, config: ModelConfig) -> str:
@@ -264,15 +232,3 @@ def skip_init() -> Iterator[None]:
 
 def _keep(tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     return tensor
-
-
-def fingerprint_of(architecture: str, files: list[Path], dtype: torch.dtype) -> str:
-    """The model fingerprint: sha256 of architecture, weights digest and dtype."""
-    return hashlib.sha256(f"{architecture}\0{weights_digest(files)}\0{dtype}".encode()).hexdigest()
-
-
-def model_fingerprint(path: str | Path, architecture: str, dtype: torch.dtype) -> str:
-    """`LoadedModel.fingerprint` of a checkpoint without loading its weights (the tokenizer
-    service uses it to salt block hashes exactly as the engines do)."""
-    files, _ = checkpoint_files(Path(path))
-    return fingerprint_of(architecture, files, dtype)

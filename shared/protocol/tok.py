@@ -48,7 +48,7 @@ class TokenizeReply(Msg):
     # The rendered prompt text (chat template output); useful for debugging and echo.
     text: str = ""
     # What the gateway needs to compute KV block hashes (`shared.protocol.hashing.model_salt`):
-    model_fingerprint: str = ""  # `shared.model.loader` fingerprint of the checkpoint
+    model_fingerprint: str = ""  # `shared.model.fingerprint` of the checkpoint
     kv_dtype: str = ""  # "float32" | "bfloat16" | "float16"
     block_size: int = 16
     max_model_len: int = 0  # context length (prompt + output tokens)

@@ -286,7 +286,8 @@ async def test_streams_by_instance_follow_the_route_and_its_failover(nats_url):
     async def setup(f: Fleet) -> None:
         await f.add_prefill("pre-a", "handoff")
         await f.add_decode("dec-a", stall_after=3)
-        await f.add_decode("dec-b", gap=0.05)
+        # silent for a second before its last token: the stream is surely live when counted
+        await f.add_decode("dec-b", gap=0.05, pause=(5, 1.0))
 
     async def during(f: Fleet, got: list[int]) -> None:
         await _until(lambda: len(got) >= 3, "decode streaming")

@@ -114,7 +114,7 @@ def _model(arch: str = "qwen3", seed: int = 0, vocab: int = 128) -> llama.LlamaF
         mlp_bias=False,
         qk_norm=arch == "qwen3",
         hidden_act="silu",
-        dtype=torch.float32,
+        dtype_name="float32",
         bos_token_id=None,
         eos_token_ids=(),
     )

@@ -94,11 +94,11 @@ def test_fingerprint_stable_and_sensitive(ckpt, tmp_path):
 
 
 def test_sampled_digest_for_big_files(ckpt, monkeypatch):
-    import shared.model.loader as loader
+    import shared.model.fingerprint as fingerprint
 
     files = [ckpt / "model.safetensors"]
     full = weights_digest(files)
-    monkeypatch.setattr(loader, "FULL_HASH_LIMIT", 1024)  # force the header + samples rule
+    monkeypatch.setattr(fingerprint, "FULL_HASH_LIMIT", 1024)  # force the header + samples rule
     sampled = weights_digest(files)
     assert sampled != full and sampled == weights_digest(files)
 
@@ -159,3 +159,18 @@ def test_default_models_deterministic_and_cached(tmp_path):
     default = load_model(a)
     assert default.config.is_multimodal and default.config.num_image_tokens == 16
     assert default.config.image_size == 64 and default.config.qk_norm
+
+
+def test_fingerprint_spells_the_dtype_as_torch_prints_it(ckpt):
+    """A wire name and a torch dtype give one fingerprint, and it is the one earlier releases
+    wrote into block hashes and pool keys (``torch.float32`` in the hashed text)."""
+    import hashlib
+
+    from shared.model.fingerprint import fingerprint_of
+
+    files = [ckpt / "model.safetensors"]
+    text = f"LlamaForCausalLM\0{weights_digest(files)}\0torch.bfloat16"
+    want = hashlib.sha256(text.encode()).hexdigest()
+    assert fingerprint_of("LlamaForCausalLM", files, torch.bfloat16) == want
+    assert fingerprint_of("LlamaForCausalLM", files, "bfloat16") == want
+    assert fingerprint_of("LlamaForCausalLM", files, "float32") != want

@@ -45,7 +45,7 @@ def _model(
         mlp_bias=bias,
         qk_norm=qk_norm,
         hidden_act=act,
-        dtype=torch.float32,
+        dtype_name="float32",
         bos_token_id=None,
         eos_token_ids=(),
     )
