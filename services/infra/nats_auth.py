@@ -36,7 +36,14 @@ API_USER = s.API_LEGACY_CLIENT
 """The built-in NATS API client (printed in the `strata up` banner); `strata creds add` makes
 more, one identity each."""
 CLIENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
-BCRYPT_COST = 10  # the passwords are 256-bit random: the hash hides them, cost adds nothing
+BCRYPT_COST = 11
+"""bcrypt's cost for a password a person may have chosen (nats-server's `mkpasswd` default)."""
+BCRYPT_COST_RANDOM = 4
+"""bcrypt's cost for a password of `RANDOM_LENGTH` characters or more, such as the 256-bit random
+ones Strata makes: the cost factor slows guessing of a low-entropy password, and no cost makes a
+256-bit secret guessable, so a higher one only costs CPU: the launcher's at every start (about
+60 ms a hash) and nats-server's at every client connection."""
+RANDOM_LENGTH = 32
 
 _P = s.PREFIX
 _JS_API = "$JS.API.>"  # the whole JetStream API: stream, consumer, KV and object store admin
@@ -160,8 +167,11 @@ def permissions(user: str, clients: tuple[str, ...] = (API_USER,)) -> dict[str, 
 
 
 def hash_password(password: str) -> str:
-    """The bcrypt hash (``$2a$``) nats-server accepts in place of a password."""
-    salt = bcrypt.gensalt(BCRYPT_COST, prefix=b"2a")
+    """The bcrypt hash (``$2a$``) nats-server accepts in place of a password: cost
+    `BCRYPT_COST_RANDOM` for a password of `RANDOM_LENGTH` characters or more (Strata's own are
+    43), else `BCRYPT_COST`."""
+    cost = BCRYPT_COST_RANDOM if len(password) >= RANDOM_LENGTH else BCRYPT_COST
+    salt = bcrypt.gensalt(cost, prefix=b"2a")
     return bcrypt.hashpw(password.encode(), salt).decode()
 
 

@@ -86,6 +86,15 @@ def _users(path: str) -> list[dict]:
     return [json.loads(line.strip().rstrip(",")) for line in lines if '"user"' in line]
 
 
+def test_a_short_password_keeps_bcrypts_full_cost():
+    """A password a person may have chosen (shorter than Strata's random ones) is hashed at
+    nats-server's `mkpasswd` cost; a long random one at bcrypt's least."""
+    short, long_ = "hunter2-horse", "x" * nats_auth.RANDOM_LENGTH
+    assert nats_auth.hash_password(short).startswith("$2a$11$")
+    assert nats_auth.hash_password(long_).startswith("$2a$04$")
+    assert bcrypt.checkpw(short.encode(), nats_auth.hash_password(short).encode())
+
+
 def test_credentials_are_private_files_and_reused(server):
     conf = os.path.join(server.data_dir, "nats.conf")
     users = os.path.join(server.data_dir, "auth.conf")
@@ -94,7 +103,7 @@ def test_credentials_are_private_files_and_reused(server):
     for user, password in server.passwords.items():  # bcrypt hashes only, nothing plaintext
         assert password not in text
         (entry,) = [u for u in _users(users) if u["user"] == user]
-        assert entry["password"].startswith("$2a$10$")
+        assert entry["password"].startswith("$2a$04$")  # 256-bit random: cost adds nothing
         assert bcrypt.checkpw(password.encode(), entry["password"].encode())
     for path in [conf, users, *(nats_auth.password_file(server.cred_dir, u) for u in ROLES)]:
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600, path

@@ -65,7 +65,7 @@ def test_issued_credentials_are_private_and_hashed(server, capsys):
     for name in ("alice", "bob", "api", "gateway"):
         secret = open(os.path.join(server.cred_dir, f"{name}.password")).read().strip()
         assert secret not in conf and f'"user": "{name}"' in conf
-    assert conf.count('"password": "$2a$10$') == conf.count('"user": ')
+    assert conf.count('"password": "$2a$04$') == conf.count('"user": ')  # random: least cost
     # a bad, reserved or taken name is refused with a message naming the problem
     rc, said = creds(server, "add", "a.b")
     assert rc == 1 and "[A-Za-z0-9_-]" in said[0]
