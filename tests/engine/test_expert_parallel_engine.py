@@ -7,7 +7,6 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from shared.engine import tp_kv
@@ -19,6 +18,7 @@ from shared.model.parallel import TPGroup, shard_model
 from tests.engine.test_tensor_parallel_engine import CFG, PROMPTS, SP, _generate
 from tests.model.paged_driver import PagedDriver
 from tests.model.test_tensor_parallel import _free_port, quit_rank
+from tests.ranks import spawn_ranks
 
 pytest.importorskip("transformers")
 LOGIT_IDS = [(37 * i) % 4000 + 3 for i in range(23)]
@@ -70,7 +70,7 @@ def _rank(rank, port, path, out, rebalance, tp, mb):
 
 def _run(path, tmp_path, rebalance=False, tp=False, mb=1):
     args = (_free_port(), str(path), str(tmp_path), rebalance, tp, mb)
-    mp.spawn(_rank, args=args, nprocs=2, join=True)
+    spawn_ranks(_rank, args)
     return [torch.load(tmp_path / f"{r}.pt") for r in (0, 1)]
 
 
@@ -179,7 +179,7 @@ def test_two_rank_kv_plane_broadcasts_whole_blocks(tmp_path_factory, tmp_path):
 
     path = tmp_path_factory.mktemp("moekv")
     _build("qwen3_moe", path)
-    mp.spawn(_kv_rank, args=(_free_port(), str(path), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_kv_rank, (_free_port(), str(path), str(tmp_path)))
     r0, r1 = (torch.load(tmp_path / f"{r}.pt") for r in (0, 1))
     assert r0["heads"] == 2 and torch.equal(r0["back"], r0["data"])
     assert torch.equal(r1["k"], r0["data"][:, 0])  # rank 1's K of both blocks, every head

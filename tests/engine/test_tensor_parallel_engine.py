@@ -6,7 +6,6 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from shared.engine import tp_kv
 from shared.engine.engine import LLMEngine
@@ -16,6 +15,7 @@ from shared.model.loader import load_model
 from shared.model.parallel import TPGroup, shard_model
 from shared.protocol.sampling import SamplingParams
 from tests.model.test_tensor_parallel import _free_port, quit_rank
+from tests.ranks import spawn_ranks
 
 pytest.importorskip("transformers")
 CFG = EngineConfig(kv_cache_bytes=1 << 20, block_size=4, max_num_seqs=4)
@@ -77,7 +77,7 @@ def test_two_rank_engine_matches_one_rank(tmp_path_factory, tmp_path, kind):
         path = tmp_path_factory.mktemp(kind)
         _build(kind, path)
     ref = _generate(LLMEngine(load_model(path, dtype=torch.float32), CFG))
-    mp.spawn(_rank, args=(_free_port(), str(path), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_rank, (_free_port(), str(path), str(tmp_path)))
     r0, r1 = (torch.load(tmp_path / f"{r}.pt") for r in (0, 1))
     assert r0["got"] == ref
     assert all(len(v) == SP.max_tokens for v in ref.values()) and len(ref) == len(PROMPTS)
@@ -138,7 +138,7 @@ def test_two_rank_kv_plane_moves_whole_blocks(tmp_path_factory, tmp_path):
     path = tmp_path_factory.mktemp("qwen3kv")
     _build("qwen3", path)
     ref = _blocks_of(LLMEngine(load_model(path, dtype=torch.float32), KV_CFG))
-    mp.spawn(_kv_rank, args=(_free_port(), str(path), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_kv_rank, (_free_port(), str(path), str(tmp_path)))
     r0, r1 = (torch.load(tmp_path / f"{r}.pt") for r in (0, 1))
     assert ref and r0["computed"].keys() == ref.keys()
     for h, kv in ref.items():
@@ -190,7 +190,7 @@ def test_two_rank_swap_preemption_keeps_greedy(tmp_path_factory, tmp_path):
     one = _swap_engine(load_model(path, dtype=torch.float32))
     ref = one.generate(SWAP_PROMPTS, SWAP_SP)
     assert one.stats().preemptions > 0
-    mp.spawn(_swap_rank, args=(_free_port(), str(path), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_swap_rank, (_free_port(), str(path), str(tmp_path)))
     r0 = torch.load(tmp_path / "0.pt")
     assert r0["preemptions"] > 0
     assert r0["got"] == ref

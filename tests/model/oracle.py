@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from shared.model.loader import load_model
 from shared.model.validate import validate_checkpoint
 from tests.model.paged_driver import PagedDriver
 from tests.model.test_text_models import VOCAB, _prompt, hf_greedy
+from tests.ranks import spawn_ranks
 
 
 def build_hf(
@@ -234,7 +234,7 @@ def spawn_two_ranks(work: Callable, out: Path, *args) -> tuple[dict, dict]:
     ranks of one spawn, one thread each: rank 0's and rank 1's dicts, saved under ``out``."""
     from tests.model.test_tensor_parallel import _free_port
 
-    mp.spawn(_two_ranks_main, args=(_free_port(), work, str(out), args), nprocs=2, join=True)
+    spawn_ranks(_two_ranks_main, (_free_port(), work, str(out), args))
     return tuple(torch.load(Path(out) / f"{r}.pt") for r in (0, 1))
 
 

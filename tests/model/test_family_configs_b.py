@@ -293,15 +293,14 @@ def test_tensor_parallel_two_ranks_match_unsharded(name, tmp_path):
     `test_tensor_parallel`'s ranks, logits and greedy tokens as the unsharded model's. SmolLM3
     is Llama's class (its NoPE layers only change RoPE tables, which every rank builds whole),
     so Llama's own test covers it; each case spawns two ranks, so one is run."""
-    import torch.multiprocessing as mp
-
     from tests.model import test_tensor_parallel as tpt
+    from tests.ranks import spawn_ranks
 
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
     out.mkdir()
     _build(name, ckpt)
     ref_logits, ref_toks, _ = tpt._run(load_model(ckpt, dtype=torch.float32).model)
-    mp.spawn(tpt._rank, args=(tpt._free_port(), str(ckpt), str(out)), nprocs=2, join=True)
+    spawn_ranks(tpt._rank, (tpt._free_port(), str(ckpt), str(out)))
     r0, r1 = (torch.load(out / f"{r}.pt") for r in (0, 1))
     assert (r0["logits"] - ref_logits).abs().max() < 1e-4
     assert r0["toks"] == ref_toks and r1["toks"] == ref_toks

@@ -7,12 +7,12 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from shared.model.errors import CheckpointError
 from shared.model.loader import load_model
 from shared.model.parallel import TPGroup, check_divisible, shard_model
 from tests.model.paged_driver import PagedDriver
+from tests.ranks import spawn_ranks
 
 pytest.importorskip("transformers")
 PROMPTS = [[3, 17, 52, 9, 100, 7, 4], [11, 2, 5, 80, 33]]
@@ -86,7 +86,7 @@ def ckpt(tmp_path_factory):
 def test_two_ranks_match_unsharded(ckpt, tmp_path):
     full = load_model(ckpt, dtype=torch.float32)
     ref_logits, ref_toks, ref_cache = _run(full.model)
-    mp.spawn(_rank, args=(_free_port(), str(ckpt), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_rank, (_free_port(), str(ckpt), str(tmp_path)))
     r0, r1 = (torch.load(tmp_path / f"{r}.pt") for r in (0, 1))
     c = full.config
     assert (r0["logits"] - ref_logits).abs().max() < 1e-4
