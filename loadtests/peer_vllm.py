@@ -162,6 +162,10 @@ class PeerServer:
     def env(self) -> dict[str, str]:
         e = {k: v for k, v in os.environ.items() if not k.startswith(("STRATA_", "PYTHON"))}
         e.update(
+            # the CPU platform by name: `bench_vllm_serve`'s version shim makes the wheel's own
+            # check (a "cpu" in vLLM's version) fail, and the generic platform then loads the
+            # AVX-512 BF16 kernels, an illegal instruction on an AVX2 box
+            VLLM_TARGET_DEVICE="cpu",
             VLLM_CPU_NUM_OF_RESERVED_CPU="0",
             VLLM_CPU_KVCACHE_SPACE=str(self.kv_space_gib),
             HF_HUB_OFFLINE="1",

@@ -77,3 +77,15 @@ def test_bad_arguments_are_refused(capsys):
     with pytest.raises(SystemExit):
         main(["--sides", "strata", "--request-rates", "2,fast"])
     assert "--request-rates: numbers" in capsys.readouterr().err
+
+
+def test_peer_and_its_client_run_on_vllms_cpu_platform_by_name(monkeypatch):
+    """The shim's version answer carries no "cpu", which is how the wheel finds its own
+    platform; without the platform named, the client loads the AVX-512 BF16 kernels (an
+    illegal instruction on an AVX2 box) and no Strata variable reaches vLLM."""
+    from loadtests.peer_vllm import PeerServer
+
+    monkeypatch.setenv("STRATA_THREADS", "2")
+    env = PeerServer("/ck", "/dev/null").env()
+    assert env["VLLM_TARGET_DEVICE"] == "cpu"
+    assert not any(k.startswith("STRATA_") for k in env)
