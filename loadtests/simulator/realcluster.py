@@ -160,12 +160,14 @@ def run_policy(
     log_dir: str = "",
     dtype: str = "",
     scheduler_args: Sequence[str] = (),
+    warmup_concurrency: int = 1,
 ) -> PolicyRun:
     """Start a cluster (``prefill`` instances, 1 decode, no kvstore; ``dtype`` as
     ``strata up --dtype``; ``scheduler_args`` added to the scheduler's flags), send ``warmup``
-    one at a time, then ``jobs`` open-loop through the REST gateway (measured), stop it. Engine
-    caches are ``prefill_kv_bytes`` per prefill instance: one instance cannot hold every tenant's
-    prefix, the fleet can."""
+    (``warmup_concurrency`` at a time: its requests are of distinct tenants, so none can hit
+    another's prefix whatever their order), then ``jobs`` open-loop through the REST gateway
+    (measured), stop it. Engine caches are ``prefill_kv_bytes`` per prefill instance: one
+    instance cannot hold every tenant's prefix, the fleet can."""
     log = open(os.path.join(log_dir, f"{policy}.log") if log_dir else os.devnull, "w")
     sched = ["--policy", policy, "--short-prompt-tokens", "0", *scheduler_args]
     if log_dir:  # keep every service's log (and the scheduler's routing decisions)
@@ -189,7 +191,7 @@ def run_policy(
 
         cfg.model = asyncio.run(served_model(c.gateway_url))
         if warmup:
-            asyncio.run(run_jobs(list(warmup), cfg, concurrency=1))
+            asyncio.run(run_jobs(list(warmup), cfg, concurrency=warmup_concurrency))
             time.sleep(1.0)  # the warm-up's KV events reach the scheduler
         results, wall = asyncio.run(run_jobs(jobs, cfg))
     finally:
