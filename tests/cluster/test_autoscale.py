@@ -26,6 +26,12 @@ from tests.cluster.test_decode_failover import sse_chunks
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
+FIRST_TOKENS = 700
+# the second wave outlasts the retire decision (checked below), so that the retirement is decided,
+# and a stream the retired instance holds drained, while it streams; with 2500 a stream that went
+# to decode-0 kept it draining for 25 s
+SECOND_TOKENS = 1200
+
 SCHEDULER_ARGS = [
     "--batch-norm", "4",
     "--autoscale-up-ticks", "2",
@@ -92,14 +98,21 @@ def test_scale_up_under_load_then_retire_after_it(default_model_dir):
             async with httpx.AsyncClient(headers=AUTH, timeout=240) as client:
                 url = c.gateway_url
                 model = (await client.get(url + "/v1/models")).json()["data"][0]["id"]
-                first = [asyncio.create_task(_stream(client, url, model, i, 700)) for i in range(8)]
+                first = [
+                    asyncio.create_task(_stream(client, url, model, i, FIRST_TOKENS))
+                    for i in range(8)
+                ]
                 await asyncio.to_thread(_wait, "decode-1 live", lambda: _live_decode(c) == 2, 120)
                 assert _decisions(c, "add") >= 1
                 second = [
-                    asyncio.create_task(_stream(client, url, model, 100 + i, 2500))
+                    asyncio.create_task(_stream(client, url, model, 100 + i, SECOND_TOKENS))
                     for i in range(2)
                 ]
                 done = await asyncio.gather(*first)
+                retire = lambda: _decisions(c, "retire") >= 1  # noqa: E731
+                await asyncio.to_thread(_wait, "a retire decision", retire, 120)
+                # premise: the scale-down was decided while the second wave still streamed
+                assert not all(t.done() for t in second), "the second wave ended before it"
                 await asyncio.to_thread(
                     _wait,
                     "decode-0 retired",
@@ -109,8 +122,8 @@ def test_scale_up_under_load_then_retire_after_it(default_model_dir):
                 return done, await asyncio.gather(*second), model
 
         first, second, model = asyncio.run(main())
-        assert first == [(700, "length")] * 8
-        assert second == [(2500, "length")] * 2
+        assert first == [(FIRST_TOKENS, "length")] * 8
+        assert second == [(SECOND_TOKENS, "length")] * 2
         assert c.sup.procs["decode-0"].returncode == RETIRED_EXIT
         assert _decisions(c, "retire") == 1
         assert c.alive("decode-1") and not c.sup.wanted("decode-0")
