@@ -112,6 +112,11 @@ class ClusterConfig(BaseModel):
     ready_timeout: float = Field(300.0, gt=0, description="Seconds to wait for readiness")
     stop_timeout: float = Field(10.0, gt=0, description="Seconds between SIGTERM and SIGKILL")
     die_with_parent: bool = Field(False, description="Children die if the launcher is killed")
+    fork_model_processes: bool = Field(
+        True,
+        description="Start the model processes (prefill, decode, vision) by forking a server "
+        "that imported torch once (services.infra.zygote) instead of a fresh interpreter each",
+    )
     autoscale_max_decode: int = Field(
         0,
         ge=0,

@@ -25,6 +25,7 @@ from typing import IO, Any
 
 from services.cluster_config import (
     DTYPE_ROLES,
+    MODEL_ROLES,
     REQUIRED_ROLES,
     ROLES,
     ClusterConfig,
@@ -435,7 +436,14 @@ class Cluster:
             *self.cfg.role_args.get(role, []),
             *args,
         ]
-        return ProcSpec(name, argv, e, cwd=repo_root(), die_with_parent=self.cfg.die_with_parent)
+        return ProcSpec(
+            name,
+            argv,
+            e,
+            cwd=repo_root(),
+            die_with_parent=self.cfg.die_with_parent,
+            fork=self.cfg.fork_model_processes and role in MODEL_ROLES,
+        )
 
     def nats_credentials(self, user: str) -> NatsAuth:
         """Credentials of NATS user ``user`` (a role, or ``api``) for `shared.bus.connect`;

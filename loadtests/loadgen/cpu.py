@@ -24,6 +24,8 @@ def label_of(argv: list[str], pid: int, parent: int, me: int) -> str:
     benchmark's own pid."""
     if pid == me:
         return "bench client (main)"
+    if len(argv) == 1 and " " in argv[0]:  # a title set in place (a forked model process)
+        argv = argv[0].split()
     names = [os.path.basename(a) for a in argv]
     if "services.cli" in argv and "serve" in argv:
         i = argv.index("serve")

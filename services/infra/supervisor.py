@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from typing import IO
 
 from services.infra.procs import preexec, signal_group
+from services.infra.zygote import ZygoteError, ZygoteProcess, forkable, zygote
+from services.infra.zygote import failure as zygote_failure
 
 READY_LINE = "STRATA_READY"  # same constant as shared.service.READY_LINE (kept import-free)
 RETIRED_EXIT = 75  # shared.protocol.sched.RETIRED_EXIT: drained and retired by the autoscaler
@@ -57,6 +59,9 @@ class ProcSpec:
     """Working directory (default: the launcher's)."""
     die_with_parent: bool = False
     """Linux: SIGKILL the child if the launching thread dies (PR_SET_PDEATHSIG)."""
+    fork: bool = False
+    """Fork it from this process's zygote (`services.infra.zygote`: torch imported once) when
+    ``argv`` is ``[sys.executable, "-m", module, ...]``; started as usual where that fails."""
 
 
 class LogSink:
@@ -109,7 +114,8 @@ class Supervised:
         self._finished = False
         env = dict(os.environ, PYTHONUNBUFFERED="1", **spec.env)
         self._log = open(os.path.join(log_dir, f"{spec.name}.log"), "a") if log_dir else None
-        self.proc = subprocess.Popen(
+        self.forked = False  # started by the zygote
+        self.proc: subprocess.Popen | ZygoteProcess = self._fork(env) or subprocess.Popen(
             spec.argv,
             env=env,
             cwd=spec.cwd,
@@ -126,6 +132,22 @@ class Supervised:
             self.ready.set()
         self._reader = threading.Thread(target=self._read, name=f"log-{spec.name}", daemon=True)
         self._reader.start()
+
+    def _fork(self, env: dict[str, str]) -> ZygoteProcess | None:
+        """The process forked from the zygote, or None (not asked for, or it failed: said)."""
+        if not self.spec.fork or not forkable(self.spec.argv):
+            return None
+        z = zygote()
+        if z is None:
+            self.sink.write(self.name, f"started without the zygote: {zygote_failure()}")
+            return None
+        try:
+            proc = z.spawn(self.spec.argv, env, self.spec.cwd, self.spec.die_with_parent)
+        except ZygoteError as exc:
+            self.sink.write(self.name, f"started without the zygote: {exc}")
+            return None
+        self.forked = True
+        return proc
 
     @property
     def name(self) -> str:

@@ -178,12 +178,16 @@ def test_cluster_library_kill_restart_scale(fake):
         with urllib.request.urlopen(c.gateway_url + "/v1/models", timeout=5) as r:
             assert json.load(r)["data"][0]["id"] == "fake-model"
         assert "decode-0 starting argv=['--max-num-seqs', '4'] threads=1" in c.logs("decode-0")
+        # the model processes are forked from the zygote, the others started fresh
+        forked = {n for n, p in c.sup.procs.items() if p.forked}
+        assert forked == {"prefill-0", "decode-0"}, forked
         old_pid = c.sup.procs["decode-0"].pid
         c.kill("decode-0")
         assert not c.alive("decode-0") and c.alive("prefill-0")
         c.check()  # a kill on purpose is not a failure
         c.restart("decode-0")
         assert c.alive("decode-0") and c.sup.procs["decode-0"].pid != old_pid
+        assert c.sup.procs["decode-0"].forked  # a restart too
         assert c.start_service("decode", args=["--x", "1"]) == "decode-1"
         assert "decode-1 starting argv=['--max-num-seqs', '4', '--x', '1'] threads=1" in c.logs(
             "decode-1"
