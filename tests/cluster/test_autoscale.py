@@ -2,8 +2,9 @@
 shape: decode prefills itself; real NATS with per-role users, KV mTLS, an API key, the tiny
 default model):
 
-1. eight streams on the one decode instance put its pressure at 2 (batch norm 4): the scheduler
-   raises the decode need to 2, and the launcher starts decode-1, which goes live;
+1. eight streams at a time on the one decode instance (short ones, each slot sending its next
+   until decode-1 is live, however long that takes) put its pressure at 2 (batch norm 4): the
+   scheduler raises the decode need to 2, and the launcher starts decode-1, which goes live;
 2. two long streams then go to decode-1 (least loaded); once decode-0's streams have ended, the
    need falls back to 1 and the scheduler retires the least loaded instance, decode-0: it
    drains, stops and exits with the retired code, and the launcher does not restart it (the
@@ -26,10 +27,10 @@ from tests.cluster.test_decode_failover import sse_chunks
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
-FIRST_TOKENS = 700
-# the second wave outlasts the retire decision (checked below), so that the retirement is decided,
-# and a stream the retired instance holds drained, while it streams; with 2500 a stream that went
-# to decode-0 kept it draining for 25 s
+FIRST_TOKENS = 100  # per first-wave stream: each of the 8 slots ends within seconds of decode-1
+# the second wave outlasts the first wave's last streams and the retire decision after them (4
+# ticks of 0.5 s), checked below; sized to that, not to decode-1's start time (the first wave's
+# streams were 700 tokens long, so this had to be 2500)
 SECOND_TOKENS = 1200
 
 SCHEDULER_ARGS = [
@@ -98,17 +99,23 @@ def test_scale_up_under_load_then_retire_after_it(default_model_dir):
             async with httpx.AsyncClient(headers=AUTH, timeout=240) as client:
                 url = c.gateway_url
                 model = (await client.get(url + "/v1/models")).json()["data"][0]["id"]
-                first = [
-                    asyncio.create_task(_stream(client, url, model, i, FIRST_TOKENS))
-                    for i in range(8)
-                ]
+                scaled = asyncio.Event()
+
+                async def slot(i: int) -> list[tuple[int, str]]:
+                    out = [await _stream(client, url, model, i, FIRST_TOKENS)]
+                    while not scaled.is_set():
+                        out.append(await _stream(client, url, model, i, FIRST_TOKENS))
+                    return out
+
+                first = [asyncio.create_task(slot(i)) for i in range(8)]
                 await asyncio.to_thread(_wait, "decode-1 live", lambda: _live_decode(c) == 2, 120)
+                scaled.set()
                 assert _decisions(c, "add") >= 1
                 second = [
                     asyncio.create_task(_stream(client, url, model, 100 + i, SECOND_TOKENS))
                     for i in range(2)
                 ]
-                done = await asyncio.gather(*first)
+                done = [r for rs in await asyncio.gather(*first) for r in rs]
                 retire = lambda: _decisions(c, "retire") >= 1  # noqa: E731
                 await asyncio.to_thread(_wait, "a retire decision", retire, 120)
                 # premise: the scale-down was decided while the second wave still streamed
@@ -122,7 +129,7 @@ def test_scale_up_under_load_then_retire_after_it(default_model_dir):
                 return done, await asyncio.gather(*second), model
 
         first, second, model = asyncio.run(main())
-        assert first == [(FIRST_TOKENS, "length")] * 8
+        assert len(first) >= 8 and first == [(FIRST_TOKENS, "length")] * len(first)
         assert second == [(SECOND_TOKENS, "length")] * 2
         assert c.sup.procs["decode-0"].returncode == RETIRED_EXIT
         assert _decisions(c, "retire") == 1
