@@ -185,6 +185,9 @@ def serve(path: str, alive_fd: int) -> None:
                     if dwp:
                         with contextlib.suppress(OSError):
                             os.killpg(pid, signal.SIGKILL)
+                with contextlib.suppress(OSError):  # the launcher cannot clean up after it
+                    os.unlink(path)
+                    os.rmdir(os.path.dirname(path))
                 return
             if key.data == "child":
                 with contextlib.suppress(OSError):

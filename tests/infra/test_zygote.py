@@ -123,7 +123,7 @@ for name in ("d-0", "d-1"):
                        die_with_parent=True, fork=True))
 sup.wait_ready(["d-0", "d-1"], 60)
 assert all(p.forked for p in sup.procs.values())
-print(zygote().proc.pid, *(p.pid for p in sup.procs.values()), flush=True)
+print(zygote().dir, zygote().proc.pid, *(p.pid for p in sup.procs.values()), flush=True)
 time.sleep(120)
 """
 
@@ -138,11 +138,14 @@ def test_the_launchers_death_takes_the_zygote_and_its_children():
     )
     try:
         assert launcher.stdout is not None
-        pids = [int(x) for x in launcher.stdout.readline().split()]
+        where, *rest = launcher.stdout.readline().split()
+        pids = [int(x) for x in rest]
         assert len(pids) == 3 and all(pid_alive(p) for p in pids), pids
+        assert os.path.exists(where)
         launcher.kill()  # SIGKILL: nothing of the launcher's own code runs
         launcher.wait(10)
         assert wait_dead(pids), [p for p in pids if pid_alive(p)]
+        assert not os.path.exists(where)  # the zygote removed its socket's folder
     finally:
         launcher.kill()
 
