@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import base64
 import io
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
 from tests.acceptance.checkpoints import build_llava, build_text, greedy, test_image
-from tests.acceptance.conftest import strata_up
+from tests.acceptance.conftest import Up, strata_up
 
 openai = pytest.importorskip("openai")
 
@@ -24,6 +25,18 @@ PROMPT = "The gateway streams tokens"
 LOGPROB_TOL = 2e-3
 
 
+@pytest.fixture(scope="module")
+def stopping():
+    """Ctrl-C of each architecture's ``strata up``, waited for in the background while the next
+    one starts (a stop is mostly waiting: drain, flush, exit); every exit code is checked
+    before this module ends."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        stops: list[tuple[Up, Future[int]]] = []
+        yield lambda up: stops.append((up, pool.submit(up.stop)))
+        for up, rc in stops:
+            assert rc.result() == 0, up.output()[-3000:]
+
+
 # Each costs one cluster start (10-25 s on a 2-core box): Qwen3-MoE (routed and dense layers)
 # and Mixtral are the MoE ones, Gemma-2 its own model class (soft-capping), Gemma-3 its own
 # forward (a RoPE per layer type). Phi-3 differs from Llama only in how the loader splits its
@@ -33,14 +46,14 @@ LOGPROB_TOL = 2e-3
     scope="module",
     params=["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma2", "gemma3", "llava"],
 )
-def served(request, tmp_path_factory):
+def served(request, tmp_path_factory, stopping):
     tmp = tmp_path_factory.mktemp(request.param)
     path = tmp / "checkpoint"
     ck = build_llava(path) if request.param == "llava" else build_text(request.param, path)
     up = strata_up(str(path), tmp)
     client = openai.OpenAI(base_url=up.url + "/v1", api_key="unused", max_retries=0)
     yield ck, client, up
-    assert up.stop() == 0, up.output()[-3000:]
+    stopping(up)
 
 
 def _chat_ids(ck) -> list[int]:
