@@ -17,6 +17,7 @@ with a random Qwen3 (6 heads / 2 KV heads), real processes and gloo:
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import random
@@ -40,6 +41,9 @@ from tests.cluster_kv.conftest import (
     transfer_counters,
     wait_until,
 )
+
+# loads the checkpoint on each call: once per test module is enough
+kv_bytes = functools.cache(kv_bytes_per_token)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -137,7 +141,7 @@ def test_tp2_colocated_cluster_serves_pools_and_restarts_after_a_rank_kill(qwen3
         again = _complete(cluster, retry_s=120)
         assert again.choices[0].text == ref
         assert again.usage.prompt_tokens_details.cached_tokens == blocks * 16
-        n = blocks * 16 * kv_bytes_per_token(str(qwen3.path))  # whole blocks: both KV heads
+        n = blocks * 16 * kv_bytes(str(qwen3.path))  # whole blocks: both KV heads
         assert moved_since(t0, transfer_counters(cluster)) == {"received:pool": n}
         assert metric(cluster, "decode-0", "strata_tp_kv_bytes_total", op="scatter") == n
     finally:
@@ -145,7 +149,7 @@ def test_tp2_colocated_cluster_serves_pools_and_restarts_after_a_rank_kill(qwen3
 
 
 STREAMS = 8
-STREAM_TOKENS = 96
+STREAM_TOKENS = 48  # the kill comes after 4: most of each stream is still to come
 
 
 async def _stream_ids(cl, url: str, model: str, ids: list[int], progress: list[int], i: int):
@@ -223,27 +227,48 @@ def test_a_rank_killed_under_8_streams_fails_them_over_and_the_group_restarts(qw
         cluster.stop()
 
 
-@pytest.mark.parametrize(
-    "args,want",
-    [
-        (["--tp", "3"], "num_kv_heads (2)"),
-        (["--tp", "0"], "STRATA_TP (--tp)"),
-        (["--tp", "2", "--device", "cuda:64"], "needs CUDA devices up to cuda:65"),
-    ],
-)
-def test_bad_tp_fails_with_one_line(qwen3, args, want):
+BAD_TP = [
+    (["--tp", "3"], "num_kv_heads (2)"),
+    (["--tp", "0"], "STRATA_TP (--tp)"),
+    (["--tp", "2", "--device", "cuda:64"], "needs CUDA devices up to cuda:65"),
+]
+
+
+@pytest.fixture(scope="module")
+def bad_tp_runs(qwen3) -> dict[tuple[str, ...], tuple[int, str]]:
+    """``strata serve decode`` with each of `BAD_TP`'s flags, all started at once (each spends
+    its seconds importing): ``args -> (exit code, stdout + stderr)``."""
     env = dict(os.environ, STRATA_NATS_URL="nats://127.0.0.1:9")  # never reached
-    p = subprocess.run(
-        [sys.executable, "-m", "services.cli", "serve", "decode", "--model", str(qwen3.path)]
-        + args,
-        cwd=repo_root(),
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert p.returncode == 1
-    lines = (p.stdout + p.stderr).strip().splitlines()
+    argv = [sys.executable, "-m", "services.cli", "serve", "decode", "--model", str(qwen3.path)]
+    procs = {
+        tuple(args): subprocess.Popen(
+            argv + args,
+            cwd=repo_root(),
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for args, _ in BAD_TP
+    }
+    out = {}
+    try:
+        for args, p in procs.items():
+            text = p.communicate(timeout=120)[0]
+            out[args] = (p.returncode, text)
+        return out
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+@pytest.mark.parametrize("args,want", BAD_TP)
+def test_bad_tp_fails_with_one_line(bad_tp_runs, args, want):
+    rc, out = bad_tp_runs[tuple(args)]
+    assert rc == 1
+    lines = out.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("STRATA_FATAL decode:"), lines
     assert want in lines[0]
 
@@ -268,7 +293,7 @@ def test_prefill_pushes_whole_blocks_to_decode_at_any_tp_layout(
         t0 = transfer_counters(cluster)
         r = _complete(cluster)
         assert r.choices[0].text == ref
-        n = len(ids) * kv_bytes_per_token(str(qwen3.path))
+        n = len(ids) * kv_bytes(str(qwen3.path))
         assert moved_since(t0, transfer_counters(cluster)) == {
             "sent:layerwise": n,
             "received:layerwise": n,
