@@ -111,25 +111,48 @@ def test_ep2_prefill_pushes_layer_by_layer_to_ep2_decode(moe):
         cluster.stop()
 
 
-@pytest.mark.parametrize(
-    "args,want",
-    [
-        (["--ep", "16"], "--ep 16 is more ranks than the checkpoint's 8 experts"),
-        (["--ep", "3"], "--ep 3 must divide the checkpoint's 8 experts"),
-        (["--ep", "2", "--tp", "4"], "--tp 4 with --ep 2: together they run over the same ranks"),
-    ],
-)
-def test_bad_ep_fails_with_one_line(moe, args, want):
+BAD_EP = [
+    (["--ep", "16"], "--ep 16 is more ranks than the checkpoint's 8 experts"),
+    (["--ep", "3"], "--ep 3 must divide the checkpoint's 8 experts"),
+    (["--ep", "2", "--tp", "4"], "--tp 4 with --ep 2: together they run over the same ranks"),
+]
+
+
+@pytest.fixture(scope="module")
+def bad_ep_runs(moe) -> dict[tuple[str, ...], tuple[int, str]]:
+    """``strata serve decode`` with each of `BAD_EP`'s flags, all started at once (each spends
+    its seconds importing torch before it reads the checkpoint's experts):
+    ``args -> (exit code, stdout + stderr)``."""
     env = dict(os.environ, STRATA_NATS_URL="nats://127.0.0.1:9")  # never reached
-    p = subprocess.run(
-        [sys.executable, "-m", "services.cli", "serve", "decode", "--model", str(moe.path)] + args,
-        cwd=repo_root(),
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert p.returncode == 1
-    lines = (p.stdout + p.stderr).strip().splitlines()
+    argv = [sys.executable, "-m", "services.cli", "serve", "decode", "--model", str(moe.path)]
+    procs = {
+        tuple(args): subprocess.Popen(
+            argv + args,
+            cwd=repo_root(),
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for args, _ in BAD_EP
+    }
+    out = {}
+    try:
+        for args, p in procs.items():
+            text = p.communicate(timeout=120)[0]
+            out[args] = (p.returncode, text)
+        return out
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+@pytest.mark.parametrize("args,want", BAD_EP)
+def test_bad_ep_fails_with_one_line(bad_ep_runs, args, want):
+    rc, out = bad_ep_runs[tuple(args)]
+    assert rc == 1
+    lines = out.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("STRATA_FATAL decode:"), lines
     assert want in lines[0]
