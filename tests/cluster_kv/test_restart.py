@@ -5,6 +5,7 @@ recompute would give the same text)."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import openai
@@ -22,6 +23,9 @@ from tests.cluster_kv.conftest import (
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
+# loads the checkpoint on each call: once per test module is enough
+kv_bytes = functools.cache(kv_bytes_per_token)
+
 MAX_TOKENS = 6
 
 
@@ -38,7 +42,7 @@ def pushed(cluster, prompt: str):
     nothing fell back."""
     t0 = transfer_counters(cluster)
     r = complete(cluster, prompt)
-    n = r.usage.prompt_tokens * kv_bytes_per_token(cluster.model_dir)
+    n = r.usage.prompt_tokens * kv_bytes(cluster.model_dir)
     assert moved_since(t0, transfer_counters(cluster)) == {
         "sent:layerwise": n,
         "received:layerwise": n,
@@ -101,7 +105,7 @@ def test_restarted_colocated_cluster_loads_prefixes_from_minio(model_dir, tmp_pa
     finally:
         first.stop()
     with open(os.path.join(data, "logs", "decode-0.log")) as f:
-        sent = blocks * 16 * kv_bytes_per_token(model_dir)
+        sent = blocks * 16 * kv_bytes(model_dir)
         assert f"stop: {sent} KV bytes handed to the pool" in f.read()
 
     second = start_cluster(model_dir, **shape)
@@ -114,7 +118,7 @@ def test_restarted_colocated_cluster_loads_prefixes_from_minio(model_dir, tmp_pa
         assert (
             metric(second, "decode-0", "strata_prefix_pool_hit_blocks_total", tier="ssd") == blocks
         )
-        n = cached * kv_bytes_per_token(model_dir)
+        n = cached * kv_bytes(model_dir)
         assert moved_since(t0, transfer_counters(second)) == {"received:pool": n}
         loads = metric(second, "decode-0", "strata_kv_pool_load_decisions_total", decision="load")
         assert loads == 1
