@@ -38,7 +38,8 @@ def env_reads(src: str) -> list[tuple[int, str]]:
     ``os.environ[k]`` or ``os.getenv(k)`` with ``k`` not a literal non-STRATA name, and any
     other use of ``os.environ`` (an alias such as ``env = os.environ``, ``from os import
     environ``) but handing the whole environment to a child (``dict(os.environ, ...)``,
-    ``os.environ.copy()``)."""
+    ``os.environ.copy()``) or replacing it in one (``os.environ.clear()``,
+    ``os.environ.update(...)``: a forked process taking the environment it was given)."""
     tree = ast.parse(src)
     parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
     bad: list[tuple[int, str]] = []
@@ -59,8 +60,8 @@ def env_reads(src: str) -> list[tuple[int, str]]:
             continue
         if isinstance(up, ast.Attribute) and up.value is node:
             call = parents.get(up)
-            if up.attr == "copy":
-                continue
+            if up.attr in ("copy", "clear", "update"):
+                continue  # the whole environment: copied for a child, or replaced in one
             if (
                 up.attr == "get"
                 and isinstance(call, ast.Call)
@@ -107,6 +108,8 @@ def test_the_check_catches_each_kind_of_read():
         'b = os.environ["PATH"]\n'
         'c = dict(os.environ, PYTHONUNBUFFERED="1")\n'
         "d = os.environ.copy()\n"
+        "os.environ.clear()\n"
+        "os.environ.update(d)\n"
         'e = os.getenv("CC", "cc")\n'
     )
     assert env_reads(ok) == []
