@@ -3,6 +3,9 @@ built-in tiny model, Prometheus metrics scraped from each service's ``STRATA_MET
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Callable
@@ -12,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from loadtests.simulator.realcluster import start_cluster as retrying_start
 from services.cluster_config import ensure_model
+from services.infra.procs import repo_root
 from services.launcher import Cluster
 
 SHARED_PREFIX = (
@@ -101,3 +105,33 @@ def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
         time.sleep(0.2)
+
+
+def serve_decode_at_once(model: str, flag_sets) -> dict[tuple[str, ...], tuple[int, str]]:
+    """``strata serve decode --model MODEL`` with each of ``flag_sets`` (lists of flags), all
+    started at once (each spends its seconds importing torch before it reads the checkpoint)
+    and none reaching NATS: ``tuple(flags) -> (exit code, stdout + stderr)``."""
+    env = dict(os.environ, STRATA_NATS_URL="nats://127.0.0.1:9")  # never reached
+    argv = [sys.executable, "-m", "services.cli", "serve", "decode", "--model", model]
+    procs = {
+        tuple(args): subprocess.Popen(
+            argv + list(args),
+            cwd=repo_root(),
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for args in flag_sets
+    }
+    out = {}
+    try:
+        for args, p in procs.items():
+            text = p.communicate(timeout=120)[0]
+            out[args] = (p.returncode, text)
+        return out
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()

@@ -22,21 +22,19 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 
 import httpx
 import openai
 import pytest
 
-from services.infra.procs import repo_root
 from tests.acceptance.checkpoints import build_text, greedy
 from tests.cluster_kv.conftest import (
     SHARED_PREFIX,
     kv_bytes_per_token,
     metric,
     moved_since,
+    serve_decode_at_once,
     start_cluster,
     transfer_counters,
     wait_until,
@@ -236,32 +234,8 @@ BAD_TP = [
 
 @pytest.fixture(scope="module")
 def bad_tp_runs(qwen3) -> dict[tuple[str, ...], tuple[int, str]]:
-    """``strata serve decode`` with each of `BAD_TP`'s flags, all started at once (each spends
-    its seconds importing): ``args -> (exit code, stdout + stderr)``."""
-    env = dict(os.environ, STRATA_NATS_URL="nats://127.0.0.1:9")  # never reached
-    argv = [sys.executable, "-m", "services.cli", "serve", "decode", "--model", str(qwen3.path)]
-    procs = {
-        tuple(args): subprocess.Popen(
-            argv + args,
-            cwd=repo_root(),
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for args, _ in BAD_TP
-    }
-    out = {}
-    try:
-        for args, p in procs.items():
-            text = p.communicate(timeout=120)[0]
-            out[args] = (p.returncode, text)
-        return out
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    """``strata serve decode`` with each of `BAD_TP`'s flags, all started at once."""
+    return serve_decode_at_once(str(qwen3.path), [tuple(args) for args, _ in BAD_TP])
 
 
 @pytest.mark.parametrize("args,want", BAD_TP)

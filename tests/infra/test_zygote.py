@@ -14,7 +14,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -23,6 +22,7 @@ from services.infra.procs import repo_root
 from services.infra.supervisor import LogSink, ProcSpec, ServiceFailed, Supervisor
 from services.infra.zygote import zygote
 from tests.infra.fake_apps import pid_alive
+from tests.infra.test_supervisor import wait_dead
 
 PY = sys.executable
 
@@ -39,15 +39,6 @@ def spec(name: str, *action: str, fork: bool = True, cwd: str | None = None) -> 
 
 def facts(sup: Supervisor, name: str) -> dict:
     return json.loads(next(line for line in sup.procs[name].tail if line.startswith("{")))
-
-
-def wait_dead(pids: list[int], timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while any(pid_alive(p) for p in pids):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def test_a_forked_child_is_the_process_a_fresh_interpreter_would_be(tmp_path):
