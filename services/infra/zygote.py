@@ -81,11 +81,6 @@ def _become(req: dict, out_fd: int, keep_closed: list[int]) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     os.setsid()
-    if req.get("die_with_parent"):  # PR_SET_PDEATHSIG (no Strata import before the env is set)
-        with contextlib.suppress(Exception):
-            import ctypes
-
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
     for fd in keep_closed:
         with contextlib.suppress(OSError):
             os.close(fd)
@@ -102,6 +97,10 @@ def _become(req: dict, out_fd: int, keep_closed: list[int]) -> int:
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(req["env"])
+    if req.get("die_with_parent"):  # imported now: nothing of Strata's before the env is set
+        from services.infra.procs import _pdeathsig
+
+        _pdeathsig(signal.SIGKILL)
     extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[:] = [cwd, *[p for p in extra if p not in sys.path], *sys.path[1:]]
     sys.argv = [argv[2], *argv[3:]]  # runpy puts the module's file in argv[0]
@@ -256,11 +255,18 @@ class ZygoteProcess:
         self.stdout = stdout
         self.returncode: int | None = None
         self._conn = conn
-        self._buf = buf  # what came after the pid line
+        self._buf = b""
         self._lock = threading.Lock()
-        if b"\n" in buf:
-            self.returncode = int(json.loads(buf.split(b"\n", 1)[0])["exit"])
+        if self._add(buf):  # what came after the pid line: the status, if it exited at once
             conn.close()
+
+    def _add(self, chunk: bytes) -> bool:
+        """Take bytes of the status line; True once it is whole (``returncode`` set)."""
+        self._buf += chunk
+        if b"\n" not in self._buf:
+            return False
+        self.returncode = int(json.loads(self._buf.split(b"\n", 1)[0])["exit"])
+        return True
 
     def _take(self, timeout: float | None) -> None:
         """Read the exit status if it arrives within ``timeout`` s (None: wait for it)."""
@@ -278,9 +284,7 @@ class ZygoteProcess:
                         os.killpg(self.pid, signal.SIGKILL)
                     self.returncode = -signal.SIGKILL
                     break
-                self._buf += chunk
-                if b"\n" in self._buf:
-                    self.returncode = int(json.loads(self._buf.split(b"\n", 1)[0])["exit"])
+                self._add(chunk)
             self._conn.close()
 
     def poll(self) -> int | None:
@@ -331,7 +335,6 @@ class Zygote:
         if not ready.wait(START_TIMEOUT_S) or self.proc.poll() is not None:
             self.close()
             raise ZygoteError("the zygote did not start: " + " | ".join(self.tail[-5:]))
-        self.spawned = 0
 
     def _drain(self, ready: threading.Event) -> None:
         assert self.proc.stdout is not None
@@ -379,7 +382,6 @@ class Zygote:
             conn.close()
             os.close(read_fd)
             raise ZygoteError(f"the zygote did not start {argv[2]}: {reply.get('error')}")
-        self.spawned += 1
         stdout = os.fdopen(read_fd, "r", errors="replace")
         return ZygoteProcess(argv, int(reply["pid"]), conn, stdout, rest)
 
